@@ -1,0 +1,287 @@
+"""Client operations written once, as generators, and driven by the sync or asyncio client.
+
+Each `op_*` generator yields a list of `Request`s and receives the list of their
+`Reply`s (None for no-reply requests); its return value is the call's result. The
+drivers (client/sync.py, client/aio.py) only move frames. This keeps the sync and
+asyncio clients identical in behaviour.
+"""
+
+from __future__ import annotations
+
+import itertools
+import mmap
+import os
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+import xxhash
+
+from kvstore import messages as m
+from kvstore.errors import ChecksumError, InvalidArgument, KVStoreError, ProtocolError, from_wire
+from kvstore.hints import Hints
+from kvstore.identity import ChunkKey, ObjectId, StateDescriptor
+from kvstore.protocol import MAX_BATCH, FrameCodec, Reply, Request
+from client.buffers import as_u8, as_writable_u8
+
+# Bytes of reserved-but-uncommitted puts one put_many keeps in flight.
+PUT_WINDOW_BYTES = 64 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class PutResult:
+    object_id: ObjectId
+    existed: bool  # the daemon already held this id; nothing was copied
+    tier: str | None = None
+    durability: str | None = None  # "memory" in the host tier
+    error: KVStoreError | None = None  # put_many only: this item failed
+
+
+@dataclass(frozen=True, slots=True)
+class LookupResult:
+    hits: int  # leading keys that hit
+    tiers: tuple  # per key: "host", ... or None for a miss
+    hit_bytes: int  # bytes of the leading hits
+    est_load_s: float  # estimated time to load the leading hits
+
+
+class ReadLease:
+    """A read lease on a committed object, viewed in place in the shared arena.
+
+    `buffer` (read-only memoryview), `numpy()` and `tensor()` are zero-copy views that
+    stay valid until `release()` (or leaving the `with` block); the daemon neither moves
+    nor evicts the object before then. Using a view after release reads whatever the
+    daemon later puts there. Release is idempotent.
+    """
+
+    __slots__ = ("lease_id", "object_id", "size", "checksum", "descriptor", "tier", "_array", "_release", "_done")
+
+    def __init__(self, release, lease_id, object_id, size, checksum, descriptor, tier, array):
+        self.lease_id = lease_id
+        self.object_id = object_id
+        self.size = size
+        self.checksum = checksum
+        self.descriptor = descriptor
+        self.tier = tier
+        self._array = array
+        self._release = release
+        self._done = False
+
+    @property
+    def buffer(self) -> memoryview:
+        return memoryview(self._array).toreadonly()
+
+    def numpy(self, dtype=np.uint8) -> np.ndarray:
+        view = self._array.view(dtype)
+        view.flags.writeable = False
+        return view
+
+    def tensor(self, dtype=None):
+        """A CPU torch tensor over the object's bytes (torch.uint8 unless `dtype`)."""
+        import torch
+        return torch.frombuffer(self._array, dtype=dtype or torch.uint8)
+
+    def verify(self) -> bool:
+        """Recompute the xxh3-128 of the bytes and compare it with the put's checksum."""
+        return xxhash.xxh3_128_digest(self._array) == self.checksum
+
+    def release(self) -> None:
+        if not self._done:
+            self._done = True
+            self._release(self.lease_id)
+
+    def __enter__(self) -> ReadLease:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+    def __repr__(self) -> str:
+        return f"ReadLease({self.object_id!r}, {self.size} B, tier={self.tier})"
+
+
+def to_object_id(key) -> ObjectId:
+    if isinstance(key, ObjectId):
+        return key
+    if isinstance(key, ChunkKey):
+        return key.object_id
+    if isinstance(key, bytes):
+        return ObjectId(key)
+    if isinstance(key, str):
+        return ObjectId.from_hex(key)
+    raise InvalidArgument(f"a key is an ObjectId, ChunkKey, 32 bytes or 64 hex chars, not {type(key).__name__}")
+
+
+def _batches(ids):
+    for start in range(0, len(ids), MAX_BATCH):
+        yield ids[start:start + MAX_BATCH]
+
+
+class ClientCore:
+    """State of one connection: request ids, the codec, mapped arenas, received fds."""
+
+    def __init__(self, namespace: str, token: str | None, release):
+        self.namespace = namespace
+        self.token = token
+        self.codec = FrameCodec()
+        self.fds: deque[int] = deque()  # arrived with SCM_RIGHTS, in order
+        self.arenas: dict[str, np.ndarray] = {}
+        self._maps: list[mmap.mmap] = []
+        self._ids = itertools.count(1)
+        self._release_cb = release
+
+    def request(self, msg: m.Message, no_reply: bool = False) -> Request:
+        return Request(next(self._ids), msg.op, msg.to_args(), no_reply)
+
+    @staticmethod
+    def result(reply: Reply):
+        if reply.error is not None:
+            raise from_wire(reply.error)
+        return reply.result
+
+    def release_request(self, lease_id: int) -> Request:
+        return self.request(m.Release(lease_id), no_reply=True)
+
+    def close(self) -> None:
+        while self.fds:
+            os.close(self.fds.popleft())
+        # Mappings stay valid for leases still in the caller's hands; the GC unmaps them.
+        self.arenas.clear()
+
+    # --- ops ----------------------------------------------------------------------
+
+    def op_hello(self, name: str):
+        (reply,) = yield [self.request(m.Hello(name, os.getpid()))]
+        return self.result(reply)
+
+    def op_open(self, namespace: str):
+        if namespace in self.arenas:
+            return
+        (reply,) = yield [self.request(m.OpenNamespace(namespace, self.token))]
+        size = self.result(reply)["arena_bytes"]
+        if not self.fds:
+            raise ProtocolError("open succeeded but no arena fd arrived with the reply")
+        fd = self.fds.popleft()
+        try:
+            mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+        finally:
+            os.close(fd)
+        self._maps.append(mapping)
+        self.arenas[namespace] = np.frombuffer(mapping, dtype=np.uint8)
+
+    def _descriptor(self, desc: StateDescriptor | None) -> StateDescriptor:
+        return desc or StateDescriptor(self.namespace, "opaque", "0")
+
+    def op_put_many(self, items, desc: StateDescriptor | None, hints: Hints | None):
+        desc = self._descriptor(desc)
+        hints = hints or Hints()
+        yield from self.op_open(desc.namespace)
+        sources = [(to_object_id(key), as_u8(data)) for key, data in items]
+        for oid, src in sources:
+            if src.size == 0:
+                raise InvalidArgument(f"object {oid.hex}: cannot store an empty object")
+        # Reservations hold arena space until committed: pipeline a window of them, not
+        # the whole batch, so a large batch cannot fill the arena with its own leases.
+        limit = max(1, min(PUT_WINDOW_BYTES, self.arenas[desc.namespace].size // 4))
+        results, window, window_bytes = [], [], 0
+        for item in sources:
+            if window and window_bytes + item[1].size > limit:
+                results += yield from self._put_window(window, desc, hints)
+                window, window_bytes = [], 0
+            window.append(item)
+            window_bytes += item[1].size
+        if window:
+            results += yield from self._put_window(window, desc, hints)
+        return results
+
+    def _put_window(self, sources, desc: StateDescriptor, hints: Hints):
+        arena = self.arenas[desc.namespace]
+        replies = yield [self.request(m.Reserve(desc.namespace, oid, src.size, desc, hints)) for oid, src in sources]
+        results: list[PutResult | None] = [None] * len(sources)
+        commits, commit_index = [], []
+        for i, ((oid, src), reply) in enumerate(zip(sources, replies)):
+            if reply.error is not None:
+                results[i] = PutResult(oid, False, error=from_wire(reply.error))
+                continue
+            r = reply.result
+            if r.get("exists"):
+                results[i] = PutResult(oid, True)
+                continue
+            dst = arena[r["offset"]:r["offset"] + src.size]
+            np.copyto(dst, src)
+            commits.append(self.request(m.Commit(r["lease"], xxhash.xxh3_128_digest(dst))))
+            commit_index.append(i)
+        replies = (yield commits) if commits else []
+        for i, reply in zip(commit_index, replies):
+            oid = sources[i][0]
+            if reply.error is not None:
+                results[i] = PutResult(oid, False, error=from_wire(reply.error))
+            else:
+                r = reply.result
+                results[i] = PutResult(oid, r.get("exists", False), r.get("tier"), r.get("durability"))
+        return results
+
+    def op_put(self, key, data, desc, hints):
+        (result,) = yield from self.op_put_many([(key, data)], desc, hints)
+        if result.error is not None:
+            raise result.error
+        return result
+
+    def op_get(self, key, namespace: str | None, accept):
+        namespace = namespace or self.namespace
+        yield from self.op_open(namespace)
+        accept = tuple(accept) if accept else None
+        (reply,) = yield [self.request(m.Get(namespace, to_object_id(key), accept))]
+        r = self.result(reply)
+        if not r["hit"]:
+            return None
+        array = self.arenas[namespace][r["offset"]:r["offset"] + r["size"]]
+        return ReadLease(
+            self._release_cb, r["lease"], ObjectId(r["object_id"]), r["size"], r["checksum"],
+            StateDescriptor.from_wire(r["descriptor"]), r["tier"], array,
+        )
+
+    def op_get_into(self, key, out, namespace, verify: bool):
+        dst = as_writable_u8(out)
+        lease = yield from self.op_get(key, namespace, None)
+        if lease is None:
+            return None
+        with lease:
+            if lease.size > dst.size:
+                raise InvalidArgument(f"object is {lease.size} bytes, the output buffer only {dst.size}")
+            np.copyto(dst[:lease.size], lease._array)
+            if verify and xxhash.xxh3_128_digest(dst[:lease.size]) != lease.checksum:
+                raise ChecksumError(f"object {lease.object_id.hex}: copied bytes fail their checksum")
+        return lease.size
+
+    def op_lookup(self, keys, namespace: str | None):
+        namespace = namespace or self.namespace
+        yield from self.op_open(namespace)
+        ids = [to_object_id(k) for k in keys]
+        if not ids:
+            return LookupResult(0, (), 0, 0.0)
+        replies = yield [self.request(m.Lookup(namespace, tuple(b))) for b in _batches(ids)]
+        tiers, hit_bytes, est, leading = [], 0, 0.0, True
+        for reply in replies:
+            r = self.result(reply)
+            tiers.extend(r["tiers"])
+            if leading:
+                hit_bytes += r["hit_bytes"]
+                est += r["est_load_s"]
+                leading = r["hits"] == len(r["tiers"])
+        hits = next((i for i, t in enumerate(tiers) if t is None), len(tiers))
+        return LookupResult(hits, tuple(tiers), hit_bytes, est)
+
+    def op_batch(self, cls, keys, namespace: str | None, field: str, **extra):
+        """delete / pin / unpin / prefetch over any number of keys; returns the summed count."""
+        namespace = namespace or self.namespace
+        yield from self.op_open(namespace)
+        ids = [to_object_id(k) for k in keys]
+        if not ids:
+            return 0
+        replies = yield [self.request(cls(namespace, tuple(b), **extra)) for b in _batches(ids)]
+        return sum(self.result(r)[field] for r in replies)
+
+    def op_stats(self):
+        (reply,) = yield [self.request(m.Stats())]
+        return self.result(reply)

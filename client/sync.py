@@ -1,0 +1,197 @@
+"""The blocking client. One per thread (calls are serialised by a lock)."""
+
+from __future__ import annotations
+
+import array
+import os
+import socket
+import threading
+
+from kvstore import messages as m
+from kvstore.config import default_socket_path
+from kvstore.errors import DaemonUnavailable, from_wire
+from kvstore.hints import Hints
+from kvstore.identity import StateDescriptor
+from kvstore.protocol import NEED_DATA, BadFrame, Fatal, Reply
+from client.core import ClientCore, LookupResult, PutResult, ReadLease
+
+RECV_BYTES = 256 * 1024
+# Room for a few fds per recvmsg; the daemon sends one per opened namespace.
+_ANCILLARY = socket.CMSG_SPACE(8 * array.array("i").itemsize)
+
+
+def _recv_fds(ancdata) -> list[int]:
+    fds = []
+    for level, kind, data in ancdata:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            usable = len(data) - len(data) % array.array("i").itemsize
+            fds.extend(array.array("i", data[:usable]))
+    return fds
+
+
+class Client:
+    """Talks to the local daemon over its Unix socket; payloads move through shared memory.
+
+    Every call raises `DaemonUnavailable` once the daemon is unreachable (never hangs
+    longer than `timeout_s`); call `reconnect()` when it is back. Leases held across a
+    reconnect are gone on the daemon side (their views still read the old mapping).
+    """
+
+    def __init__(self, socket_path: str | None = None, namespace: str = "default",
+                 token: str | None = None, timeout_s: float = 30.0, client_name: str = "python"):
+        self.socket_path = socket_path or default_socket_path()
+        self.namespace = namespace
+        self.token = token
+        self.timeout_s = timeout_s
+        self.client_name = client_name
+        self._lock = threading.RLock()
+        self._sock: socket.socket | None = None
+        self.server_info: dict = {}
+        self._connect()
+
+    @classmethod
+    def connect(cls, socket_path: str | None = None, **kwargs) -> Client:
+        """Connect to `socket_path`, else $KVSTORE_SOCKET, else the default path."""
+        return cls(socket_path, **kwargs)
+
+    # --- connection -------------------------------------------------------------
+
+    def _connect(self) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(self.timeout_s)
+        try:
+            sock.connect(self.socket_path)
+        except OSError as exc:
+            sock.close()
+            raise DaemonUnavailable(
+                f"no kvstore daemon at {self.socket_path} ({exc.strerror or exc}); start one with `kvstore serve`"
+            ) from None
+        self._sock = sock
+        self.core = ClientCore(self.namespace, self.token, self._release)
+        self.server_info = self._run(self.core.op_hello(self.client_name))
+
+    def reconnect(self) -> None:
+        with self._lock:
+            self._drop()
+            self._connect()
+
+    def close(self) -> None:
+        with self._lock:
+            self._drop()
+
+    def _drop(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+            self.core.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _lost(self, why: str) -> DaemonUnavailable:
+        self._drop()
+        return DaemonUnavailable(f"lost the daemon at {self.socket_path}: {why}; call reconnect() once it is back")
+
+    # --- driving ops ---------------------------------------------------------------
+
+    def _run(self, op):
+        with self._lock:
+            if self._sock is None:
+                raise DaemonUnavailable(f"not connected to {self.socket_path}; call reconnect()")
+            try:
+                requests = next(op)
+                while True:
+                    requests = op.send(self._roundtrip(requests))
+            except StopIteration as done:
+                return done.value
+
+    def _send(self, data: bytes) -> None:
+        try:
+            self._sock.sendall(data)
+        except OSError as exc:
+            raise self._lost(str(exc)) from None
+
+    def _roundtrip(self, requests) -> list:
+        codec = self.core.codec
+        self._send(b"".join(codec.send_request(r) for r in requests))
+        index = {r.id: i for i, r in enumerate(requests) if not r.no_reply}
+        replies: list[Reply | None] = [None] * len(requests)
+        while index:
+            event = codec.next_event()
+            if event is NEED_DATA:
+                try:
+                    data, ancdata, _, _ = self._sock.recvmsg(RECV_BYTES, _ANCILLARY)
+                except TimeoutError:
+                    raise self._lost(f"no reply within {self.timeout_s} s") from None
+                except OSError as exc:
+                    raise self._lost(str(exc)) from None
+                if not data:
+                    raise self._lost("connection closed")
+                self.core.fds.extend(_recv_fds(ancdata))
+                codec.receive_data(data)
+            elif isinstance(event, Reply) and event.id in index:
+                replies[index.pop(event.id)] = event
+            elif isinstance(event, Reply) and event.id == 0 and event.error is not None:
+                raise self._lost(from_wire(event.error).message)
+            elif isinstance(event, (Fatal, BadFrame)):
+                raise self._lost(f"bad frame from daemon: {event.error.message}")
+        return replies
+
+    def _release(self, lease_id: int) -> None:
+        with self._lock:
+            if self._sock is not None:
+                try:
+                    self._send(self.core.codec.send_request(self.core.release_request(lease_id)))
+                except DaemonUnavailable:
+                    pass  # the daemon is gone, and with it the lease
+
+    # --- public API --------------------------------------------------------------
+
+    def put(self, key, data, desc: StateDescriptor | None = None, hints: Hints | None = None) -> PutResult:
+        """Store `data` (bytes-like, numpy array or CPU tensor) under `key`.
+
+        Two phases: reserve an extent, copy straight into the shared arena, commit with
+        the xxh3-128 checksum. An id the daemon already holds is not copied again
+        (`existed=True`). Raises CapacityError when nothing can be evicted to make room.
+        """
+        return self._run(self.core.op_put(key, data, desc, hints))
+
+    def put_many(self, items, desc: StateDescriptor | None = None, hints: Hints | None = None) -> list[PutResult]:
+        """Store many `(key, data)` pairs in two pipelined round trips. Never raises for one
+        item's failure: each result carries its own `error` (None on success)."""
+        return self._run(self.core.op_put_many(list(items), desc, hints))
+
+    def get(self, key, namespace: str | None = None, accept=None) -> ReadLease | None:
+        """A zero-copy read lease (use as a context manager), or None on a miss."""
+        return self._run(self.core.op_get(key, namespace, accept))
+
+    def get_into(self, key, out, namespace: str | None = None, verify: bool = False) -> int | None:
+        """Copy the object into `out`; returns its size, or None on a miss."""
+        return self._run(self.core.op_get_into(key, out, namespace, verify))
+
+    def lookup(self, keys, namespace: str | None = None) -> LookupResult:
+        """How many leading keys hit, each key's tier, and the estimated load time (one round trip per 4096 keys)."""
+        return self._run(self.core.op_lookup(list(keys), namespace))
+
+    def delete(self, keys, namespace: str | None = None) -> int:
+        return self._run(self.core.op_batch(m.Delete, list(keys), namespace, "deleted"))
+
+    def pin(self, keys, ttl_s: float | None = None, namespace: str | None = None) -> int:
+        """Keep objects resident (never evicted) until unpinned or `ttl_s` passes."""
+        return self._run(self.core.op_batch(m.Pin, list(keys), namespace, "pinned", ttl_s=ttl_s))
+
+    def unpin(self, keys, namespace: str | None = None) -> int:
+        return self._run(self.core.op_batch(m.Unpin, list(keys), namespace, "unpinned"))
+
+    def prefetch(self, keys, tier: str = "host", policy: str = "best_effort",
+                 timeout_s: float | None = None, namespace: str | None = None) -> int:
+        """Bring objects to `tier`; returns how many are resident there. With the host tier
+        as the only tier this moves nothing and reports what is resident."""
+        return self._run(self.core.op_batch(m.Prefetch, list(keys), namespace, "resident",
+                                            tier=tier, policy=policy, timeout_s=timeout_s))
+
+    def stats(self) -> dict:
+        return self._run(self.core.op_stats())

@@ -1,0 +1,69 @@
+"""Hints that travel with a put and steer placement and eviction."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields
+
+from kvstore.errors import InvalidArgument
+
+# A session or branch id is a label, not data; keep frames small.
+MAX_LABEL_CHARS = 128
+
+
+@dataclass(frozen=True, slots=True)
+class Hints:
+    """Advice from the producer. Every field is optional; none changes what a get returns.
+
+    ttl_s: drop the object this many seconds after put (None: never expires).
+    priority: -10..10, higher is kept longer under pressure.
+    session_id / branch_id: agent session and branch the state belongs to.
+    next_access_s: when the producer expects the next read, in seconds from now.
+    recompute_cost_ms: what a miss would cost the engine; drives cost-aware eviction.
+    pin: keep resident until unpinned (subject to the pin quota).
+    """
+
+    ttl_s: float | None = None
+    priority: int = 0
+    session_id: str | None = None
+    branch_id: str | None = None
+    next_access_s: float | None = None
+    recompute_cost_ms: float | None = None
+    pin: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("ttl_s", "next_access_s", "recompute_cost_ms"):
+            value = getattr(self, name)
+            if value is not None and (
+                not isinstance(value, (int, float)) or isinstance(value, bool)
+                or not math.isfinite(value) or value < 0
+            ):
+                raise InvalidArgument(f"hint {name} must be a finite number >= 0, got {value!r}")
+        if not isinstance(self.priority, int) or isinstance(self.priority, bool) or not -10 <= self.priority <= 10:
+            raise InvalidArgument(f"hint priority must be an integer in -10..10, got {self.priority!r}")
+        for name in ("session_id", "branch_id"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or len(value) > MAX_LABEL_CHARS):
+                raise InvalidArgument(f"hint {name} must be a string of at most {MAX_LABEL_CHARS} characters")
+        if not isinstance(self.pin, bool):
+            raise InvalidArgument(f"hint pin must be a bool, got {self.pin!r}")
+
+    def to_wire(self) -> dict:
+        """Only the fields that differ from the default, to keep frames small."""
+        default = _DEFAULT
+        return {k: v for k, v in asdict(self).items() if v != getattr(default, k)}
+
+    @classmethod
+    def from_wire(cls, data) -> Hints:
+        if data is None:
+            return _DEFAULT
+        if not isinstance(data, dict):
+            raise InvalidArgument("hints must be a map")
+        known = {f.name for f in fields(cls)}
+        unknown = set(data) - known
+        if unknown:
+            raise InvalidArgument(f"unknown hint(s) {sorted(map(str, unknown))}")
+        return cls(**data)
+
+
+_DEFAULT = Hints()

@@ -1,0 +1,262 @@
+"""State identity: namespace salts, the chunk hash chain, and object ids.
+
+Scheme `kvstore-key-v1` (test vectors in kvstore/vectors/key-v1.json):
+
+    field(b)  = u32_le(len(b)) || b
+    H_salt(x) = BLAKE2b-256(x, key=salt)
+    salt      = BLAKE2b-256(utf8(namespace), key=secret or empty, person="kvstore-ns-v1")
+    h0        = H_salt(field("kvstore-key-v1") || field(model) || field(model_revision))
+    h_i       = H_salt(h_{i-1} || field(tokens of chunk i as u32_le) || u32_le(n) || field(extra_1) ... field(extra_n))
+    object id = BLAKE2b-256(h_i || field(kind) || field(shard) || field(dtype) || field(layout),
+                            key=salt, person="kvstore-obj-v1")
+
+A keyed cryptographic hash, never xxhash or Python's `hash`: ids must agree across
+processes and hosts (no PYTHONHASHSEED), and a tenant must not be able to forge a
+collision with another tenant's prefix.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import struct
+from dataclasses import dataclass, field, replace
+from typing import Iterable, Mapping, Sequence
+
+from kvstore.dtypes import DType
+from kvstore.errors import InvalidArgument
+from kvstore.layout import Layout
+
+KEY_SCHEME = "kvstore-key-v1"
+ID_BYTES = 32
+DEFAULT_CHUNK_TOKENS = 256
+# Names and revisions are labels; a bound keeps every frame small.
+MAX_NAME_CHARS = 256
+MAX_TOKEN_ID = 2**32 - 1
+
+
+class Kind(str, enum.Enum):
+    KV = "kv"
+    MLA_LATENT = "mla_latent"
+    RECURRENT = "recurrent"
+    CONV = "conv"
+    INDEXER = "indexer"
+
+    @classmethod
+    def parse(cls, value: str | Kind) -> Kind:
+        try:
+            return cls(value)
+        except ValueError:
+            known = ", ".join(k.value for k in cls)
+            raise InvalidArgument(f"unknown kind {value!r}; expected one of: {known}") from None
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class ObjectId:
+    """32-byte content id; prints as 64 hex characters."""
+
+    digest: bytes
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.digest, bytes) or len(self.digest) != ID_BYTES:
+            raise InvalidArgument(f"an object id is {ID_BYTES} bytes (64 hex characters)")
+
+    @classmethod
+    def from_hex(cls, text: str) -> ObjectId:
+        try:
+            digest = bytes.fromhex(text)
+        except (ValueError, TypeError):
+            raise InvalidArgument(f"object id must be 64 hex characters, got {str(text)[:80]!r}") from None
+        return cls(digest)
+
+    @property
+    def hex(self) -> str:
+        return self.digest.hex()
+
+    def __str__(self) -> str:
+        return self.hex
+
+    def __repr__(self) -> str:
+        return f"ObjectId({self.hex[:16]}…)"
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class Shard:
+    """Which slice of the model's state this is (tensor-parallel split of heads).
+
+    It names the slice, not the rank that produced it, so any rank of any instance with
+    the same split hits the same object.
+    """
+
+    index: int = 0
+    count: int = 1
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.index, int) and isinstance(self.count, int)) or not 0 <= self.index < self.count:
+            raise InvalidArgument(f"shard must satisfy 0 <= index < count, got {self.index}/{self.count}")
+
+    @classmethod
+    def parse(cls, text: str | Shard) -> Shard:
+        if isinstance(text, Shard):
+            return text
+        index, sep, count = str(text).partition("/")
+        if not sep or not index.isdigit() or not count.isdigit():
+            raise InvalidArgument(f"shard must look like 'index/count', got {text!r}")
+        return cls(int(index), int(count))
+
+    def __str__(self) -> str:
+        return f"{self.index}/{self.count}"
+
+
+def _check_name(what: str, value: str) -> None:
+    if not isinstance(value, str) or not value or len(value) > MAX_NAME_CHARS:
+        raise InvalidArgument(f"{what} must be a non-empty string of at most {MAX_NAME_CHARS} characters")
+
+
+@dataclass(frozen=True, slots=True)
+class StateDescriptor:
+    """What a state object is. Every field is typed; none is a convention in a key string."""
+
+    namespace: str
+    model: str
+    model_revision: str
+    kind: Kind = Kind.KV
+    dtype: DType = DType.BF16
+    layout: Layout = field(default_factory=lambda: Layout.make("raw"))
+    shard: Shard = Shard()
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS
+
+    def __post_init__(self) -> None:
+        _check_name("namespace", self.namespace)
+        _check_name("model", self.model)
+        _check_name("model_revision", self.model_revision)
+        # Accept strings for convenience; store the typed values.
+        object.__setattr__(self, "kind", Kind.parse(self.kind))
+        object.__setattr__(self, "dtype", DType.parse(self.dtype))
+        if isinstance(self.layout, str):
+            object.__setattr__(self, "layout", Layout.parse(self.layout))
+        elif not isinstance(self.layout, Layout):
+            raise InvalidArgument(f"layout must be a Layout or a layout string, got {type(self.layout).__name__}")
+        object.__setattr__(self, "shard", Shard.parse(self.shard))
+        if not isinstance(self.chunk_tokens, int) or self.chunk_tokens <= 0:
+            raise InvalidArgument(f"chunk_tokens must be a positive integer, got {self.chunk_tokens!r}")
+
+    def with_(self, **changes) -> StateDescriptor:
+        """The same state seen as another kind, dtype, layout or shard."""
+        return replace(self, **changes)
+
+    @property
+    def object_bytes(self) -> int:
+        """Size of one object of this descriptor."""
+        return self.layout.total_bytes(self.dtype, self.chunk_tokens)
+
+    def to_wire(self) -> dict:
+        return {
+            "namespace": self.namespace,
+            "model": self.model,
+            "model_revision": self.model_revision,
+            "kind": self.kind.value,
+            "dtype": self.dtype.value,
+            "layout": str(self.layout),
+            "shard": str(self.shard),
+            "chunk_tokens": self.chunk_tokens,
+        }
+
+    @classmethod
+    def from_wire(cls, data) -> StateDescriptor:
+        if not isinstance(data, dict):
+            raise InvalidArgument("descriptor must be a map")
+        known = {"namespace", "model", "model_revision", "kind", "dtype", "layout", "shard", "chunk_tokens"}
+        unknown = set(data) - known
+        if unknown:
+            raise InvalidArgument(f"unknown descriptor field(s) {sorted(map(str, unknown))}")
+        try:
+            return cls(**data)
+        except TypeError as exc:
+            raise InvalidArgument(f"bad descriptor: {exc}") from None
+
+
+def _field(data: bytes) -> bytes:
+    return struct.pack("<I", len(data)) + data
+
+
+def _as_bytes(value: str | bytes) -> bytes:
+    if isinstance(value, bytes):
+        return value
+    if isinstance(value, str):
+        return value.encode()
+    raise InvalidArgument(f"extra keys must be str or bytes, got {type(value).__name__}")
+
+
+def namespace_salt(namespace: str, secret: bytes | None = None) -> bytes:
+    """The 32-byte salt of a namespace. A per-tenant `secret` makes ids unguessable."""
+    _check_name("namespace", namespace)
+    return hashlib.blake2b(
+        namespace.encode(), digest_size=ID_BYTES, key=secret or b"", person=b"kvstore-ns-v1"
+    ).digest()
+
+
+def root_hash(salt: bytes, model: str, model_revision: str) -> bytes:
+    h = hashlib.blake2b(digest_size=ID_BYTES, key=salt)
+    h.update(_field(KEY_SCHEME.encode()) + _field(model.encode()) + _field(model_revision.encode()))
+    return h.digest()
+
+
+def chain_hash(salt: bytes, parent: bytes, tokens: Sequence[int], extra_keys: Iterable[str | bytes] = ()) -> bytes:
+    try:
+        token_bytes = struct.pack(f"<{len(tokens)}I", *tokens)
+    except struct.error:
+        raise InvalidArgument(f"token ids must be integers in 0..{MAX_TOKEN_ID}") from None
+    extras = [_as_bytes(e) for e in extra_keys]
+    h = hashlib.blake2b(digest_size=ID_BYTES, key=salt)
+    h.update(parent + _field(token_bytes) + struct.pack("<I", len(extras)) + b"".join(map(_field, extras)))
+    return h.digest()
+
+
+def object_id(salt: bytes, logical: bytes, desc: StateDescriptor) -> ObjectId:
+    h = hashlib.blake2b(digest_size=ID_BYTES, key=salt, person=b"kvstore-obj-v1")
+    h.update(
+        logical
+        + _field(desc.kind.value.encode())
+        + _field(str(desc.shard).encode())
+        + _field(desc.dtype.value.encode())
+        + _field(str(desc.layout).encode())
+    )
+    return ObjectId(h.digest())
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkKey:
+    """The object holding the state after the prefix that ends at chunk `index`."""
+
+    index: int
+    end_token: int  # tokens [0, end_token) are covered by this key's prefix
+    logical: bytes
+    object_id: ObjectId
+
+
+def chunk_keys(
+    tokens: Sequence[int],
+    desc: StateDescriptor,
+    extra_keys: Iterable[str | bytes] = (),
+    chunk_extra_keys: Mapping[int, Iterable[str | bytes]] | None = None,
+    secret: bytes | None = None,
+) -> list[ChunkKey]:
+    """Keys of every full chunk of `tokens` (a trailing partial chunk has no key).
+
+    extra_keys apply to every chunk (a LoRA id); chunk_extra_keys[i] only to chunk i
+    (content hashes of images whose tokens fall in chunk i). Token ids may be a list or
+    any sequence of ints, numpy arrays included (`.tolist()` is used when present).
+    """
+    if hasattr(tokens, "tolist"):
+        tokens = tokens.tolist()
+    salt = namespace_salt(desc.namespace, secret)
+    size = desc.chunk_tokens
+    common = [_as_bytes(e) for e in extra_keys]
+    parent = root_hash(salt, desc.model, desc.model_revision)
+    keys = []
+    for index in range(len(tokens) // size):
+        extras = common + [_as_bytes(e) for e in (chunk_extra_keys or {}).get(index, ())]
+        parent = chain_hash(salt, parent, tokens[index * size:(index + 1) * size], extras)
+        keys.append(ChunkKey(index, (index + 1) * size, parent, object_id(salt, parent, desc)))
+    return keys

@@ -1,0 +1,270 @@
+"""Typed requests of the local protocol, with strict decoding of their arguments.
+
+Each op is a frozen dataclass; `decode_request(Request)` validates a wire request into
+one (raising InvalidArgument / ProtocolError that name the bad field), and
+`message.to_args()` is what a client sends. Client and daemon share these classes, so
+the two ends cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+from typing import Any, Callable, ClassVar
+
+from kvstore.dtypes import DType
+from kvstore.errors import InvalidArgument, ProtocolError
+from kvstore.hints import Hints
+from kvstore.identity import ObjectId, StateDescriptor, _check_name
+from kvstore.protocol import MAX_BATCH, MAX_STR_CHARS, Request
+
+CHECKSUM_BYTES = 16  # xxh3-128
+# One object may not exceed this; arenas are sized far below it in practice.
+MAX_OBJECT_BYTES = 1 << 40
+TIERS = ("gpu", "host", "nvme", "remote")
+PREFETCH_POLICIES = ("best_effort", "wait", "timeout")
+
+
+# --- field codecs: (decode wire -> python, encode python -> wire) -----------------
+
+def _int(lo: int, hi: int):
+    def dec(v):
+        if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
+            raise InvalidArgument(f"must be an integer in {lo}..{hi}, got {v!r}"[:200])
+        return v
+    return dec, lambda v: v
+
+
+def _float(v):
+    if v is None:
+        return None
+    if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v < 0:
+        raise InvalidArgument(f"must be a finite number >= 0, got {v!r}"[:200])
+    return float(v)
+
+
+def _str_dec(v):
+    if not isinstance(v, str) or len(v) > MAX_STR_CHARS:
+        raise InvalidArgument(f"must be a string of at most {MAX_STR_CHARS} characters")
+    return v
+
+
+def _opt_str_dec(v):
+    return None if v is None else _str_dec(v)
+
+
+def _ns_dec(v):
+    _check_name("namespace", v)
+    return v
+
+
+def _oid_dec(v):
+    if not isinstance(v, bytes):
+        raise InvalidArgument("object id must be 32 bytes (msgpack bin)")
+    return ObjectId(v)
+
+
+def _ids_dec(v):
+    if not isinstance(v, list) or len(v) > MAX_BATCH:
+        raise InvalidArgument(f"ids must be a list of at most {MAX_BATCH} object ids")
+    return tuple(_oid_dec(x) for x in v)
+
+
+def _checksum_dec(v):
+    if not isinstance(v, bytes) or len(v) != CHECKSUM_BYTES:
+        raise InvalidArgument(f"checksum must be {CHECKSUM_BYTES} bytes (xxh3-128)")
+    return v
+
+
+def _choice(options):
+    def dec(v):
+        if v not in options:
+            raise InvalidArgument(f"must be one of {options}, got {v!r}"[:200])
+        return v
+    return dec, lambda v: v
+
+
+def _accept_dec(v):
+    if v is None:
+        return None
+    if not isinstance(v, list) or not 0 < len(v) <= len(DType):
+        raise InvalidArgument("accept must be a non-empty list of dtypes")
+    return tuple(DType.parse(x) for x in v)
+
+
+_ANY = (lambda v: v, lambda v: v)
+NAMESPACE = (_ns_dec, lambda v: v)
+OID = (_oid_dec, lambda v: v.digest)
+IDS = (_ids_dec, lambda v: [x.digest for x in v])
+LEASE = _int(1, 2**63 - 1)
+SIZE = _int(1, MAX_OBJECT_BYTES)
+FLOAT = (_float, lambda v: v)
+STR = (_str_dec, lambda v: v)
+OPT_STR = (_opt_str_dec, lambda v: v)
+CHECKSUM = (_checksum_dec, lambda v: v)
+DESCRIPTOR = (StateDescriptor.from_wire, lambda v: v.to_wire())
+HINTS = (Hints.from_wire, lambda v: v.to_wire())
+ACCEPT = (_accept_dec, lambda v: None if v is None else [d.value for d in v])
+
+
+class Message:
+    """Base of typed requests. Subclasses set `op` and `_codecs` (field -> codec)."""
+
+    op: ClassVar[str]
+    _codecs: ClassVar[dict[str, tuple[Callable, Callable]]]
+    _defaults: ClassVar[dict[str, Any]] = {}
+
+    @classmethod
+    def from_args(cls, args: dict) -> Message:
+        unknown = set(args) - set(cls._codecs)
+        if unknown:
+            raise InvalidArgument(f"{cls.op}: unknown field(s) {sorted(map(str, unknown))[:8]}")
+        values = {}
+        for name, (dec, _) in cls._codecs.items():
+            if name in args:
+                try:
+                    values[name] = dec(args[name])
+                except InvalidArgument as exc:
+                    raise InvalidArgument(f"{cls.op}.{name}: {exc.message}") from None
+            elif name in cls._defaults:
+                values[name] = cls._defaults[name]
+            else:
+                raise InvalidArgument(f"{cls.op}: missing field {name!r}")
+        return cls(**values)
+
+    def to_args(self) -> dict:
+        return {f.name: self._codecs[f.name][1](getattr(self, f.name)) for f in fields(self)}
+
+
+@dataclass(frozen=True, slots=True)
+class Hello(Message):
+    client: str
+    pid: int
+    op: ClassVar[str] = "hello"
+    _codecs: ClassVar = {"client": STR, "pid": _int(0, 2**31)}
+
+
+@dataclass(frozen=True, slots=True)
+class OpenNamespace(Message):
+    """Ask for a namespace's host arena; the reply carries its fd (SCM_RIGHTS)."""
+    namespace: str
+    token: str | None = None
+    op: ClassVar[str] = "open"
+    _codecs: ClassVar = {"namespace": NAMESPACE, "token": OPT_STR}
+    _defaults: ClassVar = {"token": None}
+
+
+@dataclass(frozen=True, slots=True)
+class Reserve(Message):
+    """Phase one of a put: a write lease on an extent of `size` bytes."""
+    namespace: str
+    object_id: ObjectId
+    size: int
+    descriptor: StateDescriptor
+    hints: Hints = Hints()
+    op: ClassVar[str] = "reserve"
+    _codecs: ClassVar = {"namespace": NAMESPACE, "object_id": OID, "size": SIZE,
+                         "descriptor": DESCRIPTOR, "hints": HINTS}
+    _defaults: ClassVar = {"hints": Hints()}
+
+
+@dataclass(frozen=True, slots=True)
+class Commit(Message):
+    """Phase two of a put: the bytes are written; make the object visible."""
+    lease: int
+    checksum: bytes
+    op: ClassVar[str] = "commit"
+    _codecs: ClassVar = {"lease": LEASE, "checksum": CHECKSUM}
+
+
+@dataclass(frozen=True, slots=True)
+class Abort(Message):
+    lease: int
+    op: ClassVar[str] = "abort"
+    _codecs: ClassVar = {"lease": LEASE}
+
+
+@dataclass(frozen=True, slots=True)
+class Get(Message):
+    """A read lease on a committed object, or a miss. `accept` lists dtypes the reader can use."""
+    namespace: str
+    object_id: ObjectId
+    accept: tuple | None = None
+    op: ClassVar[str] = "get"
+    _codecs: ClassVar = {"namespace": NAMESPACE, "object_id": OID, "accept": ACCEPT}
+    _defaults: ClassVar = {"accept": None}
+
+
+@dataclass(frozen=True, slots=True)
+class Release(Message):
+    lease: int
+    op: ClassVar[str] = "release"
+    _codecs: ClassVar = {"lease": LEASE}
+
+
+@dataclass(frozen=True, slots=True)
+class Lookup(Message):
+    namespace: str
+    ids: tuple
+    op: ClassVar[str] = "lookup"
+    _codecs: ClassVar = {"namespace": NAMESPACE, "ids": IDS}
+
+
+@dataclass(frozen=True, slots=True)
+class Delete(Message):
+    namespace: str
+    ids: tuple
+    op: ClassVar[str] = "delete"
+    _codecs: ClassVar = {"namespace": NAMESPACE, "ids": IDS}
+
+
+@dataclass(frozen=True, slots=True)
+class Pin(Message):
+    namespace: str
+    ids: tuple
+    ttl_s: float | None = None
+    op: ClassVar[str] = "pin"
+    _codecs: ClassVar = {"namespace": NAMESPACE, "ids": IDS, "ttl_s": FLOAT}
+    _defaults: ClassVar = {"ttl_s": None}
+
+
+@dataclass(frozen=True, slots=True)
+class Unpin(Message):
+    namespace: str
+    ids: tuple
+    op: ClassVar[str] = "unpin"
+    _codecs: ClassVar = {"namespace": NAMESPACE, "ids": IDS}
+
+
+@dataclass(frozen=True, slots=True)
+class Prefetch(Message):
+    namespace: str
+    ids: tuple
+    tier: str = "host"
+    policy: str = "best_effort"
+    timeout_s: float | None = None
+    op: ClassVar[str] = "prefetch"
+    _codecs: ClassVar = {"namespace": NAMESPACE, "ids": IDS, "tier": _choice(TIERS),
+                         "policy": _choice(PREFETCH_POLICIES), "timeout_s": FLOAT}
+    _defaults: ClassVar = {"tier": "host", "policy": "best_effort", "timeout_s": None}
+
+
+@dataclass(frozen=True, slots=True)
+class Stats(Message):
+    op: ClassVar[str] = "stats"
+    _codecs: ClassVar = {}
+
+
+OPS: dict[str, type[Message]] = {
+    cls.op: cls
+    for cls in (Hello, OpenNamespace, Reserve, Commit, Abort, Get, Release, Lookup,
+                Delete, Pin, Unpin, Prefetch, Stats)
+}
+
+
+def decode_request(request: Request) -> Message:
+    """Validate a wire request into its typed message; errors name the op and field."""
+    cls = OPS.get(request.op)
+    if cls is None:
+        raise ProtocolError(f"unknown op {request.op[:64]!r}; known: {', '.join(OPS)}")
+    return cls.from_args(request.args)

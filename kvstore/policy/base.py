@@ -1,0 +1,135 @@
+"""The eviction-policy interface every tier uses, and the bookkeeping all policies share."""
+
+from __future__ import annotations
+
+import abc
+import math
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
+
+from kvstore.errors import InvalidArgument
+
+# Same range as `Hints.priority`: tiers pass the hint through unchanged.
+MIN_PRIORITY, MAX_PRIORITY = -10, 10
+
+
+@dataclass(slots=True)
+class PolicyEntry:
+    """What a policy remembers about one tracked object. Only `freq` ever changes."""
+
+    size_bytes: int
+    recompute_cost: float | None
+    priority: int
+    freq: int = 0
+
+
+class EvictionPolicy(abc.ABC):
+    """Tracks objects of one tier and chooses victims. Decides only: never does I/O.
+
+    A policy belongs to one tier and is called by that tier's owner only (one thread or one
+    event loop); it takes no lock. Keys are opaque hashables chosen by the tier.
+
+    Protocol: `on_insert` once per object the tier admits, `on_access` on every hit,
+    `on_remove` on explicit delete or expiry, `victims()` when the tier needs room.
+    Every call is O(1) except `victims()` (amortized O(victims + skipped)) and
+    `check_integrity()` (O(n)).
+    """
+
+    name: str  # the registry name, set by each implementation
+
+    def __init__(self, capacity_bytes: int):
+        if not _is_int(capacity_bytes) or capacity_bytes <= 0:
+            raise InvalidArgument(f"capacity_bytes must be a positive integer, got {capacity_bytes!r}")
+        self.capacity_bytes = capacity_bytes
+        self._entries: dict[Hashable, PolicyEntry] = {}
+        self._tracked_bytes = 0
+
+    @abc.abstractmethod
+    def on_insert(
+        self, key: Hashable, size_bytes: int, recompute_cost: float | None = None, priority: int = 0
+    ) -> None:
+        """Start tracking `key`. Raises InvalidArgument if it is already tracked or a field is bad.
+
+        recompute_cost: what a miss costs (any unit, >= 0); None when the producer gave no hint.
+        priority: -10..10, higher is kept longer.
+        """
+
+    @abc.abstractmethod
+    def on_access(self, key: Hashable) -> None:
+        """Record a hit on `key`. An untracked key is ignored."""
+
+    @abc.abstractmethod
+    def on_remove(self, key: Hashable) -> None:
+        """Forget `key` (explicit delete or expiry). Idempotent: an untracked key is ignored."""
+
+    @abc.abstractmethod
+    def victims(self, bytes_needed: int, evictable: Callable[[Hashable], bool]) -> list:
+        """Choose keys to evict so that the sum of their sizes >= bytes_needed.
+
+        If the evictable bytes are not enough, every evictable key is returned. Keys for
+        which `evictable(key)` is False (pinned, leased) are never returned and keep their
+        state. The returned keys are no longer tracked (as if `on_remove` had been called);
+        the caller must now remove them from the tier. `bytes_needed <= 0` returns [].
+        `evictable` is called only with tracked keys and must not call back into the policy.
+        """
+
+    @abc.abstractmethod
+    def _check_structure(self) -> None:
+        """Check the implementation's own queues; raise RuntimeError via `_integrity_error`."""
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._entries
+
+    @property
+    def tracked_bytes(self) -> int:
+        """Sum of the sizes of the tracked objects."""
+        return self._tracked_bytes
+
+    def check_integrity(self) -> None:
+        """Raise RuntimeError naming the first inconsistency in the bookkeeping. O(n)."""
+        total = 0
+        for key, entry in self._entries.items():
+            if entry.size_bytes <= 0:
+                raise self._integrity_error(f"key {key!r} has size {entry.size_bytes}")
+            total += entry.size_bytes
+        if total != self._tracked_bytes:
+            raise self._integrity_error(f"tracked_bytes is {self._tracked_bytes}, entries sum to {total}")
+        self._check_structure()
+
+    def _integrity_error(self, message: str) -> RuntimeError:
+        return RuntimeError(f"{self.name} policy is inconsistent: {message}")
+
+    def _add_entry(
+        self, key: Hashable, size_bytes: int, recompute_cost: float | None, priority: int
+    ) -> PolicyEntry:
+        """Validate an insert and record the entry; the caller places it in its queues."""
+        if key in self._entries:
+            raise InvalidArgument(f"key {key!r} is already tracked; remove it before inserting it again")
+        if not _is_int(size_bytes) or size_bytes <= 0:
+            raise InvalidArgument(f"size_bytes must be a positive integer, got {size_bytes!r}")
+        if recompute_cost is not None and (
+            not isinstance(recompute_cost, (int, float)) or isinstance(recompute_cost, bool)
+            or not math.isfinite(recompute_cost) or recompute_cost < 0
+        ):
+            raise InvalidArgument(f"recompute_cost must be a finite number >= 0 or None, got {recompute_cost!r}")
+        if not _is_int(priority) or not MIN_PRIORITY <= priority <= MAX_PRIORITY:
+            raise InvalidArgument(
+                f"priority must be an integer in {MIN_PRIORITY}..{MAX_PRIORITY}, got {priority!r}"
+            )
+        entry = PolicyEntry(size_bytes, recompute_cost, priority)
+        self._entries[key] = entry
+        self._tracked_bytes += size_bytes
+        return entry
+
+    def _drop_entry(self, key: Hashable) -> PolicyEntry:
+        """Forget a tracked key's entry; the caller takes it out of its queues."""
+        entry = self._entries.pop(key)
+        self._tracked_bytes -= entry.size_bytes
+        return entry
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

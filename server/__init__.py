@@ -1,0 +1,1 @@
+"""The daemon: wiring, tier manager, local service, CLI."""

@@ -1,0 +1,198 @@
+"""The local service: one asyncio Protocol per client connection on the Unix socket.
+
+It only moves bytes between the socket and the sans-I/O codec, dispatches typed
+requests to the tier manager, and passes arena fds with SCM_RIGHTS. A bad frame gets
+an error reply (or, if the stream cannot be resynchronised, the connection is closed);
+no request can crash the daemon or change stored state by failing.
+"""
+
+from __future__ import annotations
+
+import array
+import asyncio
+import itertools
+import logging
+import os
+import socket
+import struct
+
+from kvstore import messages as m
+from kvstore.errors import KVStoreError, LimitExceeded, PermissionDenied, ProtocolError
+from kvstore.protocol import NEED_DATA, BadFrame, Fatal, FrameCodec, Reply, Request
+
+log = logging.getLogger("kvstore.local")
+_conn_ids = itertools.count(1)
+SERVER_VERSION = "0.1.0"
+
+
+class LocalConnection(asyncio.Protocol):
+    def __init__(self, daemon):
+        self.daemon = daemon
+        self.manager = daemon.manager
+        self.conn_id = next(_conn_ids)
+        self.codec = FrameCodec()
+        self.transport: asyncio.Transport | None = None
+        self.opened: set[str] = set()  # namespaces this connection may use
+        self.client_name = "?"
+        self.peer = (0, -1, -1)  # pid, uid, gid from SO_PEERCRED
+        self._fd_sock: socket.socket | None = None
+        self._held: list[tuple[bytes, int | None]] | None = None  # frames queued behind an fd send
+
+    # --- asyncio callbacks --------------------------------------------------------
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+        sock = transport.get_extra_info("socket")
+        creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+        self.peer = struct.unpack("3i", creds)
+        if len(self.daemon.connections) >= self.daemon.config.limits.max_clients:
+            err = LimitExceeded(f"daemon serves at most {self.daemon.config.limits.max_clients} clients (limits.max_clients)")
+            transport.write(self.codec.send_reply(Reply(0, error=err.to_wire())))
+            transport.close()
+            return
+        # asyncio's transport socket has no sendmsg; a dup of the fd does.
+        self._fd_sock = socket.socket(fileno=os.dup(sock.fileno()))
+        self.daemon.connections[self.conn_id] = self
+
+    def data_received(self, data: bytes) -> None:
+        self.codec.receive_data(data)
+        while True:
+            event = self.codec.next_event()
+            if event is NEED_DATA:
+                return
+            if isinstance(event, Fatal):
+                log.warning("event=protocol_fatal conn=%d error=%r", self.conn_id, event.error.message)
+                self._write(self.codec.send_reply(Reply(0, error=event.error.to_wire())))
+                self.transport.close()
+                return
+            if isinstance(event, BadFrame):
+                log.info("event=bad_frame conn=%d id=%d error=%r", self.conn_id, event.id, event.error.message)
+                self._write(self.codec.send_reply(Reply(event.id, error=event.error.to_wire())))
+            elif isinstance(event, Reply):
+                err = ProtocolError("clients send requests, not replies")
+                self._write(self.codec.send_reply(Reply(event.id, error=err.to_wire())))
+            else:
+                self._handle(event)
+
+    def connection_lost(self, exc) -> None:
+        self.daemon.connections.pop(self.conn_id, None)
+        dropped = self.manager.drop_owner(self.conn_id)
+        if dropped:
+            log.info("event=client_gone conn=%d client=%s pid=%d leases_released=%d",
+                     self.conn_id, self.client_name, self.peer[0], dropped)
+        if self._fd_sock is not None:
+            self._fd_sock.close()
+            self._fd_sock = None
+
+    # --- requests -------------------------------------------------------------------
+
+    def _handle(self, request: Request) -> None:
+        fd = None
+        try:
+            msg = m.decode_request(request)
+            result, fd = self._dispatch(msg)
+            reply = Reply(request.id, result)
+        except KVStoreError as exc:
+            log.info("event=request_error conn=%d op=%s code=%s error=%r",
+                     self.conn_id, request.op[:32], exc.code, exc.message)
+            reply = Reply(request.id, error=exc.to_wire())
+        except Exception as exc:  # a bug: answer it, log it, keep serving
+            log.exception("event=internal_error conn=%d op=%s", self.conn_id, request.op[:32])
+            reply = Reply(request.id, error={"code": "internal", "message": f"internal error: {type(exc).__name__}: {exc}"})
+        if request.no_reply and reply.ok:
+            return
+        frame = self.codec.send_reply(reply)
+        if fd is None:
+            self._write(frame)
+        else:
+            self._write_with_fd(frame, fd)
+
+    def _ns(self, name: str) -> str:
+        if name not in self.opened:
+            raise PermissionDenied(f"namespace {name!r} is not open on this connection; call open first")
+        return name
+
+    def _dispatch(self, msg: m.Message):
+        mgr, owner = self.manager, self.conn_id
+        match msg:
+            case m.Get():
+                return mgr.get(owner, self._ns(msg.namespace), msg.object_id, msg.accept), None
+            case m.Release():
+                mgr.release(owner, msg.lease)
+                return None, None
+            case m.Reserve():
+                self._ns(msg.namespace)
+                return mgr.reserve(owner, msg), None
+            case m.Commit():
+                return mgr.commit(owner, msg.lease, msg.checksum), None
+            case m.Abort():
+                mgr.abort(owner, msg.lease)
+                return None, None
+            case m.Lookup():
+                return mgr.lookup(self._ns(msg.namespace), msg.ids), None
+            case m.Delete():
+                return {"deleted": mgr.delete(self._ns(msg.namespace), msg.ids)}, None
+            case m.Pin():
+                return {"pinned": mgr.pin(self._ns(msg.namespace), msg.ids, msg.ttl_s)}, None
+            case m.Unpin():
+                return {"unpinned": mgr.unpin(self._ns(msg.namespace), msg.ids)}, None
+            case m.Prefetch():
+                # One tier so far: prefetch answers how many are already resident.
+                lookup = mgr.lookup(self._ns(msg.namespace), msg.ids)
+                return {"resident": sum(t is not None for t in lookup["tiers"]), "requested": len(msg.ids)}, None
+            case m.OpenNamespace():
+                ns = self.daemon.authorize(msg.namespace, msg.token, self.peer)
+                self.opened.add(msg.namespace)
+                return {"namespace": msg.namespace, "arena_bytes": ns.arena.capacity_bytes}, ns.arena.fd
+            case m.Hello():
+                self.client_name = msg.client
+                return {"server": SERVER_VERSION, "protocol": 1, "conn": self.conn_id,
+                        "limits": self.daemon.limits_for_clients()}, None
+            case m.Stats():
+                return self.daemon.stats(), None
+        raise ProtocolError(f"op {msg.op} not served on the local socket")
+
+    # --- output -----------------------------------------------------------------------
+
+    def _write(self, frame: bytes) -> None:
+        if self._held is not None:
+            self._held.append((frame, None))
+        elif not self.transport.is_closing():
+            self.transport.write(frame)
+
+    def _write_with_fd(self, frame: bytes, fd: int) -> None:
+        """Send `frame` with `fd` attached, never interleaved with other buffered bytes."""
+        if self._held is None and self.transport.get_write_buffer_size() == 0:
+            if self._try_sendmsg(frame, fd):
+                return
+        if self._held is None:
+            self._held = []
+            asyncio.get_running_loop().create_task(self._flush_held())
+        self._held.append((frame, fd))
+
+    def _try_sendmsg(self, frame: bytes, fd: int) -> bool:
+        try:
+            sent = self._fd_sock.sendmsg([frame], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))])
+        except (BlockingIOError, InterruptedError):
+            return False
+        except OSError:
+            self.transport.close()
+            return True
+        if sent < len(frame):
+            self.transport.write(frame[sent:])
+        return True
+
+    async def _flush_held(self) -> None:
+        while self._held:
+            frame, fd = self._held[0]
+            if self.transport.is_closing():
+                self._held = None
+                return
+            if fd is None:
+                self.transport.write(frame)
+            else:
+                if self.transport.get_write_buffer_size() or not self._try_sendmsg(frame, fd):
+                    await asyncio.sleep(0.001)
+                    continue
+            self._held.pop(0)
+        self._held = None

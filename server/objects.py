@@ -1,0 +1,55 @@
+"""What the daemon knows about one committed object."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from kvstore.hints import Hints
+from kvstore.identity import ObjectId, StateDescriptor
+
+
+@dataclass(slots=True)
+class ObjectEntry:
+    """A committed, immutable object in the host tier. Mutable fields are bookkeeping only."""
+
+    object_id: ObjectId
+    namespace: str
+    extent: object  # tiers.allocator.Extent
+    size: int
+    checksum: bytes
+    descriptor: StateDescriptor
+    hints: Hints
+    created_at: float  # wall clock, for listings
+    expires_at: float = math.inf  # monotonic; from hints.ttl_s
+    pinned_until: float = 0.0  # monotonic; math.inf = pinned until unpinned
+    num_hits: int = 0
+    readers: int = 0  # read leases on this entry
+    deleted: bool = False  # removed from the index, extent freed when the last reader leaves
+
+    def is_pinned(self, now: float) -> bool:
+        return self.pinned_until > now
+
+    def to_wire(self, tier: str = "host") -> dict:
+        return {
+            "object_id": self.object_id.digest,
+            "size": self.size,
+            "checksum": self.checksum,
+            "descriptor": self.descriptor.to_wire(),
+            "hints": self.hints.to_wire(),
+            "tier": tier,
+            "created_at": self.created_at,
+            "num_hits": self.num_hits,
+        }
+
+
+@dataclass(slots=True)
+class PendingPut:
+    """An extent reserved for a put that is not committed yet (a write lease)."""
+
+    namespace: str
+    object_id: ObjectId
+    size: int
+    descriptor: StateDescriptor
+    hints: Hints
+    extent: object

@@ -1,0 +1,239 @@
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvstore.errors import InvalidArgument
+from tiers.allocator import _MAX_CLASS_SCAN, Extent, ExtentAllocator
+
+ALIGN = 16
+UNITS = 64
+
+
+class Model:
+    """The allocator's job done the obvious way: a dict of allocated extents, gaps by scan."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.allocated: dict[int, int] = {}
+
+    def holes(self) -> list[tuple[int, int]]:
+        holes, position = [], 0
+        for offset in sorted(self.allocated):
+            if offset > position:
+                holes.append((position, offset - position))
+            position = offset + self.allocated[offset]
+        if position < self.capacity:
+            holes.append((position, self.capacity - position))
+        return holes
+
+    def first_fit(self, length: int) -> int | None:
+        return next((o for o, n in self.holes() if n >= length), None)
+
+
+def rounded(size: int, align: int) -> int:
+    return -(-size // align) * align
+
+
+def size_class(length: int, align: int) -> int:
+    return (length // align).bit_length() - 1
+
+
+def check_alloc(a: ExtentAllocator, model: Model, size: int, exact: bool) -> Extent | None:
+    length = rounded(size, a.alignment)
+    expected = model.first_fit(length)
+    assert a.can_alloc(size) == (expected is not None)
+    got = a.alloc(size)
+    if expected is None:
+        assert got is None
+        return None
+    assert got is not None and got.length == length and got.offset % a.alignment == 0
+    assert any(o <= got.offset and got.end <= o + n for o, n in model.holes())
+    if got.offset != expected:
+        # Allowed only when alloc gave up on a long run of too-small holes of the same class.
+        assert not exact
+        k = size_class(length, a.alignment)
+        skipped = [o for o, n in model.holes() if o < got.offset and size_class(n, a.alignment) == k]
+        assert len(skipped) >= _MAX_CLASS_SCAN and size_class(a.largest_free_bytes, a.alignment) > k
+    model.allocated[got.offset] = got.length
+    return got
+
+
+def check_stats(a: ExtentAllocator, model: Model) -> None:
+    used = sum(model.allocated.values())
+    assert (a.used_bytes, a.free_bytes) == (used, model.capacity - used)
+    assert a.num_allocated == len(model.allocated)
+    holes = model.holes()
+    assert a.num_free_extents == len(holes)
+    assert a.largest_free_bytes == max((n for _, n in holes), default=0)
+
+
+ops = st.lists(st.tuples(st.booleans(), st.integers(1, 20 * ALIGN), st.integers(0, 1 << 30)), max_size=150)
+
+
+@settings(max_examples=300, deadline=None)
+@given(ops)
+def test_random_ops_match_first_fit_model(steps):
+    a, model, live = ExtentAllocator(UNITS * ALIGN, ALIGN), Model(UNITS * ALIGN), []
+    for is_alloc, size, pick in steps:
+        if is_alloc or not live:
+            extent = check_alloc(a, model, size, exact=True)
+            if extent is not None:
+                live.append(extent)
+        else:
+            extent = live.pop(pick % len(live))
+            a.free(extent)
+            del model.allocated[extent.offset]
+        a.check_integrity()
+        check_stats(a, model)
+
+
+def test_seeded_20k_ops_then_drain_to_one_extent():
+    rng = random.Random(20240)
+    capacity = 1024 * 4096
+    a, model, live = ExtentAllocator(capacity), Model(capacity), []
+    for step in range(20_000):
+        size = rng.choice([1, 4096, 4097, 3 * 4096, 64 * 1024, rng.randrange(1, 200 * 1024)])
+        if live and rng.random() < 0.45:
+            extent = live.pop(rng.randrange(len(live)))
+            a.free(extent)
+            del model.allocated[extent.offset]
+        else:
+            extent = check_alloc(a, model, size, exact=False)
+            if extent is not None:
+                live.append(extent)
+        if step % 200 == 0:
+            a.check_integrity()
+            check_stats(a, model)
+    assert a.num_allocated > 0
+    rng.shuffle(live)
+    for extent in live:
+        a.free(extent)
+    a.check_integrity()
+    assert (a.used_bytes, a.num_allocated, a.num_free_extents) == (0, 0, 1)
+    assert a.largest_free_bytes == capacity
+    assert a.alloc(capacity) == Extent(0, capacity)
+
+
+def test_fragmentation_then_coalescing_back_to_one_extent():
+    a = ExtentAllocator(256 * 4096)
+    units = []
+    while a.can_alloc(4096):
+        units.append(a.alloc(4096))
+    assert len(units) == 256 and a.alloc(1) is None
+    for extent in units[::2]:
+        a.free(extent)
+    assert a.num_free_extents == 128 and a.free_bytes == 128 * 4096
+    assert a.largest_free_bytes == 4096
+    assert not a.can_alloc(2 * 4096) and a.alloc(2 * 4096) is None
+    rest = units[1::2]
+    random.Random(7).shuffle(rest)
+    for extent in rest:
+        a.free(extent)
+        a.check_integrity()
+    assert a.num_free_extents == 1 and a.largest_free_bytes == 256 * 4096
+
+
+def test_lowest_address_first():
+    a = ExtentAllocator(16 * 4096)
+    first, second, third = a.alloc(4096), a.alloc(4096), a.alloc(4096)
+    assert [e.offset for e in (first, second, third)] == [0, 4096, 8192]
+    a.free(second)
+    a.free(first)
+    assert a.alloc(4096).offset == 0  # the low, warm hole, not the big tail
+    assert a.alloc(8192).offset == 3 * 4096  # hole at 4096 is one unit: too small
+
+
+def test_alignment_rounds_lengths_up():
+    a = ExtentAllocator(64 * 4096)
+    assert a.alloc(1) == Extent(0, 4096)
+    assert a.alloc(4096) == Extent(4096, 4096)
+    assert a.alloc(4097) == Extent(8192, 8192)
+    assert ExtentAllocator(1024, 64).alloc(65) == Extent(0, 128)
+
+
+@pytest.mark.parametrize("size", [0, -1, -4096, 1.5, "8", True, None])
+def test_bad_sizes_rejected(size):
+    a = ExtentAllocator(16 * 4096)
+    with pytest.raises(InvalidArgument):
+        a.alloc(size)
+    with pytest.raises(InvalidArgument):
+        a.can_alloc(size)
+    assert a.used_bytes == 0
+
+
+@pytest.mark.parametrize("capacity, alignment", [(0, 4096), (-4096, 4096), (4097, 4096), (4096, 3000), (4096, 0)])
+def test_bad_construction_rejected(capacity, alignment):
+    with pytest.raises(InvalidArgument):
+        ExtentAllocator(capacity, alignment)
+
+
+def snapshot(a: ExtentAllocator):
+    return (a.used_bytes, a.free_bytes, a.num_allocated, a.num_free_extents, a.largest_free_bytes)
+
+
+def test_double_free_and_foreign_extents_rejected_without_change():
+    a, other = ExtentAllocator(64 * 4096), ExtentAllocator(64 * 4096)
+    kept, freed = a.alloc(8192), a.alloc(4096)
+    other.alloc(4096 * 10)
+    a.free(freed)
+    before = snapshot(a)
+    foreign = [
+        freed,  # double free
+        Extent(kept.offset, 4096),  # wrong (shorter) length
+        Extent(kept.offset, 3 * 4096),  # wrong (longer) length
+        Extent(kept.offset + 4096, 4096),  # inside an allocated extent
+        Extent(20 * 4096, 4096),  # never allocated
+        Extent(1000 * 4096, 4096),  # beyond capacity
+        (kept.offset, kept.length),  # not an Extent
+    ]
+    for extent in foreign:
+        with pytest.raises(InvalidArgument):
+            a.free(extent)
+        assert snapshot(a) == before
+        a.check_integrity()
+    a.free(kept)
+    assert a.used_bytes == 0
+
+
+def test_exhaustion_returns_none_and_can_alloc_agrees():
+    a = ExtentAllocator(8 * 4096)
+    assert not a.can_alloc(9 * 4096) and a.alloc(9 * 4096) is None
+    big = a.alloc(6 * 4096)
+    assert a.can_alloc(2 * 4096) and not a.can_alloc(2 * 4096 + 1)
+    assert a.alloc(2 * 4096 + 1) is None
+    a.alloc(2 * 4096)
+    assert a.free_bytes == 0 and a.largest_free_bytes == 0
+    assert not a.can_alloc(1) and a.alloc(1) is None
+    a.free(big)
+    assert a.can_alloc(6 * 4096) and a.alloc(6 * 4096) == big
+
+
+def test_long_run_of_small_holes_never_hides_a_fit():
+    # More too-small holes of the request's class than alloc scans, then one that fits.
+    n = _MAX_CLASS_SCAN + 10
+    a = ExtentAllocator((3 * n + 8) * 4096)
+    pairs = [(a.alloc(2 * 4096), a.alloc(4096)) for _ in range(n)]
+    fits = a.alloc(3 * 4096)
+    a.alloc(a.free_bytes)  # no larger hole anywhere
+    for hole, _ in pairs:
+        a.free(hole)
+    a.free(fits)
+    assert a.alloc(3 * 4096) == fits  # found despite the scan bound
+    a.check_integrity()
+
+
+def test_check_integrity_catches_corruption():
+    a = ExtentAllocator(16 * 4096)
+    a.alloc(4096)
+    a.check_integrity()
+    a._allocated[8192] = 4096  # overlaps the free extent, used_bytes not updated
+    with pytest.raises(RuntimeError):
+        a.check_integrity()
+    b = ExtentAllocator(16 * 4096)
+    b._remove_free(0)
+    b._add_free(0, 4096)
+    b._add_free(4096, 15 * 4096)  # adjacent, not coalesced
+    with pytest.raises(RuntimeError, match="coalesced"):
+        b.check_integrity()

@@ -1,0 +1,227 @@
+"""First-fit extent allocator over one address range (an arena, a data file).
+
+    alloc(n):  round n up to the alignment; take the free extent with the lowest offset whose
+               length fits; carve the request off its front; the rest stays free.
+    free(e):   e must be exactly an extent alloc returned and not yet freed; merge it with
+               the free extents that touch it on either side, so free space never fragments
+               into neighbours.
+
+Lowest address first keeps allocations packed at the bottom of the range, so the memory that
+was used recently (and is therefore faulted in and warm) is what gets reused.
+
+Free extents live in three structures: a sorted list of offsets (neighbours for coalescing),
+a dict offset -> length, and per size class (lengths in [2^k, 2^(k+1)) alignment units) a
+sorted list of offsets. Any extent of a larger class fits, so its lowest offset is a candidate
+in O(1); only the request's own class is scanned, in address order, and only up to the best
+candidate from the larger classes. The allocator holds no memory, only numbers.
+
+Not thread-safe: the daemon's event loop thread is the only caller.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left, insort
+from dataclasses import dataclass
+
+from kvstore.errors import InvalidArgument
+
+# How many too-small holes of the request's own size class alloc looks at before it settles for
+# a hole of a larger class (still lowest-offset among those). Bounds alloc's time on a badly
+# fragmented range; if no larger hole exists the scan goes on, so alloc never misses a fit.
+_MAX_CLASS_SCAN = 64
+
+
+@dataclass(frozen=True, slots=True)
+class Extent:
+    """A byte range [offset, offset + length) of one address range."""
+
+    offset: int
+    length: int
+
+    def __post_init__(self) -> None:
+        for name in ("offset", "length"):
+            value = getattr(self, name)
+            if type(value) is not int:
+                raise InvalidArgument(f"Extent.{name} must be an int, got {value!r}")
+        if self.offset < 0 or self.length <= 0:
+            raise InvalidArgument(
+                f"Extent needs offset >= 0 and length > 0, got ({self.offset}, {self.length})"
+            )
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.length
+
+
+class ExtentAllocator:
+    """Hands out aligned extents of [0, capacity_bytes). Event loop thread only."""
+
+    def __init__(self, capacity_bytes: int, alignment: int = 4096):
+        if type(alignment) is not int or alignment <= 0 or alignment & (alignment - 1):
+            raise InvalidArgument(f"alignment must be a power of two, got {alignment!r}")
+        if type(capacity_bytes) is not int or capacity_bytes <= 0 or capacity_bytes % alignment:
+            raise InvalidArgument(
+                f"capacity_bytes must be a positive multiple of {alignment}, got {capacity_bytes!r}"
+            )
+        self._capacity = capacity_bytes
+        self._alignment = alignment
+        self._free_offsets: list[int] = []
+        self._free: dict[int, int] = {}
+        self._by_class: list[list[int]] = [[] for _ in range(self._class_of(capacity_bytes) + 1)]
+        self._allocated: dict[int, int] = {}
+        self._used = 0
+        self._add_free(0, capacity_bytes)
+
+    # -- queries ------------------------------------------------------------------------------
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self._capacity
+
+    @property
+    def alignment(self) -> int:
+        return self._alignment
+
+    @property
+    def used_bytes(self) -> int:
+        return self._used
+
+    @property
+    def free_bytes(self) -> int:
+        return self._capacity - self._used
+
+    @property
+    def num_allocated(self) -> int:
+        return len(self._allocated)
+
+    @property
+    def num_free_extents(self) -> int:
+        return len(self._free_offsets)
+
+    @property
+    def largest_free_bytes(self) -> int:
+        """The largest single extent alloc could return now (0 when full)."""
+        for offsets in reversed(self._by_class):
+            if offsets:
+                return max(self._free[o] for o in offsets)
+        return 0
+
+    def is_allocated(self, extent: Extent) -> bool:
+        return self._allocated.get(extent.offset) == extent.length
+
+    def can_alloc(self, size_bytes: int) -> bool:
+        """True when alloc(size_bytes) would succeed now. Same validation as alloc."""
+        return self._find(self._rounded(size_bytes)) is not None
+
+    # -- changes ------------------------------------------------------------------------------
+
+    def alloc(self, size_bytes: int) -> Extent | None:
+        """An extent of at least size_bytes (rounded up to the alignment), or None when no
+        contiguous free extent is that large. size_bytes <= 0 raises InvalidArgument."""
+        length = self._rounded(size_bytes)
+        offset = self._find(length)
+        if offset is None:
+            return None
+        hole = self._free[offset]
+        self._remove_free(offset)
+        if hole > length:
+            self._add_free(offset + length, hole - length)
+        self._allocated[offset] = length
+        self._used += length
+        return Extent(offset, length)
+
+    def free(self, extent: Extent) -> None:
+        """Return an extent that alloc handed out. Anything else (double free, a changed
+        length, an extent of another allocator) raises InvalidArgument and changes nothing."""
+        if not isinstance(extent, Extent) or not self.is_allocated(extent):
+            raise InvalidArgument(
+                f"free({extent!r}): not an allocated extent of this allocator "
+                "(double free, wrong length, or never allocated)"
+            )
+        offset, length = extent.offset, extent.length
+        del self._allocated[offset]
+        self._used -= length
+        i = bisect_left(self._free_offsets, offset)
+        right = offset + length
+        if i < len(self._free_offsets) and self._free_offsets[i] == right:
+            length += self._free[right]
+            self._remove_free(right)
+        if i > 0:
+            left = self._free_offsets[i - 1]
+            if left + self._free[left] == offset:
+                length += self._free[left]
+                offset = left
+                self._remove_free(left)
+        self._add_free(offset, length)
+
+    # -- integrity ----------------------------------------------------------------------------
+
+    def check_integrity(self) -> None:
+        """Raise RuntimeError describing the first broken invariant. O(n log n)."""
+        if sorted(self._free) != self._free_offsets:
+            raise RuntimeError("free offsets list is unsorted or disagrees with the free map")
+        prev_end = -1
+        for offset in self._free_offsets:
+            length = self._free[offset]
+            if length <= 0 or offset % self._alignment or length % self._alignment:
+                raise RuntimeError(f"free extent ({offset}, {length}) is empty or unaligned")
+            if offset < prev_end:
+                raise RuntimeError(f"free extent at {offset} overlaps the one ending at {prev_end}")
+            if offset == prev_end:
+                raise RuntimeError(f"free extents meet at {offset} but were not coalesced")
+            prev_end = offset + length
+        for k, offsets in enumerate(self._by_class):
+            if offsets != sorted(offsets) or any(self._class_of(self._free[o]) != k for o in offsets):
+                raise RuntimeError(f"size class {k} index is unsorted or holds a wrong extent")
+        if sum(map(len, self._by_class)) != len(self._free):
+            raise RuntimeError("size class index and free map hold different extents")
+        if sum(self._allocated.values()) != self._used:
+            raise RuntimeError(f"used_bytes {self._used} != sum of allocated extents")
+        spans = sorted([*self._free.items(), *self._allocated.items()])
+        position = 0
+        for offset, length in spans:
+            if offset != position:
+                kind = "overlap" if offset < position else "gap (lost bytes)"
+                raise RuntimeError(f"extents {kind} at offset {min(offset, position)}")
+            position = offset + length
+        if position != self._capacity or self._used + sum(self._free.values()) != self._capacity:
+            raise RuntimeError(
+                f"used {self._used} + free {sum(self._free.values())} != capacity {self._capacity}"
+            )
+
+    # -- internals ----------------------------------------------------------------------------
+
+    def _rounded(self, size_bytes: int) -> int:
+        if type(size_bytes) is not int or size_bytes <= 0:
+            raise InvalidArgument(f"size_bytes must be a positive int, got {size_bytes!r}")
+        return -(-size_bytes // self._alignment) * self._alignment
+
+    def _class_of(self, length: int) -> int:
+        return (length // self._alignment).bit_length() - 1
+
+    def _find(self, length: int) -> int | None:
+        """Offset of the lowest free extent that fits `length`, or None."""
+        k = self._class_of(length)
+        if k >= len(self._by_class):
+            return None
+        best = None
+        for offsets in self._by_class[k + 1 :]:
+            if offsets and (best is None or offsets[0] < best):
+                best = offsets[0]
+        for scanned, offset in enumerate(self._by_class[k]):
+            if best is not None and (offset > best or scanned >= _MAX_CLASS_SCAN):
+                break
+            if self._free[offset] >= length:
+                return offset
+        return best
+
+    def _add_free(self, offset: int, length: int) -> None:
+        insort(self._free_offsets, offset)
+        self._free[offset] = length
+        insort(self._by_class[self._class_of(length)], offset)
+
+    def _remove_free(self, offset: int) -> None:
+        length = self._free.pop(offset)
+        del self._free_offsets[bisect_left(self._free_offsets, offset)]
+        offsets = self._by_class[self._class_of(length)]
+        del offsets[bisect_left(offsets, offset)]

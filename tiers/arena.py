@@ -1,0 +1,179 @@
+"""HostArena: one namespace's host memory, a memfd mapped by the daemon, carved into extents.
+
+The arena is an anonymous memfd (no name under /dev/shm, so nothing leaks when the daemon
+dies: the memory goes when the last fd and mapping go). The daemon maps it once; local clients
+receive `arena.fd` over the Unix socket (SCM_RIGHTS) and map it themselves, so object bytes
+never travel through the socket.
+
+With `prefault=True` the memory is allocated (fallocate) and the page tables populated
+(MAP_POPULATE) at construction: first-touch faults cost about 10x a copy into warm memory, and
+that price belongs to startup, not to the put path. Allocating up front also means a host short
+of memory fails here with CapacityError instead of a SIGBUS on some later write.
+
+The file is sealed against shrinking and growing, so a client holding the fd cannot ftruncate
+it and make the daemon's own accesses fault.
+
+Not thread-safe: the daemon's event loop thread is the only caller.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import logging
+import mmap
+import os
+
+from kvstore.errors import CapacityError, InvalidArgument
+from tiers.allocator import Extent, ExtentAllocator
+
+_log = logging.getLogger(__name__)
+
+PAGE_BYTES = 4096
+# Linux caps memfd names at 249 bytes; the name only shows in /proc/<pid>/fd (as "memfd:...")
+# to help whoever debugs, so a long namespace is cut rather than refused.
+_MAX_NAME_BYTES = 240
+
+
+class HostArena:
+    """Host memory of one namespace: a memfd, its mapping, and an ExtentAllocator over it.
+
+    Buffers: `view()` returns a memoryview into the mapping; the arena owns the memory, and the
+    caller must drop (or `release()`) every view before `close()`, see there.
+    """
+
+    def __init__(self, namespace: str, capacity_bytes: int, prefault: bool = True):
+        if not isinstance(namespace, str) or not namespace or "\0" in namespace:
+            raise InvalidArgument(f"namespace must be a non-empty string, got {namespace!r}")
+        if type(capacity_bytes) is not int or capacity_bytes <= 0 or capacity_bytes % PAGE_BYTES:
+            raise InvalidArgument(
+                f"arena capacity_bytes must be a positive multiple of {PAGE_BYTES} "
+                f"(the page size), got {capacity_bytes!r}; round it up to whole pages"
+            )
+        self._namespace = namespace
+        self._capacity = capacity_bytes
+        self._allocator = ExtentAllocator(capacity_bytes, PAGE_BYTES)
+        self._mmap: mmap.mmap | None = None
+        name = f"kvstore-{namespace}".encode()[:_MAX_NAME_BYTES].decode(errors="ignore")
+        self._fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            os.ftruncate(self._fd, capacity_bytes)
+            fcntl.fcntl(self._fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
+            if prefault:
+                self._reserve()
+            flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if prefault else 0)
+            self._mmap = mmap.mmap(self._fd, capacity_bytes, flags=flags)
+        except BaseException:
+            os.close(self._fd)
+            self._fd = -1
+            raise
+
+    def _reserve(self) -> None:
+        try:
+            os.posix_fallocate(self._fd, 0, self._capacity)
+        except OSError as e:
+            if e.errno not in (errno.ENOSPC, errno.ENOMEM):
+                raise
+            raise CapacityError(
+                f"host arena for namespace {self._namespace!r}: cannot allocate "
+                f"{self._capacity} bytes of memory ({e.strerror}); lower the host tier capacity"
+            ) from None
+
+    # -- identity and stats -------------------------------------------------------------------
+
+    @property
+    def namespace(self) -> str:
+        return self._namespace
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self._capacity
+
+    @property
+    def fd(self) -> int:
+        """The memfd, for the server to pass to clients over SCM_RIGHTS. The arena owns it:
+        send it (the kernel duplicates it), never close it. -1 after close()."""
+        return self._fd
+
+    @property
+    def allocator(self) -> ExtentAllocator:
+        """The allocator, for stats (used_bytes, largest_free_bytes...); change it only
+        through the arena."""
+        return self._allocator
+
+    @property
+    def closed(self) -> bool:
+        return self._fd < 0
+
+    # -- extents ------------------------------------------------------------------------------
+
+    def can_alloc(self, size_bytes: int) -> bool:
+        """True when alloc(size_bytes) would succeed now."""
+        return self._allocator.can_alloc(size_bytes)
+
+    def alloc(self, size_bytes: int) -> Extent | None:
+        """A page-aligned extent of at least size_bytes, or None when no hole is that large.
+        The bytes are not cleared: they hold whatever the extent held before."""
+        self._check_open()
+        return self._allocator.alloc(size_bytes)
+
+    def free(self, extent: Extent) -> None:
+        """Give an extent back. The caller must hold no view of it and no lease on it."""
+        self._allocator.free(extent)
+
+    def view(self, extent: Extent) -> memoryview:
+        """A writable zero-copy memoryview of the extent's bytes (or any range inside the
+        arena). The arena owns the memory; the view is valid until close(), and the caller
+        must release it before close() (a live view keeps the whole mapping alive)."""
+        self._check_open()
+        if not isinstance(extent, Extent) or extent.end > self._capacity:
+            raise InvalidArgument(
+                f"view({extent!r}): not an extent inside this arena of {self._capacity} bytes"
+            )
+        return memoryview(self._mmap)[extent.offset : extent.end]
+
+    def check_integrity(self) -> None:
+        """Raise RuntimeError if the allocator or the memfd is inconsistent."""
+        self._check_open()
+        self._allocator.check_integrity()
+        size = os.fstat(self._fd).st_size
+        if size != self._capacity or len(self._mmap) != self._capacity:
+            raise RuntimeError(
+                f"arena {self._namespace!r}: memfd is {size} bytes and the mapping "
+                f"{len(self._mmap)}, expected {self._capacity}"
+            )
+
+    # -- life ---------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Close the fd and unmap. Idempotent.
+
+        Callers must drop every memoryview from view() first. If some are still alive, close()
+        does not raise: it logs a warning and leaves the unmapping to the last of those views
+        (the mapping stays valid, and its memory held, until they are gone). Clients that
+        mapped the fd keep their own mapping either way.
+        """
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+        if self._mmap is not None:
+            mapping, self._mmap = self._mmap, None
+            try:
+                mapping.close()
+            except BufferError:
+                _log.warning(
+                    "host arena %r closed while memoryviews of it are alive; its %d bytes stay "
+                    "mapped until the last view is released (release views before close())",
+                    self._namespace,
+                    self._capacity,
+                )
+
+    def __enter__(self) -> HostArena:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self._mmap is None:
+            raise RuntimeError(f"host arena {self._namespace!r} is closed")
