@@ -1,7 +1,8 @@
 """Thin in-process client for the kvstore daemon (sync and asyncio)."""
 
 from client.core import LookupResult, PutResult, ReadLease
+from client.aio import AsyncClient
 from client.sync import Client
 from kvstore.errors import DaemonUnavailable
 
-__all__ = ["Client", "DaemonUnavailable", "LookupResult", "PutResult", "ReadLease"]
+__all__ = ["AsyncClient", "Client", "DaemonUnavailable", "LookupResult", "PutResult", "ReadLease"]

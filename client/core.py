@@ -282,6 +282,6 @@ class ClientCore:
         replies = yield [self.request(cls(namespace, tuple(b), **extra)) for b in _batches(ids)]
         return sum(self.result(r)[field] for r in replies)
 
-    def op_stats(self):
-        (reply,) = yield [self.request(m.Stats())]
+    def op_simple(self, msg: m.Message):
+        (reply,) = yield [self.request(msg)]
         return self.result(reply)

@@ -194,4 +194,8 @@ class Client:
                                             tier=tier, policy=policy, timeout_s=timeout_s))
 
     def stats(self) -> dict:
-        return self._run(self.core.op_stats())
+        return self._run(self.core.op_simple(m.Stats()))
+
+    def check_integrity(self) -> None:
+        """Ask the daemon to verify its allocators, index, leases and policies now."""
+        self._run(self.core.op_simple(m.Check()))

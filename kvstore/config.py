@@ -80,6 +80,18 @@ class LimitsConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class AdminConfig:
+    enabled: bool = True
+    # Loopback by default: the admin API can delete and evict; expose it deliberately.
+    host: str = "127.0.0.1"
+    port: int = 8470  # 0 picks a free port (written to <data_dir>/admin.addr)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
+            raise InvalidArgument(f"admin.port must be 0..65535, got {self.port!r}")
+
+
+@dataclass(frozen=True, slots=True)
 class ServerConfig:
     data_dir: str = field(default_factory=default_data_dir)
     socket_path: str = field(default_factory=default_socket_path)
@@ -90,6 +102,7 @@ class ServerConfig:
     log_format: str = "kv"
     host: HostTierConfig = HostTierConfig()
     limits: LimitsConfig = LimitsConfig()
+    admin: AdminConfig = AdminConfig()
 
     def __post_init__(self) -> None:
         if self.log_level not in ("debug", "info", "warning", "error"):

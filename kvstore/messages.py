@@ -104,7 +104,7 @@ OPT_STR = (_opt_str_dec, lambda v: v)
 CHECKSUM = (_checksum_dec, lambda v: v)
 DESCRIPTOR = (StateDescriptor.from_wire, lambda v: v.to_wire())
 HINTS = (Hints.from_wire, lambda v: v.to_wire())
-ACCEPT = (_accept_dec, lambda v: None if v is None else [d.value for d in v])
+ACCEPT = (_accept_dec, lambda v: None if v is None else [DType.parse(d).value for d in v])
 
 
 class Message:
@@ -255,10 +255,17 @@ class Stats(Message):
     _codecs: ClassVar = {}
 
 
+@dataclass(frozen=True, slots=True)
+class Check(Message):
+    """Run every check_integrity() in the daemon now; errors come back as the reply."""
+    op: ClassVar[str] = "check"
+    _codecs: ClassVar = {}
+
+
 OPS: dict[str, type[Message]] = {
     cls.op: cls
     for cls in (Hello, OpenNamespace, Reserve, Commit, Abort, Get, Release, Lookup,
-                Delete, Pin, Unpin, Prefetch, Stats)
+                Delete, Pin, Unpin, Prefetch, Stats, Check)
 }
 
 

@@ -51,10 +51,12 @@ class Daemon:
         self._server: asyncio.AbstractServer | None = None
         self._tasks: list[asyncio.Task] = []
         self._stopped = asyncio.Event()
+        self.admin = None  # server.admin.AdminServer when admin.enabled
 
     async def start(self) -> None:
         path = self.config.socket_path
         os.makedirs(os.path.dirname(path) or ".", mode=0o700, exist_ok=True)
+        os.makedirs(self.config.data_dir, mode=0o700, exist_ok=True)
         _claim_socket_path(path)
         self.manager.host_bandwidth_bytes_s = measure_copy_bandwidth()
         self._server = await asyncio.get_running_loop().create_unix_server(
@@ -62,6 +64,10 @@ class Daemon:
         )
         os.chmod(path, self.config.socket_mode)
         self._tasks.append(asyncio.create_task(self._housekeeping()))
+        if self.config.admin.enabled:
+            from server.admin import AdminServer
+            self.admin = AdminServer(self)
+            await self.admin.start()
         log.info("event=ready socket=%s arena_bytes=%d policy=%s pid=%d version=%s",
                  path, self.config.host.arena_bytes, self.config.host.policy, os.getpid(), SERVER_VERSION)
 
@@ -77,6 +83,8 @@ class Daemon:
         log.info("event=stopping clients=%d", len(self.connections))
         for task in self._tasks:
             task.cancel()
+        if self.admin is not None:
+            await self.admin.stop()
         if self._server is not None:
             self._server.close()
         for conn in list(self.connections.values()):

@@ -150,6 +150,9 @@ class LocalConnection(asyncio.Protocol):
                         "limits": self.daemon.limits_for_clients()}, None
             case m.Stats():
                 return self.daemon.stats(), None
+            case m.Check():
+                self.manager.check_integrity()
+                return {"ok": True}, None
         raise ProtocolError(f"op {msg.op} not served on the local socket")
 
     # --- output -----------------------------------------------------------------------

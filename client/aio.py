@@ -1,0 +1,209 @@
+"""The asyncio client: the same operations as `Client`, awaited.
+
+Reads use `loop.add_reader` and `recvmsg` (asyncio streams cannot receive fds); writes
+go straight to the non-blocking socket and are queued only when it is full.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+from kvstore import messages as m
+from kvstore.config import default_socket_path
+from kvstore.errors import DaemonUnavailable, from_wire
+from kvstore.hints import Hints
+from kvstore.identity import StateDescriptor
+from kvstore.protocol import NEED_DATA, BadFrame, Fatal, Reply
+from client.core import ClientCore, LookupResult, PutResult, ReadLease
+from client.sync import _ANCILLARY, RECV_BYTES, _recv_fds
+
+
+class AsyncClient:
+    """Asyncio twin of `client.Client`; see its docstrings. One event loop per client."""
+
+    def __init__(self, socket_path: str | None, namespace: str, token: str | None,
+                 timeout_s: float, client_name: str):
+        self.socket_path = socket_path or default_socket_path()
+        self.namespace = namespace
+        self.token = token
+        self.timeout_s = timeout_s
+        self.client_name = client_name
+        self._sock: socket.socket | None = None
+        self._waiting: dict[int, asyncio.Future] = {}
+        self._outbox = bytearray()
+        self._lock = asyncio.Lock()
+        self.server_info: dict = {}
+
+    @classmethod
+    async def connect(cls, socket_path: str | None = None, namespace: str = "default", token: str | None = None,
+                      timeout_s: float = 30.0, client_name: str = "python-asyncio") -> AsyncClient:
+        self = cls(socket_path, namespace, token, timeout_s, client_name)
+        await self._connect()
+        return self
+
+    async def _connect(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.setblocking(False)
+        try:
+            await asyncio.wait_for(self._loop.sock_connect(sock, self.socket_path), self.timeout_s)
+        except (OSError, asyncio.TimeoutError) as exc:
+            sock.close()
+            raise DaemonUnavailable(
+                f"no kvstore daemon at {self.socket_path} ({exc}); start one with `kvstore serve`"
+            ) from None
+        self._sock = sock
+        self.core = ClientCore(self.namespace, self.token, self._release)
+        self._loop.add_reader(sock.fileno(), self._on_readable)
+        self.server_info = await self._run(self.core.op_hello(self.client_name))
+
+    async def reconnect(self) -> None:
+        self._drop(DaemonUnavailable("reconnecting"))
+        await self._connect()
+
+    async def close(self) -> None:
+        self._drop(DaemonUnavailable("client closed"))
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    def _drop(self, error: Exception) -> None:
+        if self._sock is None:
+            return
+        self._loop.remove_reader(self._sock.fileno())
+        self._loop.remove_writer(self._sock.fileno())
+        self._sock.close()
+        self._sock = None
+        self._outbox.clear()
+        self.core.close()
+        for fut in self._waiting.values():
+            if not fut.done():
+                fut.set_exception(error)
+        self._waiting.clear()
+
+    def _lost(self, why: str) -> None:
+        self._drop(DaemonUnavailable(f"lost the daemon at {self.socket_path}: {why}; call reconnect() once it is back"))
+
+    # --- transport ---------------------------------------------------------------
+
+    def _on_readable(self) -> None:
+        try:
+            data, ancdata, _, _ = self._sock.recvmsg(RECV_BYTES, _ANCILLARY)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as exc:
+            return self._lost(str(exc))
+        if not data:
+            return self._lost("connection closed")
+        self.core.fds.extend(_recv_fds(ancdata))
+        self.core.codec.receive_data(data)
+        while (event := self.core.codec.next_event()) is not NEED_DATA:
+            if isinstance(event, Reply) and event.id in self._waiting:
+                fut = self._waiting.pop(event.id)
+                if not fut.done():
+                    fut.set_result(event)
+            elif isinstance(event, Reply) and event.id == 0 and event.error is not None:
+                return self._lost(from_wire(event.error).message)
+            elif isinstance(event, (Fatal, BadFrame)):
+                return self._lost(f"bad frame from daemon: {event.error.message}")
+
+    def _send(self, data: bytes) -> None:
+        if self._sock is None:
+            raise DaemonUnavailable(f"not connected to {self.socket_path}; call reconnect()")
+        if not self._outbox:
+            try:
+                sent = self._sock.send(data)
+            except (BlockingIOError, InterruptedError):
+                sent = 0
+            except OSError as exc:
+                self._lost(str(exc))
+                raise DaemonUnavailable(f"lost the daemon at {self.socket_path}: {exc}") from None
+            data = data[sent:]
+            if not data:
+                return
+            self._loop.add_writer(self._sock.fileno(), self._on_writable)
+        self._outbox += data
+
+    def _on_writable(self) -> None:
+        try:
+            sent = self._sock.send(self._outbox)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as exc:
+            return self._lost(str(exc))
+        del self._outbox[:sent]
+        if not self._outbox:
+            self._loop.remove_writer(self._sock.fileno())
+
+    async def _roundtrip(self, requests) -> list:
+        futures = []
+        for r in requests:
+            if not r.no_reply:
+                futures.append(self._loop.create_future())
+                self._waiting[r.id] = futures[-1]
+        self._send(b"".join(self.core.codec.send_request(r) for r in requests))
+        try:
+            done = iter(await asyncio.wait_for(asyncio.gather(*futures), self.timeout_s))
+        except asyncio.TimeoutError:
+            self._lost(f"no reply within {self.timeout_s} s")
+            raise DaemonUnavailable(f"no reply from {self.socket_path} within {self.timeout_s} s") from None
+        return [None if r.no_reply else next(done) for r in requests]
+
+    async def _run(self, op):
+        async with self._lock:  # one op at a time keeps fds paired with their replies
+            if self._sock is None:
+                raise DaemonUnavailable(f"not connected to {self.socket_path}; call reconnect()")
+            try:
+                requests = next(op)
+                while True:
+                    requests = op.send(await self._roundtrip(requests))
+            except StopIteration as done:
+                return done.value
+
+    def _release(self, lease_id: int) -> None:
+        if self._sock is not None:
+            try:
+                self._send(self.core.codec.send_request(self.core.release_request(lease_id)))
+            except DaemonUnavailable:
+                pass
+
+    # --- public API (see client.Client for the contract of each call) ---------------
+
+    async def put(self, key, data, desc: StateDescriptor | None = None, hints: Hints | None = None) -> PutResult:
+        return await self._run(self.core.op_put(key, data, desc, hints))
+
+    async def put_many(self, items, desc: StateDescriptor | None = None, hints: Hints | None = None) -> list[PutResult]:
+        return await self._run(self.core.op_put_many(list(items), desc, hints))
+
+    async def get(self, key, namespace: str | None = None, accept=None) -> ReadLease | None:
+        return await self._run(self.core.op_get(key, namespace, accept))
+
+    async def get_into(self, key, out, namespace: str | None = None, verify: bool = False) -> int | None:
+        return await self._run(self.core.op_get_into(key, out, namespace, verify))
+
+    async def lookup(self, keys, namespace: str | None = None) -> LookupResult:
+        return await self._run(self.core.op_lookup(list(keys), namespace))
+
+    async def delete(self, keys, namespace: str | None = None) -> int:
+        return await self._run(self.core.op_batch(m.Delete, list(keys), namespace, "deleted"))
+
+    async def pin(self, keys, ttl_s: float | None = None, namespace: str | None = None) -> int:
+        return await self._run(self.core.op_batch(m.Pin, list(keys), namespace, "pinned", ttl_s=ttl_s))
+
+    async def unpin(self, keys, namespace: str | None = None) -> int:
+        return await self._run(self.core.op_batch(m.Unpin, list(keys), namespace, "unpinned"))
+
+    async def prefetch(self, keys, tier: str = "host", policy: str = "best_effort",
+                       timeout_s: float | None = None, namespace: str | None = None) -> int:
+        return await self._run(self.core.op_batch(m.Prefetch, list(keys), namespace, "resident",
+                                                  tier=tier, policy=policy, timeout_s=timeout_s))
+
+    async def stats(self) -> dict:
+        return await self._run(self.core.op_simple(m.Stats()))
+
+    async def check_integrity(self) -> None:
+        await self._run(self.core.op_simple(m.Check()))

@@ -1,0 +1,78 @@
+"""Fixtures that start real daemons. Sockets live under a short /tmp dir (sun_path is ~108 bytes)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import tempfile
+
+import pytest
+
+from server.smoke import start_daemon
+
+
+class DaemonProcess:
+    def __init__(self, root: str, config: dict | None = None):
+        self.root = root
+        self.socket = os.path.join(root, "kvstore.sock")
+        self.data_dir = os.path.join(root, "data")
+        self.config_path = os.path.join(root, "kvstore.toml")
+        config = dict(config or {})
+        config["data_dir"] = self.data_dir
+        config["admin"] = {"port": 0, **config.get("admin", {})}
+        with open(self.config_path, "w") as f:
+            f.write(_config_text(config))
+        self.proc = None
+
+    def start(self, arena_bytes: str = "16MiB"):
+        self.proc = start_daemon(self.socket, arena_bytes, extra=["--config", self.config_path])
+        return self
+
+    def client(self, **kwargs):
+        from client import Client
+        return Client.connect(self.socket, **kwargs)
+
+    def stop(self, sig=signal.SIGTERM, timeout=20) -> int | None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            self.proc.wait(timeout)
+        return None if self.proc is None else self.proc.returncode
+
+
+def _toml_value(value) -> str:
+    return json.dumps(value)  # JSON scalars are valid TOML for str, int, float and bool
+
+
+def _config_text(config: dict) -> str:
+    """Render {key: scalar, section: {key: scalar}} as TOML; top-level keys come first."""
+    top = [f"{k} = {_toml_value(v)}" for k, v in config.items() if not isinstance(v, dict)]
+    tables = []
+    for name, table in config.items():
+        if isinstance(table, dict):
+            tables.append(f"[{name}]")
+            tables += [f"{k} = {_toml_value(v)}" for k, v in table.items()]
+    return "\n".join(top + tables) + "\n"
+
+
+@pytest.fixture
+def daemon_factory():
+    made = []
+
+    def make(arena_bytes: str = "16MiB", config: dict | None = None) -> DaemonProcess:
+        d = DaemonProcess(tempfile.mkdtemp(prefix="kvs-"), config)
+        made.append(d)
+        return d.start(arena_bytes)
+
+    yield make
+    for d in made:
+        try:
+            d.stop(signal.SIGKILL if d.proc and d.proc.poll() is None else signal.SIGTERM)
+        finally:
+            shutil.rmtree(d.root, ignore_errors=True)
+
+
+@pytest.fixture
+def daemon(daemon_factory) -> DaemonProcess:
+    return daemon_factory()

@@ -1,0 +1,145 @@
+import hashlib
+import json
+import pathlib
+import struct
+import subprocess
+import sys
+
+import pytest
+
+from kvstore import ObjectId, Shard, StateDescriptor, chunk_keys, namespace_salt
+from kvstore.errors import InvalidArgument
+
+VECTORS = pathlib.Path(__file__).resolve().parents[2] / "kvstore" / "vectors" / "key-v1.json"
+
+
+def _field(b: bytes) -> bytes:
+    return struct.pack("<I", len(b)) + b
+
+
+def reference_ids(case: dict) -> tuple[list[str], list[str]]:
+    """The scheme as written in kvstore/identity.py's docstring, straight from hashlib."""
+    secret = bytes.fromhex(case["secret"]) if case["secret"] else b""
+    salt = hashlib.blake2b(case["namespace"].encode(), digest_size=32, key=secret, person=b"kvstore-ns-v1").digest()
+    h = hashlib.blake2b(_field(b"kvstore-key-v1") + _field(case["model"].encode()) + _field(case["model_revision"].encode()),
+                        digest_size=32, key=salt).digest()
+    chain, ids = [], []
+    c = case["chunk_tokens"]
+    extras = [e.encode() for e in case["extra_keys"]]
+    for i in range(len(case["tokens"]) // c):
+        toks = b"".join(struct.pack("<I", t) for t in case["tokens"][i * c:(i + 1) * c])
+        h = hashlib.blake2b(h + _field(toks) + struct.pack("<I", len(extras)) + b"".join(map(_field, extras)),
+                            digest_size=32, key=salt).digest()
+        oid = hashlib.blake2b(h + _field(case["kind"].encode()) + _field(case["shard"].encode())
+                              + _field(case["dtype"].encode()) + _field(case["layout"].encode()),
+                              digest_size=32, key=salt, person=b"kvstore-obj-v1").digest()
+        chain.append(h.hex())
+        ids.append(oid.hex())
+    return chain, ids
+
+
+def _desc(case):
+    return StateDescriptor(case["namespace"], case["model"], case["model_revision"], case["kind"],
+                           case["dtype"], case["layout"], case["shard"], case["chunk_tokens"])
+
+
+CASES = json.loads(VECTORS.read_text())["cases"]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c["name"] for c in CASES])
+def test_published_vectors_match_code_and_spec(case):
+    secret = bytes.fromhex(case["secret"]) if case["secret"] else None
+    keys = chunk_keys(case["tokens"], _desc(case), extra_keys=case["extra_keys"], secret=secret)
+    assert [k.object_id.hex for k in keys] == case["expected"]["object_ids"]
+    assert [k.logical.hex() for k in keys] == case["expected"]["chain"]
+    assert reference_ids(case) == (case["expected"]["chain"], case["expected"]["object_ids"])
+    assert namespace_salt(case["namespace"], secret).hex() == case["expected"]["salt"]
+
+
+def test_ids_agree_across_processes_with_different_hash_seeds():
+    # Users of other stores lose every hit when PYTHONHASHSEED differs per process.
+    code = ("from kvstore import StateDescriptor, chunk_keys;"
+            "print(chunk_keys(list(range(512)), StateDescriptor('t','m','r'))[-1].object_id.hex)")
+    outs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                           env={"PYTHONHASHSEED": seed, "PYTHONPATH": str(VECTORS.parents[2])}).stdout
+            for seed in ("1", "2")}
+    assert len(outs) == 1 and len(outs.pop().strip()) == 64
+
+
+def test_every_identity_field_changes_the_id():
+    base = StateDescriptor("t", "m", "r", "kv", "bf16", "paged(order=layer_first,layers=2,block=16,kv_heads=2,head_dim=8)")
+    tokens = list(range(256))
+    variants = [
+        base, base.with_(namespace="u"), base.with_(model="m2"), base.with_(model_revision="r2"),
+        base.with_(kind="indexer"), base.with_(dtype="fp8_e4m3"), base.with_(shard=Shard(1, 2)),
+        base.with_(layout="paged(order=block_first,layers=2,block=16,kv_heads=2,head_dim=8)"),
+    ]
+    ids = {chunk_keys(tokens, d)[0].object_id for d in variants}
+    ids.add(chunk_keys(tokens, base, extra_keys=["lora-1"])[0].object_id)
+    ids.add(chunk_keys(tokens[:255] + [999], base)[0].object_id)
+    assert len(ids) == len(variants) + 2
+
+
+def test_chain_depends_on_whole_prefix_and_partial_chunk_has_no_key():
+    d = StateDescriptor("t", "m", "r", chunk_tokens=4)
+    a = chunk_keys([1, 2, 3, 4, 5, 6, 7, 8, 9], d)
+    b = chunk_keys([0, 2, 3, 4, 5, 6, 7, 8], d)
+    assert len(a) == 2 and a[1].end_token == 8
+    assert a[1].object_id != b[1].object_id  # same second chunk, different first chunk
+    assert chunk_keys([1, 2, 3], d) == []
+
+
+def test_chunk_extra_keys_apply_to_one_chunk_only():
+    d = StateDescriptor("t", "m", "r", chunk_tokens=2)
+    plain = chunk_keys([1, 2, 3, 4], d)
+    image = chunk_keys([1, 2, 3, 4], d, chunk_extra_keys={1: [b"\x01" * 32]})
+    assert plain[0] == image[0] and plain[1] != image[1]
+
+
+def test_namespaces_never_share_ids():
+    tokens = list(range(256))
+    a = chunk_keys(tokens, StateDescriptor("tenant-a", "m", "r"))
+    b = chunk_keys(tokens, StateDescriptor("tenant-b", "m", "r"))
+    assert a[0].object_id != b[0].object_id and a[0].logical != b[0].logical
+
+
+@pytest.mark.parametrize("bad", [[-1], [2**32], ["7"], [1.5]])
+def test_bad_token_ids_rejected(bad):
+    with pytest.raises(InvalidArgument, match="token ids"):
+        chunk_keys(bad * 256, StateDescriptor("t", "m", "r"))
+
+
+def test_numpy_tokens_accepted():
+    np = pytest.importorskip("numpy")
+    d = StateDescriptor("t", "m", "r", chunk_tokens=8)
+    assert chunk_keys(np.arange(16, dtype=np.int64), d) == chunk_keys(list(range(16)), d)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"namespace": ""}, "namespace"),
+    ({"model": "x" * 300}, "model"),
+    ({"kind": "kvv"}, "unknown kind"),
+    ({"dtype": "int4"}, "unknown dtype"),
+    ({"layout": "paged(layers=2)"}, "missing"),
+    ({"shard": "3/2"}, "shard"),
+    ({"chunk_tokens": 0}, "chunk_tokens"),
+])
+def test_descriptor_validation_names_the_field(kwargs, match):
+    args = {"namespace": "t", "model": "m", "model_revision": "r", **kwargs}
+    with pytest.raises(InvalidArgument, match=match):
+        StateDescriptor(**args)
+
+
+def test_descriptor_wire_round_trip_and_unknown_fields():
+    d = StateDescriptor("t", "m", "r", "mla_latent", "mxfp8", "mla(order=layer_first,layers=2,block=64,latent_dim=512,rope_dim=64)", "1/4", 64)
+    assert StateDescriptor.from_wire(d.to_wire()) == d
+    with pytest.raises(InvalidArgument, match="unknown descriptor field"):
+        StateDescriptor.from_wire({**d.to_wire(), "rank": 3})
+
+
+def test_object_id_hex():
+    oid = ObjectId(bytes(range(32)))
+    assert ObjectId.from_hex(oid.hex) == oid and len(str(oid)) == 64
+    for bad in ("zz" * 32, "00" * 31, 5):
+        with pytest.raises(InvalidArgument):
+            ObjectId.from_hex(bad)

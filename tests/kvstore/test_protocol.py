@@ -1,0 +1,155 @@
+import os
+import struct
+
+import msgpack
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvstore import StateDescriptor
+from kvstore import messages as m
+from kvstore.errors import InvalidArgument, ProtocolError
+from kvstore.identity import ObjectId
+from kvstore.protocol import (MAX_BATCH, MAX_FRAME_BYTES, NEED_DATA, BadFrame, Fatal, FrameCodec, Reply,
+                              Request)
+
+
+def frame(body) -> bytes:
+    data = msgpack.packb(body, use_bin_type=True)
+    return struct.pack("<I", len(data)) + data
+
+
+def drain(codec):
+    events = []
+    while (event := codec.next_event()) is not NEED_DATA:
+        events.append(event)
+        if isinstance(event, Fatal):
+            break
+    return events
+
+
+def test_request_reply_round_trip_through_memory():
+    client, server = FrameCodec(), FrameCodec()
+    req = Request(7, "lookup", {"namespace": "t", "ids": [b"\x01" * 32]})
+    server.receive_data(client.send_request(req))
+    assert server.next_event() == req and server.next_event() is NEED_DATA
+    client.receive_data(server.send_reply(Reply(7, {"hits": 1})))
+    assert client.next_event() == Reply(7, {"hits": 1})
+
+
+def test_pipelined_frames_split_at_every_byte():
+    client, server = FrameCodec(), FrameCodec()
+    reqs = [Request(i, "stats", {}, no_reply=i % 2 == 0) for i in range(1, 6)]
+    stream = b"".join(client.send_request(r) for r in reqs)
+    events = []
+    for i in range(len(stream)):
+        server.receive_data(stream[i:i + 1])
+        events += drain(server)
+    assert events == reqs
+
+
+def test_error_reply_round_trip():
+    codec = FrameCodec()
+    codec.receive_data(codec.send_reply(Reply(3, error={"code": "capacity", "message": "full"})))
+    event = codec.next_event()
+    assert not event.ok and event.error["code"] == "capacity"
+
+
+@pytest.mark.parametrize("raw, match", [
+    (struct.pack("<I", 3) + b"\xc1\xc1\xc1", "undecodable"),               # msgpack's never-used byte
+    (frame([1, 2, 3]), "must be a map"),
+    (frame({"v": 1, "op": "stats"}), "request id"),
+    (frame({"v": 1, "id": -4, "op": "stats"}), "request id"),
+    (frame({"v": 1, "id": True, "op": "stats"}), "request id"),
+    (frame({"v": 99, "id": 5, "op": "stats"}), "version"),
+    (frame({"v": 1, "id": 5, "op": 17}), "op must be"),
+    (frame({"v": 1, "id": 5, "op": "get", "a": [1]}), "args must be a map"),
+    (frame({"v": 1, "id": 5, "op": "get", "a": {str(i): i for i in range(40)}}), "at most"),
+    (frame({"v": 1, "id": 5}), "neither"),
+    (frame({"v": 1, "id": 5, "e": "boom"}), "error reply"),
+    (frame({1: 2}), "undecodable"),                                        # non-string map keys
+    (frame({"v": 1, "id": 5, "op": "x" * 5000}), "undecodable"),           # string past the limit
+])
+def test_every_malformed_frame_class_is_a_typed_event(raw, match):
+    codec = FrameCodec()
+    codec.receive_data(raw + FrameCodec().send_request(Request(9, "stats", {})))
+    bad, good = codec.next_event(), codec.next_event()
+    assert isinstance(bad, BadFrame) and match in bad.error.message
+    assert isinstance(bad.error, ProtocolError)
+    assert good == Request(9, "stats", {})  # the stream goes on after a bad frame
+
+
+def test_oversized_length_is_fatal_and_stays_fatal():
+    codec = FrameCodec()
+    codec.receive_data(struct.pack("<I", MAX_FRAME_BYTES + 1) + b"xx")
+    event = codec.next_event()
+    assert isinstance(event, Fatal) and "exceeds" in event.error.message
+    codec.receive_data(FrameCodec().send_request(Request(1, "stats", {})))
+    assert isinstance(codec.next_event(), Fatal)
+
+
+def test_truncated_frame_waits_for_more():
+    data = FrameCodec().send_request(Request(1, "stats", {}))
+    codec = FrameCodec()
+    codec.receive_data(data[:-1])
+    assert codec.next_event() is NEED_DATA
+    codec.receive_data(data[-1:])
+    assert codec.next_event() == Request(1, "stats", {})
+
+
+def test_sending_an_oversized_message_raises():
+    with pytest.raises(ProtocolError, match="frame limit"):
+        FrameCodec().send_reply(Reply(1, b"x" * (MAX_FRAME_BYTES + 1)))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=512))
+def test_arbitrary_bytes_never_raise(data):
+    codec = FrameCodec()
+    codec.receive_data(data)
+    for event in drain(codec):
+        assert isinstance(event, (Request, Reply, BadFrame, Fatal))
+
+
+# --- typed messages ------------------------------------------------------------------
+
+def _oid():
+    return ObjectId(os.urandom(32))
+
+
+@pytest.mark.parametrize("msg", [
+    m.Hello("engine", 123), m.OpenNamespace("t"), m.OpenNamespace("t", "tok"),
+    m.Reserve("t", _oid(), 4096, StateDescriptor("t", "m", "r")),
+    m.Commit(5, b"\x00" * 16), m.Abort(5), m.Get("t", _oid()), m.Get("t", _oid(), ("bf16",)),
+    m.Release(5), m.Lookup("t", (_oid(), _oid())), m.Delete("t", (_oid(),)), m.Pin("t", (_oid(),), 3.0),
+    m.Unpin("t", ()), m.Prefetch("t", (_oid(),), "host", "wait", 0.5), m.Stats(),
+])
+def test_every_message_survives_the_wire(msg):
+    client, server = FrameCodec(), FrameCodec()
+    server.receive_data(client.send_request(Request(1, msg.op, msg.to_args())))
+    decoded = m.decode_request(server.next_event())
+    if isinstance(msg, m.Get) and msg.accept:
+        assert [d.value for d in decoded.accept] == list(msg.accept)
+    else:
+        assert decoded == msg
+
+
+@pytest.mark.parametrize("op, args, match", [
+    ("nope", {}, "unknown op"),
+    ("get", {"namespace": "t"}, "missing field 'object_id'"),
+    ("get", {"namespace": "t", "object_id": b"short"}, "32 bytes"),
+    ("get", {"namespace": "t", "object_id": "00" * 32}, "msgpack bin"),
+    ("get", {"namespace": "", "object_id": b"\x00" * 32}, "namespace"),
+    ("get", {"namespace": "t", "object_id": b"\x00" * 32, "accept": ["int3"]}, "unknown dtype"),
+    ("get", {"namespace": "t", "object_id": b"\x00" * 32, "evil": 1}, "unknown field"),
+    ("reserve", {"namespace": "t", "object_id": b"\x00" * 32, "size": -1, "descriptor": {}}, "size"),
+    ("reserve", {"namespace": "t", "object_id": b"\x00" * 32, "size": 1, "descriptor": {"namespace": "t"}}, "descriptor"),
+    ("commit", {"lease": 1, "checksum": b"\x00" * 8}, "checksum"),
+    ("commit", {"lease": 0, "checksum": b"\x00" * 16}, "lease"),
+    ("lookup", {"namespace": "t", "ids": [b"\x00" * 32] * (MAX_BATCH + 1)}, "at most"),
+    ("pin", {"namespace": "t", "ids": [], "ttl_s": float("nan")}, "finite"),
+    ("prefetch", {"namespace": "t", "ids": [], "tier": "moon"}, "one of"),
+])
+def test_hostile_values_get_errors_that_name_the_field(op, args, match):
+    with pytest.raises((InvalidArgument, ProtocolError), match=match):
+        m.decode_request(Request(1, op, args))

@@ -1,0 +1,49 @@
+"""Imports point one way (DESIGN.md section 9). This test fails when one runs the wrong way."""
+
+import ast
+import pathlib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PACKAGES = ("kvstore", "tiers", "server", "client", "gpu")
+ALLOWED = {
+    "kvstore": set(),
+    "tiers": {"kvstore"},
+    "client": {"kvstore"},
+    "gpu": {"kvstore", "client"},
+    "server": {"kvstore", "tiers"},
+}
+# User-facing entry points drive a daemon through the client, as any user would
+# (recorded in docs/architecture.md). The daemon's own modules never import client.
+ENTRY_POINTS = {"server/cli.py": {"client"}, "server/smoke.py": {"client"}, "server/admin_cli.py": {"client"}}
+# kvstore/ stays importable without I/O or heavy libraries at import time.
+HEAVY = {"asyncio", "socket", "torch", "aiohttp", "ucxx", "rocksdict", "triton", "numpy"}
+
+
+def _imports(path: pathlib.Path, top_level_only: bool = False):
+    tree = ast.parse(path.read_text())
+    nodes = tree.body if top_level_only else ast.walk(tree)
+    for node in nodes:
+        if isinstance(node, ast.Import):
+            yield from (a.name.split(".")[0] for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            yield node.module.split(".")[0]
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_imports_point_one_way(package):
+    wrong = []
+    for path in sorted((ROOT / package).rglob("*.py")):
+        rel = str(path.relative_to(ROOT))
+        allowed = ALLOWED[package] | {package} | ENTRY_POINTS.get(rel, set())
+        for name in _imports(path):
+            if name in PACKAGES and name not in allowed:
+                wrong.append(f"{rel} imports {name}")
+    assert not wrong, "imports against the design's direction:\n" + "\n".join(wrong)
+
+
+def test_kvstore_is_pure_at_import_time():
+    heavy = [f"{p.relative_to(ROOT)} imports {n}" for p in (ROOT / "kvstore").rglob("*.py")
+             for n in _imports(p, top_level_only=True) if n in HEAVY]
+    assert not heavy, "\n".join(heavy)
