@@ -55,6 +55,8 @@ class HostTierConfig:
     prefault: bool = True
     max_namespaces: int = 64
     policy: str = "cost_aware"
+    # Namespaces whose arenas are made at start, so no client waits for them.
+    namespaces: tuple = ("default",)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "arena_bytes", parse_size(self.arena_bytes))
@@ -62,6 +64,11 @@ class HostTierConfig:
             raise InvalidArgument(f"host.arena_bytes must be a positive multiple of 4096, got {self.arena_bytes}")
         if not isinstance(self.max_namespaces, int) or self.max_namespaces < 1:
             raise InvalidArgument("host.max_namespaces must be an integer >= 1")
+        if isinstance(self.namespaces, str) or not all(isinstance(n, str) and n for n in self.namespaces):
+            raise InvalidArgument("host.namespaces must be a list of namespace names")
+        object.__setattr__(self, "namespaces", tuple(self.namespaces))
+        if len(self.namespaces) > self.max_namespaces:
+            raise InvalidArgument("host.namespaces lists more namespaces than host.max_namespaces")
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,18 +98,91 @@ class AdminConfig:
             raise InvalidArgument(f"admin.port must be 0..65535, got {self.port!r}")
 
 
+# Node ids and addresses are labels in logs, keys in etcd and inputs to rendezvous hashing.
+_NODE_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
+# Shorter secrets are guessable; 16 characters of a random token are 80+ bits.
+MIN_SECRET_CHARS = 16
+
+
+def parse_address(value: str) -> tuple[str, int]:
+    """`"10.0.0.2:8471"` or `"[::1]:8471"` -> (host, port)."""
+    host, sep, port = str(value).rpartition(":")
+    host = host.strip("[]")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) <= 65535:
+        raise InvalidArgument(f"address must be host:port with a port in 1..65535, got {value!r}")
+    return host, int(port)
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterConfig:
+    """Peers, membership and the remote tier (DESIGN.md sections 4 and 8)."""
+
+    enabled: bool = False
+    node_id: str = ""  # empty: the host name
+    listen: str = "127.0.0.1:8471"  # the peer service; set a routable address deliberately
+    advertise: str = ""  # what peers dial; empty: `listen`
+    transport: str = "tcp"  # "tcp" or "ucx"
+    secret: str = ""  # shared by every node of the cluster
+    secret_file: str = ""  # or read from this file (0600) at start
+    membership: str = "static"  # "static" (`peers`) or "etcd"
+    peers: tuple = ()  # "node_id=host:port" for every node, this one included
+    etcd_endpoint: str = "http://127.0.0.1:2379"
+    etcd_prefix: str = "/kvstore/members/"
+    lease_ttl_s: float = 5.0  # a node that stops renewing leaves the member list after this
+    replicas: int = 1  # home nodes per object
+    peer_timeout_s: float = 1.0  # any remote call; a dead peer is a miss after this
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "peers", tuple(self.peers))
+        if self.node_id and not _NODE_ID_RE.match(self.node_id):
+            raise InvalidArgument(f"cluster.node_id must match {_NODE_ID_RE.pattern}, got {self.node_id!r}")
+        if self.transport not in ("tcp", "ucx"):
+            raise InvalidArgument(f"cluster.transport must be tcp or ucx, got {self.transport!r}")
+        if self.membership not in ("static", "etcd"):
+            raise InvalidArgument(f"cluster.membership must be static or etcd, got {self.membership!r}")
+        parse_address(self.listen)
+        if self.advertise:
+            parse_address(self.advertise)
+        self.peer_map()
+        for name in ("lease_ttl_s", "peer_timeout_s"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value <= 3600:
+                raise InvalidArgument(f"cluster.{name} must be a number in (0, 3600], got {value!r}")
+        if not isinstance(self.replicas, int) or not 1 <= self.replicas <= 16:
+            raise InvalidArgument(f"cluster.replicas must be an integer in 1..16, got {self.replicas!r}")
+        if self.secret and len(self.secret) < MIN_SECRET_CHARS:
+            raise InvalidArgument(f"cluster.secret must have at least {MIN_SECRET_CHARS} characters")
+        if self.enabled and not (self.secret or self.secret_file):
+            raise InvalidArgument("cluster.enabled needs cluster.secret or cluster.secret_file (shared by all nodes)")
+
+    def peer_map(self) -> dict[str, str]:
+        """`peers` as {node_id: "host:port"}."""
+        out = {}
+        for item in self.peers:
+            node, sep, address = str(item).partition("=")
+            if not sep or not _NODE_ID_RE.match(node):
+                raise InvalidArgument(f"cluster.peers entries are 'node_id=host:port', got {item!r}")
+            parse_address(address)
+            if node in out:
+                raise InvalidArgument(f"cluster.peers names node {node!r} twice")
+            out[node] = address
+        return out
+
+
 @dataclass(frozen=True, slots=True)
 class ServerConfig:
     data_dir: str = field(default_factory=default_data_dir)
     socket_path: str = field(default_factory=default_socket_path)
     socket_mode: int = 0o600
-    # Recompute the xxh3-128 of every put in the daemon and refuse a mismatch.
-    verify_puts: bool = True
+    # Recompute the xxh3-128 of every put in the daemon and refuse a mismatch. Off by
+    # default: the bytes never left the arena, and every tier crossing verifies anyway.
+    verify_puts: bool = False
     log_level: str = "info"
     log_format: str = "kv"
     host: HostTierConfig = HostTierConfig()
     limits: LimitsConfig = LimitsConfig()
     admin: AdminConfig = AdminConfig()
+    cluster: ClusterConfig = ClusterConfig()
 
     def __post_init__(self) -> None:
         if self.log_level not in ("debug", "info", "warning", "error"):

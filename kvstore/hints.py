@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields
 
 from kvstore.errors import InvalidArgument
 
@@ -50,12 +50,13 @@ class Hints:
 
     def to_wire(self) -> dict:
         """Only the fields that differ from the default, to keep frames small."""
-        default = _DEFAULT
-        return {k: v for k, v in asdict(self).items() if v != getattr(default, k)}
+        if self is _DEFAULT:
+            return {}
+        return {k: v for k in _FIELD_NAMES if (v := getattr(self, k)) != getattr(_DEFAULT, k)}
 
     @classmethod
     def from_wire(cls, data) -> Hints:
-        if data is None:
+        if data is None or data == {}:
             return _DEFAULT
         if not isinstance(data, dict):
             raise InvalidArgument("hints must be a map")
@@ -67,3 +68,4 @@ class Hints:
 
 
 _DEFAULT = Hints()
+_FIELD_NAMES = tuple(f.name for f in fields(Hints))

@@ -13,6 +13,7 @@ neighbour's bytes.
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 from typing import Callable, NamedTuple
@@ -129,6 +130,10 @@ class Layout:
     def parse(cls, text: str) -> Layout:
         if not isinstance(text, str) or len(text) > MAX_LAYOUT_CHARS:
             raise InvalidArgument(f"layout must be a string of at most {MAX_LAYOUT_CHARS} characters")
+        return _parse(text)
+
+    @classmethod
+    def _parse_uncached(cls, text: str) -> Layout:
         match = _LAYOUT_RE.match(text.replace(" ", ""))
         if match is None:
             raise InvalidArgument(f"cannot parse layout {text!r}; expected name(key=value,...)")
@@ -142,7 +147,7 @@ class Layout:
         return cls.make(match.group(1), **params)
 
     def __str__(self) -> str:
-        return f"{self.name}({','.join(f'{k}={v}' for k, v in self.params)})"
+        return _render(self.name, self.params)
 
     def param(self, key: str) -> int | str:
         return dict(self.params)[key]
@@ -197,3 +202,13 @@ class Layout:
                 span = ByteRange(last.offset, last.length + span.length)
             merged.append(span)
         return merged
+
+
+@functools.lru_cache(maxsize=1024)
+def _parse(text: str) -> Layout:
+    return Layout._parse_uncached(text)
+
+
+@functools.lru_cache(maxsize=1024)
+def _render(name: str, params: tuple) -> str:
+    return f"{name}({','.join(f'{k}={v}' for k, v in params)})"

@@ -9,7 +9,7 @@ the two ends cannot drift apart.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any, Callable, ClassVar
 
 from kvstore.dtypes import DType
@@ -133,7 +133,7 @@ class Message:
         return cls(**values)
 
     def to_args(self) -> dict:
-        return {f.name: self._codecs[f.name][1](getattr(self, f.name)) for f in fields(self)}
+        return {name: encode(getattr(self, name)) for name, (_, encode) in self._codecs.items()}
 
 
 @dataclass(frozen=True, slots=True)

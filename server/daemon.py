@@ -59,6 +59,8 @@ class Daemon:
         os.makedirs(self.config.data_dir, mode=0o700, exist_ok=True)
         _claim_socket_path(path)
         self.manager.host_bandwidth_bytes_s = measure_copy_bandwidth()
+        for name in self.config.host.namespaces:  # pre-open: no client waits for their arenas
+            await self.manager.open_namespace(name)
         self._server = await asyncio.get_running_loop().create_unix_server(
             lambda: LocalConnection(self), path
         )
@@ -113,10 +115,9 @@ class Daemon:
 
     # --- used by connections ----------------------------------------------------
 
-    def authorize(self, namespace: str, token: str | None, peer):
-        """The namespace a local client may open. The socket's 0600 mode admits only the
+    def authorize(self, namespace: str, token: str | None, peer) -> None:
+        """May this local client open `namespace`? The socket's 0600 mode admits only the
         daemon's user; per-namespace tokens come with the hardening work."""
-        return self.manager.namespace(namespace)
 
     def limits_for_clients(self) -> dict:
         return {"max_frame_bytes": MAX_FRAME_BYTES, "max_batch": MAX_BATCH,

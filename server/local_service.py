@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import array
 import asyncio
+import collections
+import inspect
 import itertools
 import logging
 import os
@@ -25,6 +27,15 @@ _conn_ids = itertools.count(1)
 SERVER_VERSION = "0.1.0"
 
 
+class _Retry:
+    """An awaited step finished; dispatch `msg` again now that it will not wait."""
+
+    __slots__ = ("msg",)
+
+    def __init__(self, msg):
+        self.msg = msg
+
+
 class LocalConnection(asyncio.Protocol):
     def __init__(self, daemon):
         self.daemon = daemon
@@ -37,6 +48,10 @@ class LocalConnection(asyncio.Protocol):
         self.peer = (0, -1, -1)  # pid, uid, gid from SO_PEERCRED
         self._fd_sock: socket.socket | None = None
         self._held: list[tuple[bytes, int | None]] | None = None  # frames queued behind an fd send
+        # Requests run in arrival order. One that must wait for I/O (a demotion, an NVMe
+        # read) runs as a task, and the requests behind it wait in the inbox.
+        self._inbox: collections.deque[Request] = collections.deque()
+        self._busy = False
 
     # --- asyncio callbacks --------------------------------------------------------
 
@@ -59,7 +74,7 @@ class LocalConnection(asyncio.Protocol):
         while True:
             event = self.codec.next_event()
             if event is NEED_DATA:
-                return
+                break
             if isinstance(event, Fatal):
                 log.warning("event=protocol_fatal conn=%d error=%r", self.conn_id, event.error.message)
                 self._write(self.codec.send_reply(Reply(0, error=event.error.to_wire())))
@@ -72,7 +87,9 @@ class LocalConnection(asyncio.Protocol):
                 err = ProtocolError("clients send requests, not replies")
                 self._write(self.codec.send_reply(Reply(event.id, error=err.to_wire())))
             else:
-                self._handle(event)
+                self._inbox.append(event)
+        if not self._busy:
+            self._drain()
 
     def connection_lost(self, exc) -> None:
         self.daemon.connections.pop(self.conn_id, None)
@@ -86,18 +103,50 @@ class LocalConnection(asyncio.Protocol):
 
     # --- requests -------------------------------------------------------------------
 
-    def _handle(self, request: Request) -> None:
+    def _drain(self) -> None:
+        while self._inbox and not self.transport.is_closing():
+            request = self._inbox.popleft()
+            try:
+                msg = m.decode_request(request)
+                result, fd = self._dispatch(msg)
+            except Exception as exc:
+                self._reply(request, None, None, exc)
+                continue
+            if inspect.isawaitable(result):
+                self._busy = True
+                asyncio.get_running_loop().create_task(self._finish(request, result))
+                return
+            self._reply(request, result, fd, None)
+
+    async def _finish(self, request: Request, pending) -> None:
         fd = None
         try:
-            msg = m.decode_request(request)
-            result, fd = self._dispatch(msg)
+            result = await pending
+            if isinstance(result, _Retry):  # the wait made it possible to answer directly
+                result, fd = self._dispatch(result.msg)
+        except Exception as exc:
+            self._reply(request, None, None, exc)
+        else:
+            self._reply(request, result, fd, None)
+        self._busy = False
+        if self.transport.is_closing():
+            # The client left while this request waited on I/O: whatever it was granted
+            # (a lease from a promotion or a reservation) has no owner any more.
+            self.manager.drop_owner(self.conn_id)
+        else:
+            self._drain()
+
+    def _reply(self, request: Request, result, fd, error: Exception | None) -> None:
+        try:
+            if error is not None:
+                raise error
             reply = Reply(request.id, result)
         except KVStoreError as exc:
             log.info("event=request_error conn=%d op=%s code=%s error=%r",
                      self.conn_id, request.op[:32], exc.code, exc.message)
             reply = Reply(request.id, error=exc.to_wire())
         except Exception as exc:  # a bug: answer it, log it, keep serving
-            log.exception("event=internal_error conn=%d op=%s", self.conn_id, request.op[:32])
+            log.error("event=internal_error conn=%d op=%s", self.conn_id, request.op[:32], exc_info=exc)
             reply = Reply(request.id, error={"code": "internal", "message": f"internal error: {type(exc).__name__}: {exc}"})
         if request.no_reply and reply.ok:
             return
@@ -141,7 +190,10 @@ class LocalConnection(asyncio.Protocol):
                 lookup = mgr.lookup(self._ns(msg.namespace), msg.ids)
                 return {"resident": sum(t is not None for t in lookup["tiers"]), "requested": len(msg.ids)}, None
             case m.OpenNamespace():
-                ns = self.daemon.authorize(msg.namespace, msg.token, self.peer)
+                self.daemon.authorize(msg.namespace, msg.token, self.peer)
+                ns = mgr.namespaces.get(msg.namespace)
+                if ns is None:  # first open: the arena is made off the loop, then we retry
+                    return self._open_later(msg), None
                 self.opened.add(msg.namespace)
                 return {"namespace": msg.namespace, "arena_bytes": ns.arena.capacity_bytes}, ns.arena.fd
             case m.Hello():
@@ -154,6 +206,10 @@ class LocalConnection(asyncio.Protocol):
                 self.manager.check_integrity()
                 return {"ok": True}, None
         raise ProtocolError(f"op {msg.op} not served on the local socket")
+
+    async def _open_later(self, msg: m.OpenNamespace):
+        await self.manager.open_namespace(msg.namespace)
+        return _Retry(msg)
 
     # --- output -----------------------------------------------------------------------
 

@@ -26,6 +26,14 @@ class ObjectEntry:
     num_hits: int = 0
     readers: int = 0  # read leases on this entry
     deleted: bool = False  # removed from the index, extent freed when the last reader leaves
+    descriptor_wire: dict | None = None  # descriptor.to_wire(), built once: every get sends it
+
+    def get_reply(self, lease_id: int, tier: str = "host") -> dict:
+        """What a get hit sends: where to read, how to check it, and what it is."""
+        if self.descriptor_wire is None:
+            self.descriptor_wire = self.descriptor.to_wire()
+        return {"hit": True, "lease": lease_id, "offset": self.extent.offset, "size": self.size,
+                "checksum": self.checksum, "tier": tier, "descriptor": self.descriptor_wire}
 
     def is_pinned(self, now: float) -> bool:
         return self.pinned_until > now

@@ -20,11 +20,22 @@ from kvstore import StateDescriptor, chunk_keys
 
 
 def start_daemon(socket_path: str, arena_bytes: str = "256MiB", extra=()) -> subprocess.Popen:
-    """Start `kvstore serve` as a child process and wait until its socket answers."""
+    """Start `kvstore serve` as a child process and wait until its socket answers.
+
+    Unless `extra` says otherwise, the admin API takes a free port and the data directory
+    sits beside the socket, so several such daemons never collide with each other or with
+    the user's real one.
+    """
     from client import Client, DaemonUnavailable
+    defaults = []
+    if "--config" not in extra:
+        if "--admin-port" not in extra:
+            defaults += ["--admin-port", "0"]
+        if "--data-dir" not in extra:
+            defaults += ["--data-dir", os.path.join(os.path.dirname(os.path.abspath(socket_path)), "data")]
     proc = subprocess.Popen(
         [sys.executable, "-m", "server.cli", "serve", "--socket", socket_path,
-         "--arena-bytes", arena_bytes, "--log-level", "warning", *extra],
+         "--arena-bytes", arena_bytes, "--log-level", "warning", *defaults, *extra],
         stdin=subprocess.DEVNULL,
     )
     deadline = time.monotonic() + 30

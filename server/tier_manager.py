@@ -7,6 +7,7 @@ and an extent is never freed or reused while a lease covers it.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import time
@@ -62,23 +63,45 @@ class TierManager:
         self._pending: dict[int, PendingPut] = {}  # write lease id -> reserved put
         self._reading: dict[int, ObjectEntry] = {}  # read lease id -> entry it covers
         self._zombies: dict[int, ObjectEntry] = {}  # id(entry) -> deleted entry still leased
+        self._creating: dict[str, asyncio.Future] = {}  # namespaces whose arena is being made
         self.host_bandwidth_bytes_s = 8e9  # replaced by a measurement at start
 
     # --- namespaces -------------------------------------------------------------
 
     def namespace(self, name: str) -> Namespace:
+        """An open namespace; NotFound if nobody opened it yet (ops never create one)."""
         ns = self.namespaces.get(name)
         if ns is None:
+            raise NotFound(f"namespace {name!r} is not open on this daemon")
+        return ns
+
+    async def open_namespace(self, name: str) -> Namespace:
+        """The namespace, creating its arena on first use.
+
+        Creating an arena faults in its memory (seconds for a few GiB), so it runs in a
+        worker thread; concurrent opens of the same new namespace share one creation.
+        """
+        ns = self.namespaces.get(name)
+        if ns is not None:
+            return ns
+        creating = self._creating.get(name)
+        if creating is None:
             host = self.config.host
-            if len(self.namespaces) >= host.max_namespaces:
-                raise CapacityError(
-                    f"namespace limit reached ({host.max_namespaces}); raise host.max_namespaces"
-                )
-            arena = HostArena(name, host.arena_bytes, prefault=host.prefault)
+            if len(self.namespaces) + len(self._creating) >= host.max_namespaces:
+                raise CapacityError(f"namespace limit reached ({host.max_namespaces}); raise host.max_namespaces")
+            loop = asyncio.get_running_loop()
+            creating = loop.run_in_executor(None, HostArena, name, host.arena_bytes, host.prefault)
+            self._creating[name] = creating
+            try:
+                arena = await creating
+            finally:
+                del self._creating[name]
             ns = Namespace(name, arena, make_policy(host.policy, host.arena_bytes))
             self.namespaces[name] = ns
             log.info("event=namespace_open namespace=%s arena_bytes=%d", name, host.arena_bytes)
-        return ns
+            return ns
+        await creating
+        return self.namespaces[name]
 
     # --- put --------------------------------------------------------------------
 
@@ -172,7 +195,9 @@ class TierManager:
     # --- get --------------------------------------------------------------------
 
     def get(self, owner, namespace: str, oid: ObjectId, accept=None) -> dict:
-        ns = self.namespace(namespace)
+        ns = self.namespaces.get(namespace)
+        if ns is None:
+            return {"hit": False}
         ns.counters.num_gets += 1
         now = self.clock()
         entry = ns.objects.get(oid)
@@ -193,9 +218,7 @@ class TierManager:
         ns.policy.on_access(oid)
         ns.counters.num_hits += 1
         ns.counters.bytes_out += entry.size
-        reply = entry.to_wire()
-        reply.update(hit=True, lease=lease.lease_id, offset=entry.extent.offset)
-        return reply
+        return entry.get_reply(lease.lease_id)
 
     def release(self, owner, lease_id: int) -> None:
         self._own_lease(owner, lease_id, "read")
@@ -232,7 +255,9 @@ class TierManager:
     # --- index operations ---------------------------------------------------------
 
     def lookup(self, namespace: str, ids) -> dict:
-        ns = self.namespace(namespace)
+        ns = self.namespaces.get(namespace)
+        if ns is None:
+            return {"hits": 0, "tiers": [None] * len(ids), "hit_bytes": 0, "est_load_s": 0.0}
         now = self.clock()
         tiers, leading, hit_bytes = [], None, 0
         for i, oid in enumerate(ids):
@@ -248,7 +273,9 @@ class TierManager:
         return {"hits": hits, "tiers": tiers, "hit_bytes": hit_bytes, "est_load_s": est}
 
     def delete(self, namespace: str, ids) -> int:
-        ns = self.namespace(namespace)
+        ns = self.namespaces.get(namespace)
+        if ns is None:
+            return 0
         count = 0
         for oid in ids:
             entry = ns.objects.get(oid)
@@ -259,7 +286,9 @@ class TierManager:
         return count
 
     def pin(self, namespace: str, ids, ttl_s: float | None) -> int:
-        ns = self.namespace(namespace)
+        ns = self.namespaces.get(namespace)
+        if ns is None:
+            return 0
         until = math.inf if ttl_s is None else self.clock() + ttl_s
         count = 0
         for oid in ids:
@@ -270,7 +299,9 @@ class TierManager:
         return count
 
     def unpin(self, namespace: str, ids) -> int:
-        ns = self.namespace(namespace)
+        ns = self.namespaces.get(namespace)
+        if ns is None:
+            return 0
         count = 0
         for oid in ids:
             entry = ns.objects.get(oid)
@@ -278,6 +309,31 @@ class TierManager:
                 entry.pinned_until = 0.0
                 count += 1
         return count
+
+    def evict(self, namespace: str, num_bytes: int | None, match=None) -> list[ObjectEntry]:
+        """Operator eviction in one existing namespace, in the policy's victim order.
+
+        Evicts until `num_bytes` are freed, or, with num_bytes None, every object `match`
+        accepts (`match(entry) -> bool`; None accepts all). Leased and pinned objects are
+        never chosen. Returns the evicted entries. Raises NotFound for an unknown namespace.
+        """
+        ns = self.namespaces.get(namespace)
+        if ns is None:
+            raise NotFound(f"no namespace {namespace!r}")
+        now = self.clock()
+
+        def chosen(oid: ObjectId) -> bool:
+            return self._evictable(ns, oid, now) and (match is None or match(ns.objects[oid]))
+
+        if num_bytes is None:
+            num_bytes = sum(e.size for oid, e in ns.objects.items() if chosen(oid))
+        evicted = []
+        for oid in ns.policy.victims(num_bytes, chosen):
+            entry = ns.objects[oid]
+            self._remove(ns, entry, reason="evict")
+            ns.counters.num_evictions += 1
+            evicted.append(entry)
+        return evicted
 
     def _remove(self, ns: Namespace, entry: ObjectEntry, reason: str) -> None:
         """Drop an entry from the index; its extent is freed now or when its last reader leaves."""

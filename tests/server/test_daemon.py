@@ -235,7 +235,8 @@ def test_layout_size_mismatch_is_refused(daemon):
         c.put(ids(1)[0], b"x" * desc.object_bytes, desc)
 
 
-def test_commit_with_wrong_checksum_stores_nothing(daemon):
+def test_commit_with_wrong_checksum_stores_nothing(daemon_factory):
+    daemon = daemon_factory(config={"verify_puts": True})
     from kvstore import messages as m
     with daemon.client() as c:
         key = ids(1)[0]
