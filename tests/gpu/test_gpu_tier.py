@@ -1,0 +1,110 @@
+"""GPU tier: a clear 'unavailable' without CUDA, device memory and CUDA IPC with it."""
+
+from __future__ import annotations
+
+import mmap
+import pickle
+import subprocess
+import sys
+import types
+from dataclasses import asdict
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvstore.errors import InvalidArgument, ServiceError
+from tiers.allocator import Extent
+from tiers.gpu import CudaIpcHandle, GpuTier, GpuTierConfig
+
+ROOT = Path(__file__).resolve().parents[2]
+no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machine without CUDA")
+
+
+@no_cuda
+def test_probe_reports_why_the_tier_is_absent():
+    availability = GpuTier.probe()
+    assert availability.available is False and availability.num_devices == 0
+    assert "CPU-only" in availability.reason or "no CUDA device" in availability.reason
+
+
+@no_cuda
+def test_opening_without_cuda_raises_service_error_with_the_reason():
+    with pytest.raises(ServiceError, match="gpu tier unavailable: .*torch"):
+        GpuTier(GpuTierConfig(capacity_bytes=1 << 20))
+
+
+def test_probe_survives_driver_bindings_that_raise(monkeypatch):
+    # cuda-python without libcuda raises from cuInit instead of returning an error code
+    def cu_init(flags):
+        raise RuntimeError("libcuda.so.1: cannot open shared object file")
+
+    driver = types.SimpleNamespace(cuInit=cu_init)
+    bindings = types.ModuleType("cuda.bindings")
+    bindings.driver = driver
+    monkeypatch.setitem(sys.modules, "cuda", types.ModuleType("cuda"))
+    monkeypatch.setitem(sys.modules, "cuda.bindings", bindings)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    availability = GpuTier.probe()
+    assert not availability.available and "no usable driver" in availability.reason
+
+
+def test_config_rejects_nonsense():
+    with pytest.raises(InvalidArgument):
+        GpuTierConfig(capacity_bytes=0)
+    with pytest.raises(InvalidArgument, match="multiple of 256"):
+        GpuTierConfig(capacity_bytes=1000)
+    with pytest.raises(InvalidArgument):
+        GpuTierConfig(capacity_bytes=1, device=-1)
+
+
+_READER = """
+import pickle, sys
+sys.path.insert(0, sys.argv[1])
+from tiers.gpu import CudaIpcHandle, open_ipc_buffer
+buf = open_ipc_buffer(CudaIpcHandle(**pickle.loads(sys.stdin.buffer.read())))
+print(int(buf[:4096].sum()), flush=True)
+buf[4096:8192].fill_(7)
+import torch; torch.cuda.synchronize()
+"""
+
+
+@pytest.mark.gpu
+def test_engine_maps_the_tier_buffer_by_cuda_ipc():
+    tier = GpuTier(GpuTierConfig(capacity_bytes=1 << 20))
+    first, second = tier.alloc(4096), tier.alloc(4096)
+    assert (first.offset, second.offset) == (0, 4096)
+    tier.view(first).fill_(1)
+    tier.view(second).zero_()
+    torch.cuda.synchronize()
+    handle = tier.ipc_handle()
+    assert isinstance(handle, CudaIpcHandle) and handle.storage_bytes >= 1 << 20
+    done = subprocess.run([sys.executable, "-c", _READER, str(ROOT)], input=pickle.dumps(asdict(handle)),
+                          capture_output=True, timeout=120)
+    assert done.returncode == 0, done.stderr.decode()
+    assert int(done.stdout.decode().split()[0]) == 4096  # the engine saw the tier's bytes
+    assert int(tier.view(second).sum()) == 7 * 4096  # and the tier sees the engine's
+    with pytest.raises(InvalidArgument):
+        tier.view(Extent((1 << 20) - 256, 512))
+    tier.free(first)
+    tier.check_integrity()
+    assert tier.alloc(100) == Extent(0, 256)
+    tier.close()
+    tier.close()
+    assert tier.closed
+
+
+@pytest.mark.gpu
+def test_host_arena_can_be_pinned():
+    from tiers.gpu import register_host_memory, unregister_host_memory
+
+    arena = mmap.mmap(-1, 1 << 20)
+    host = torch.frombuffer(arena, dtype=torch.uint8)
+    register_host_memory(host.data_ptr(), host.numel())
+    try:
+        assert host.is_pinned()
+        host.fill_(3)
+        assert int(host.to("cuda", non_blocking=True).sum()) == 3 << 20
+    finally:
+        unregister_host_memory(host.data_ptr())
+        del host

@@ -1,0 +1,35 @@
+"""gpu/ and tiers/gpu.py import without triton (kernels load lazily) and point the right way:
+tiers/gpu.py uses the shared extent allocator and no other tier."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+_PROBE = """
+import sys
+sys.path.insert(0, sys.argv[1])
+sys.modules["triton"] = None  # any 'import triton' now raises ImportError
+import gpu, gpu.formats, gpu.paged, gpu.sparse, gpu.delta_rule, tiers.gpu
+bad = sorted(m for m in sys.modules if m == "server" or m.startswith("server."))
+bad += sorted(m for m in sys.modules if m.startswith("tiers.") and m not in ("tiers.gpu", "tiers.allocator"))
+print(",".join(bad))
+"""
+
+
+def test_reference_modules_need_no_triton_and_no_server_or_other_tiers():
+    done = subprocess.run([sys.executable, "-c", _PROBE, str(ROOT)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == ""
+
+
+def test_gpu_package_imports_only_kvstore_and_client_from_the_project():
+    for path in (ROOT / "gpu").glob("*.py"):
+        for line in path.read_text().splitlines():
+            words = line.split()
+            if len(words) >= 2 and words[0] in ("import", "from"):
+                top = words[1].split(".")[0]
+                assert top not in ("server", "tiers", "bench"), f"{path.name}: {line.strip()}"

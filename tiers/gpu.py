@@ -1,0 +1,220 @@
+"""GPU tier: device memory owned by the daemon, shared with local engines by CUDA IPC.
+
+On a machine without CUDA the tier is absent, not broken: `GpuTier.probe()` says why
+(CPU-only torch build, no device visible, driver missing) and never raises; constructing a
+`GpuTier` there raises `ServiceError` carrying that reason. torch is imported only inside
+functions, so importing this module costs nothing on a CPU-only daemon.
+
+With CUDA the daemon allocates one device buffer per tier at start and carves it into extents
+with the host arena's `ExtentAllocator` (same alloc/free/view/check_integrity shape as
+`HostArena`, so the same lease rules apply: the daemon never frees an extent under a lease).
+Engines get a `CudaIpcHandle` (torch's CUDA IPC export of the buffer), map it once with
+`open_ipc_buffer` and read and write extents in place. `register_host_memory` pins the host
+arena for DMA when CUDA is present. Everything past `probe` runs only on a GPU machine (tests
+marked `gpu`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvstore.errors import InvalidArgument, ServiceError
+from tiers.allocator import Extent, ExtentAllocator
+
+# cudaMalloc aligns to 256 bytes; extents keep that so vectorised kernels can use them
+GPU_ALIGNMENT_BYTES = 256
+
+
+@dataclass(frozen=True, slots=True)
+class Availability:
+    available: bool
+    reason: str  # what was found, or why the tier cannot run and what would fix it
+    num_devices: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class GpuTierConfig:
+    capacity_bytes: int
+    device: int = 0
+
+    def __post_init__(self) -> None:
+        capacity = self.capacity_bytes
+        if type(capacity) is not int or capacity <= 0 or capacity % GPU_ALIGNMENT_BYTES:
+            raise InvalidArgument(
+                f"gpu tier capacity_bytes must be a positive multiple of {GPU_ALIGNMENT_BYTES}, "
+                f"got {capacity!r}"
+            )
+        if not isinstance(self.device, int) or self.device < 0:
+            raise InvalidArgument(f"gpu tier device must be an index >= 0, got {self.device!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class CudaIpcHandle:
+    """torch's CUDA IPC export of one device buffer (fields of `_share_cuda_()`, in order).
+
+    Plain bytes and ints: it travels in a msgpack reply to a local engine.
+    """
+
+    device: int
+    handle: bytes
+    storage_bytes: int
+    storage_offset_bytes: int
+    ref_counter_handle: bytes
+    ref_counter_offset: int
+    event_handle: bytes | None
+    event_sync_required: bool
+
+
+def _driver_note() -> str:
+    """What cuda-python (if installed) says about the driver; never raises."""
+    try:
+        try:
+            from cuda.bindings import driver
+        except ImportError:
+            from cuda import cuda as driver  # cuda-python < 12.6 layout
+    except Exception:
+        return "cuda-python not installed"
+    try:
+        (err,) = driver.cuInit(0)
+        if int(err) != 0:
+            return f"cuda-python: cuInit failed ({getattr(err, 'name', err)})"
+        err, count = driver.cuDeviceGetCount()
+        return f"cuda-python: driver sees {count} device(s)"
+    except Exception as exc:  # no libcuda: the bindings raise instead of returning an error
+        return f"cuda-python: no usable driver ({type(exc).__name__}: {exc})"
+
+
+class GpuTier:
+    """One device buffer of `capacity_bytes` on `device`. Not thread-safe: the daemon's tier
+    manager calls it from its loop; engines touch the memory only through IPC mappings."""
+
+    name = "gpu"
+
+    @staticmethod
+    def probe() -> Availability:
+        """Can this machine run the tier? Cheap, idempotent, never raises."""
+        try:
+            import torch
+        except Exception as exc:
+            return Availability(False, f"torch is not importable ({exc}); install torch with CUDA")
+        try:
+            if torch.version.cuda is None:
+                cause = f"torch {torch.__version__} is a CPU-only build; install a CUDA build of torch"
+            elif torch.cuda.is_available() and torch.cuda.device_count() > 0:
+                count = torch.cuda.device_count()
+                name = torch.cuda.get_device_name(0)
+                return Availability(True, f"{count} CUDA device(s), first: {name}", count)
+            else:
+                cause = (f"torch {torch.__version__} (CUDA {torch.version.cuda}) sees no CUDA device: "
+                         "no driver, or CUDA_VISIBLE_DEVICES hides every device")
+        except Exception as exc:
+            cause = f"torch.cuda failed ({type(exc).__name__}: {exc})"
+        return Availability(False, f"{cause}; {_driver_note()}")
+
+    def __init__(self, config: GpuTierConfig):
+        availability = self.probe()
+        if not availability.available:
+            raise ServiceError(f"gpu tier unavailable: {availability.reason}")
+        if config.device >= availability.num_devices:
+            raise InvalidArgument(
+                f"gpu tier device {config.device} but only {availability.num_devices} present"
+            )
+        import torch
+
+        self.config = config
+        self._allocator = ExtentAllocator(config.capacity_bytes, GPU_ALIGNMENT_BYTES)
+        self._buffer = torch.empty(config.capacity_bytes, dtype=torch.uint8, device=f"cuda:{config.device}")
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.config.capacity_bytes
+
+    @property
+    def allocator(self) -> ExtentAllocator:
+        """For stats; change it only through the tier."""
+        return self._allocator
+
+    @property
+    def closed(self) -> bool:
+        return self._buffer is None
+
+    def can_alloc(self, size_bytes: int) -> bool:
+        return self._allocator.can_alloc(size_bytes)
+
+    def alloc(self, size_bytes: int) -> Extent | None:
+        """A 256-byte-aligned extent of at least size_bytes, or None; bytes not cleared."""
+        self._check_open()
+        return self._allocator.alloc(size_bytes)
+
+    def free(self, extent: Extent) -> None:
+        """Give an extent back; no lease and no engine write may be pending on it."""
+        self._allocator.free(extent)
+
+    def view(self, extent: Extent):
+        """uint8 device tensor over the extent (no copy). The tier owns the memory; the view
+        is valid until close()."""
+        self._check_open()
+        if not isinstance(extent, Extent) or extent.end > self.capacity_bytes:
+            raise InvalidArgument(
+                f"view({extent!r}): not an extent inside this {self.capacity_bytes}-byte gpu tier"
+            )
+        return self._buffer[extent.offset : extent.end]
+
+    def ipc_handle(self) -> CudaIpcHandle:
+        """Export the whole buffer for a local engine, which addresses extents by offset."""
+        self._check_open()
+        fields = self._buffer.untyped_storage()._share_cuda_()
+        event = None if fields[6] is None else bytes(fields[6])
+        return CudaIpcHandle(int(fields[0]), bytes(fields[1]), int(fields[2]), int(fields[3]),
+                             bytes(fields[4]), int(fields[5]), event, bool(fields[7]))
+
+    def check_integrity(self) -> None:
+        """Raise RuntimeError if the allocator or the buffer is inconsistent."""
+        self._check_open()
+        self._allocator.check_integrity()
+        if self._buffer.numel() != self.capacity_bytes:
+            raise RuntimeError(
+                f"gpu tier buffer is {self._buffer.numel()} bytes, expected {self.capacity_bytes}"
+            )
+
+    def close(self) -> None:
+        """Drop the buffer (idempotent). Engines must have released their mappings first;
+        torch keeps the memory alive while an exported handle is still mapped elsewhere."""
+        self._buffer = None
+
+    def _check_open(self) -> None:
+        if self._buffer is None:
+            raise RuntimeError("gpu tier is closed")
+
+
+def open_ipc_buffer(handle: CudaIpcHandle):
+    """Engine side: map the daemon's buffer as a uint8 device tensor (another process only:
+    CUDA refuses to open an IPC handle in the process that exported it)."""
+    import torch
+
+    torch.cuda._lazy_init()
+    storage = torch.UntypedStorage._new_shared_cuda(
+        handle.device, handle.handle, handle.storage_bytes, handle.storage_offset_bytes,
+        handle.ref_counter_handle, handle.ref_counter_offset, handle.event_handle,
+        handle.event_sync_required,
+    )
+    # the same rebuild torch.multiprocessing uses for CUDA tensors
+    typed = torch.storage.TypedStorage(wrap_storage=storage, dtype=torch.uint8, _internal=True)
+    return torch._utils._rebuild_tensor(typed, 0, (handle.storage_bytes,), (1,))
+
+
+def register_host_memory(address: int, nbytes: int) -> None:
+    """Pin an existing host mapping (the host arena) for DMA: cudaHostRegister, portable."""
+    import torch
+
+    err = torch.cuda.cudart().cudaHostRegister(address, nbytes, 1)  # cudaHostRegisterPortable
+    if int(err) != 0:
+        raise ServiceError(f"cudaHostRegister of {nbytes} bytes failed with CUDA error {int(err)}")
+
+
+def unregister_host_memory(address: int) -> None:
+    import torch
+
+    err = torch.cuda.cudart().cudaHostUnregister(address)
+    if int(err) != 0:
+        raise ServiceError(f"cudaHostUnregister failed with CUDA error {int(err)}")
