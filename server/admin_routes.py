@@ -1,0 +1,171 @@
+"""Admin route table and the node-level handlers: health, stats, lookup, cluster, metrics.
+
+Object handlers (list, show, delete, pin, evict) are in server/admin_objects.py. Every
+route here must be described in server/admin_openapi.py; a test holds the two together.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+from aiohttp import web
+
+from kvstore.errors import InvalidArgument
+from kvstore.identity import StateDescriptor, chunk_keys
+from server import admin_objects as objects
+from server.admin_http import ADMIN, json_body, json_response
+from server.admin_openapi import TIER_KEYS, openapi_document
+
+# Router calls per lookup stay bounded: 1M tokens is 4096 chunks of 256.
+MAX_LOOKUP_TOKENS = 1 << 20
+MAX_EXTRA_KEYS = 64
+
+
+def _admin(request: web.Request):
+    return request.app[ADMIN]
+
+
+async def healthz(request: web.Request) -> web.Response:
+    return json_response({"status": "ok"})
+
+
+async def readyz(request: web.Request) -> web.Response:
+    ready = _admin(request).ready()
+    return json_response({"ready": ready}, status=200 if ready else 503)
+
+
+def _tier_stats(ns: dict) -> dict:
+    """One namespace's manager stats, as the host tier's numbers."""
+    return {k: v for k, v in ns.items() if isinstance(v, int)}
+
+
+def stats_document(admin) -> dict:
+    stats = admin.daemon.stats()
+    per_ns = {name: {"tiers": {"host": _tier_stats(ns)}} for name, ns in sorted(stats["namespaces"].items())}
+    total = dict.fromkeys(TIER_KEYS, 0)
+    for ns in per_ns.values():
+        for key, value in ns["tiers"]["host"].items():
+            total[key] = total.get(key, 0) + value
+    return {
+        "version": stats["version"],
+        "pid": stats["pid"],
+        "uptime_s": stats["uptime_s"],
+        "ready": admin.ready(),
+        "clients": stats["clients"],
+        "leases": stats["leases"],
+        "ops_per_s": admin.ops_per_s(),
+        "socket": stats["socket"],
+        "host_bandwidth_bytes_s": stats["host_bandwidth_bytes_s"],
+        "tiers": {"host": total},
+        "namespaces": per_ns,
+    }
+
+
+async def stats(request: web.Request) -> web.Response:
+    return json_response(stats_document(_admin(request)))
+
+
+def _descriptor(data) -> StateDescriptor:
+    if not isinstance(data, dict):
+        raise InvalidArgument("descriptor must be an object with namespace, model and model_revision")
+    for key, value in data.items():
+        if key == "chunk_tokens":
+            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_LOOKUP_TOKENS:
+                raise InvalidArgument(f"descriptor.chunk_tokens must be an integer in 1..{MAX_LOOKUP_TOKENS}")
+        elif not isinstance(value, str):
+            raise InvalidArgument(f"descriptor.{key} must be a string")
+    try:
+        return StateDescriptor.from_wire(data)
+    except (TypeError, ValueError) as exc:
+        raise InvalidArgument(f"bad descriptor: {exc}") from None
+
+
+def _tokens(value) -> list[int]:
+    if not isinstance(value, list) or len(value) > MAX_LOOKUP_TOKENS:
+        raise InvalidArgument(f"tokens must be a list of at most {MAX_LOOKUP_TOKENS} token ids")
+    if not all(type(t) is int and 0 <= t < 2**32 for t in value):
+        raise InvalidArgument("token ids must be integers in 0..4294967295")
+    return value
+
+
+def _extra_keys(value) -> list[str]:
+    if value is None:
+        return []
+    if not isinstance(value, list) or len(value) > MAX_EXTRA_KEYS or not all(isinstance(k, str) for k in value):
+        raise InvalidArgument(f"extra_keys must be a list of at most {MAX_EXTRA_KEYS} strings")
+    return value
+
+
+async def lookup(request: web.Request) -> web.Response:
+    """What a router asks: how much of this prompt's state is here, where, and how fast it loads."""
+    body = await json_body(request, {"tokens", "descriptor", "extra_keys"})
+    if "tokens" not in body or "descriptor" not in body:
+        raise InvalidArgument("lookup needs tokens and descriptor")
+    tokens, desc = _tokens(body["tokens"]), _descriptor(body["descriptor"])
+    keys = chunk_keys(tokens, desc, extra_keys=_extra_keys(body.get("extra_keys")))
+    manager = _admin(request).daemon.manager
+    if desc.namespace in manager.namespaces and keys:  # never open a namespace for a lookup
+        found = manager.lookup(desc.namespace, [k.object_id for k in keys])
+    else:
+        found = {"hits": 0, "tiers": [None] * len(keys), "hit_bytes": 0, "est_load_s": 0.0}
+    per_tier: dict[str, int] = {}
+    for tier in found["tiers"][:found["hits"]]:
+        per_tier[tier] = per_tier.get(tier, 0) + 1
+    return json_response({
+        "namespace": desc.namespace,
+        "num_chunks": len(keys),
+        "chunk_tokens": desc.chunk_tokens,
+        "hits": found["hits"],
+        "hit_tokens": found["hits"] * desc.chunk_tokens,
+        "hit_bytes": found["hit_bytes"],
+        "est_load_s": found["est_load_s"],
+        "hit_chunks_per_tier": per_tier,
+        "tiers": found["tiers"],
+        "object_ids": [k.object_id.hex for k in keys],
+    })
+
+
+async def cluster(request: web.Request) -> web.Response:
+    admin = _admin(request)
+    doc = stats_document(admin)
+    host = doc["tiers"]["host"]
+    node = {
+        "node_id": f"{socket.gethostname()}:{os.getpid()}",
+        "hostname": socket.gethostname(),
+        "admin_url": admin.url,
+        "version": doc["version"],
+        "ready": doc["ready"],
+        "uptime_s": doc["uptime_s"],
+        "namespaces": sorted(doc["namespaces"]),
+        "tiers": {"host": {k: host[k] for k in ("capacity_bytes", "used_bytes", "objects")}},
+        "host_bandwidth_bytes_s": doc["host_bandwidth_bytes_s"],
+    }
+    return json_response({"self": node["node_id"], "nodes": [node]})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    from prometheus_client import CONTENT_TYPE_LATEST
+    from server.metrics import render
+    return web.Response(body=render(_admin(request).registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+async def openapi(request: web.Request) -> web.Response:
+    return json_response(openapi_document())
+
+
+ROUTES = [
+    ("GET", "/healthz", healthz),
+    ("GET", "/readyz", readyz),
+    ("GET", "/v1/stats", stats),
+    ("GET", "/v1/objects", objects.list_objects),
+    ("GET", "/v1/objects/{id}", objects.show_object),
+    ("DELETE", "/v1/objects/{id}", objects.delete_object),
+    ("POST", "/v1/objects/{id}/pin", objects.pin_object),
+    ("DELETE", "/v1/objects/{id}/pin", objects.unpin_object),
+    ("POST", "/v1/evict", objects.evict),
+    ("POST", "/v1/lookup", lookup),
+    ("GET", "/v1/cluster", cluster),
+    ("GET", "/metrics", metrics),
+    ("GET", "/openapi.json", openapi),
+]

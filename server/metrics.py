@@ -1,0 +1,101 @@
+"""Prometheus metrics and the ops-per-second meter, both read from the tier manager's counters.
+
+Nothing is counted twice: the collector turns `Daemon.stats()` into metric families at
+scrape time, so it keeps no state and needs no global registry (each admin server owns
+its own `CollectorRegistry`). Called on the event loop thread, like every admin handler.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+# manager.stats() counter -> (metric name without _total, help)
+COUNTERS = {
+    "num_puts": ("kvstore_puts", "Objects committed"),
+    "num_dedup_puts": ("kvstore_dedup_puts", "Puts of an id already stored (nothing copied)"),
+    "num_gets": ("kvstore_gets", "Get requests (reads)"),
+    "num_hits": ("kvstore_hits", "Gets that found the object"),
+    "num_misses": ("kvstore_misses", "Gets that did not find the object"),
+    "num_evictions": ("kvstore_evictions", "Objects evicted to make room or by an operator"),
+    "num_expired": ("kvstore_expired", "Objects dropped when their ttl passed"),
+    "num_deletes": ("kvstore_deletes", "Objects deleted on request"),
+    "num_checksum_failures": ("kvstore_checksum_failures", "Puts refused because their bytes failed the checksum"),
+    "bytes_in": ("kvstore_bytes_in", "Bytes committed by puts"),
+    "bytes_out": ("kvstore_bytes_out", "Bytes handed out by gets"),
+}
+GAUGES = {
+    "objects": ("kvstore_objects", "Objects stored"),
+    "used_bytes": ("kvstore_used_bytes", "Bytes allocated in the tier (objects, leases, puts in flight)"),
+    "capacity_bytes": ("kvstore_capacity_bytes", "Bytes the tier may hold"),
+    "pinned": ("kvstore_pinned_objects", "Objects pinned resident"),
+}
+# Puts (stored or deduplicated), gets and deletes count as operations for the ops/s meter.
+OPS_COUNTERS = ("num_puts", "num_dedup_puts", "num_gets", "num_deletes")
+
+
+def total_ops(manager) -> int:
+    return sum(getattr(ns.counters, name) for ns in manager.namespaces.values() for name in OPS_COUNTERS)
+
+
+class OpsMeter:
+    """Operations per second over the last `window` samples (one sample a second)."""
+
+    def __init__(self, window: int = 10):
+        self._samples: deque[tuple[float, int]] = deque(maxlen=window + 1)
+
+    def sample(self, now: float, ops: int) -> None:
+        self._samples.append((now, ops))
+
+    def rate(self, now: float, ops: int) -> float:
+        if not self._samples:
+            return 0.0
+        then, before = self._samples[0]
+        return max(0, ops - before) / (now - then) if now > then else 0.0
+
+
+class StatsCollector:
+    """A prometheus-client collector over one daemon (and its admin server's error counts)."""
+
+    def __init__(self, daemon, admin):
+        self.daemon = daemon
+        self.admin = admin
+
+    def collect(self):
+        stats = self.daemon.stats()
+        labels = ["namespace", "tier"]
+        families = {}
+        for key, (name, doc) in COUNTERS.items():
+            families[key] = CounterMetricFamily(name, doc, labels=labels)
+        for key, (name, doc) in GAUGES.items():
+            families[key] = GaugeMetricFamily(name, doc, labels=labels)
+        for ns_name, ns in sorted(stats["namespaces"].items()):
+            for key, family in families.items():
+                family.add_metric([ns_name, "host"], ns.get(key, 0))
+        yield from families.values()
+        for name, doc, value in (
+            ("kvstore_leases", "Leases held by clients", stats["leases"]),
+            ("kvstore_clients", "Local clients connected", stats["clients"]),
+            ("kvstore_uptime_seconds", "Seconds since the daemon started", stats["uptime_s"]),
+            ("kvstore_ready", "1 once the daemon serves requests", 1 if self.admin.ready() else 0),
+            ("kvstore_host_bandwidth_bytes_per_second", "Measured host copy bandwidth (load-time estimates)",
+             stats["host_bandwidth_bytes_s"]),
+        ):
+            yield GaugeMetricFamily(name, doc, value=value)
+        errors = CounterMetricFamily("kvstore_admin_errors", "Admin API requests answered with an error",
+                                     labels=["code"])
+        for code, count in sorted(self.admin.num_errors.items()):
+            errors.add_metric([code], count)
+        yield errors
+
+
+def make_registry(daemon, admin) -> CollectorRegistry:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(StatsCollector(daemon, admin))
+    return registry
+
+
+def render(registry: CollectorRegistry) -> bytes:
+    return generate_latest(registry)
