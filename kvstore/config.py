@@ -71,6 +71,45 @@ class HostTierConfig:
             raise InvalidArgument("host.namespaces lists more namespaces than host.max_namespaces")
 
 
+WRITE_POLICIES = ("write_back", "write_through", "selective")
+
+
+@dataclass(frozen=True, slots=True)
+class NvmeTierConfig:
+    """The durable tier. Off unless enabled: it preallocates capacity_bytes on disk."""
+
+    enabled: bool = False
+    path: str = ""  # "" = <data_dir>/nvme
+    capacity_bytes: int = 8 << 30
+    file_bytes: int = 1 << 30
+    durability: str = "sync"  # sync: fdatasync + synced index per put; group: every group_commit_ms
+    group_commit_ms: float = 5.0
+    io_threads: int = 4
+    # write_back: objects go to NVMe when the host tier evicts them; write_through: at
+    # put (the put returns once durable); selective: once an object has write_after_hits hits.
+    write_policy: str = "write_back"
+    write_after_hits: int = 2
+    # When NVMe is full, a demoted object is admitted only if it was read at least this
+    # often recently (TinyLFU-style frequency filter); 0 admits everything.
+    admit_min_hits: int = 1
+    # On SIGTERM, write every host object that is not on NVMe yet, so a clean restart
+    # finds everything (write_back would otherwise lose what never left memory).
+    flush_on_shutdown: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("capacity_bytes", "file_bytes"):
+            object.__setattr__(self, name, parse_size(getattr(self, name)))
+        if self.durability not in ("sync", "group"):
+            raise InvalidArgument(f"nvme.durability must be sync or group, got {self.durability!r}")
+        if self.write_policy not in WRITE_POLICIES:
+            raise InvalidArgument(f"nvme.write_policy must be one of {WRITE_POLICIES}, got {self.write_policy!r}")
+        for name in ("io_threads", "write_after_hits"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise InvalidArgument(f"nvme.{name} must be an integer >= 1")
+        if not isinstance(self.admit_min_hits, int) or self.admit_min_hits < 0:
+            raise InvalidArgument("nvme.admit_min_hits must be an integer >= 0")
+
+
 @dataclass(frozen=True, slots=True)
 class LimitsConfig:
     max_clients: int = 256
@@ -104,12 +143,13 @@ _NODE_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
 MIN_SECRET_CHARS = 16
 
 
-def parse_address(value: str) -> tuple[str, int]:
-    """`"10.0.0.2:8471"` or `"[::1]:8471"` -> (host, port)."""
+def parse_address(value: str, any_port: bool = False) -> tuple[str, int]:
+    """`"10.0.0.2:8471"` or `"[::1]:8471"` -> (host, port); `any_port` admits port 0 (listen only)."""
     host, sep, port = str(value).rpartition(":")
     host = host.strip("[]")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) <= 65535:
-        raise InvalidArgument(f"address must be host:port with a port in 1..65535, got {value!r}")
+    low = 0 if any_port else 1
+    if not sep or not host or not port.isdigit() or not low <= int(port) <= 65535:
+        raise InvalidArgument(f"address must be host:port with a port in {low}..65535, got {value!r}")
     return host, int(port)
 
 
@@ -140,7 +180,7 @@ class ClusterConfig:
             raise InvalidArgument(f"cluster.transport must be tcp or ucx, got {self.transport!r}")
         if self.membership not in ("static", "etcd"):
             raise InvalidArgument(f"cluster.membership must be static or etcd, got {self.membership!r}")
-        parse_address(self.listen)
+        parse_address(self.listen, any_port=True)
         if self.advertise:
             parse_address(self.advertise)
         self.peer_map()
@@ -182,6 +222,7 @@ class ServerConfig:
     host: HostTierConfig = HostTierConfig()
     limits: LimitsConfig = LimitsConfig()
     admin: AdminConfig = AdminConfig()
+    nvme: NvmeTierConfig = NvmeTierConfig()
     cluster: ClusterConfig = ClusterConfig()
 
     def __post_init__(self) -> None:
@@ -195,6 +236,10 @@ class ServerConfig:
     @classmethod
     def from_dict(cls, data: dict) -> ServerConfig:
         return _build(cls, data, "")
+
+    @property
+    def nvme_path(self) -> str:
+        return self.nvme.path or os.path.join(self.data_dir, "nvme")
 
     def with_overrides(self, **changes) -> ServerConfig:
         return replace(self, **{k: v for k, v in changes.items() if v is not None})

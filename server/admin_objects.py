@@ -12,6 +12,7 @@ import base64
 import binascii
 import dataclasses
 import heapq
+import inspect
 import json
 import math
 from dataclasses import dataclass
@@ -180,7 +181,9 @@ async def show_object(request: web.Request) -> web.Response:
 
 async def delete_object(request: web.Request) -> web.Response:
     manager, entry = _target(request)
-    manager.delete(entry.namespace, [entry.object_id])
+    deleted = manager.delete(entry.namespace, [entry.object_id])
+    if inspect.isawaitable(deleted):  # NVMe copies are deleted in the I/O pool
+        await deleted
     return json_response({"deleted": True, "namespace": entry.namespace, "object_id": entry.object_id.hex})
 
 

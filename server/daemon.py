@@ -52,13 +52,24 @@ class Daemon:
         self._tasks: list[asyncio.Task] = []
         self._stopped = asyncio.Event()
         self.admin = None  # server.admin.AdminServer when admin.enabled
+        self.ready = False  # True once recovery is done and the socket serves (GET /readyz)
+        self.recovery: dict = {}
+        if config.nvme.enabled:
+            from server.movement import TierMover
+            self.manager.mover = TierMover(self.manager, config)
 
     async def start(self) -> None:
         path = self.config.socket_path
         os.makedirs(os.path.dirname(path) or ".", mode=0o700, exist_ok=True)
         os.makedirs(self.config.data_dir, mode=0o700, exist_ok=True)
         _claim_socket_path(path)
+        if self.config.admin.enabled:  # first, so /readyz can say "recovering"
+            from server.admin import AdminServer
+            self.admin = AdminServer(self)
+            await self.admin.start()
         self.manager.host_bandwidth_bytes_s = measure_copy_bandwidth()
+        if self.manager.mover is not None:
+            self.recovery = await self.manager.mover.open()
         for name in self.config.host.namespaces:  # pre-open: no client waits for their arenas
             await self.manager.open_namespace(name)
         self._server = await asyncio.get_running_loop().create_unix_server(
@@ -66,12 +77,10 @@ class Daemon:
         )
         os.chmod(path, self.config.socket_mode)
         self._tasks.append(asyncio.create_task(self._housekeeping()))
-        if self.config.admin.enabled:
-            from server.admin import AdminServer
-            self.admin = AdminServer(self)
-            await self.admin.start()
-        log.info("event=ready socket=%s arena_bytes=%d policy=%s pid=%d version=%s",
-                 path, self.config.host.arena_bytes, self.config.host.policy, os.getpid(), SERVER_VERSION)
+        self.ready = True
+        log.info("event=ready socket=%s arena_bytes=%d policy=%s nvme=%s pid=%d version=%s",
+                 path, self.config.host.arena_bytes, self.config.host.policy,
+                 self.config.nvme_path if self.config.nvme.enabled else "off", os.getpid(), SERVER_VERSION)
 
     async def serve_forever(self) -> None:
         loop = asyncio.get_running_loop()
@@ -98,6 +107,10 @@ class Daemon:
             os.unlink(self.config.socket_path)
         except FileNotFoundError:
             pass
+        if self.manager.mover is not None:
+            if self.config.nvme.flush_on_shutdown:
+                await self.manager.mover.flush_host()
+            await self.manager.mover.close()
         self.manager.close()
         log.info("event=stopped")
 
@@ -131,6 +144,7 @@ class Daemon:
             "clients": len(self.connections),
             "socket": self.config.socket_path,
             "host_bandwidth_bytes_s": self.manager.host_bandwidth_bytes_s,
+            "recovery": self.recovery,
             **self.manager.stats(),
         }
 

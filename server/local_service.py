@@ -27,6 +27,15 @@ _conn_ids = itertools.count(1)
 SERVER_VERSION = "0.1.0"
 
 
+def _keyed(key: str, value):
+    """{key: value}, also when value is still an awaitable."""
+    if inspect.isawaitable(value):
+        async def wrap():
+            return {key: await value}
+        return wrap()
+    return {key: value}
+
+
 class _Retry:
     """An awaited step finished; dispatch `msg` again now that it will not wait."""
 
@@ -180,15 +189,13 @@ class LocalConnection(asyncio.Protocol):
             case m.Lookup():
                 return mgr.lookup(self._ns(msg.namespace), msg.ids), None
             case m.Delete():
-                return {"deleted": mgr.delete(self._ns(msg.namespace), msg.ids)}, None
+                return _keyed("deleted", mgr.delete(self._ns(msg.namespace), msg.ids)), None
             case m.Pin():
                 return {"pinned": mgr.pin(self._ns(msg.namespace), msg.ids, msg.ttl_s)}, None
             case m.Unpin():
                 return {"unpinned": mgr.unpin(self._ns(msg.namespace), msg.ids)}, None
             case m.Prefetch():
-                # One tier so far: prefetch answers how many are already resident.
-                lookup = mgr.lookup(self._ns(msg.namespace), msg.ids)
-                return {"resident": sum(t is not None for t in lookup["tiers"]), "requested": len(msg.ids)}, None
+                return mgr.prefetch(self._ns(msg.namespace), msg.ids, msg.tier, msg.policy, msg.timeout_s), None
             case m.OpenNamespace():
                 self.daemon.authorize(msg.namespace, msg.token, self.peer)
                 ns = mgr.namespaces.get(msg.namespace)

@@ -26,6 +26,7 @@ class ObjectEntry:
     num_hits: int = 0
     readers: int = 0  # read leases on this entry
     deleted: bool = False  # removed from the index, extent freed when the last reader leaves
+    on_nvme: bool = False  # a verified copy is on the NVMe tier too
     descriptor_wire: dict | None = None  # descriptor.to_wire(), built once: every get sends it
 
     def get_reply(self, lease_id: int, tier: str = "host") -> dict:

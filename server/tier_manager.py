@@ -54,6 +54,11 @@ class Namespace:
     counters: TierCounters = field(default_factory=TierCounters)
 
 
+def _log_failure(task: asyncio.Task) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.warning("event=promotion_failed error=%r", task.exception())
+
+
 class TierManager:
     def __init__(self, config: ServerConfig, clock=time.monotonic):
         self.config = config
@@ -64,6 +69,9 @@ class TierManager:
         self._reading: dict[int, ObjectEntry] = {}  # read lease id -> entry it covers
         self._zombies: dict[int, ObjectEntry] = {}  # id(entry) -> deleted entry still leased
         self._creating: dict[str, asyncio.Future] = {}  # namespaces whose arena is being made
+        self._transient: dict[int, object] = {}  # id(extent) -> extent being filled by a promotion
+        self.mover = None  # server.movement.TierMover when the NVMe tier is enabled
+        self._num_holds = 0  # readers the daemon itself holds (copies to NVMe in flight)
         self.host_bandwidth_bytes_s = 8e9  # replaced by a measurement at start
 
     # --- namespaces -------------------------------------------------------------
@@ -122,36 +130,92 @@ class TierManager:
             ns.counters.num_dedup_puts += 1
             return {"exists": True}
         self._check_lease_quota(owner)
-        extent = self._alloc(ns, msg.size, now)
-        lease = self.leases.grant(owner, None, extent, "write", self.config.limits.lease_ttl_s, now)
+        if self.mover is not None and not ns.arena.can_alloc(msg.size):
+            return self._reserve_after_demotion(owner, ns, msg)
+        return self._grant_write(owner, ns, msg, self._alloc(ns, msg.size, now))
+
+    async def _reserve_after_demotion(self, owner, ns: Namespace, msg: Reserve) -> dict:
+        self._check_size(ns, msg.size)
+        while True:
+            await self.mover.make_room(ns, msg.size)
+            extent = ns.arena.alloc(msg.size)
+            if extent is not None:
+                return self._grant_write(owner, ns, msg, extent)
+
+    def _grant_write(self, owner, ns: Namespace, msg: Reserve, extent) -> dict:
+        lease = self.leases.grant(owner, None, extent, "write", self.config.limits.lease_ttl_s, self.clock())
         self._pending[lease.lease_id] = PendingPut(
             msg.namespace, msg.object_id, msg.size, msg.descriptor, msg.hints, extent
         )
         return {"lease": lease.lease_id, "offset": extent.offset}
 
-    def _alloc(self, ns: Namespace, size: int, now: float):
+    def _check_size(self, ns: Namespace, size: int) -> None:
         if size > ns.arena.capacity_bytes:
             raise CapacityError(
                 f"object of {size} bytes is larger than namespace {ns.name}'s arena "
                 f"({ns.arena.capacity_bytes} bytes); raise host.arena_bytes"
             )
+
+    def no_room(self, ns: Namespace, size: int) -> CapacityError:
+        return CapacityError(
+            f"namespace {ns.name}: no room for {size} bytes; "
+            f"{ns.arena.allocator.used_bytes} of {ns.arena.capacity_bytes} bytes are pinned, leased or "
+            f"being written (largest hole {ns.arena.allocator.largest_free_bytes} bytes). "
+            "Release leases, unpin, or raise host.arena_bytes"
+        )
+
+    def _alloc(self, ns: Namespace, size: int, now: float):
+        """Host-only eviction: victims are dropped (no lower tier to keep them)."""
+        self._check_size(ns, size)
         while not ns.arena.can_alloc(size):
-            victims = ns.policy.victims(size, lambda oid: self._evictable(ns, oid, now))
+            victims = ns.policy.victims(size, lambda oid: self.evictable(ns, oid, now))
             if not victims:
-                raise CapacityError(
-                    f"namespace {ns.name}: no room for {size} bytes; "
-                    f"{ns.arena.allocator.used_bytes} of {ns.arena.capacity_bytes} bytes are pinned, leased or "
-                    "being written (largest hole {} bytes). Release leases, unpin, or raise host.arena_bytes"
-                    .format(ns.arena.allocator.largest_free_bytes)
-                )
+                raise self.no_room(ns, size)
             for oid in victims:
-                self._remove(ns, ns.objects[oid], reason="evict")
-                ns.counters.num_evictions += 1
+                self.evict_entry(ns, ns.objects[oid])
         return ns.arena.alloc(size)
 
-    def _evictable(self, ns: Namespace, oid: ObjectId, now: float) -> bool:
+    def evictable(self, ns: Namespace, oid: ObjectId, now: float) -> bool:
         entry = ns.objects.get(oid)
         return entry is not None and entry.readers == 0 and not entry.is_pinned(now)
+
+    _evictable = evictable
+
+    # --- used by the mover ------------------------------------------------------------
+
+    def evict_entry(self, ns: Namespace, entry: ObjectEntry) -> None:
+        """Drop a victim that victims() already stopped tracking."""
+        self._remove(ns, entry, reason="evict")
+        ns.counters.num_evictions += 1
+
+    def drop(self, ns: Namespace, entry: ObjectEntry) -> None:
+        """Drop a tracked entry (corrupt, or otherwise unusable)."""
+        self._remove(ns, entry, reason="drop")
+
+    def insert(self, ns: Namespace, entry: ObjectEntry) -> None:
+        ns.objects[entry.object_id] = entry
+        ns.policy.on_insert(entry.object_id, entry.size, entry.hints.recompute_cost_ms, entry.hints.priority)
+
+    def hold(self, entry: ObjectEntry) -> None:
+        """Keep an entry's extent allocated while the daemon itself reads it."""
+        entry.readers += 1
+        self._num_holds += 1
+
+    def release_hold(self, entry: ObjectEntry) -> None:
+        self._num_holds -= 1
+        self._drop_reader(entry)
+
+    def _drop_reader(self, entry: ObjectEntry) -> None:
+        entry.readers -= 1
+        if entry.deleted and entry.readers == 0:
+            self._zombies.pop(id(entry))
+            self.namespaces[entry.namespace].arena.free(entry.extent)
+
+    def track_transient(self, ns: Namespace, extent, add: bool) -> None:
+        if add:
+            self._transient[id(extent)] = (ns.name, extent)
+        else:
+            del self._transient[id(extent)]
 
     def commit(self, owner, lease_id: int, checksum: bytes) -> dict:
         lease = self._own_lease(owner, lease_id, "write")
@@ -182,11 +246,18 @@ class TierManager:
             expires_at=now + put.hints.ttl_s if put.hints.ttl_s is not None else math.inf,
             pinned_until=math.inf if put.hints.pin else 0.0,
         )
-        ns.objects[put.object_id] = entry
-        ns.policy.on_insert(put.object_id, put.size, put.hints.recompute_cost_ms, put.hints.priority)
+        self.insert(ns, entry)
         ns.counters.num_puts += 1
         ns.counters.bytes_in += put.size
+        if self.mover is not None and self.config.nvme.write_policy == "write_through":
+            return self._write_through(entry)
         return {"exists": False, "tier": "host", "durability": "memory"}
+
+    async def _write_through(self, entry: ObjectEntry) -> dict:
+        durability = await self.mover.write(entry)
+        if durability is None:
+            return {"exists": False, "tier": "host", "durability": "memory"}
+        return {"exists": False, "tier": "host", "durability": durability}
 
     def abort(self, owner, lease_id: int) -> None:
         self._own_lease(owner, lease_id, "write")
@@ -205,6 +276,8 @@ class TierManager:
             self._remove(ns, entry, reason="expire")
             entry = None
         if entry is None:
+            if self.mover is not None and self.mover.holds(namespace, oid):
+                return self._get_after_promotion(owner, namespace, oid, accept)
             ns.counters.num_misses += 1
             return {"hit": False}
         if accept is not None and entry.descriptor.dtype not in accept:
@@ -218,7 +291,22 @@ class TierManager:
         ns.policy.on_access(oid)
         ns.counters.num_hits += 1
         ns.counters.bytes_out += entry.size
+        if self.mover is not None:
+            self.mover.record_access(namespace, oid)
+            if (not entry.on_nvme and self.config.nvme.write_policy == "selective"
+                    and entry.num_hits == self.config.nvme.write_after_hits):
+                self.mover.write_in_background(entry)
         return entry.get_reply(lease.lease_id)
+
+    async def _get_after_promotion(self, owner, namespace: str, oid: ObjectId, accept) -> dict:
+        entry = await self.mover.promote(namespace, oid)
+        if entry is None:
+            ns = self.namespaces[namespace]
+            ns.counters.num_gets += 1
+            ns.counters.num_misses += 1
+            return {"hit": False}
+        reply = self.get(owner, namespace, oid, accept)  # resident now: the sync path
+        return reply if not hasattr(reply, "__await__") else await reply
 
     def release(self, owner, lease_id: int) -> None:
         self._own_lease(owner, lease_id, "read")
@@ -239,11 +327,7 @@ class TierManager:
             put = self._pending.pop(lease.lease_id)
             self.namespaces[put.namespace].arena.free(put.extent)
             return
-        entry = self._reading.pop(lease.lease_id)
-        entry.readers -= 1
-        if entry.deleted and entry.readers == 0:
-            self._zombies.pop(id(entry))
-            self.namespaces[entry.namespace].arena.free(entry.extent)
+        self._drop_reader(self._reading.pop(lease.lease_id))
 
     def _check_lease_quota(self, owner) -> None:
         limit = self.config.limits.max_leases_per_client
@@ -255,35 +339,81 @@ class TierManager:
     # --- index operations ---------------------------------------------------------
 
     def lookup(self, namespace: str, ids) -> dict:
+        """Per key its tier ("host", "nvme" or None), the leading hits, their bytes, and the
+        estimated time to load them at each tier's measured bandwidth (DESIGN.md section 7)."""
         ns = self.namespaces.get(namespace)
-        if ns is None:
-            return {"hits": 0, "tiers": [None] * len(ids), "hit_bytes": 0, "est_load_s": 0.0}
+        objects = ns.objects if ns is not None else {}
+        mover = self.mover
         now = self.clock()
-        tiers, leading, hit_bytes = [], None, 0
-        for i, oid in enumerate(ids):
-            entry = ns.objects.get(oid)
-            present = entry is not None and entry.expires_at > now
-            tiers.append("host" if present else None)
-            if present and leading is None:
-                hit_bytes += entry.size
-            elif not present and leading is None:
-                leading = i
-        hits = len(ids) if leading is None else leading
-        est = hit_bytes / self.host_bandwidth_bytes_s + hits * PER_OBJECT_LOAD_S
-        return {"hits": hits, "tiers": tiers, "hit_bytes": hit_bytes, "est_load_s": est}
-
-    def delete(self, namespace: str, ids) -> int:
-        ns = self.namespaces.get(namespace)
-        if ns is None:
-            return 0
-        count = 0
+        tiers, leading = [], True
+        host_bytes = nvme_bytes = hits = 0
         for oid in ids:
+            entry = objects.get(oid)
+            if entry is not None and entry.expires_at > now:
+                tier, size = "host", entry.size
+            elif mover is not None and (size := mover.size_of(namespace, oid)) is not None:
+                tier = "nvme"
+            else:
+                tier, size = None, 0
+            tiers.append(tier)
+            if leading and tier is None:
+                leading = False
+            elif leading:
+                hits += 1
+                if tier == "host":
+                    host_bytes += size
+                else:
+                    nvme_bytes += size
+        est = hits * PER_OBJECT_LOAD_S + host_bytes / self.host_bandwidth_bytes_s
+        if nvme_bytes:
+            est += nvme_bytes / mover.bandwidth_bytes_s
+        return {"hits": hits, "tiers": tiers, "hit_bytes": host_bytes + nvme_bytes, "est_load_s": est}
+
+    def delete(self, namespace: str, ids):
+        """Delete from every tier. Returns how many ids were found anywhere, or an awaitable
+        of that count when NVMe copies must be deleted too."""
+        ns = self.namespaces.get(namespace)
+        deleted = set()
+        for oid in ids if ns is not None else ():
             entry = ns.objects.get(oid)
             if entry is not None:
                 self._remove(ns, entry, reason="delete")
                 ns.counters.num_deletes += 1
-                count += 1
-        return count
+                deleted.add(oid)
+        on_nvme = [oid for oid in ids if self.mover is not None and self.mover.holds(namespace, oid)]
+        if not on_nvme:
+            return len(deleted)
+        return self._delete_on_nvme(namespace, on_nvme, deleted)
+
+    async def _delete_on_nvme(self, namespace: str, on_nvme, deleted: set) -> int:
+        await self.mover.delete(namespace, on_nvme)
+        return len(deleted | set(on_nvme))
+
+    def prefetch(self, namespace: str, ids, tier: str, policy: str, timeout_s: float | None):
+        """Bring objects into the host tier. best_effort starts promotions and answers at
+        once; wait answers when all are resident; timeout answers after timeout_s at most.
+        Returns {"resident": n, "requested": m} (or an awaitable of it)."""
+        ns = self.namespaces.get(namespace)
+        objects = ns.objects if ns is not None else {}
+        missing = [oid for oid in ids if oid not in objects and self.mover is not None and self.mover.holds(namespace, oid)]
+        resident = sum(1 for oid in ids if oid in objects)
+        if tier != "host" or not missing:
+            return {"resident": resident, "requested": len(ids)}
+        tasks = [asyncio.ensure_future(self.mover.promote(namespace, oid)) for oid in missing]
+        if policy == "best_effort":
+            for task in tasks:
+                task.add_done_callback(_log_failure)
+            return {"resident": resident, "requested": len(ids), "started": len(tasks)}
+        return self._prefetch_wait(namespace, ids, tasks, None if policy == "wait" else (timeout_s or 1.0))
+
+    async def _prefetch_wait(self, namespace: str, ids, tasks, timeout_s: float | None) -> dict:
+        done, pending = await asyncio.wait(tasks, timeout=timeout_s)
+        for task in pending:
+            task.add_done_callback(_log_failure)  # keeps running; its result lands in the host tier
+        for task in done:
+            _log_failure(task)
+        objects = self.namespaces[namespace].objects if namespace in self.namespaces else {}
+        return {"resident": sum(1 for oid in ids if oid in objects), "requested": len(ids)}
 
     def pin(self, namespace: str, ids, ttl_s: float | None) -> int:
         ns = self.namespaces.get(namespace)
@@ -377,6 +507,7 @@ class TierManager:
             live = [e.extent for e in ns.objects.values()]
             live += [p.extent for p in self._pending.values() if p.namespace == ns.name]
             live += [z.extent for z in self._zombies.values() if z.namespace == ns.name]
+            live += [x for name, x in self._transient.values() if name == ns.name]
             if ns.arena.allocator.num_allocated != len(live) or sum(x.length for x in live) != ns.arena.allocator.used_bytes:
                 raise RuntimeError(
                     f"namespace {ns.name}: arena holds {ns.arena.allocator.num_allocated} extents / {ns.arena.allocator.used_bytes} B, "
@@ -387,8 +518,11 @@ class TierManager:
                     raise RuntimeError(f"namespace {ns.name}: bad entry state for {entry.object_id.hex}")
         readers = sum(e.readers for ns in self.namespaces.values() for e in ns.objects.values())
         readers += sum(z.readers for z in self._zombies.values())
-        if readers != len(self._reading):
-            raise RuntimeError(f"{readers} readers counted on entries, {len(self._reading)} read leases")
+        if readers != len(self._reading) + self._num_holds:
+            raise RuntimeError(f"{readers} readers counted on entries, {len(self._reading)} read leases "
+                               f"and {self._num_holds} daemon holds")
+        if self.mover is not None:
+            self.mover.check_integrity()
 
     def stats(self) -> dict:
         namespaces = {}
@@ -401,7 +535,14 @@ class TierManager:
                 "pinned": sum(1 for e in ns.objects.values() if e.is_pinned(self.clock())),
                 **{k: getattr(c, k) for k in c.__slots__},
             }
-        return {"leases": len(self.leases), "namespaces": namespaces}
+        tiers = {"host": {
+            "capacity_bytes": sum(n["capacity_bytes"] for n in namespaces.values()),
+            "used_bytes": sum(n["used_bytes"] for n in namespaces.values()),
+            "objects": sum(n["objects"] for n in namespaces.values()),
+        }}
+        if self.mover is not None:
+            tiers["nvme"] = self.mover.stats()
+        return {"leases": len(self.leases), "namespaces": namespaces, "tiers": tiers}
 
     def close(self) -> None:
         for ns in self.namespaces.values():

@@ -1,0 +1,295 @@
+"""Moving objects between the host tier and NVMe.
+
+    demote:   host pressure -> victims by policy -> admitted ones are written to NVMe
+              (verified against their checksum on the way) -> host extents freed
+    promote:  get of an NVMe-only object -> room made in the host arena -> verified read
+              into the arena -> a host entry again (also on NVMe)
+    writes:   write_back (demote only), write_through (at commit, the reply waits for the
+              durable write), selective (after write_after_hits hits, in the background)
+    evict:    a full NVMe tier drops its own victims (S3-FIFO over NVMe objects)
+
+Runs on the event loop; NVMe I/O runs in the NVMe tier's thread pool. While an object is
+copied out of the host arena it holds a reader, so its extent cannot be freed or reused
+under the copy; a reader that arrives meanwhile keeps it resident.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+
+from kvstore.errors import CapacityError, ChecksumError, KVStoreError
+from kvstore.identity import ObjectId
+from kvstore.policy import make_policy
+from kvstore.policy.admission import FrequencyAdmission
+from server.objects import ObjectEntry
+from tiers.nvme import NvmeConfig, NvmeTier
+
+log = logging.getLogger("kvstore.movement")
+# Until promotions have measured it, assume this NVMe read bandwidth for load estimates.
+DEFAULT_NVME_BANDWIDTH = 1e9
+
+
+class TierMover:
+    def __init__(self, manager, config):
+        self.manager = manager
+        self.config = config.nvme
+        self.nvme_config = NvmeConfig(
+            path=config.nvme_path, capacity_bytes=self.config.capacity_bytes, file_bytes=self.config.file_bytes,
+            durability=self.config.durability, group_commit_ms=self.config.group_commit_ms,
+            io_threads=self.config.io_threads,
+        )
+        self.nvme: NvmeTier | None = None
+        self.sizes: dict[tuple[str, bytes], int] = {}  # what NVMe holds: (namespace, id) -> size
+        self.used_bytes = 0
+        self.policy = make_policy("s3fifo", self.config.capacity_bytes)
+        self.admission = FrequencyAdmission(min_hits=self.config.admit_min_hits)
+        self.bandwidth_bytes_s = DEFAULT_NVME_BANDWIDTH
+        self._promoting: dict[tuple[str, bytes], asyncio.Future] = {}
+        self._background: set[asyncio.Task] = set()
+        self.counters = {"num_demotions": 0, "num_promotions": 0, "num_rejected": 0,
+                         "num_nvme_evictions": 0, "num_demotion_failures": 0}
+
+    # --- start and stop -------------------------------------------------------------
+
+    async def open(self) -> dict:
+        """Open (and recover) the NVMe tier; index what it holds. Returns recovery facts."""
+        loop = asyncio.get_running_loop()
+        start = time.monotonic()
+        self.nvme = await loop.run_in_executor(None, NvmeTier.open, self.nvme_config)
+        metas = await loop.run_in_executor(None, lambda: sorted(self.nvme.list(), key=lambda m: m.created_at))
+        for meta in metas:
+            key = (meta.namespace, meta.object_id.digest)
+            self._remember(key, meta.size)
+        report = self.nvme.recovery
+        facts = {"objects": len(metas), "ready_s": time.monotonic() - start,
+                 "recovered": report.recovered, "dropped": report.dropped,
+                 "dropped_by_reason": dict(report.dropped_by_reason), "sampled": report.sampled}
+        log.info("event=nvme_ready path=%s objects=%d ready_s=%.2f", self.nvme_config.path, len(metas), facts["ready_s"])
+        return facts
+
+    async def close(self) -> None:
+        for task in list(self._background):
+            task.cancel()
+        if self.nvme is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self.nvme.close)
+            self.nvme = None
+
+    def _run(self, fn, *args):
+        return asyncio.get_running_loop().run_in_executor(self.nvme.executor, fn, *args)
+
+    # --- what NVMe holds ------------------------------------------------------------------
+
+    def holds(self, namespace: str, oid) -> bool:
+        return (namespace, oid.digest) in self.sizes
+
+    def size_of(self, namespace: str, oid) -> int | None:
+        return self.sizes.get((namespace, oid.digest))
+
+    def record_access(self, namespace: str, oid) -> None:
+        self.admission.record((namespace, oid.digest))
+        self.policy.on_access((namespace, oid.digest))
+
+    # --- host -> NVMe -----------------------------------------------------------------------
+
+    async def write(self, entry: ObjectEntry) -> str | None:
+        """Copy a host entry to NVMe. Returns the durability it got, or None if it failed."""
+        key = (entry.namespace, entry.object_id.digest)
+        if key in self.sizes:
+            return "sync"
+        ns = self.manager.namespaces[entry.namespace]
+        self.manager.hold(entry)
+        try:
+            view = ns.arena.view(entry.extent)[:entry.size]
+            for attempt in range(3):
+                try:
+                    put = await self._run(self.nvme.put, entry.namespace, entry.object_id, view, entry.checksum,
+                                          entry.descriptor, entry.hints)
+                    break
+                except CapacityError:
+                    if attempt == 2 or not await self._evict_nvme(entry.size):
+                        raise
+            del view
+        except ChecksumError:
+            # The host bytes no longer match what was put: never let them travel on.
+            log.warning("event=host_checksum_mismatch namespace=%s object=%s", entry.namespace, entry.object_id.hex)
+            ns.counters.num_checksum_failures += 1
+            self.counters["num_demotion_failures"] += 1
+            self.manager.release_hold(entry)
+            if entry.object_id in ns.objects and ns.objects[entry.object_id] is entry:
+                self.manager.drop(ns, entry)
+            return None
+        except KVStoreError as exc:
+            log.warning("event=nvme_write_failed namespace=%s object=%s error=%r",
+                        entry.namespace, entry.object_id.hex, exc.message)
+            self.counters["num_demotion_failures"] += 1
+            self.manager.release_hold(entry)
+            return None
+        self.manager.release_hold(entry)
+        if key not in self.sizes:
+            self._remember(key, entry.size)
+        entry.on_nvme = True
+        return put.durability
+
+    async def _evict_nvme(self, size: int) -> bool:
+        victims = self.policy.victims(size, lambda key: key not in self._promoting)
+        for key in victims:
+            self.used_bytes -= self.sizes.pop(key, 0)
+            await self._run(self.nvme.delete, key[0], ObjectId(key[1]))
+            self.counters["num_nvme_evictions"] += 1
+            ns = self.manager.namespaces.get(key[0])
+            entry = ns.objects.get(ObjectId(key[1])) if ns else None
+            if entry is not None:
+                entry.on_nvme = False
+        return bool(victims)
+
+    async def make_room(self, ns, size: int) -> None:
+        """Evict from the host arena until `size` bytes fit, demoting admitted victims."""
+        while not ns.arena.can_alloc(size):
+            now = self.manager.clock()
+            victims = ns.policy.victims(size, lambda oid: self.manager.evictable(ns, oid, now))
+            if not victims:
+                raise self.manager.no_room(ns, size)
+            writes = []
+            for oid in victims:
+                entry = ns.objects[oid]
+                key = (ns.name, oid.digest)
+                if entry.on_nvme or key in self.sizes:
+                    self.manager.evict_entry(ns, entry)
+                elif self._admit(key, entry.size):
+                    writes.append(entry)
+                else:
+                    self.counters["num_rejected"] += 1
+                    self.manager.evict_entry(ns, entry)
+            if writes:
+                await asyncio.gather(*(self.write(e) for e in writes))
+            for entry in writes:
+                if ns.objects.get(entry.object_id) is not entry:
+                    continue  # deleted or dropped while it was being written
+                if entry.readers or entry.is_pinned(self.manager.clock()):
+                    ns.policy.on_insert(entry.object_id, entry.size, entry.hints.recompute_cost_ms, entry.hints.priority)
+                else:
+                    self.manager.evict_entry(ns, entry)
+                    if entry.on_nvme:
+                        self.counters["num_demotions"] += 1
+
+    def _admit(self, key, size: int) -> bool:
+        """While NVMe has room everything goes in; once full, only what is read often."""
+        if self.config.capacity_bytes - self.used_bytes >= size:
+            return True
+        return self.admission.admit(key)
+
+    # --- NVMe -> host ------------------------------------------------------------------------
+
+    async def promote(self, namespace: str, oid) -> ObjectEntry | None:
+        """Bring an NVMe object into the host arena (verified). None if it is gone or corrupt."""
+        key = (namespace, oid.digest)
+        pending = self._promoting.get(key)
+        if pending is not None:
+            return await asyncio.shield(pending)
+        future = asyncio.get_running_loop().create_future()
+        self._promoting[key] = future
+        try:
+            entry = await self._promote(namespace, oid, key)
+            future.set_result(entry)
+            return entry
+        except BaseException as exc:
+            future.set_exception(exc)
+            future.exception()  # retrieved: waiters get it, nobody else logs it
+            raise
+        finally:
+            del self._promoting[key]
+
+    async def _promote(self, namespace: str, oid, key) -> ObjectEntry | None:
+        meta = await self._run(self.nvme.meta, namespace, oid)
+        if meta is None:
+            self._forget(key)
+            return None
+        ns = await self.manager.open_namespace(namespace)
+        while True:
+            await self.make_room(ns, meta.size)
+            extent = ns.arena.alloc(meta.size)
+            if extent is not None:
+                break
+        self.manager.track_transient(ns, extent, add=True)
+        try:
+            start = time.perf_counter()
+            view = ns.arena.view(extent)[:meta.size]
+            got = await self._run(self.nvme.get_into, namespace, oid, view)
+            del view
+            elapsed = time.perf_counter() - start
+        finally:
+            self.manager.track_transient(ns, extent, add=False)
+        if got is None:  # gone meanwhile, or failed its checksum (the tier dropped and counted it)
+            ns.arena.free(extent)
+            self._forget(key)
+            return None
+        self.bandwidth_bytes_s = 0.8 * self.bandwidth_bytes_s + 0.2 * (meta.size / max(elapsed, 1e-6))
+        existing = ns.objects.get(oid)
+        if existing is not None:  # a put of the same id landed while we read
+            ns.arena.free(extent)
+            return existing
+        entry = ObjectEntry(
+            oid, namespace, extent, meta.size, meta.checksum, meta.descriptor, meta.hints,
+            created_at=meta.created_at,
+            expires_at=math.inf if meta.hints.ttl_s is None else self.manager.clock() + meta.hints.ttl_s,
+            on_nvme=True,
+        )
+        self.manager.insert(ns, entry)
+        self.counters["num_promotions"] += 1
+        return entry
+
+    def _remember(self, key, size: int) -> None:
+        self.sizes[key] = size
+        self.used_bytes += size
+        self.policy.on_insert(key, size)
+
+    def _forget(self, key) -> None:
+        size = self.sizes.pop(key, None)
+        if size is not None:
+            self.used_bytes -= size
+            self.policy.on_remove(key)
+
+    # --- other paths ------------------------------------------------------------------------------
+
+    async def flush_host(self) -> int:
+        """Write every host object that NVMe does not hold yet. Returns how many landed."""
+        entries = [e for ns in self.manager.namespaces.values() for e in ns.objects.values() if not e.on_nvme]
+        if not entries:
+            return 0
+        log.info("event=flush_start objects=%d bytes=%d", len(entries), sum(e.size for e in entries))
+        results = await asyncio.gather(*(self.write(e) for e in entries))
+        written = sum(r is not None for r in results)
+        log.info("event=flush_done written=%d failed=%d", written, len(entries) - written)
+        return written
+
+    def write_in_background(self, entry: ObjectEntry) -> None:
+        task = asyncio.get_running_loop().create_task(self.write(entry))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def delete(self, namespace: str, oids) -> int:
+        count = 0
+        for oid in oids:
+            key = (namespace, oid.digest)
+            if key in self.sizes:
+                self._forget(key)
+                if await self._run(self.nvme.delete, namespace, oid):
+                    count += 1
+        return count
+
+    def stats(self) -> dict:
+        tier = dict(self.nvme.stats()) if self.nvme is not None else {}
+        tier.update(self.counters, objects=len(self.sizes), bandwidth_bytes_s=self.bandwidth_bytes_s,
+                    write_policy=self.config.write_policy, num_admitted=self.admission.num_admitted)
+        return tier
+
+    def check_integrity(self) -> None:
+        self.policy.check_integrity()
+        if len(self.policy) != len(self.sizes) or self.used_bytes != sum(self.sizes.values()):
+            raise RuntimeError(f"NVMe policy tracks {len(self.policy)} objects, the index {len(self.sizes)} "
+                               f"({self.used_bytes} B counted, {sum(self.sizes.values())} B indexed)")
+        if self.nvme is not None:
+            self.nvme.check_integrity()
