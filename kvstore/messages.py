@@ -70,6 +70,15 @@ def _ids_dec(v):
     return tuple(_oid_dec(x) for x in v)
 
 
+def _raw_ids_dec(v):
+    """Ids as validated raw 32-byte digests: the hot batch path builds no objects."""
+    if not isinstance(v, list) or len(v) > MAX_BATCH:
+        raise InvalidArgument(f"ids must be a list of at most {MAX_BATCH} object ids")
+    if not all(type(x) is bytes and len(x) == 32 for x in v):
+        raise InvalidArgument("every object id must be 32 bytes (msgpack bin)")
+    return tuple(v)
+
+
 def _checksum_dec(v):
     if not isinstance(v, bytes) or len(v) != CHECKSUM_BYTES:
         raise InvalidArgument(f"checksum must be {CHECKSUM_BYTES} bytes (xxh3-128)")
@@ -96,6 +105,7 @@ _ANY = (lambda v: v, lambda v: v)
 NAMESPACE = (_ns_dec, lambda v: v)
 OID = (_oid_dec, lambda v: v.digest)
 IDS = (_ids_dec, lambda v: [x.digest for x in v])
+RAW_IDS = (_raw_ids_dec, lambda v: [x.digest if isinstance(x, ObjectId) else x for x in v])
 LEASE = _int(1, 2**63 - 1)
 SIZE = _int(1, MAX_OBJECT_BYTES)
 FLOAT = (_float, lambda v: v)
@@ -204,10 +214,11 @@ class Release(Message):
 
 @dataclass(frozen=True, slots=True)
 class Lookup(Message):
+    """`ids` decode to raw 32-byte digests (each equal to its ObjectId)."""
     namespace: str
     ids: tuple
     op: ClassVar[str] = "lookup"
-    _codecs: ClassVar = {"namespace": NAMESPACE, "ids": IDS}
+    _codecs: ClassVar = {"namespace": NAMESPACE, "ids": RAW_IDS}
 
 
 @dataclass(frozen=True, slots=True)

@@ -86,7 +86,8 @@ class TierMover:
         return (namespace, oid.digest) in self.sizes
 
     def size_of(self, namespace: str, oid) -> int | None:
-        return self.sizes.get((namespace, oid.digest))
+        """Size on NVMe of `oid` (an ObjectId or its raw digest), None if NVMe lacks it."""
+        return self.sizes.get((namespace, oid if type(oid) is bytes else oid.digest))
 
     def record_access(self, namespace: str, oid) -> None:
         self.admission.record((namespace, oid.digest))
