@@ -57,9 +57,25 @@ def stats_document(admin) -> dict:
         "ops_per_s": admin.ops_per_s(),
         "socket": stats["socket"],
         "host_bandwidth_bytes_s": stats["host_bandwidth_bytes_s"],
-        "tiers": {"host": total},
+        "tiers": {"host": total, **({"nvme": _nvme_tier(stats["tiers"]["nvme"])} if "nvme" in stats.get("tiers", {}) else {})},
         "namespaces": per_ns,
     }
+
+
+# NVMe counters under the names the host tier uses, so one TierStats schema fits both.
+_NVME_AS_TIER = {"num_puts": "writes", "num_gets": "reads", "num_hits": "hits", "num_misses": "misses",
+                 "num_evictions": "num_nvme_evictions"}
+
+
+def _nvme_tier(nvme: dict) -> dict:
+    """The node-wide NVMe tier in TierStats shape, plus its own integer counters."""
+    doc = dict.fromkeys(TIER_KEYS, 0)
+    for key in TIER_KEYS:
+        value = nvme.get(_NVME_AS_TIER.get(key, key), 0)
+        doc[key] = value if isinstance(value, int) and not isinstance(value, bool) else 0
+    doc.update({k: v for k, v in nvme.items()
+                if isinstance(v, int) and not isinstance(v, bool) and v >= 0 and k not in doc})
+    return doc
 
 
 async def stats(request: web.Request) -> web.Response:

@@ -32,6 +32,14 @@ GAUGES = {
     "capacity_bytes": ("kvstore_capacity_bytes", "Bytes the tier may hold"),
     "pinned": ("kvstore_pinned_objects", "Objects pinned resident"),
 }
+# Movement between host and NVMe (server/movement.py), node-wide.
+NVME_COUNTERS = {
+    "num_demotions": ("kvstore_nvme_demotions", "Objects written to NVMe when the host tier evicted them"),
+    "num_promotions": ("kvstore_nvme_promotions", "Objects read back from NVMe into the host tier (verified)"),
+    "num_rejected": ("kvstore_nvme_admission_rejections", "Host victims the NVMe admission filter turned away"),
+    "num_nvme_evictions": ("kvstore_nvme_evictions", "Objects the full NVMe tier dropped to make room"),
+    "num_demotion_failures": ("kvstore_nvme_write_failures", "Writes to NVMe that failed (disk error, full, checksum)"),
+}
 # Puts (stored or deduplicated), gets and deletes count as operations for the ops/s meter.
 OPS_COUNTERS = ("num_puts", "num_dedup_puts", "num_gets", "num_deletes")
 
@@ -74,7 +82,15 @@ class StatsCollector:
         for ns_name, ns in sorted(stats["namespaces"].items()):
             for key, family in families.items():
                 family.add_metric([ns_name, "host"], ns.get(key, 0))
+        nvme = stats.get("tiers", {}).get("nvme")
+        if nvme is not None:  # node-wide: one series with namespace "*"
+            for key, family in families.items():
+                if key in nvme:
+                    family.add_metric(["*", "nvme"], nvme[key])
         yield from families.values()
+        if nvme is not None:
+            for key, (name, doc) in NVME_COUNTERS.items():
+                yield CounterMetricFamily(name, doc, value=nvme.get(key, 0))
         for name, doc, value in (
             ("kvstore_leases", "Leases held by clients", stats["leases"]),
             ("kvstore_clients", "Local clients connected", stats["clients"]),

@@ -210,3 +210,25 @@ def test_sigkill_during_a_write_storm_loses_no_durable_put(daemon_factory, tmp_p
             assert got is not None, f"acknowledged durable put {i} is missing"
             assert np.array_equal(got, np.random.default_rng(i).integers(0, 256, size, dtype=np.uint8))
         c.check_integrity()
+
+
+def test_metrics_report_the_nvme_tier(daemon_factory):
+    import json
+    import urllib.request
+    d = daemon_factory("4MiB", config=nvme(admit_min_hits=0))
+    with d.client() as c:
+        for i, key in enumerate(ids(8)):
+            c.put(key, payload(MiB - 8192, i))
+    with open(os.path.join(d.data_dir, "admin.addr")) as f:
+        addr = f.read().strip()
+    with open(os.path.join(d.data_dir, "admin.token")) as f:
+        token = f.read().strip()
+    base = addr if addr.startswith("http") else f"http://{addr}"
+    req = urllib.request.Request(f"{base}/metrics", headers={"Authorization": f"Bearer {token}"})
+    text = urllib.request.urlopen(req, timeout=10).read().decode()
+    demotions = [line for line in text.splitlines() if line.startswith("kvstore_nvme_demotions_total")]
+    assert demotions and float(demotions[0].split()[-1]) >= 4
+    assert 'kvstore_objects{namespace="*",tier="nvme"}' in text
+    req = urllib.request.Request(f"{base}/v1/stats", headers={"Authorization": f"Bearer {token}"})
+    stats = json.loads(urllib.request.urlopen(req, timeout=10).read())
+    assert "nvme" in json.dumps(stats)
