@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 
-from kvstore.errors import InvalidArgument
+from kvstore.errors import InvalidArgument, parse_enum
 
 # OCP Microscaling v1.0: one shared e8m0 scale per block of 32 elements.
 MX_BLOCK = 32
@@ -26,11 +26,7 @@ class DType(str, enum.Enum):
 
     @classmethod
     def parse(cls, value: str | DType) -> DType:
-        try:
-            return cls(value)
-        except ValueError:
-            known = ", ".join(d.value for d in cls)
-            raise InvalidArgument(f"unknown dtype {value!r}; expected one of: {known}") from None
+        return parse_enum(cls, value, "dtype")
 
     @property
     def element_bytes(self) -> int:

@@ -103,6 +103,15 @@ _BY_CODE = {
 }
 
 
+def parse_enum(cls, value, what: str):
+    """`cls(value)` for a str Enum, or InvalidArgument listing what is accepted."""
+    try:
+        return cls(value)
+    except ValueError:
+        known = ", ".join(member.value for member in cls)
+        raise InvalidArgument(f"unknown {what} {value!r}; expected one of: {known}") from None
+
+
 def from_wire(error: dict) -> KVStoreError:
     """Rebuild an error from a `{"code", "message"}` reply; unknown codes stay generic."""
     cls = _BY_CODE.get(str(error.get("code")), KVStoreError)

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field, replace
 from typing import Iterable, Mapping, Sequence
 
 from kvstore.dtypes import DType
-from kvstore.errors import InvalidArgument
+from kvstore.errors import InvalidArgument, parse_enum
 from kvstore.layout import Layout
 
 KEY_SCHEME = "kvstore-key-v1"
@@ -45,11 +45,7 @@ class Kind(str, enum.Enum):
 
     @classmethod
     def parse(cls, value: str | Kind) -> Kind:
-        try:
-            return cls(value)
-        except ValueError:
-            known = ", ".join(k.value for k in cls)
-            raise InvalidArgument(f"unknown kind {value!r}; expected one of: {known}") from None
+        return parse_enum(cls, value, "kind")
 
 
 @dataclass(frozen=True, slots=True, eq=False)
