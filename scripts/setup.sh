@@ -8,6 +8,20 @@ if [ ! -x .venv/bin/python ]; then
     echo "setup: creating .venv with $($PY --version)"
     "$PY" -m venv .venv
 fi
+# Debian packages the tests use: etcd (membership tests start their own) and iproute2
+# (the network-namespace cluster tests). Only as root; without them those tests skip
+# and say why.
+need=()
+command -v etcd >/dev/null || need+=(etcd-server)
+command -v ip >/dev/null || need+=(iproute2)
+if [ ${#need[@]} -gt 0 ]; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+        echo "setup: apt-get install ${need[*]}"
+        apt-get update -qq >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >/dev/null
+    else
+        echo "setup: not root: skipping Debian packages ${need[*]} (their tests will skip)"
+    fi
+fi
 echo "setup: installing kvstore and its dependencies into .venv (torch 2.13.0 CPU is pinned)"
 .venv/bin/python -m pip install -q --disable-pip-version-check --upgrade pip
 .venv/bin/python -m pip install -q --disable-pip-version-check -e '.[test]'

@@ -1,0 +1,87 @@
+"""One daemon's part of the cluster, wired from `ClusterConfig`: transport, peer service,
+membership and the remote tier. The daemon supplies the PeerBackend (its tier manager).
+
+    node = PeerNode(config.cluster, backend, on_members=manager.on_members_changed)
+    await node.start()             # listen, authenticate peers, register / read members
+    await node.remote.get_into(namespace, object_id, alloc)     # a local miss asks the home
+    await node.remote.put(namespace, object_id, meta, buffer)   # demotion to tier "remote"
+    await node.remote.lookup(namespace, ids)                    # one round trip per home
+    await node.stop()              # leave membership first, then stop serving
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+
+from kvstore.config import ClusterConfig, parse_address
+from kvstore.errors import InvalidArgument
+from server.membership import OnChange, make_membership
+from server.peer_service import PeerBackend, PeerService
+from server.peer_client import PeerClient, connect_peer
+from server.peer_transport import make_transport
+from tiers.remote import RemoteTier
+
+log = logging.getLogger("kvstore.peer")
+
+
+def read_secret(cluster: ClusterConfig) -> bytes:
+    if cluster.secret_file:
+        try:
+            with open(cluster.secret_file, "rb") as f:
+                secret = f.read().strip()
+        except OSError as exc:
+            raise InvalidArgument(f"cannot read cluster.secret_file {cluster.secret_file}: {exc.strerror}") from None
+        if len(secret) < 16:
+            raise InvalidArgument(f"cluster.secret_file {cluster.secret_file} holds fewer than 16 characters")
+        return secret
+    if not cluster.secret:
+        raise InvalidArgument("the cluster needs cluster.secret or cluster.secret_file (the same on every node)")
+    return cluster.secret.encode()
+
+
+class PeerNode:
+    def __init__(self, cluster: ClusterConfig, backend: PeerBackend, on_members: OnChange | None = None):
+        self.cluster = cluster
+        self.node_id = cluster.node_id or socket.gethostname()
+        self.secret = read_secret(cluster)
+        self.transport = make_transport(cluster.transport)
+        self.service = PeerService(backend, self.transport, self.secret, self.node_id, cluster.peer_timeout_s)
+        self.on_members = on_members
+        self.address = ""
+        self.membership = None
+        self.remote: RemoteTier | None = None
+
+    async def connect(self, address: str) -> PeerClient:
+        """An authenticated link to the peer at `address` (what RemoteTier calls)."""
+        return await connect_peer(self.transport, address, self.secret, self.node_id, self.cluster.peer_timeout_s)
+
+    async def start(self) -> None:
+        bound = await self.service.start(self.cluster.listen)
+        self.address = self.cluster.advertise or bound
+        if parse_address(self.address)[0] in ("0.0.0.0", "::"):
+            await self.service.stop()
+            raise InvalidArgument(f"peers cannot dial {self.address}: set cluster.advertise to this node's address")
+        self.membership = make_membership(self.cluster, self.node_id, self.address, self.on_members)
+        self.remote = RemoteTier(self.node_id, self.membership.members, self.connect,
+                                 self.cluster.replicas, self.cluster.peer_timeout_s)
+        try:
+            await self.membership.start()
+        except BaseException:
+            await self.service.stop()
+            raise
+        log.info("event=cluster_joined node=%s address=%s transport=%s membership=%s members=%s",
+                 self.node_id, self.address, self.transport.name, self.cluster.membership,
+                 ",".join(sorted(self.membership.members())))
+
+    async def stop(self) -> None:
+        if self.membership is not None:
+            await self.membership.stop()
+        if self.remote is not None:
+            await self.remote.close()
+        await self.service.stop()
+
+    def stats(self) -> dict:
+        return {"node_id": self.node_id, "address": self.address,
+                "members": self.membership.members() if self.membership else {},
+                "remote": self.remote.stats() if self.remote else {}, "service": self.service.stats()}

@@ -1,0 +1,240 @@
+"""The remote tier against real peer services: homes, batches, isolation, failure as a miss."""
+
+import asyncio
+import time
+
+import numpy as np
+import pytest
+from peer_helpers import TRANSPORTS, make_object, remote_tier, run, services, transport_or_skip
+
+from kvstore.errors import CapacityError
+from kvstore.identity import ObjectId
+from server.peer_service import InMemoryBackend
+from tiers.remote import MAX_LINKS_PER_PEER
+
+MiB = 1 << 20
+
+
+@pytest.fixture(params=TRANSPORTS)
+def transport(request):
+    return transport_or_skip(request.param)
+
+
+def members_of(started):
+    return {name: address for name, (_, address) in started.items()}
+
+
+def test_put_on_one_node_get_on_another_bit_exact(transport):
+    objects = [make_object(MiB + i, seed=i) for i in range(6)]
+
+    async def scenario():
+        async with services(transport, names=("b", "c")) as started:
+            writer = remote_tier(transport, members_of(started), node_id="a")
+            reader = remote_tier(transport, members_of(started), node_id="d")
+            held = [await writer.put("ns", oid, meta, data) for oid, meta, data in objects]
+            outs = []
+            for oid, meta, _ in objects:
+                out = np.empty(meta.size, dtype=np.uint8)
+                got = await reader.get_into("ns", oid, lambda m, out=out: out)
+                outs.append((got, out))
+            writer.check_integrity()
+            reader.check_integrity()
+            await writer.close()
+            await reader.close()
+            return held, outs, writer
+
+    held, outs, writer = run(scenario())
+    for (oid, meta, data), homes, (got, out) in zip(objects, held, outs):
+        assert homes == writer.homes(oid)  # each object went to its rendezvous home
+        assert got == meta and np.array_equal(out, data)
+    assert {h[0] for h in held} == {"b", "c"}
+
+
+def test_lookup_is_batched_ordered_and_namespaced(transport):
+    objects = [make_object(1000, seed=i) for i in range(40)]
+    missing = ObjectId(b"\x07" * 32)
+
+    async def scenario():
+        async with services(transport, names=("b", "c", "e")) as started:
+            tier = remote_tier(transport, members_of(started))
+            for oid, meta, data in objects[:30]:
+                await tier.put("ns", oid, meta, data)
+            requests_before = sum(s.counters.num_requests for s, _ in started.values())
+            ids = [oid for oid, _, _ in objects] + [missing]
+            found = await tier.lookup("ns", ids)
+            requests = sum(s.counters.num_requests for s, _ in started.values()) - requests_before
+            other = await tier.lookup("tenant-2", ids)
+            out = np.empty(1000, dtype=np.uint8)
+            cross = await tier.get_into("tenant-2", objects[0][0], lambda m: out)
+            tier.check_integrity()
+            await tier.close()
+            return found, requests, other, cross
+
+    found, requests, other, cross = run(scenario())
+    assert found[:30] == [meta for _, meta, _ in objects[:30]]
+    assert found[30:] == [None] * 11
+    assert requests == 3  # one round trip per home node
+    assert other == [None] * 41 and cross is None  # namespaces never leak across nodes
+
+
+def test_replication_two_survives_losing_a_node(transport):
+    objects = [make_object(64 * 1024, seed=i) for i in range(12)]
+
+    async def scenario():
+        async with services(transport, names=("b", "c", "e"), timeout_s=0.5) as started:
+            tier = remote_tier(transport, members_of(started), replicas=2, timeout_s=0.5)
+            for oid, meta, data in objects:
+                assert len(await tier.put("ns", oid, meta, data)) == 2
+            await started["c"][0].stop()  # c dies
+            start = time.monotonic()
+            results = []
+            for oid, meta, data in objects:
+                out = np.empty(meta.size, dtype=np.uint8)
+                results.append((await tier.get_into("ns", oid, lambda m, out=out: out), out))
+            found = await tier.lookup("ns", [oid for oid, _, _ in objects])
+            elapsed = time.monotonic() - start
+            tier.check_integrity()
+            await tier.close()
+            return results, found, elapsed, tier.stats()
+
+    results, found, elapsed, stats = run(scenario())
+    for (oid, meta, data), (got, out) in zip(objects, results):
+        assert got == meta and np.array_equal(out, data)
+    assert found == [meta for _, meta, _ in objects]
+    assert stats["num_misses"] == 0 and stats["peers_down"] == ["c"]
+    assert elapsed < 0.5 + 1.0  # the dead node costs one timeout at most, then is skipped
+
+
+def test_dead_home_is_a_fast_miss_not_a_hang(transport):
+    oid, meta, data = make_object(4096, seed=1)
+
+    async def scenario():
+        async with services(transport, names=("b",), timeout_s=0.3) as started:
+            tier = remote_tier(transport, members_of(started), timeout_s=0.3)
+            await tier.put("ns", oid, meta, data)
+            await started["b"][0].stop()
+            times = []
+            for _ in range(3):
+                start = time.monotonic()
+                assert await tier.get_into("ns", oid, lambda m: np.empty(m.size, np.uint8)) is None
+                times.append(time.monotonic() - start)
+            tier.check_integrity()
+            await tier.close()
+            return times, tier.stats()
+
+    times, stats = run(scenario())
+    assert max(times) < 0.3 + 0.5
+    assert stats["num_misses"] == 3 and stats["num_peer_failures"] >= 1 and stats["num_peer_skips"] >= 1
+
+
+def test_corrupted_bytes_are_a_miss_never_served(transport):
+    oid, meta, data = make_object(100_000, seed=2)
+    backend = InMemoryBackend()
+
+    async def scenario():
+        async with services(transport, backends=[backend]) as started:
+            tier = remote_tier(transport, members_of(started))
+            await tier.put("ns", oid, meta, data)
+            backend.objects[("ns", oid)][1][500] ^= 0xFF  # bit rot on the home node
+            got = await tier.get_into("ns", oid, lambda m: np.empty(m.size, np.uint8))
+            bad = make_object(100_000, seed=3)
+            lying = type(meta)(bad[1].size, meta.checksum, meta.descriptor)  # checksum of other bytes
+            held = await tier.put("ns", bad[0], lying, bad[2])
+            tier.check_integrity()
+            await tier.close()
+            return got, held, tier.stats(), started["b"][0].stats()
+
+    got, held, stats, service = run(scenario())
+    assert got is None and stats["num_checksum_failures"] == 1
+    assert held == [] and service["num_checksum_failures"] == 1
+    assert len(backend.objects) == 1
+
+
+def test_full_peer_refuses_a_put_and_keeps_the_link(transport):
+    oid, meta, data = make_object(200_000, seed=4)
+
+    class Full(InMemoryBackend):
+        def reserve(self, namespace, object_id, meta):
+            raise CapacityError("no room on this peer")
+
+    async def scenario():
+        async with services(transport, backends=[Full()]) as started:
+            tier = remote_tier(transport, members_of(started))
+            held = await tier.put("ns", oid, meta, data)
+            found = await tier.lookup("ns", [oid])
+            tier.check_integrity()
+            await tier.close()
+            return held, found, started["b"][0].stats(), tier.stats()
+
+    held, found, service, stats = run(scenario())
+    assert held == [] and found == [None]
+    assert service["num_channels"] == 1 and service["num_errors"] == 1
+    assert stats["peers_down"] == []
+
+
+def test_concurrent_gets_share_a_bounded_pool_of_links(transport):
+    objects = [make_object(300_000, seed=i) for i in range(16)]
+
+    async def scenario():
+        async with services(transport) as started:
+            tier = remote_tier(transport, members_of(started))
+            for oid, meta, data in objects:
+                await tier.put("ns", oid, meta, data)
+            outs = [np.empty(meta.size, dtype=np.uint8) for _, meta, _ in objects]
+            got = await asyncio.gather(*(tier.get_into("ns", oid, lambda m, out=out: out)
+                                         for (oid, _, _), out in zip(objects, outs)))
+            tier.check_integrity()
+            links = started["b"][0].stats()["num_channels"]
+            await tier.close()
+            return got, outs, links
+
+    got, outs, links = run(scenario())
+    assert got == [meta for _, meta, _ in objects]
+    assert all(np.array_equal(out, data) for out, (_, _, data) in zip(outs, objects))
+    assert 1 < links <= MAX_LINKS_PER_PEER  # grew under load, never past the limit
+
+
+def test_namespaces_are_checked_on_both_ends(transport):
+    """A put whose metadata names another tenant is refused; a peer that answers with
+    another tenant's object (or lookup entry) is a miss."""
+    oid, meta, data = make_object(10_000, seed=5, namespace="tenant-a")
+
+    class Confused(InMemoryBackend):
+        def read(self, namespace, object_id):
+            return super().read("tenant-a", object_id)
+
+        def lookup(self, namespace, ids):
+            return super().lookup("tenant-a", ids)
+
+    backend = Confused()
+
+    async def scenario():
+        async with services(transport, backends=[backend]) as started:
+            tier = remote_tier(transport, members_of(started))
+            refused = await tier.put("tenant-b", oid, meta, data)  # meta says tenant-a
+            await tier.put("tenant-a", oid, meta, data)
+            leaked = await tier.get_into("tenant-b", oid, lambda m: np.empty(m.size, np.uint8))
+            looked = await tier.lookup("tenant-b", [oid])
+            await tier.close()
+            return refused, leaked, looked
+
+    refused, leaked, looked = run(scenario())
+    assert refused == [] and leaked is None and looked == [None]
+    assert list(backend.objects) == [("tenant-a", oid)]
+
+
+def test_wrong_size_buffer_is_the_callers_error_not_a_dead_peer(transport):
+    oid, meta, data = make_object(10_000, seed=6)
+
+    async def scenario():
+        async with services(transport) as started:
+            tier = remote_tier(transport, members_of(started))
+            await tier.put("ns", oid, meta, data)
+            bad = await tier.get_into("ns", oid, lambda m: np.empty(m.size - 1, np.uint8))
+            good = await tier.get_into("ns", oid, lambda m: np.empty(m.size, np.uint8))
+            await tier.close()
+            return bad, good, tier.stats(), started["b"][0].stats()
+
+    bad, good, stats, service = run(scenario())
+    assert bad is None and good == meta
+    assert stats["peers_down"] == [] and stats["num_peer_failures"] == 0 and service["num_channels"] == 1

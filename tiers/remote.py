@@ -1,0 +1,283 @@
+"""The remote tier, client side: objects kept by their home nodes, reached over peer links.
+
+An object's home nodes come from rendezvous hashing over the live members
+(`kvstore.ownership`). This tier asks them: `get_into` fetches into a buffer the caller
+provides (tier memory; a CUDA buffer through UCX), `put` sends to every home but this node,
+`lookup` asks each home node once for a whole batch. Bytes from a peer are checked against
+the xxh3-128 taken at put before `get_into` returns; a mismatch is a miss.
+
+Failure is a miss, never a hang: every call is bounded by `timeout_s` (plus transfer time at
+MIN_PEER_BANDWIDTH_BYTES_S), is counted, and logged once per peer going down. A peer that just
+failed is skipped for `timeout_s`, so reads of its objects fail at once instead of each waiting.
+
+Links come from `connect(address)` (server.peer_transport.connect_peer with the transport
+and secret bound), so this module imports no transport. Runs on one event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Awaitable, Callable, Mapping, Protocol
+
+import xxhash
+
+from kvstore.errors import KVStoreError, PermissionDenied, ProtocolError, ServiceError
+from kvstore.identity import ObjectId
+from kvstore.ownership import home_nodes
+from kvstore.peer_messages import PeerGet, PeerLookup, PeerPut, RemoteMeta
+from kvstore.protocol import MAX_BATCH
+
+log = logging.getLogger("kvstore.remote")
+
+# A transfer slower than this is treated as a cut-off peer (payload deadlines grow with size).
+MIN_PEER_BANDWIDTH_BYTES_S = 100e6
+# Links kept per peer: concurrent transfers to one peer beyond this wait for a free link.
+MAX_LINKS_PER_PEER = 4
+
+
+def host_digest(buffer) -> bytes:
+    """xxh3-128 of a host buffer (the checksum every object carries from its put)."""
+    return xxhash.xxh3_128_digest(memoryview(buffer).cast("B"))
+
+
+class PeerUnavailable(ServiceError):
+    """A peer did not answer in time, closed the link, or broke the protocol: treat as a miss."""
+
+
+class PeerLink(Protocol):
+    """One authenticated link to a peer; one call at a time (the tier pools links).
+
+    `call` sends `payload` (any contiguous buffer) after the request; when the reply announces
+    payload bytes, `into(result)` names the buffer they land in (None: drop them). It raises
+    PeerUnavailable on timeout or a broken link (the link is then closed) and the peer's own
+    error (from kvstore.errors) when it answers with one.
+    """
+
+    closed: bool
+
+    async def call(self, op: str, args: dict, payload=None, into: Callable[[dict], Any] | None = None) -> dict: ...
+    async def close(self) -> None: ...
+
+
+@dataclass(slots=True)
+class RemoteCounters:
+    num_gets: int = 0
+    num_hits: int = 0
+    num_misses: int = 0
+    num_puts: int = 0
+    num_lookups: int = 0
+    num_peer_failures: int = 0  # timeouts, closed links, protocol breaks
+    num_peer_skips: int = 0  # calls not tried: the peer failed within the last timeout_s
+    num_checksum_failures: int = 0
+    bytes_in: int = 0
+    bytes_out: int = 0
+
+
+@dataclass(slots=True)
+class _Pool:
+    idle: list = field(default_factory=list)
+    num_open: int = 0
+    waiters: collections.deque = field(default_factory=collections.deque)
+
+    def wake_one(self) -> None:
+        while self.waiters:
+            waiter = self.waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                return
+
+
+class RemoteTier:
+    """Client side of the remote tier for node `node_id`.
+
+    members: returns the live {node_id: address}, this node included (a Membership's
+    `members`). connect: opens an authenticated PeerLink to an address. digest: checksum of a
+    received buffer (default: xxh3-128 of host memory; pass a device hash for CUDA buffers).
+    """
+
+    def __init__(self, node_id: str, members: Callable[[], Mapping[str, str]],
+                 connect: Callable[[str], Awaitable[PeerLink]], replicas: int = 1,
+                 timeout_s: float = 1.0, digest: Callable[[Any], bytes] | None = None, clock=time.monotonic):
+        self.node_id, self.members, self.connect = node_id, members, connect
+        self.digest = digest or host_digest
+        self.replicas, self.timeout_s, self.clock = replicas, timeout_s, clock
+        self.counters = RemoteCounters()
+        self._pools: dict[str, _Pool] = {}
+        self._down_until: dict[str, float] = {}
+
+    def homes(self, object_id: ObjectId) -> list[str]:
+        """Home nodes of the object among live members, best first (may include this node)."""
+        return home_nodes(object_id, self.members(), self.replicas)
+
+    def remote_homes(self, object_id: ObjectId) -> list[str]:
+        return [n for n in self.homes(object_id) if n != self.node_id]
+
+    # --- the three operations --------------------------------------------------------
+
+    async def get_into(self, namespace: str, object_id: ObjectId,
+                       alloc: Callable[[RemoteMeta], Any]) -> RemoteMeta | None:
+        """Fetch from the first home that has it into `alloc(meta)` (a buffer of meta.size
+        bytes, or None to skip). Returns the meta once the bytes are in and verified; None
+        on a miss, in which case whatever `alloc` returned holds nothing usable. `alloc` may
+        be called once per home tried."""
+        self.counters.num_gets += 1
+        args = PeerGet(namespace, object_id).to_args()
+        for node in self.remote_homes(object_id):
+            target: list = []
+
+            def into(result: dict):
+                meta = RemoteMeta.from_wire(result.get("meta"))
+                if meta.descriptor.namespace != namespace:  # never another tenant's bytes
+                    raise ProtocolError(f"peer answered for namespace {meta.descriptor.namespace!r}")
+                buf = alloc(meta)
+                target[:] = [meta, buf]
+                return buf
+
+            result = await self._call(node, PeerGet.op, args, into=into)
+            if not result or not result.get("meta") or not target or target[1] is None:
+                continue
+            meta, buf = target
+            self.counters.bytes_in += meta.size
+            if self.digest(buf) != meta.checksum:
+                self.counters.num_checksum_failures += 1
+                log.warning("event=remote_checksum_mismatch node=%s namespace=%s id=%s", node, namespace, object_id)
+                continue
+            self.counters.num_hits += 1
+            return meta
+        self.counters.num_misses += 1
+        return None
+
+    async def put(self, namespace: str, object_id: ObjectId, meta: RemoteMeta, buffer) -> list[str]:
+        """Send to every home node but this one, in parallel; returns the nodes that now hold
+        it (stored or already had it). Failures are counted and logged, not raised."""
+        self.counters.num_puts += 1
+        args = PeerPut(namespace, object_id, meta.size, meta.checksum, meta.descriptor, meta.hints).to_args()
+        nodes = self.remote_homes(object_id)
+        calls = [self._call(n, PeerPut.op, args, payload=buffer) for n in nodes]
+        results = [await calls[0]] if len(calls) == 1 else await asyncio.gather(*calls)
+        held = [n for n, r in zip(nodes, results) if r is not None]
+        self.counters.bytes_out += meta.size * len(held)
+        return held
+
+    async def lookup(self, namespace: str, ids: list[ObjectId]) -> list[RemoteMeta | None]:
+        """Metas of the ids held by their home nodes (None: miss), in order. One batched round
+        trip per home node, all nodes at once; a second round asks the next replica for ids
+        whose first home failed."""
+        self.counters.num_lookups += 1
+        found: list[RemoteMeta | None] = [None] * len(ids)
+        pending = {i: self.remote_homes(oid) for i, oid in enumerate(ids)}
+        while pending:
+            by_node: dict[str, list[int]] = {}
+            for i, nodes in pending.items():
+                if nodes:
+                    by_node.setdefault(nodes.pop(0), []).append(i)
+            if not by_node:
+                break
+            calls = [self._lookup_on(n, namespace, ids, idx, found, pending) for n, idx in by_node.items()]
+            await (calls[0] if len(calls) == 1 else asyncio.gather(*calls))
+        return found
+
+    async def _lookup_on(self, node, namespace, ids, indices, found, pending) -> None:
+        for start in range(0, len(indices), MAX_BATCH):
+            part = indices[start:start + MAX_BATCH]
+            args = PeerLookup(namespace, tuple(ids[i] for i in part)).to_args()
+            result = await self._call(node, PeerLookup.op, args)
+            metas = result.get("metas") if result else None
+            try:
+                if not isinstance(metas, list) or len(metas) != len(part):
+                    continue  # failed: these ids stay pending for their next home
+                decoded = [None if wire is None else RemoteMeta.from_wire(wire) for wire in metas]
+                if any(m is not None and m.descriptor.namespace != namespace for m in decoded):
+                    raise ProtocolError(f"peer answered a lookup in {namespace!r} for another namespace")
+            except KVStoreError as exc:
+                log.warning("event=peer_bad_reply node=%s op=peer_lookup error=%r", node, exc.message)
+                continue
+            for i, meta in zip(part, decoded):
+                pending.pop(i, None)
+                found[i] = meta
+
+    # --- links ---------------------------------------------------------------------
+
+    async def _call(self, node: str, op: str, args: dict, payload=None, into=None) -> dict | None:
+        """One call to `node`; None when it failed (counted, logged when the peer goes down)."""
+        down = self._down_until.get(node)
+        if down is not None and down > self.clock():
+            self.counters.num_peer_skips += 1
+            return None
+        address = self.members().get(node)
+        if address is None:
+            return None
+        result = None
+        try:
+            link = await self._acquire(address)
+            try:
+                result = await link.call(op, args, payload=payload, into=into)
+            finally:
+                self._release(address, link)
+        except (PeerUnavailable, PermissionDenied) as exc:
+            self.counters.num_peer_failures += 1
+            if down is None:
+                log.warning("event=peer_down node=%s address=%s op=%s error=%r", node, address, op, exc.message)
+            self._down_until[node] = self.clock() + self.timeout_s
+            return None
+        except KVStoreError as exc:  # the peer answered with an error: it is up
+            log.info("event=peer_error node=%s op=%s code=%s error=%r", node, op, exc.code, exc.message)
+        if down is not None:
+            del self._down_until[node]
+            log.info("event=peer_up node=%s address=%s", node, address)
+        return result
+
+    async def _acquire(self, address: str) -> PeerLink:
+        """An idle link (no await on this path), a new one, or the next one released."""
+        pool = self._pools.setdefault(address, _Pool())
+        while True:
+            while pool.idle:
+                link = pool.idle.pop()
+                if not link.closed:
+                    return link
+                pool.num_open -= 1
+            if pool.num_open < MAX_LINKS_PER_PEER:
+                pool.num_open += 1
+                try:
+                    return await self.connect(address)  # bounded by connect's own timeout
+                except BaseException:
+                    pool.num_open -= 1
+                    pool.wake_one()
+                    raise
+            waiter = asyncio.get_running_loop().create_future()
+            pool.waiters.append(waiter)
+            try:
+                async with asyncio.timeout(self.timeout_s):
+                    await waiter
+            except TimeoutError:
+                raise PeerUnavailable(f"no free link to peer {address} within {self.timeout_s} s") from None
+
+    def _release(self, address: str, link: PeerLink) -> None:
+        pool = self._pools[address]
+        if link.closed:
+            pool.num_open -= 1
+        else:
+            pool.idle.append(link)
+        pool.wake_one()
+
+    async def close(self) -> None:
+        for pool in self._pools.values():
+            for link in pool.idle:
+                await link.close()
+        self._pools.clear()
+
+    def stats(self) -> dict:
+        return {**asdict(self.counters), "peers_down": sorted(self._down_until)}
+
+    def check_integrity(self) -> None:
+        """Raise RuntimeError on the first broken pool invariant (idle links are open ones)."""
+        for address, pool in self._pools.items():
+            if not 0 <= len(pool.idle) <= pool.num_open <= MAX_LINKS_PER_PEER:
+                raise RuntimeError(f"link pool of {address}: {len(pool.idle)} idle, {pool.num_open} open, "
+                                   f"limit {MAX_LINKS_PER_PEER}")
+            if any(link.closed for link in pool.idle):
+                raise RuntimeError(f"link pool of {address} keeps a closed link as idle")
