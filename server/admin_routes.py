@@ -6,6 +6,7 @@ route here must be described in server/admin_openapi.py; a test holds the two to
 
 from __future__ import annotations
 
+import inspect
 import os
 import socket
 
@@ -123,6 +124,8 @@ async def lookup(request: web.Request) -> web.Response:
     manager = _admin(request).daemon.manager
     if desc.namespace in manager.namespaces and keys:  # never open a namespace for a lookup
         found = manager.lookup(desc.namespace, [k.object_id for k in keys])
+        if inspect.isawaitable(found):  # misses are asked of peers
+            found = await found
     else:
         found = {"hits": 0, "tiers": [None] * len(keys), "hit_bytes": 0, "est_load_s": 0.0}
     per_tier: dict[str, int] = {}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import os
 import signal
@@ -13,8 +14,8 @@ import time
 import numpy as np
 
 from kvstore.config import ServerConfig
-from kvstore.errors import KVStoreError
-from kvstore.protocol import MAX_BATCH, MAX_FRAME_BYTES
+from kvstore.errors import KVStoreError, PermissionDenied
+from kvstore.protocol import MAX_BATCH
 from server.local_service import SERVER_VERSION, LocalConnection
 from server.tier_manager import TierManager
 
@@ -57,11 +58,14 @@ class Daemon:
         if config.nvme.enabled:
             from server.movement import TierMover
             self.manager.mover = TierMover(self.manager, config)
+        if config.cluster.enabled:
+            from server.cluster import ClusterLink
+            self.manager.cluster = ClusterLink(self.manager, config)
 
     async def start(self) -> None:
         path = self.config.socket_path
         os.makedirs(os.path.dirname(path) or ".", mode=0o700, exist_ok=True)
-        os.makedirs(self.config.data_dir, mode=0o700, exist_ok=True)
+        _private_dir(self.config.data_dir)
         _claim_socket_path(path)
         if self.config.admin.enabled:  # first, so /readyz can say "recovering"
             from server.admin import AdminServer
@@ -72,9 +76,15 @@ class Daemon:
             self.recovery = await self.manager.mover.open()
         for name in self.config.host.namespaces:  # pre-open: no client waits for their arenas
             await self.manager.open_namespace(name)
-        self._server = await asyncio.get_running_loop().create_unix_server(
-            lambda: LocalConnection(self), path
-        )
+        if self.manager.cluster is not None:  # serve peers and join membership
+            await self.manager.cluster.start()
+        umask = os.umask(0o177)  # no window in which the new socket is wider than 0600
+        try:
+            self._server = await asyncio.get_running_loop().create_unix_server(
+                lambda: LocalConnection(self), path
+            )
+        finally:
+            os.umask(umask)
         os.chmod(path, self.config.socket_mode)
         self._tasks.append(asyncio.create_task(self._housekeeping()))
         self.ready = True
@@ -107,6 +117,8 @@ class Daemon:
             os.unlink(self.config.socket_path)
         except FileNotFoundError:
             pass
+        if self.manager.cluster is not None:  # leave membership before we stop serving
+            await self.manager.cluster.stop()
         if self.manager.mover is not None:
             if self.config.nvme.flush_on_shutdown:
                 await self.manager.mover.flush_host()
@@ -129,12 +141,45 @@ class Daemon:
     # --- used by connections ----------------------------------------------------
 
     def authorize(self, namespace: str, token: str | None, peer) -> None:
-        """May this local client open `namespace`? The socket's 0600 mode admits only the
-        daemon's user; per-namespace tokens come with the hardening work."""
+        """May this local client open `namespace` (and so receive its arena fd)?
+
+        The socket's mode (0600 by default) decides who reaches the daemon at all. On top,
+        `[auth.namespaces.<name>]` may require a token (compared in constant time) and/or
+        restrict the client's uid, which the kernel reported (SO_PEERCRED: unforgeable).
+        Unlisted namespaces follow `auth.unlisted`. Raises PermissionDenied.
+        """
+        auth = self.config.auth
+        rule = auth.namespaces.get(namespace)
+        pid, uid, _ = peer
+        if rule is None:
+            if auth.unlisted == "allow":
+                return
+            why = f"namespace {namespace!r} is not configured here (auth.unlisted = \"deny\"); ask the operator"
+        elif rule.uids and uid not in rule.uids:
+            why = f"uid {uid} may not open namespace {namespace!r} (auth.namespaces.{namespace}.uids)"
+        elif rule.token and not hmac.compare_digest((token or "").encode(), rule.token.encode()):
+            given = "no token was given" if not token else "the token given is wrong"
+            why = f"namespace {namespace!r} needs its token (auth.namespaces.{namespace}.token); {given}"
+        else:
+            return
+        log.warning("event=open_denied namespace=%s pid=%d uid=%d reason=%r", namespace[:64], pid, uid, why)
+        raise PermissionDenied(why)
+
+    def client_stats(self, owner, opened) -> dict:
+        """stats() as one local client sees it. With auth configured, tenants are told apart:
+        only the namespaces this client opened and its own leases (operators use the admin API)."""
+        stats = self.stats()
+        if not self.config.auth.enabled:
+            return stats
+        return {"version": stats["version"], "uptime_s": stats["uptime_s"], "scoped": True,
+                "leases": self.manager.leases.count(owner),
+                "namespaces": {k: v for k, v in stats["namespaces"].items() if k in opened}}
 
     def limits_for_clients(self) -> dict:
-        return {"max_frame_bytes": MAX_FRAME_BYTES, "max_batch": MAX_BATCH,
-                "max_leases": self.config.limits.max_leases_per_client}
+        limits = self.config.limits
+        return {"max_frame_bytes": limits.max_frame_bytes, "max_batch": MAX_BATCH,
+                "max_leases": limits.max_leases_per_client,
+                "max_inflight_bytes": limits.max_inflight_bytes_per_client}
 
     def stats(self) -> dict:
         return {
@@ -147,6 +192,16 @@ class Daemon:
             "recovery": self.recovery,
             **self.manager.stats(),
         }
+
+
+def _private_dir(path: str) -> None:
+    """Make the data directory, or narrow an existing one to 0700: it holds the admin token
+    and the NVMe index, which names every tenant's objects."""
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    mode = stat.S_IMODE(os.stat(path).st_mode)
+    if mode & 0o077:
+        log.warning("event=data_dir_narrowed path=%s mode=%o new_mode=700", path, mode)
+        os.chmod(path, 0o700)
 
 
 def _claim_socket_path(path: str) -> None:

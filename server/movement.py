@@ -89,6 +89,12 @@ class TierMover:
         """Size on NVMe of `oid` (an ObjectId or its raw digest), None if NVMe lacks it."""
         return self.sizes.get((namespace, oid if type(oid) is bytes else oid.digest))
 
+    def remote_meta(self, namespace: str, oid):
+        """What a peer lookup needs to know of an NVMe-only object (None if it went away)."""
+        from kvstore.peer_messages import RemoteMeta
+        meta = self.nvme.meta(namespace, oid)
+        return None if meta is None else RemoteMeta(meta.size, meta.checksum, meta.descriptor, meta.hints)
+
     def record_access(self, namespace: str, oid) -> None:
         self.admission.record((namespace, oid.digest))
         self.policy.on_access((namespace, oid.digest))

@@ -71,6 +71,7 @@ class TierManager:
         self._creating: dict[str, asyncio.Future] = {}  # namespaces whose arena is being made
         self._transient: dict[int, object] = {}  # id(extent) -> extent being filled by a promotion
         self.mover = None  # server.movement.TierMover when the NVMe tier is enabled
+        self.cluster = None  # server.cluster.ClusterLink when cluster.enabled
         self._num_holds = 0  # readers the daemon itself holds (copies to NVMe in flight)
         self.host_bandwidth_bytes_s = 8e9  # replaced by a measurement at start
 
@@ -211,6 +212,33 @@ class TierManager:
             self._zombies.pop(id(entry))
             self.namespaces[entry.namespace].arena.free(entry.extent)
 
+    async def allocate(self, ns: Namespace, size: int):
+        """An extent of `size` bytes in the host arena, demoting (or dropping) victims for it."""
+        self._check_size(ns, size)
+        while True:
+            if self.mover is not None:
+                await self.mover.make_room(ns, size)
+                extent = ns.arena.alloc(size)
+            else:
+                extent = self._alloc(ns, size, self.clock())
+            if extent is not None:
+                return extent
+
+    def publish(self, ns: Namespace, oid: ObjectId, extent, size: int, checksum: bytes, descriptor, hints) -> ObjectEntry:
+        """Make verified bytes already in `extent` a committed object (a peer's put or fetch)."""
+        existing = ns.objects.get(oid)
+        if existing is not None:
+            ns.arena.free(extent)
+            return existing
+        entry = ObjectEntry(
+            oid, ns.name, extent, size, checksum, descriptor, hints, created_at=time.time(),
+            expires_at=math.inf if hints.ttl_s is None else self.clock() + hints.ttl_s,
+        )
+        self.insert(ns, entry)
+        ns.counters.num_puts += 1
+        ns.counters.bytes_in += size
+        return entry
+
     def track_transient(self, ns: Namespace, extent, add: bool) -> None:
         if add:
             self._transient[id(extent)] = (ns.name, extent)
@@ -249,6 +277,8 @@ class TierManager:
         self.insert(ns, entry)
         ns.counters.num_puts += 1
         ns.counters.bytes_in += put.size
+        if self.cluster is not None:
+            self.cluster.replicate_in_background(entry)
         if self.mover is not None and self.config.nvme.write_policy == "write_through":
             return self._write_through(entry)
         return {"exists": False, "tier": "host", "durability": "memory"}
@@ -278,6 +308,8 @@ class TierManager:
         if entry is None:
             if self.mover is not None and self.mover.holds(namespace, oid):
                 return self._get_after_promotion(owner, namespace, oid, accept)
+            if self.cluster is not None:
+                return self._get_from_peers(owner, namespace, oid, accept)
             ns.counters.num_misses += 1
             return {"hit": False}
         if accept is not None and entry.descriptor.dtype not in accept:
@@ -298,8 +330,15 @@ class TierManager:
                 self.mover.write_in_background(entry)
         return entry.get_reply(lease.lease_id)
 
+    async def _get_from_peers(self, owner, namespace: str, oid: ObjectId, accept) -> dict:
+        return await self._get_after(self.cluster.fetch(namespace, oid), owner, namespace, oid, accept)
+
     async def _get_after_promotion(self, owner, namespace: str, oid: ObjectId, accept) -> dict:
-        entry = await self.mover.promote(namespace, oid)
+        return await self._get_after(self.mover.promote(namespace, oid), owner, namespace, oid, accept)
+
+    async def _get_after(self, bring, owner, namespace: str, oid: ObjectId, accept) -> dict:
+        """Await what brings the object into the host tier, then serve it from there."""
+        entry = await bring
         if entry is None:
             ns = self.namespaces[namespace]
             ns.counters.num_gets += 1
@@ -367,7 +406,24 @@ class TierManager:
         est = hits * PER_OBJECT_LOAD_S + host_bytes / self.host_bandwidth_bytes_s
         if nvme_bytes:
             est += nvme_bytes / mover.bandwidth_bytes_s
-        return {"hits": hits, "tiers": tiers, "hit_bytes": host_bytes + nvme_bytes, "est_load_s": est}
+        result = {"hits": hits, "tiers": tiers, "hit_bytes": host_bytes + nvme_bytes, "est_load_s": est}
+        if self.cluster is not None and hits < len(ids):
+            return self._lookup_peers(namespace, ids, result)
+        return result
+
+    async def _lookup_peers(self, namespace: str, ids, result: dict) -> dict:
+        """Ask the home nodes about the local misses (one round trip per home) and merge."""
+        misses = [i for i, tier in enumerate(result["tiers"]) if tier is None]
+        metas = await self.cluster.lookup_remote(namespace, [ObjectId(bytes(ids[i])) for i in misses])
+        tiers = list(result["tiers"])
+        for i, meta in zip(misses, metas):
+            if meta is not None:
+                tiers[i] = "remote"
+        hits = next((i for i, t in enumerate(tiers) if t is None), len(tiers))
+        remote_bytes = sum(meta.size for i, meta in zip(misses, metas) if meta is not None and i < hits)
+        est = result["est_load_s"] + (hits - result["hits"]) * PER_OBJECT_LOAD_S
+        est += remote_bytes / self.cluster.bandwidth_bytes_s if remote_bytes else 0.0
+        return {"hits": hits, "tiers": tiers, "hit_bytes": result["hit_bytes"] + remote_bytes, "est_load_s": est}
 
     def delete(self, namespace: str, ids):
         """Delete from every tier. Returns how many ids were found anywhere, or an awaitable
@@ -542,6 +598,8 @@ class TierManager:
         }}
         if self.mover is not None:
             tiers["nvme"] = self.mover.stats()
+        if self.cluster is not None:
+            tiers["remote"] = self.cluster.stats()
         return {"leases": len(self.leases), "namespaces": namespaces, "tiers": tiers}
 
     def close(self) -> None:

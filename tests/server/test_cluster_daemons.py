@@ -1,0 +1,109 @@
+"""Two real daemons on loopback forming a cluster (static membership, TCP): state crosses
+nodes only as verified transfers between owners."""
+
+import signal
+import socket
+import time
+
+import numpy as np
+import pytest
+
+from kvstore.identity import ObjectId
+
+SECRET = "a-cluster-secret-of-some-length"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def payload(size, seed):
+    return np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8)
+
+
+@pytest.fixture
+def pair(daemon_factory):
+    ports = {"a": free_port(), "b": free_port()}
+    peers = [f"{n}=127.0.0.1:{p}" for n, p in ports.items()]
+
+    def cluster(node):
+        return {"cluster": {"enabled": True, "node_id": node, "listen": f"127.0.0.1:{ports[node]}",
+                            "peers": peers, "secret": SECRET, "peer_timeout_s": 1.0}}
+
+    return daemon_factory("32MiB", config=cluster("a")), daemon_factory("32MiB", config=cluster("b"))
+
+
+def wait_for(predicate, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_put_on_one_node_read_on_the_other_bit_exact(pair):
+    a, b = pair
+    keys = [ObjectId(bytes([i]) * 32) for i in range(12)]
+    with a.client() as ca, b.client() as cb:
+        for i, key in enumerate(keys):
+            ca.put(key, payload(300_000 + i, i))
+        # Objects homed on b are replicated there in the background; the rest stay on a.
+        assert wait_for(lambda: cb.lookup(keys).hits == 12)
+        tiers = cb.lookup(keys).tiers
+        assert set(tiers) <= {"host", "remote"} and "remote" in tiers
+        for i, key in enumerate(keys):
+            out = np.empty(300_000 + i, np.uint8)
+            assert cb.get_into(key, out) == out.size, f"object {i}"
+            assert np.array_equal(out, payload(300_000 + i, i))
+        assert cb.lookup(keys).tiers == ("host",) * 12  # fetched copies are now local
+        ca.check_integrity()
+        cb.check_integrity()
+        remote = cb.stats()["tiers"]["remote"]
+        assert sorted(remote["members"]) == ["a", "b"]
+        assert remote["remote"]["num_hits"] >= 1 and remote["remote"]["num_checksum_failures"] == 0
+
+
+def test_dead_peer_is_a_fast_miss_and_local_state_keeps_working(pair):
+    a, b = pair
+    key_on_a = None
+    with a.client() as ca:
+        for i in range(40):  # find an object whose only home is a
+            key = ObjectId(bytes([100 + i]) * 32)
+            ca.put(key, payload(10_000, i))
+            key_on_a = key
+    with b.client(timeout_s=5) as cb:
+        local = ObjectId(b"\x07" * 32)
+        cb.put(local, payload(5000, 7))
+        a.stop(signal.SIGKILL)
+        # Objects homed on b were replicated there before a died; a's own are misses, not
+        # hangs: the client's own 5 s timeout would fail this test first.
+        misses = [cb.get(ObjectId(bytes([100 + i]) * 32)) for i in range(40)]
+        assert any(m is None for m in misses) and any(m is not None for m in misses)
+        remote = cb.stats()["tiers"]["remote"]["remote"]
+        assert remote["num_peer_failures"] >= 1  # the dead peer was noticed and counted
+        for m in misses:
+            if m is not None:
+                assert m.verify()
+                m.release()
+        with cb.get(local) as lease:
+            assert np.array_equal(lease.numpy(), payload(5000, 7))
+        cb.check_integrity()
+
+
+def test_wrong_secret_gets_nothing(daemon_factory):
+    port_a, port_b = free_port(), free_port()
+    peers = [f"a=127.0.0.1:{port_a}", f"b=127.0.0.1:{port_b}"]
+    a = daemon_factory("16MiB", config={"cluster": {"enabled": True, "node_id": "a", "listen": f"127.0.0.1:{port_a}",
+                                                    "peers": peers, "secret": SECRET}})
+    b = daemon_factory("16MiB", config={"cluster": {"enabled": True, "node_id": "b", "listen": f"127.0.0.1:{port_b}",
+                                                    "peers": peers, "secret": "another-secret-entirely-x"}})
+    keys = [ObjectId(bytes([i]) * 32) for i in range(20)]
+    with a.client() as ca, b.client() as cb:
+        for i, key in enumerate(keys):
+            ca.put(key, payload(4096, i))
+        time.sleep(0.5)
+        assert cb.lookup(keys).hits == 0
+        assert all(cb.get(k) is None for k in keys)
