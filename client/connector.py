@@ -1,0 +1,290 @@
+"""Engine connector: load a prompt's prefix state from the store, save what the engine computes.
+
+Shaped like vLLM's KV connector (KVConnectorBase_V1), so a vLLM adapter is a thin shim:
+
+    vLLM                           here
+    get_num_new_matched_tokens  -> get_num_new_matched_tokens(request_id, token_ids)   one lookup
+    start_load_kv               -> start_load_kv(request_id)        reads and imports the chunks
+    wait_for_layer_load         -> wait_for_layer_load(request_id, layer)  (no-op: objects hold
+                                   every layer, so a load is complete when start_load_kv returns)
+    save_kv_layer               -> save_kv(request_id, token_ids, num_computed_tokens)
+    wait_for_save               -> wait_for_save()                  one put_many per state kind
+    request_finished            -> request_finished(request_id, token_ids, num_computed_tokens)
+
+Engine-agnostic and tensor-free: the engine side passes one `StateCodec` per kind of state it
+keeps (KV of attention layers; for hybrid models also recurrent snapshots). A codec owns the
+conversion between the engine's tensors and the object's bytes (dtype casts, fp8, mxfp8), so
+client/ never imports torch or gpu/. Keys follow kvstore-key-v1 (`kvstore.identity`): one chain
+over the token ids, one object id per codec descriptor.
+
+Every store failure (daemon down, miss after lookup, checksum, timeout, full) becomes a
+recompute: nothing is imported unless every object of the load was leased first, so the
+engine's output is the same with the store or without it. After a failure the connector skips
+the store for `retry_after_s`, then reconnects. One thread drives a connector.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, replace
+from typing import Callable, Protocol, Sequence
+
+import numpy as np
+
+from kvstore.errors import InvalidArgument
+from kvstore.identity import ChunkKey, StateDescriptor, chunk_keys, namespace_salt, object_id
+from client.connector_plan import plan_load
+from client.connector_link import StoreLink
+from client.connector_ranged import SegmentReader
+
+# Load-rate guess when a lookup has no hit bytes to derive one from (host memcpy speed here).
+DEFAULT_LOAD_S_PER_BYTE = 1 / 4e9
+
+
+class StateCodec(Protocol):
+    """The engine side of one kind of state. Called from the connector's thread only."""
+
+    descriptor: StateDescriptor  # kind, dtype and layout of the objects this codec writes
+    boundary_only: bool  # True: one object per hit boundary (recurrent snapshot), not per chunk
+
+    def export(self, request_id, start_token: int, end_token: int):
+        """The object bytes (bytes-like, numpy or CPU tensor, descriptor.object_bytes long)
+        for the state of tokens [start, end) (for boundary codecs: the state after end), or
+        None when the engine does not have it. The result is the caller's."""
+
+    def load(self, request_id, start_token: int, end_token: int, data: np.ndarray) -> None:
+        """Import object bytes `data` (uint8, valid only during the call: copy what you keep)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectorConfig:
+    extra_keys: tuple = ()  # kvstore-key-v1 extra keys of every chunk (a LoRA id, ...)
+    secret: bytes | None = None  # namespace secret, when the deployment uses one
+    timeout_s: float = 5.0  # any one store call; past it the daemon counts as down
+    retry_after_s: float = 1.0  # after a failure, recompute without asking the store this long
+    min_gain_s: float = 0.0  # load only when it beats recompute by more than this
+    # False: the chunk holding the last prompt token is always computed, never loaded (an
+    # engine with chunk-aligned prefill then computes it in the same piece as without a store)
+    load_last_chunk: bool = True
+
+    def __post_init__(self) -> None:
+        if self.timeout_s <= 0 or self.retry_after_s < 0 or self.min_gain_s < 0:
+            raise InvalidArgument("ConnectorConfig: timeout_s > 0, retry_after_s >= 0, min_gain_s >= 0")
+        object.__setattr__(self, "extra_keys", tuple(self.extra_keys))
+
+
+@dataclass(frozen=True, slots=True)
+class MatchResult:
+    num_tokens: int  # leading prompt tokens to load (0: recompute all)
+    num_hit_tokens: int  # leading prompt tokens the store holds (loaded or not)
+    tiers: tuple  # tier of each chunk to load ("host", "nvme", ...)
+    est_load_s: float
+    est_recompute_s: float
+    reason: str  # "load", "miss", "no_snapshot", "recompute_faster", "too_short", "store_error", "evicted"
+
+
+@dataclass(slots=True)
+class ConnectorStats:
+    num_lookups: int = 0
+    num_loaded_tokens: int = 0
+    num_saved_objects: int = 0
+    bytes_loaded: int = 0
+    bytes_saved: int = 0
+    load_s: float = 0.0
+    save_s: float = 0.0
+    last_error: str = ""  # the last failed put (store failures: `KVConnector.link`)
+
+
+@dataclass(slots=True)
+class _Request:
+    keys: list[ChunkKey] = field(default_factory=list)
+    stored: list[list[bool]] | None = None  # per codec, per chunk (None: unknown)
+    match: MatchResult | None = None
+    saved_chunks: int = 0  # chunks [0, saved_chunks) are stored or queued
+
+
+class KVConnector:
+    def __init__(self, socket_path: str | None, codecs: Sequence[StateCodec],
+                 prefill_s: Callable[[int], float], config: ConnectorConfig = ConnectorConfig()):
+        """prefill_s(tokens): the engine's estimate of computing that many prompt tokens."""
+        if not codecs or codecs[0].boundary_only:
+            raise InvalidArgument("the first codec must keep one object per chunk (KV)")
+        first = codecs[0].descriptor
+        for codec in codecs:
+            d = codec.descriptor
+            if (d.namespace, d.model, d.model_revision, d.chunk_tokens) != \
+                    (first.namespace, first.model, first.model_revision, first.chunk_tokens):
+                raise InvalidArgument("codecs of one connector must share namespace, model, "
+                                      "revision and chunk_tokens")
+        self.socket_path = socket_path
+        self.codecs = list(codecs)
+        self.config = config
+        self.chunk_tokens = first.chunk_tokens
+        self.stats = ConnectorStats()
+        self._prefill_s = prefill_s
+        self._salt = namespace_salt(first.namespace, config.secret)
+        self._boundary = any(c.boundary_only for c in codecs)
+        self.link = StoreLink(socket_path, first.namespace, config.timeout_s, config.retry_after_s)
+        self.segments = SegmentReader(self.link, first, self._keys)
+        self._pending: list[tuple[int, object, object]] = []  # (codec index, object id, bytes)
+        self._requests: dict = {}
+
+    # -- keys ---------------------------------------------------------------------------
+
+    def _keys(self, token_ids) -> list[ChunkKey]:
+        return chunk_keys(token_ids, self.codecs[0].descriptor, self.config.extra_keys,
+                          secret=self.config.secret)
+
+    def _oid(self, key: ChunkKey, codec: int):
+        return key.object_id if codec == 0 else object_id(self._salt, key.logical, self.codecs[codec].descriptor)
+
+    # -- load -----------------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request_id, token_ids, num_computed_tokens: int = 0) -> MatchResult:
+        """Ask the store (one lookup) how much of the prompt it holds and decide how much to
+        load (remembered for start_load_kv). Loads nothing unless it goes past
+        num_computed_tokens, the tokens the engine holds already."""
+        req = self._requests[request_id] = _Request(keys=self._keys(token_ids))
+        C = self.chunk_tokens
+        # A hybrid model must compute at least the last prompt token after its snapshot.
+        usable = (len(token_ids) - (0 if self.config.load_last_chunk and not self._boundary else 1)) // C
+        if usable * C <= num_computed_tokens:
+            req.match = MatchResult(0, 0, (), 0.0, 0.0, "too_short")
+            return req.match
+        n = len(req.keys)
+        ids = [self._oid(k, c) for c in range(len(self.codecs)) for k in req.keys]
+        found = self.link.call(lambda client: client.lookup(ids))
+        if found is None:
+            req.match = MatchResult(0, 0, (), 0.0, 0.0, "store_error")
+            return req.match
+        self.stats.num_lookups += 1
+        tiers = [found.tiers[c * n:(c + 1) * n] for c in range(len(self.codecs))]
+        req.stored = [[t is not None for t in row] for row in tiers]
+        rate = found.est_load_s / found.hit_bytes if found.hit_bytes else DEFAULT_LOAD_S_PER_BYTE
+        plan = plan_load(req.stored, [c.boundary_only for c in self.codecs],
+                         [c.descriptor.object_bytes for c in self.codecs], usable, C, rate,
+                         self._prefill_s, self.config.min_gain_s)
+        req.match = MatchResult(plan.num_chunks * C, plan.num_hit_chunks * C,
+                                tuple(tiers[0][:plan.num_chunks]), plan.est_load_s,
+                                plan.est_recompute_s, plan.reason)
+        return req.match
+
+    def match(self, request_id) -> MatchResult | None:
+        """The request's latest decision (a failed load turns it into a recompute)."""
+        req = self._requests.get(request_id)
+        return None if req is None else req.match
+
+    def start_load_kv(self, request_id) -> int:
+        """Lease every object of the plan, then hand each to its codec; returns the prompt
+        tokens loaded (0: nothing was imported, recompute). Leases end before it returns."""
+        req = self._requests.get(request_id)
+        if req is None or req.match is None or req.match.num_tokens == 0:
+            return 0
+        C, n = self.chunk_tokens, req.match.num_tokens // self.chunk_tokens
+        wanted = [(c, j) for c, codec in enumerate(self.codecs)
+                  for j in ([n - 1] if codec.boundary_only else range(n))]
+        started = time.perf_counter()
+
+        def lease_all(client):
+            leases = []
+            try:
+                for c, j in wanted:
+                    lease = client.get(self._oid(req.keys[j], c))
+                    if lease is None:
+                        break
+                    leases.append(lease)
+            except BaseException:
+                for lease in leases:
+                    lease.release()
+                raise
+            return leases
+
+        leases = self.link.call(lease_all)
+        if leases is None or len(leases) < len(wanted):
+            for lease in leases or ():
+                lease.release()
+            req.match = replace(req.match, num_tokens=0, tiers=(),
+                                reason="store_error" if leases is None else "evicted")
+            return 0
+        try:
+            for (c, j), lease in zip(wanted, leases):
+                self.codecs[c].load(request_id, j * C, (j + 1) * C, lease._array)
+                self.stats.bytes_loaded += lease.size
+        finally:
+            for lease in leases:
+                lease.release()
+        self.stats.num_loaded_tokens += n * C
+        self.stats.load_s += time.perf_counter() - started
+        return n * C
+
+    def wait_for_layer_load(self, request_id, layer: int) -> None:
+        """Kept for the vLLM shape: start_load_kv has loaded every layer already."""
+
+    def read_segments(self, request_id, token_ids, wanted: dict) -> dict | None:
+        """Ranged reads for sparse attention (see client.connector_ranged): {chunk: [(layer,
+        block), ...]} of the first codec's objects -> {(chunk, layer, block): uint8 array}."""
+        return self.segments.read(request_id, token_ids, wanted)
+
+    # -- save -----------------------------------------------------------------------------
+
+    def save_kv(self, request_id, token_ids, num_computed_tokens: int) -> int:
+        """Queue the objects of every full chunk computed since the last call and not known
+        to be stored; returns how many were queued. Cheap when no chunk was completed."""
+        req = self._requests.setdefault(request_id, _Request())
+        done = min(num_computed_tokens, len(token_ids)) // self.chunk_tokens
+        if done <= req.saved_chunks:
+            return 0
+        first, req.saved_chunks = req.saved_chunks, done
+        if self.link.down:
+            return 0  # the store is down: do not spend time exporting
+        if len(req.keys) < done:
+            req.keys = self._keys(token_ids[:done * self.chunk_tokens])
+        queued = 0
+        for j in range(first, done):
+            for c, codec in enumerate(self.codecs):
+                if req.stored is not None and j < len(req.stored[c]) and req.stored[c][j]:
+                    continue
+                data = codec.export(request_id, j * self.chunk_tokens, (j + 1) * self.chunk_tokens)
+                if data is not None:
+                    self._pending.append((c, self._oid(req.keys[j], c), data))
+                    queued += 1
+        return queued
+
+    def wait_for_save(self) -> int:
+        """Store everything queued (one put_many per codec); returns the objects stored.
+        Failures drop the queue: the state stays in the engine, and later runs recompute."""
+        if not self._pending:
+            return 0
+        pending, self._pending = self._pending, []
+        started = time.perf_counter()
+
+        def put(client):
+            results = []
+            for c, codec in enumerate(self.codecs):
+                items = [(oid, data) for i, oid, data in pending if i == c]
+                if items:
+                    results += [(c, r) for r in client.put_many(items, codec.descriptor)]
+            return results
+
+        results = self.link.call(put) or []
+        stored = [c for c, r in results if r.error is None]
+        errors = [r.error for _, r in results if r.error is not None]
+        if errors:
+            self.stats.last_error = f"{len(errors)} puts failed: {errors[0]}"
+        self.stats.num_saved_objects += len(stored)
+        self.stats.bytes_saved += sum(self.codecs[c].descriptor.object_bytes for c in stored)
+        self.stats.save_s += time.perf_counter() - started
+        return len(stored)
+
+    def request_finished(self, request_id, token_ids, num_computed_tokens: int) -> int:
+        """Save the request's remaining full chunks, release its leases and forget it."""
+        self.save_kv(request_id, token_ids, num_computed_tokens)
+        stored = self.wait_for_save()
+        self._requests.pop(request_id, None)
+        self.segments.release(request_id)
+        return stored
+
+    def close(self) -> None:
+        self._requests.clear()
+        self.segments.close()
+        self.link.close()

