@@ -16,7 +16,7 @@ from kvstore.hints import Hints
 from kvstore.identity import StateDescriptor
 from kvstore.protocol import NEED_DATA, BadFrame, Fatal, Reply
 from client.core import ClientCore, LookupResult, PutResult, ReadLease
-from client.sync import _ANCILLARY, RECV_BYTES, _recv_fds
+from client.sync import _ANCILLARY, RECV_BYTES, _recv_fds, parting_words
 
 
 class AsyncClient:
@@ -120,8 +120,9 @@ class AsyncClient:
             except (BlockingIOError, InterruptedError):
                 sent = 0
             except OSError as exc:
-                self._lost(str(exc))
-                raise DaemonUnavailable(f"lost the daemon at {self.socket_path}: {exc}") from None
+                why = parting_words(self._sock, self.core.codec) or str(exc)
+                self._lost(why)
+                raise DaemonUnavailable(f"lost the daemon at {self.socket_path}: {why}") from None
             data = data[sent:]
             if not data:
                 return
@@ -145,7 +146,15 @@ class AsyncClient:
             if not r.no_reply:
                 futures.append(self._loop.create_future())
                 self._waiting[r.id] = futures[-1]
-        self._send(b"".join(self.core.codec.send_request(r) for r in requests))
+        try:
+            self._send(b"".join(self.core.codec.send_request(r) for r in requests))
+        except DaemonUnavailable:
+            for fut in futures:  # failed with the connection; the caller gets the raise below
+                if fut.done():
+                    fut.exception()  # retrieved: no "exception was never retrieved" warning
+                else:
+                    fut.cancel()
+            raise
         try:
             done = iter(await asyncio.wait_for(asyncio.gather(*futures), self.timeout_s))
         except asyncio.TimeoutError:

@@ -155,6 +155,7 @@ class ClientCore:
         self._maps: list[mmap.mmap] = []
         self._ids = itertools.count(1)
         self._release_cb = release
+        self.max_inflight_bytes = PUT_WINDOW_BYTES  # the daemon's limit, from hello
 
     def request(self, msg: m.Message, no_reply: bool = False) -> Request:
         return Request(next(self._ids), msg.op, msg.to_args(), no_reply)
@@ -178,7 +179,9 @@ class ClientCore:
 
     def op_hello(self, name: str):
         (reply,) = yield [self.request(m.Hello(name, os.getpid()))]
-        return self.result(reply)
+        info = self.result(reply)
+        self.max_inflight_bytes = info.get("limits", {}).get("max_inflight_bytes") or PUT_WINDOW_BYTES
+        return info
 
     def op_open(self, namespace: str):
         if namespace in self.arenas:
@@ -208,7 +211,7 @@ class ClientCore:
                 raise InvalidArgument(f"object {oid.hex}: cannot store an empty object")
         # Reservations hold arena space until committed: pipeline a window of them, not
         # the whole batch, so a large batch cannot fill the arena with its own leases.
-        limit = max(1, min(PUT_WINDOW_BYTES, self.arenas[desc.namespace].size // 4))
+        limit = max(1, min(PUT_WINDOW_BYTES, self.arenas[desc.namespace].size // 4, self.max_inflight_bytes))
         results, window, window_bytes = [], [], 0
         for item in sources:
             if window and window_bytes + item[1].size > limit:

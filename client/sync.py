@@ -16,8 +16,27 @@ from kvstore.protocol import NEED_DATA, BadFrame, Fatal, Reply
 from client.core import ClientCore, LookupResult, PutResult, ReadLease
 
 RECV_BYTES = 256 * 1024
+# A round trip's requests go out in groups of at most this many bytes, each group's replies
+# read before the next is sent. A group this small always fits in the socket's kernel buffer,
+# so this client never blocks in send while the daemon, its reply buffer full, has stopped
+# reading until the client reads (server/local_service.py REPLY_BUFFER_HIGH_BYTES).
+SEND_GROUP_BYTES = 64 * 1024
 # Room for a few fds per recvmsg; the daemon sends one per opened namespace.
 _ANCILLARY = socket.CMSG_SPACE(8 * array.array("i").itemsize)
+
+
+def parting_words(sock: socket.socket, codec) -> str | None:
+    """Why the daemon hung up, if it said so before closing (limits.max_clients, a fatal
+    frame): a send then fails with EPIPE while the reason waits unread in the socket."""
+    try:
+        sock.setblocking(False)
+        codec.receive_data(sock.recv(RECV_BYTES))
+    except OSError:
+        return None
+    while (event := codec.next_event()) is not NEED_DATA and not isinstance(event, Fatal):
+        if isinstance(event, Reply) and event.id == 0 and event.error is not None:
+            return from_wire(event.error).message
+    return None
 
 
 def _recv_fds(ancdata) -> list[int]:
@@ -112,13 +131,26 @@ class Client:
         try:
             self._sock.sendall(data)
         except OSError as exc:
-            raise self._lost(str(exc)) from None
+            raise self._lost(parting_words(self._sock, self.core.codec) or str(exc)) from None
 
     def _roundtrip(self, requests) -> list:
         codec = self.core.codec
-        self._send(b"".join(codec.send_request(r) for r in requests))
-        index = {r.id: i for i, r in enumerate(requests) if not r.no_reply}
+        frames = [codec.send_request(r) for r in requests]
         replies: list[Reply | None] = [None] * len(requests)
+        start = 0
+        while start < len(frames):
+            end, size = start + 1, len(frames[start])
+            while end < len(frames) and size + len(frames[end]) <= SEND_GROUP_BYTES:
+                size += len(frames[end])
+                end += 1
+            self._send(b"".join(frames[start:end]))
+            self._read_replies(requests, start, end, replies)
+            start = end
+        return replies
+
+    def _read_replies(self, requests, start: int, end: int, replies: list) -> None:
+        codec = self.core.codec
+        index = {requests[i].id: i for i in range(start, end) if not requests[i].no_reply}
         while index:
             event = codec.next_event()
             if event is NEED_DATA:
@@ -138,7 +170,6 @@ class Client:
                 raise self._lost(from_wire(event.error).message)
             elif isinstance(event, (Fatal, BadFrame)):
                 raise self._lost(f"bad frame from daemon: {event.error.message}")
-        return replies
 
     def _release(self, lease_id: int) -> None:
         with self._lock:

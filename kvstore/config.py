@@ -11,7 +11,9 @@ import os
 import re
 from dataclasses import dataclass, field, fields, is_dataclass, replace
 
+from kvstore.config_auth import AuthConfig, NamespaceAuth  # noqa: F401 (re-exported)
 from kvstore.errors import InvalidArgument
+from kvstore.protocol import MAX_FRAME_BYTES
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
 _UNITS = {None: 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -110,17 +112,33 @@ class NvmeTierConfig:
             raise InvalidArgument("nvme.admit_min_hits must be an integer >= 0")
 
 
+# Lowest limits.max_frame_bytes: a lookup of MAX_BATCH ids is a ~140 KiB frame. The highest
+# is the protocol's own MAX_FRAME_BYTES, the most any client sends.
+MIN_FRAME_BYTES = 256 * 1024
+
+
 @dataclass(frozen=True, slots=True)
 class LimitsConfig:
     max_clients: int = 256
     max_leases_per_client: int = 4096
+    # Bytes one client may hold reserved but not committed (its puts in flight). Reserved
+    # extents cannot be evicted: without a bound, one client's abandoned reservations could
+    # fill an arena. Keep it below host.arena_bytes; the client's put window adapts to it.
+    max_inflight_bytes_per_client: int = 256 << 20
+    # Largest frame the daemon reads from a client; a bigger length header closes the connection.
+    max_frame_bytes: int = MAX_FRAME_BYTES
     # A lease not released within this time is taken back (a stuck client cannot pin memory forever).
     lease_ttl_s: float = 300.0
 
     def __post_init__(self) -> None:
-        for name in ("max_clients", "max_leases_per_client"):
+        for name in ("max_inflight_bytes_per_client", "max_frame_bytes"):
+            object.__setattr__(self, name, parse_size(getattr(self, name)))
+        for name in ("max_clients", "max_leases_per_client", "max_inflight_bytes_per_client"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise InvalidArgument(f"limits.{name} must be an integer >= 1")
+        if not MIN_FRAME_BYTES <= self.max_frame_bytes <= MAX_FRAME_BYTES:
+            raise InvalidArgument(f"limits.max_frame_bytes must be in {MIN_FRAME_BYTES}..{MAX_FRAME_BYTES}, "
+                                  f"got {self.max_frame_bytes}")
         if not isinstance(self.lease_ttl_s, (int, float)) or self.lease_ttl_s <= 0:
             raise InvalidArgument("limits.lease_ttl_s must be a number > 0")
 
@@ -224,6 +242,7 @@ class ServerConfig:
     admin: AdminConfig = AdminConfig()
     nvme: NvmeTierConfig = NvmeTierConfig()
     cluster: ClusterConfig = ClusterConfig()
+    auth: AuthConfig = AuthConfig()
 
     def __post_init__(self) -> None:
         if self.log_level not in ("debug", "info", "warning", "error"):

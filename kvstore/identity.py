@@ -114,7 +114,7 @@ class Shard:
         if isinstance(text, Shard):
             return text
         index, sep, count = str(text).partition("/")
-        if not sep or not index.isdigit() or not count.isdigit():
+        if not sep or not (index + count).isascii() or not index.isdigit() or not count.isdigit():
             raise InvalidArgument(f"shard must look like 'index/count', got {text!r}")
         return cls(int(index), int(count))
 

@@ -143,7 +143,8 @@ class Layout:
             key, sep, value = item.partition("=")
             if not sep or not key or key in params:
                 raise InvalidArgument(f"bad or repeated layout parameter {item!r} in {text!r}")
-            params[key] = int(value) if value.isdigit() else value
+            # isascii: str.isdigit() also accepts '²' and '٣', which int() refuses or rewrites
+            params[key] = int(value) if value.isascii() and value.isdigit() else value
         return cls.make(match.group(1), **params)
 
     def __str__(self) -> str:

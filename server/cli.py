@@ -1,4 +1,4 @@
-"""`kvstore` command line: serve, status, smoke, bench."""
+"""`kvstore` command line: serve, status, smoke, demo, bench."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from dataclasses import replace
 
 from kvstore.config import ServerConfig, parse_size
 from kvstore.errors import KVStoreError
-from server import admin_cli
+from server import admin_cli, demo
 
 
 def load_config(args) -> ServerConfig:
@@ -73,6 +73,8 @@ def main(argv=None) -> int:
     smoke.add_argument("--socket", help="use a running daemon instead of starting one")
     smoke.add_argument("--chunks", type=int, default=16, help="256-token chunks per state kind")
     smoke.set_defaults(func=cmd_smoke)
+
+    demo.register(sub)  # the agent-like workload on the real model
 
     args = parser.parse_args(argv)
     try:

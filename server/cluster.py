@@ -55,9 +55,14 @@ class ClusterLink:
     def _meta(self, entry: ObjectEntry) -> RemoteMeta:
         return RemoteMeta(entry.size, entry.checksum, entry.descriptor, entry.hints)
 
+    def _live(self, ns, object_id) -> ObjectEntry | None:
+        """The entry, unless absent or past its TTL (a local get would drop it as expired)."""
+        entry = ns.objects.get(object_id) if ns is not None else None
+        return entry if entry is not None and entry.expires_at > self.manager.clock() else None
+
     def read(self, namespace: str, object_id) -> PeerRead | None | object:
         ns = self.manager.namespaces.get(namespace)
-        entry = ns.objects.get(object_id) if ns is not None else None
+        entry = self._live(ns, object_id)
         if entry is None:
             mover = self.manager.mover
             if mover is not None and mover.holds(namespace, object_id):
@@ -102,11 +107,10 @@ class ClusterLink:
 
     def lookup(self, namespace: str, ids) -> list[RemoteMeta | None]:
         ns = self.manager.namespaces.get(namespace)
-        objects = ns.objects if ns is not None else {}
         mover = self.manager.mover
         found = []
         for oid in ids:
-            entry = objects.get(oid)
+            entry = self._live(ns, oid)
             if entry is not None:
                 found.append(self._meta(entry))
             elif mover is not None and mover.holds(namespace, oid):
@@ -125,12 +129,18 @@ class ClusterLink:
         landed: dict = {}
 
         def alloc(meta: RemoteMeta):
+            # Called again for the next home when one failed or sent bad bytes: free the
+            # previous landing place first, or its extent leaks (transient forever).
+            old = landed.pop("extent", None)
+            if old is not None:
+                self.manager.track_transient(ns, old, add=False)
+                ns.arena.free(old)
+            landed.pop("staged", None)
             extent = ns.arena.alloc(meta.size)  # room already free: receive in place
             if extent is not None:
                 self.manager.track_transient(ns, extent, add=True)
                 landed["extent"] = extent
                 return ns.arena.view(extent)[:meta.size]
-            landed.pop("extent", None)
             landed["staged"] = np.empty(meta.size, dtype=np.uint8)  # no room yet: stage, copy after
             return landed["staged"]
 

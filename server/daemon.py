@@ -78,7 +78,7 @@ class Daemon:
             await self.manager.open_namespace(name)
         if self.manager.cluster is not None:  # serve peers and join membership
             await self.manager.cluster.start()
-        umask = os.umask(0o177)  # no window in which the new socket is wider than 0600
+        umask = os.umask(0o077)  # no window in which other users may connect to the new socket
         try:
             self._server = await asyncio.get_running_loop().create_unix_server(
                 lambda: LocalConnection(self), path

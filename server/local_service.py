@@ -25,6 +25,11 @@ from kvstore.protocol import NEED_DATA, BadFrame, Fatal, FrameCodec, Reply, Requ
 log = logging.getLogger("kvstore.local")
 _conn_ids = itertools.count(1)
 SERVER_VERSION = "0.1.0"
+# Replies one connection may have queued in the daemon before the daemon stops reading its
+# requests (asyncio flow control): a client that sends without ever reading cannot make the
+# daemon buffer replies without bound. Far above what the clients keep in flight (the sync
+# client sends in groups of 64 KiB of requests and reads their replies before the next).
+REPLY_BUFFER_HIGH_BYTES = 4 * 1024 * 1024
 
 
 def _keyed(key: str, value):
@@ -50,7 +55,7 @@ class LocalConnection(asyncio.Protocol):
         self.daemon = daemon
         self.manager = daemon.manager
         self.conn_id = next(_conn_ids)
-        self.codec = FrameCodec()
+        self.codec = FrameCodec(daemon.config.limits.max_frame_bytes)
         self.transport: asyncio.Transport | None = None
         self.opened: set[str] = set()  # namespaces this connection may use
         self.client_name = "?"
@@ -61,6 +66,7 @@ class LocalConnection(asyncio.Protocol):
         # read) runs as a task, and the requests behind it wait in the inbox.
         self._inbox: collections.deque[Request] = collections.deque()
         self._busy = False
+        self._write_paused = False  # the reply buffer is past its high-water mark
 
     # --- asyncio callbacks --------------------------------------------------------
 
@@ -74,6 +80,7 @@ class LocalConnection(asyncio.Protocol):
             transport.write(self.codec.send_reply(Reply(0, error=err.to_wire())))
             transport.close()
             return
+        transport.set_write_buffer_limits(high=REPLY_BUFFER_HIGH_BYTES)
         # asyncio's transport socket has no sendmsg; a dup of the fd does.
         self._fd_sock = socket.socket(fileno=os.dup(sock.fileno()))
         self.daemon.connections[self.conn_id] = self
@@ -86,7 +93,8 @@ class LocalConnection(asyncio.Protocol):
                 break
             if isinstance(event, Fatal):
                 log.warning("event=protocol_fatal conn=%d error=%r", self.conn_id, event.error.message)
-                self._write(self.codec.send_reply(Reply(0, error=event.error.to_wire())))
+                err = ProtocolError(f"{event.error.message} (limits.max_frame_bytes); closing the connection")
+                self._write(self.codec.send_reply(Reply(0, error=err.to_wire())))
                 self.transport.close()
                 return
             if isinstance(event, BadFrame):
@@ -99,6 +107,18 @@ class LocalConnection(asyncio.Protocol):
                 self._inbox.append(event)
         if not self._busy:
             self._drain()
+
+    def pause_writing(self) -> None:
+        """The client is not reading its replies: stop reading its requests until it does."""
+        self._write_paused = True
+        self.transport.pause_reading()
+
+    def resume_writing(self) -> None:
+        self._write_paused = False
+        if not self.transport.is_closing():
+            self.transport.resume_reading()
+            if not self._busy:
+                self._drain()
 
     def connection_lost(self, exc) -> None:
         self.daemon.connections.pop(self.conn_id, None)
@@ -113,7 +133,7 @@ class LocalConnection(asyncio.Protocol):
     # --- requests -------------------------------------------------------------------
 
     def _drain(self) -> None:
-        while self._inbox and not self.transport.is_closing():
+        while self._inbox and not self.transport.is_closing() and not self._write_paused:
             request = self._inbox.popleft()
             try:
                 msg = m.decode_request(request)
@@ -208,7 +228,7 @@ class LocalConnection(asyncio.Protocol):
                 return {"server": SERVER_VERSION, "protocol": 1, "conn": self.conn_id,
                         "limits": self.daemon.limits_for_clients()}, None
             case m.Stats():
-                return self.daemon.stats(), None
+                return self.daemon.client_stats(owner, self.opened), None
             case m.Check():
                 self.manager.check_integrity()
                 return {"ok": True}, None

@@ -11,7 +11,10 @@ import time
 class _KeyValueFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         ts = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
-        line = f"ts={ts}.{int(record.msecs):03d}Z level={record.levelname.lower()} logger={record.name} {record.getMessage()}"
+        # Messages carry client-chosen strings (names, namespaces): a newline in one must not
+        # start a forged log line.
+        message = record.getMessage().replace("\r", "\\r").replace("\n", "\\n")
+        line = f"ts={ts}.{int(record.msecs):03d}Z level={record.levelname.lower()} logger={record.name} {message}"
         if record.exc_info:
             line += " exc=" + json.dumps(self.formatException(record.exc_info))
         return line

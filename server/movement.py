@@ -227,6 +227,9 @@ class TierMover:
             got = await self._run(self.nvme.get_into, namespace, oid, view)
             del view
             elapsed = time.perf_counter() - start
+        except Exception:  # the read failed (EIO) and is over: the extent is ours to give back
+            ns.arena.free(extent)
+            raise
         finally:
             self.manager.track_transient(ns, extent, add=False)
         if got is None:  # gone meanwhile, or failed its checksum (the tier dropped and counted it)

@@ -66,6 +66,7 @@ class TierManager:
         self.namespaces: dict[str, Namespace] = {}
         self.leases = LeaseTable()
         self._pending: dict[int, PendingPut] = {}  # write lease id -> reserved put
+        self._inflight_bytes: dict = {}  # owner -> bytes of its reserved, uncommitted puts
         self._reading: dict[int, ObjectEntry] = {}  # read lease id -> entry it covers
         self._zombies: dict[int, ObjectEntry] = {}  # id(entry) -> deleted entry still leased
         self._creating: dict[str, asyncio.Future] = {}  # namespaces whose arena is being made
@@ -98,19 +99,24 @@ class TierManager:
             host = self.config.host
             if len(self.namespaces) + len(self._creating) >= host.max_namespaces:
                 raise CapacityError(f"namespace limit reached ({host.max_namespaces}); raise host.max_namespaces")
-            loop = asyncio.get_running_loop()
-            creating = loop.run_in_executor(None, HostArena, name, host.arena_bytes, host.prefault)
+            creating = asyncio.ensure_future(self._create_namespace(name))
             self._creating[name] = creating
-            try:
-                arena = await creating
-            finally:
-                del self._creating[name]
-            ns = Namespace(name, arena, make_policy(host.policy, host.arena_bytes))
-            self.namespaces[name] = ns
-            log.info("event=namespace_open namespace=%s arena_bytes=%d", name, host.arena_bytes)
-            return ns
-        await creating
-        return self.namespaces[name]
+        # Every opener gets the namespace from the creating task itself: a dict lookup after the
+        # await could run before the creator resumed (KeyError). Shielded: one opener cancelled
+        # (a peer's deadline) does not cancel the creation the others wait for.
+        return await asyncio.shield(creating)
+
+    async def _create_namespace(self, name: str) -> Namespace:
+        host = self.config.host
+        try:
+            arena = await asyncio.get_running_loop().run_in_executor(
+                None, HostArena, name, host.arena_bytes, host.prefault)
+        finally:
+            del self._creating[name]
+        ns = Namespace(name, arena, make_policy(host.policy, host.arena_bytes))
+        self.namespaces[name] = ns
+        log.info("event=namespace_open namespace=%s arena_bytes=%d", name, host.arena_bytes)
+        return ns
 
     # --- put --------------------------------------------------------------------
 
@@ -131,6 +137,7 @@ class TierManager:
             ns.counters.num_dedup_puts += 1
             return {"exists": True}
         self._check_lease_quota(owner)
+        self._check_inflight(owner, msg.size)
         if self.mover is not None and not ns.arena.can_alloc(msg.size):
             return self._reserve_after_demotion(owner, ns, msg)
         return self._grant_write(owner, ns, msg, self._alloc(ns, msg.size, now))
@@ -148,6 +155,7 @@ class TierManager:
         self._pending[lease.lease_id] = PendingPut(
             msg.namespace, msg.object_id, msg.size, msg.descriptor, msg.hints, extent
         )
+        self._inflight_bytes[owner] = self._inflight_bytes.get(owner, 0) + msg.size
         return {"lease": lease.lease_id, "offset": extent.offset}
 
     def _check_size(self, ns: Namespace, size: int) -> None:
@@ -248,6 +256,7 @@ class TierManager:
     def commit(self, owner, lease_id: int, checksum: bytes) -> dict:
         lease = self._own_lease(owner, lease_id, "write")
         put = self._pending.pop(lease_id)
+        self._settle_inflight(owner, put.size)
         self.leases.release(lease_id)
         ns = self.namespaces[put.namespace]
         if self.config.verify_puts:
@@ -339,11 +348,11 @@ class TierManager:
     async def _get_after(self, bring, owner, namespace: str, oid: ObjectId, accept) -> dict:
         """Await what brings the object into the host tier, then serve it from there."""
         entry = await bring
+        ns = self.namespaces[namespace]
         if entry is None:
-            ns = self.namespaces[namespace]
-            ns.counters.num_gets += 1
-            ns.counters.num_misses += 1
+            ns.counters.num_misses += 1  # num_gets was counted when the request came in
             return {"hit": False}
+        ns.counters.num_gets -= 1  # the get below counts this same request again
         reply = self.get(owner, namespace, oid, accept)  # resident now: the sync path
         return reply if not hasattr(reply, "__await__") else await reply
 
@@ -364,9 +373,24 @@ class TierManager:
         """Undo what a lease holds: a write lease frees its extent, a read lease drops a reader."""
         if lease.mode == "write":
             put = self._pending.pop(lease.lease_id)
+            self._settle_inflight(lease.owner, put.size)
             self.namespaces[put.namespace].arena.free(put.extent)
             return
         self._drop_reader(self._reading.pop(lease.lease_id))
+
+    def _check_inflight(self, owner, size: int) -> None:
+        limit = self.config.limits.max_inflight_bytes_per_client
+        held = self._inflight_bytes.get(owner, 0)
+        if held + size > limit:
+            raise LimitExceeded(
+                f"reserving {size} bytes would bring this client's uncommitted puts to {held + size} bytes, over "
+                f"limits.max_inflight_bytes_per_client ({limit}); commit or abort some first"
+            )
+
+    def _settle_inflight(self, owner, size: int) -> None:
+        left = self._inflight_bytes.pop(owner) - size
+        if left:
+            self._inflight_bytes[owner] = left
 
     def _check_lease_quota(self, owner) -> None:
         limit = self.config.limits.max_leases_per_client
@@ -384,7 +408,7 @@ class TierManager:
         objects = ns.objects if ns is not None else {}
         mover = self.mover
         now = self.clock()
-        tiers, leading = [], True
+        tiers, sizes, leading = [], [], True
         host_bytes = nvme_bytes = hits = 0
         for oid in ids:
             entry = objects.get(oid)
@@ -395,6 +419,7 @@ class TierManager:
             else:
                 tier, size = None, 0
             tiers.append(tier)
+            sizes.append(size)
             if leading and tier is None:
                 leading = False
             elif leading:
@@ -408,10 +433,10 @@ class TierManager:
             est += nvme_bytes / mover.bandwidth_bytes_s
         result = {"hits": hits, "tiers": tiers, "hit_bytes": host_bytes + nvme_bytes, "est_load_s": est}
         if self.cluster is not None and hits < len(ids):
-            return self._lookup_peers(namespace, ids, result)
+            return self._lookup_peers(namespace, ids, result, sizes)
         return result
 
-    async def _lookup_peers(self, namespace: str, ids, result: dict) -> dict:
+    async def _lookup_peers(self, namespace: str, ids, result: dict, sizes: list) -> dict:
         """Ask the home nodes about the local misses (one round trip per home) and merge."""
         misses = [i for i, tier in enumerate(result["tiers"]) if tier is None]
         metas = await self.cluster.lookup_remote(namespace, [ObjectId(bytes(ids[i])) for i in misses])
@@ -421,9 +446,16 @@ class TierManager:
                 tiers[i] = "remote"
         hits = next((i for i, t in enumerate(tiers) if t is None), len(tiers))
         remote_bytes = sum(meta.size for i, meta in zip(misses, metas) if meta is not None and i < hits)
+        # Local hits behind the first local miss lead now too: their bytes count as well.
+        later = [(result["tiers"][i], sizes[i]) for i in range(result["hits"], hits) if result["tiers"][i] is not None]
+        host_bytes = sum(size for tier, size in later if tier == "host")
+        nvme_bytes = sum(size for tier, size in later if tier == "nvme")
         est = result["est_load_s"] + (hits - result["hits"]) * PER_OBJECT_LOAD_S
         est += remote_bytes / self.cluster.bandwidth_bytes_s if remote_bytes else 0.0
-        return {"hits": hits, "tiers": tiers, "hit_bytes": result["hit_bytes"] + remote_bytes, "est_load_s": est}
+        est += host_bytes / self.host_bandwidth_bytes_s
+        est += nvme_bytes / self.mover.bandwidth_bytes_s if nvme_bytes else 0.0
+        hit_bytes = result["hit_bytes"] + remote_bytes + host_bytes + nvme_bytes
+        return {"hits": hits, "tiers": tiers, "hit_bytes": hit_bytes, "est_load_s": est}
 
     def delete(self, namespace: str, ids):
         """Delete from every tier. Returns how many ids were found anywhere, or an awaitable
@@ -555,6 +587,13 @@ class TierManager:
     def check_integrity(self) -> None:
         """Raise RuntimeError if the index, leases, policy and arenas disagree."""
         self.leases.check_integrity()
+        inflight: dict = {}
+        for lease_id, put in self._pending.items():
+            lease = self.leases.get(lease_id)
+            owner = None if lease is None else lease.owner  # None: a reservation without its lease
+            inflight[owner] = inflight.get(owner, 0) + put.size
+        if inflight != self._inflight_bytes:
+            raise RuntimeError(f"uncommitted bytes per client: {self._inflight_bytes} counted, {inflight} reserved")
         for ns in self.namespaces.values():
             ns.arena.check_integrity()
             ns.policy.check_integrity()

@@ -16,7 +16,9 @@ ALLOWED = {
 }
 # User-facing entry points drive a daemon through the client, as any user would
 # (recorded in docs/architecture.md). The daemon's own modules never import client.
-ENTRY_POINTS = {"server/cli.py": {"client"}, "server/smoke.py": {"client"}, "server/admin_cli.py": {"client"}}
+ENTRY_POINTS = {"server/cli.py": {"client"}, "server/smoke.py": {"client"}, "server/admin_cli.py": {"client"},
+                # `kvstore demo` drives the reference engine (gpu/) against a daemon it starts
+                "server/demo.py": {"gpu"}}
 # kvstore/ stays importable without I/O or heavy libraries at import time.
 HEAVY = {"asyncio", "socket", "torch", "aiohttp", "ucxx", "rocksdict", "triton", "numpy"}
 

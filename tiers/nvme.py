@@ -138,7 +138,7 @@ class NvmeTier:
             raise InvalidArgument(f"NvmeTier needs an NvmeConfig, got {type(config).__name__}")
         self.config = config
         self._group = config.durability == "group"
-        os.makedirs(config.path, exist_ok=True)
+        os.makedirs(config.path, mode=0o700, exist_ok=True)  # the index names every tenant's objects
         self._index = NvmeIndex(os.path.join(config.path, "index"))
         self._files: list[DataFile] = []
         try:

@@ -226,8 +226,8 @@ class RemoteTier:
             return None
         except KVStoreError as exc:  # the peer answered with an error: it is up
             log.info("event=peer_error node=%s op=%s code=%s error=%r", node, op, exc.code, exc.message)
-        if down is not None:
-            del self._down_until[node]
+        # Two calls to a peer that was down may both succeed: only the first says it is up.
+        if down is not None and self._down_until.pop(node, None) is not None:
             log.info("event=peer_up node=%s address=%s", node, address)
         return result
 

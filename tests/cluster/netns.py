@@ -2,17 +2,22 @@
 
 Every interface and address lives inside these namespaces (the root namespace gains only
 the namespace names), in the private range 10.77.0.0/24: node i gets 10.77.0.(i+1), the hub
-10.77.0.254 (etcd listens there). `close()` removes everything, also after a failure.
+10.77.0.254 (etcd listens there). `close()` kills the processes started here and removes
+every namespace, also after a failure; namespaces left by a test run that was itself killed
+are removed by the next run (their names carry the dead run's pid).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import signal
 import subprocess
 
 SUBNET = "10.77.0"
 HUB_ADDRESS = f"{SUBNET}.254"
+PREFIX = "kvst-"
 
 
 def _ip(*args: str) -> None:
@@ -24,10 +29,10 @@ def _ip(*args: str) -> None:
 def unavailable_reason() -> str | None:
     """Why namespaces cannot be built here, or None when they can."""
     if os.geteuid() != 0:
-        return "cluster tests need root (ip netns add)"
+        return "cluster tests need root (ip netns add, veth, bridge)"
     if shutil.which("ip") is None:
         return "the ip command is missing (Debian: apt-get install -y iproute2)"
-    probe = f"kvst-probe-{os.getpid()}"
+    probe = f"{PREFIX}probe-{os.getpid()}"
     out = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
     if out.returncode != 0:
         return f"ip netns add fails here: {out.stderr.strip()}"
@@ -35,16 +40,43 @@ def unavailable_reason() -> str | None:
     return None
 
 
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_stale() -> None:
+    """Delete kvst-<pid>-* namespaces whose test run (pid) is gone."""
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True)
+    for line in out.stdout.splitlines():
+        name = line.split()[0] if line.strip() else ""
+        parts = name.split("-")
+        if name.startswith(PREFIX) and len(parts) >= 3 and parts[1].isdigit() and not pid_alive(int(parts[1])):
+            pids = subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True).stdout.split()
+            for pid in pids:  # daemons of that dead run, still in its namespace
+                try:
+                    os.kill(int(pid), signal.SIGKILL)
+                except (ProcessLookupError, ValueError):
+                    pass
+            subprocess.run(["ip", "netns", "del", name], capture_output=True)
+
+
 class NetnsCluster:
     def __init__(self, nodes: list[str]):
         tag = os.getpid()
-        self.hub = f"kvst-{tag}-hub"
-        self.names = {node: f"kvst-{tag}-{node}" for node in nodes}
+        self.hub = f"{PREFIX}{tag}-hub"
+        self.names = {node: f"{PREFIX}{tag}-{node}" for node in nodes}
         self.addresses = {node: f"{SUBNET}.{i + 1}" for i, node in enumerate(nodes)}
         self.procs: list[subprocess.Popen] = []
         self._made: list[str] = []
 
     def build(self) -> NetnsCluster:
+        remove_stale()
         try:
             for ns in [self.hub, *self.names.values()]:
                 _ip("netns", "add", ns)
@@ -69,7 +101,18 @@ class NetnsCluster:
         """Cut a node off (its only interface down) or bring it back."""
         _ip("-n", self.names[node], "link", "set", "eth0", "up" if up else "down")
 
+    @contextlib.contextmanager
+    def cut_off(self, node: str):
+        """The node's link down for the block, back up after it (also on failure)."""
+        self.set_link(node, up=False)
+        try:
+            yield
+        finally:
+            self.set_link(node, up=True)
+
     def popen(self, node: str | None, argv: list[str], **kwargs) -> subprocess.Popen:
+        """Start argv inside the node's namespace (None: the hub). `ip netns exec` execs, so
+        the returned process is argv itself: signals reach it directly."""
         ns = self.hub if node is None else self.names[node]
         proc = subprocess.Popen(["ip", "netns", "exec", ns, *argv], **kwargs)
         self.procs.append(proc)
@@ -78,8 +121,12 @@ class NetnsCluster:
     def close(self) -> None:
         for proc in self.procs:
             if proc.poll() is None:
-                proc.kill()
-            proc.wait()
+                proc.send_signal(signal.SIGKILL)
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                pass
+        self.procs.clear()
         for ns in reversed(self._made):
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
         self._made.clear()

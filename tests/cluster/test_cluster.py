@@ -1,93 +1,195 @@
-"""Three nodes, each in its own network namespace, with a static peer list.
+"""Three real daemons (`kvstore serve`), each in its own network namespace, static peer list,
+one replica per object.
 
-Shown: an object put on A is read on C bit-exact through its rendezvous home; lookups work
-across nodes; B cut off (link down): reads of B-homed objects fail fast while the rest keep
-working, and B serves again once its link is back; with two replicas, losing B loses nothing.
+Shown: an object put on A is read on C bit-exact, whichever node is its home; lookups cross
+nodes (tier "remote", counted in the lead and its bytes) and namespaces stay isolated; an
+object past its TTL is not served to other nodes; B cut off (link down) while clients read:
+reads of B-homed objects are misses, counted as peer failures or skips, while every other
+read, put and lookup keeps working; once B's link is back, B serves again.
 """
 
+import contextlib
+import threading
 import time
 
+import numpy as np
 import pytest
-from cluster_helpers import expected_digest, seeds_by_home, start_cluster, wait_until
+from cluster_helpers import key, keys_by_home, payload, read_exact, start_cluster, wait_until
+
+from kvstore.hints import Hints
 
 pytestmark = pytest.mark.cluster
 
 NAMES = ["a", "b", "c"]
-TIMEOUT_S = 1.0  # peer_timeout_s, the default
-MARGIN_S = 0.5
-SIZE = 1 << 20
+SIZE = (1 << 20) + 123  # not a multiple of any page or extent size
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    net, nodes = start_cluster(NAMES, str(tmp_path_factory.mktemp("cluster")), timeout_s=TIMEOUT_S)
+    cluster = start_cluster(NAMES, str(tmp_path_factory.mktemp("cluster")), replicas=1, peer_timeout_s=1.0)
     try:
-        yield net, nodes
+        yield cluster
     finally:
-        net.close()
+        cluster.close()
 
 
-def test_put_on_a_read_on_c_bit_exact_via_the_home(cluster):
-    net, nodes = cluster
-    seeds = seeds_by_home(NAMES, "ns", SIZE, per_node=2)
-    for home, home_seeds in seeds.items():
-        for seed in home_seeds:
-            put = nodes["a"].cmd(op="put", seed=seed, size=SIZE)
-            assert put["homes"] == [home] and put["held"] == [home]
-            got = nodes["c"].cmd(op="get", seed=seed, size=SIZE)
-            assert got["found"] and got["digest"] == expected_digest("ns", seed, SIZE)
-            assert got["source"] == ("local" if home == "c" else "remote")
-    all_seeds = [s for v in seeds.values() for s in v]
-    assert nodes["b"].cmd(op="lookup", seeds=all_seeds + [10_000], size=SIZE)["found"] == [True] * 6 + [False]
-    assert nodes["b"].cmd(op="lookup", ns="other-tenant", seeds=all_seeds, size=SIZE)["found"] == [False] * 6
+def put_all(daemon, namespace, ids):
+    with daemon.client(namespace) as c:
+        for oid in ids:
+            c.put(oid, payload(oid, SIZE))
 
 
-def test_cut_off_node_fails_fast_others_work_then_it_rejoins(cluster):
-    net, nodes = cluster
-    seeds = seeds_by_home(NAMES, "cut", SIZE, per_node=3)
-    for seed in [s for v in seeds.values() for s in v]:
-        nodes["a"].cmd(op="put", ns="cut", seed=seed, size=SIZE)
-    net.set_link("b", up=False)
+def lookup_tiers(daemon, namespace, ids) -> tuple:
+    with daemon.client(namespace) as c:
+        return c.lookup(ids).tiers
+
+
+def replicated(daemon, namespace, ids):
+    """True once `daemon` finds every id somewhere (its homes hold what A replicated to them)."""
+    return lambda: None not in lookup_tiers(daemon, namespace, ids)
+
+
+def test_put_on_a_read_on_c_bit_exact(cluster):
+    a, b, c = cluster["a"], cluster["b"], cluster["c"]
+    homed = keys_by_home("xfer", NAMES, per_node=2)
+    ids = homed["a"] + homed["b"] + homed["c"]
+    before = c.counters()
+    put_all(a, "xfer", ids)
+    wait_until(replicated(c, "xfer", ids), 10.0, "C finds every object A put")
+
+    # C holds its own homed objects (A replicated them); the rest live on A and B.
+    assert lookup_tiers(c, "xfer", ids) == ("remote",) * 4 + ("host",) * 2
+    with b.client("xfer") as cb:
+        found = cb.lookup(ids)
+    assert found.tiers == ("remote",) * 2 + ("host",) * 2 + ("remote",) * 2
+    assert found.hits == 6 and found.hit_bytes == 6 * SIZE  # local hits behind remote ones count too
+    with c.client("xfer") as cc:
+        for oid in ids:
+            assert read_exact(cc, oid, SIZE), oid
+        assert cc.lookup(ids).tiers == ("host",) * 6  # fetched copies are published locally
+        cc.check_integrity()
+        counted = cc.stats()["namespaces"]["xfer"]
+    assert (counted["num_gets"], counted["num_hits"], counted["num_misses"]) == (6, 6, 0)
+    after = c.counters()  # four fetches from A and B, each verified
+    assert after["num_hits"] - before["num_hits"] == 4
+    assert after["num_checksum_failures"] == before["num_checksum_failures"]
+
+    # An unknown id is a miss everywhere; another tenant sees none of these objects.
+    assert lookup_tiers(b, "xfer", [key("never-put", 0)]) == (None,)
+    with b.client("other-tenant") as other:
+        assert other.lookup(ids).tiers == (None,) * 6
+        assert all(other.get(oid) is None for oid in ids)
+
+
+def test_an_expired_object_is_not_served_to_other_nodes(cluster):
+    a, c = cluster["a"], cluster["c"]
+    oid = keys_by_home("ttl", NAMES, per_node=1)["a"][0]  # A is its only home: C must ask A
+    ttl_s = 1.0
+    with a.client("ttl") as ca:
+        ca.put(oid, payload(oid, SIZE), hints=Hints(ttl_s=ttl_s))
+    committed = time.monotonic()  # the daemon's TTL started before this
+    assert lookup_tiers(c, "ttl", [oid]) == ("remote",)
+    time.sleep(max(0.0, committed + ttl_s + 0.1 - time.monotonic()))
+    assert lookup_tiers(c, "ttl", [oid]) == (None,)
+    with c.client("ttl") as cc:
+        assert cc.get(oid) is None
+    with a.client("ttl") as ca:
+        assert ca.get(oid) is None
+
+
+class Reader(threading.Thread):
+    """A client on C reading A-homed objects over and over while B goes down and comes back;
+    it deletes C's fetched copy after each read so every read crosses to A again."""
+
+    def __init__(self, daemon, ids):
+        super().__init__(daemon=True)
+        self.daemon_, self.ids = daemon, ids
+        self.stop = threading.Event()
+        self.reads, self.bad = 0, []
+
+    def run(self):
+        out = np.empty(SIZE, dtype=np.uint8)
+        with self.daemon_.client("cut") as cc:
+            while not self.stop.is_set():
+                for oid in self.ids:
+                    try:
+                        got = cc.get_into(oid, out)
+                        if got != SIZE or not np.array_equal(out, payload(oid, SIZE)):
+                            self.bad.append((oid, got))
+                        cc.delete([oid])
+                        self.reads += 1
+                    except Exception as exc:  # reported by the test, not swallowed
+                        self.bad.append((oid, repr(exc)))
+                        return
+                    time.sleep(0.01)  # leave the two shared cores some room
+
+
+@contextlib.contextmanager
+def reading(daemon, ids):
+    reader = Reader(daemon, ids)
+    reader.start()
     try:
-        for seed in seeds["b"]:
-            start = time.monotonic()
-            got = nodes["c"].cmd(op="get", ns="cut", seed=seed, size=SIZE)
-            assert not got["found"]
-            assert time.monotonic() - start < TIMEOUT_S + MARGIN_S
-        for seed in seeds["a"] + seeds["c"]:
-            got = nodes["c"].cmd(op="get", ns="cut", seed=seed, size=SIZE)
-            assert got["found"] and got["digest"] == expected_digest("cut", seed, SIZE)
-        start = time.monotonic()
-        found = nodes["c"].cmd(op="lookup", ns="cut", seeds=seeds["a"] + seeds["b"], size=SIZE)["found"]
-        assert found == [True] * 3 + [False] * 3
-        assert time.monotonic() - start < TIMEOUT_S + MARGIN_S
-        stats = nodes["c"].cmd(op="stats")["remote"]
-        assert stats["num_peer_failures"] >= 1 and stats["num_misses"] >= 3
+        wait_until(lambda: reader.reads >= 2, 10.0, "the reader gets going")
+        yield reader
     finally:
-        net.set_link("b", up=True)
-
-    def b_serves_again():
-        return nodes["c"].cmd(op="get", ns="cut", seed=seeds["b"][0], size=SIZE)["found"]
-
-    wait_until(b_serves_again, TIMEOUT_S + 5.0, "B serves again after its link is back")
-    for seed in seeds["b"]:
-        got = nodes["c"].cmd(op="get", ns="cut", seed=seed, size=SIZE)
-        assert got["found"] and got["digest"] == expected_digest("cut", seed, SIZE)
+        reader.stop.set()
+        reader.join(20.0)
 
 
-def test_two_replicas_survive_losing_one_node(cluster):
-    net, nodes = cluster
-    seeds = [s for v in seeds_by_home(NAMES, "rep", SIZE, per_node=3, replicas=2).values() for s in v]
-    for seed in seeds:
-        put = nodes["a"].cmd(op="put", ns="rep", seed=seed, size=SIZE, replicas=2)
-        assert sorted(put["held"]) == sorted(put["homes"]) and len(put["homes"]) == 2
-    net.set_link("b", up=False)
-    try:
-        for reader in ("a", "c"):
-            for seed in seeds:
-                got = nodes[reader].cmd(op="get", ns="rep", seed=seed, size=SIZE, replicas=2)
-                assert got["found"] and got["digest"] == expected_digest("rep", seed, SIZE), (reader, seed)
-            found = nodes[reader].cmd(op="lookup", ns="rep", seeds=seeds, size=SIZE, replicas=2)["found"]
-            assert found == [True] * len(seeds)
-    finally:
-        net.set_link("b", up=True)
+def test_cut_off_node_misses_others_keep_working_then_it_rejoins(cluster):
+    a, b, c = cluster["a"], cluster["b"], cluster["c"]
+    homed = keys_by_home("cut", NAMES, per_node=5)
+    looked_up, streamed = homed["a"][:3], homed["a"][3:]
+    on_b, on_c = homed["b"][:3], homed["c"][:3]
+    put_all(a, "cut", looked_up + streamed + on_b + on_c)
+    wait_until(replicated(c, "cut", on_b + on_c), 10.0, "A's puts reach their homes")
+
+    with reading(c, streamed) as reader:
+        before = c.counters()
+        with cluster.net.cut_off("b"), c.client("cut") as cc:
+            # Reads of B-homed objects: misses (the client's own timeout would fail a hang).
+            assert [cc.get(oid) for oid in on_b] == [None] * 3
+            after = c.counters()
+            assert after["num_peer_failures"] > before["num_peer_failures"]  # B noticed, counted
+            tried = (after["num_peer_failures"] - before["num_peer_failures"]
+                     + after["num_peer_skips"] - before["num_peer_skips"])
+            assert tried >= 3 and after["num_misses"] - before["num_misses"] >= 3
+            assert "b" in after["peers_down"]
+            # Everything else keeps working: A-homed reads, local objects, lookups. Once the
+            # skip window (peer_timeout_s) has passed, B is tried again: a miss again, counted.
+            time.sleep(cluster.peer_timeout_s + 0.2)
+            assert cc.lookup(looked_up + on_b + on_c).tiers == ("remote",) * 3 + (None,) * 3 + ("host",) * 3
+            assert cc.get(on_b[0]) is None
+            assert c.counters()["num_peer_failures"] > after["num_peer_failures"]
+            for oid in looked_up + on_c:
+                assert read_exact(cc, oid, SIZE), oid
+            # New puts on C replicate to their live homes and read back on A.
+            fresh = keys_by_home("cut-fresh", NAMES, per_node=2)
+            for oid in fresh["a"] + fresh["c"]:
+                cc.put(oid, payload(oid, SIZE))
+            wait_until(replicated(a, "cut", fresh["a"] + fresh["c"]), 10.0, "C's new puts reach A")
+            with a.client("cut") as ca:
+                for oid in fresh["a"] + fresh["c"]:
+                    assert read_exact(ca, oid, SIZE), oid
+            # B itself keeps serving its local clients while cut off.
+            with b.client("cut") as cb:
+                for oid in on_b:
+                    assert read_exact(cb, oid, SIZE), oid
+            assert not reader.bad, reader.bad[:3]
+            assert reader.is_alive()
+
+        def b_serves_again():
+            with c.client("cut") as cc:
+                return read_exact(cc, on_b[0], SIZE)
+
+        wait_until(b_serves_again, 15.0, "C reads B-homed objects after B's link is back")
+        with c.client("cut") as cc:
+            for oid in on_b[1:]:
+                assert read_exact(cc, oid, SIZE), oid
+            cc.check_integrity()
+        assert "b" not in c.counters()["peers_down"]
+        reads_so_far = reader.reads
+        wait_until(lambda: reader.reads > reads_so_far, 10.0, "the reader keeps reading after B is back")
+    assert not reader.bad, reader.bad[:3]
+    assert not reader.is_alive()
+    assert c.counters()["num_checksum_failures"] == 0

@@ -1,0 +1,206 @@
+"""Tenants (namespaces) cannot reach each other: not through the client, not by guessing
+lease ids, not by asking for another tenant's arena fd. The admin API is operator scope
+(one token sees every namespace, by design). Default file modes keep other users out.
+The peer side (remote tier) is tested with the cluster work.
+"""
+
+from __future__ import annotations
+
+import array
+import json
+import os
+import socket
+import stat
+
+import numpy as np
+import pytest
+
+from hardening_support import MiB, assert_clean, content, key, nvme, size_of
+from kvstore import StateDescriptor
+from kvstore.config import ServerConfig
+from kvstore import messages as m
+from kvstore.errors import InvalidArgument, NotFound, PermissionDenied
+from kvstore.protocol import FrameCodec, Reply, Request
+from server.admin_client import AdminRequestFailed
+
+TOKEN_A, TOKEN_B = "tenant-a-token-0123456789", "tenant-b-token-9876543210"
+AUTH = f"""[auth]
+unlisted = "deny"
+[auth.namespaces.tenant-a]
+token = "{TOKEN_A}"
+[auth.namespaces.tenant-b]
+token = "{TOKEN_B}"
+"""
+
+
+@pytest.mark.parametrize("auth, match", [
+    ({"unlisted": "maybe"}, "auth.unlisted"),
+    ({"namespaces": {"t": {}}}, "auth.namespaces.t needs a token or uids"),
+    ({"namespaces": {"t": {"token": "short"}}}, "at least 16"),
+    ({"namespaces": {"t": {"tokn": "x" * 20}}}, r"auth.namespaces.t.tokn"),
+    ({"namespaces": {"t": {"uids": [True]}}}, "uids"),
+    ({"namespaces": {"t": {"uids": "1000"}}}, "uids"),
+    ({"namespaces": ["t"]}, "must be a table"),
+])
+def test_bad_auth_config_is_refused_with_the_key_named(auth, match):
+    with pytest.raises(InvalidArgument, match=match):
+        ServerConfig.from_dict({"auth": auth})
+
+
+def test_tokens_never_show_in_the_config_repr():
+    config = ServerConfig.from_dict({"auth": {"namespaces": {"t": {"token": TOKEN_A}}}})
+    assert config.auth.namespaces["t"].token == TOKEN_A and TOKEN_A not in repr(config)
+
+
+def open_raw(path: str, namespace: str, token: str | None = None) -> tuple[Reply, list[int]]:
+    """Ask for a namespace on a fresh connection: the reply and the fds that came with it."""
+    sock = socket.socket(socket.AF_UNIX)
+    sock.settimeout(20)
+    sock.connect(path)
+    sock.sendall(FrameCodec().send_request(Request(1, "open", m.OpenNamespace(namespace, token).to_args())))
+    codec, fds = FrameCodec(), []
+    try:
+        while not isinstance(event := codec.next_event(), Reply):
+            data, anc, _, _ = sock.recvmsg(1 << 16, socket.CMSG_SPACE(16 * 4))
+            assert data, "closed without a reply"
+            for level, kind, payload in anc:
+                if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                    fds += array.array("i", payload[:len(payload) - len(payload) % 4])
+            codec.receive_data(data)
+    finally:
+        sock.close()
+    return event, fds
+
+
+def test_tenants_cannot_read_list_lookup_delete_or_time_each_others_objects(make_daemon):
+    d = make_daemon({"nvme": nvme()}, AUTH)
+    desc = StateDescriptor("tenant-a", "m", "r")
+    a = d.client(namespace="tenant-a", token=TOKEN_A)
+    secrets = [key("secret", i) for i in range(6)]
+    for k in secrets:
+        a.put(k, content(k, size_of(k)), desc)
+    held = a.get(secrets[0])
+    with d.client(namespace="tenant-b", token=TOKEN_B) as b:
+        b.put(key("mine", 0), b"b's own" * 100, StateDescriptor("tenant-b", "m", "r"))
+        # Another tenant's namespace cannot be opened: wrong token, no token, or an unlisted one.
+        for ns, token, match in [("tenant-a", TOKEN_B, "token given is wrong"), ("tenant-a", None, "no token"),
+                                 ("tenant-c", None, "auth.unlisted")]:
+            with pytest.raises(PermissionDenied, match=match):
+                b._run(b.core.op_simple(m.OpenNamespace(ns, token)))
+        # Ops naming tenant-a on b's connection are refused before they touch anything.
+        ids = tuple(secrets)
+        for msg in [m.Get("tenant-a", secrets[1]), m.Lookup("tenant-a", ids), m.Delete("tenant-a", ids),
+                    m.Pin("tenant-a", ids, 60.0), m.Unpin("tenant-a", ids), m.Prefetch("tenant-a", ids),
+                    m.Reserve("tenant-a", key("forged", 0), 4096, desc)]:
+            with pytest.raises(PermissionDenied, match="not open"):
+                b._run(b.core.op_simple(msg))
+        # a's ids in b's own namespace name nothing: ids are per namespace
+        assert b.lookup(secrets).hits == 0 and b.get(secrets[1]) is None
+        assert b.delete(secrets) == 0 and b.pin(secrets, ttl_s=60) == 0 and b.prefetch(secrets) == 0
+        # a's lease ids are not b's to end (ids are small integers: easy to guess)
+        for op in (m.Release(held.lease_id), m.Abort(held.lease_id), m.Commit(held.lease_id, b"\0" * 16)):
+            with pytest.raises(NotFound):
+                b._run(b.core.op_simple(op))
+        # With auth configured a client's stats show only its own namespaces and leases.
+        stats = b.stats()
+        assert stats["scoped"] and set(stats["namespaces"]) == {"tenant-b"} and stats["leases"] == 0
+    assert a.stats()["leases"] == 1
+    held.release()
+    for k in secrets:  # every byte as a put it, nothing pinned or deleted by b
+        with a.get(k) as lease:
+            assert np.array_equal(lease.numpy(), content(k, size_of(k)))
+        doc = d.admin().get(f"/v1/objects/{k.hex}", namespace="tenant-a")
+        assert not doc["pinned"] and doc["hints"]["ttl_s"] is None
+    assert a.stats()["namespaces"]["tenant-a"]["num_deletes"] == 0
+    assert_clean(d, a)
+    a.close()
+
+
+def test_a_client_receives_only_the_arena_fds_it_may_use(make_daemon):
+    d = make_daemon(extra_toml=AUTH)
+    refused, fds = open_raw(d.socket, "tenant-a", TOKEN_B)
+    assert refused.error["code"] == "permission_denied" and fds == []
+    arenas = {}
+    for ns, token in (("tenant-a", TOKEN_A), ("tenant-b", TOKEN_B)):
+        reply, fds = open_raw(d.socket, ns, token)
+        assert reply.ok and len(fds) == 1
+        # one memfd per tenant: its own file (inode), named after the tenant
+        assert os.readlink(f"/proc/self/fd/{fds[0]}").startswith(f"/memfd:kvstore-{ns}")
+        arenas[ns] = os.fstat(fds[0]).st_ino
+        os.close(fds[0])
+    assert arenas["tenant-a"] != arenas["tenant-b"]
+
+
+def test_admin_api_is_operator_scope_and_tenant_tokens_are_not_admin_tokens(make_daemon):
+    d = make_daemon(extra_toml=AUTH)
+    for ns, token in (("tenant-a", TOKEN_A), ("tenant-b", TOKEN_B)):
+        with d.client(namespace=ns, token=token) as c:
+            c.put(key(ns, 0), b"x" * 4096, StateDescriptor(ns, "m", "r"))
+    api = d.admin()
+    listed = {o["namespace"] for o in api.get("/v1/objects")["objects"]}
+    assert listed == {"tenant-a", "tenant-b"}  # documented: the operator token sees everyone
+    for token in (TOKEN_A, None, api.token[:-1]):
+        with pytest.raises(AdminRequestFailed) as exc:
+            type(api)(api.url, token).get("/v1/objects")
+        assert exc.value.status == 401
+
+
+def _as_uid(uid: int, fn) -> object:
+    """Run fn() in a forked child that dropped to `uid`; its JSON-able result comes back."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child: no imports, no threads, just the socket calls in fn
+        try:
+            os.setgroups([])
+            os.setgid(uid)
+            os.setuid(uid)
+            result = fn()
+        except BaseException as exc:  # noqa: BLE001 - reported to the parent
+            result = f"{type(exc).__name__}: {exc}"
+        os.write(w, json.dumps(result).encode())
+        os._exit(0)
+    os.close(w)
+    with os.fdopen(r) as f:
+        out = f.read()
+    os.waitpid(pid, 0)
+    return json.loads(out)
+
+
+def _open_as(path, ns):
+    reply, fds = open_raw(path, ns)
+    return [reply.error["code"] if reply.error else "ok", len(fds)]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another user")
+def test_other_users_are_kept_out_by_file_modes_and_uid_rules(make_daemon):
+    nobody = 65534
+    d = make_daemon({"nvme": nvme()})
+    os.chmod(d.root, 0o711)  # let other users reach the socket's directory: the socket's own mode must stop them
+    assert stat.S_IMODE(os.stat(d.socket).st_mode) == 0o600
+    assert stat.S_IMODE(os.stat(d.data_dir).st_mode) == 0o700
+    assert stat.S_IMODE(os.stat(os.path.join(d.data_dir, "admin.token")).st_mode) == 0o600
+    assert stat.S_IMODE(os.stat(os.path.join(d.data_dir, "nvme")).st_mode) == 0o700
+    assert "PermissionError" in _as_uid(nobody, lambda: _open_as(d.socket, "default"))
+
+    # A socket opened to everyone on purpose: uid rules (from SO_PEERCRED) still decide.
+    mine, theirs = os.getuid(), nobody
+    rules = f'[auth.namespaces.mine]\nuids = [{mine}]\n[auth.namespaces.theirs]\nuids = [{theirs}]\n'
+    shared = make_daemon({"socket_mode": 0o666}, rules)
+    os.chmod(shared.root, 0o711)
+    assert _as_uid(nobody, lambda: _open_as(shared.socket, "mine")) == ["permission_denied", 0]
+    assert _as_uid(nobody, lambda: _open_as(shared.socket, "theirs")) == ["ok", 1]
+    assert _open_as(shared.socket, "theirs") == ["permission_denied", 0]
+    assert _open_as(shared.socket, "mine") == ["ok", 1]
+
+
+def test_data_and_nvme_dirs_are_private_when_made_elsewhere_or_found_too_open(make_daemon, tmp_path):
+    nvme_dir = tmp_path / "elsewhere" / "tier"
+    d = make_daemon({"nvme": nvme(path=str(nvme_dir))}, start=False)
+    os.makedirs(d.data_dir, mode=0o755)
+    os.chmod(d.data_dir, 0o755)  # made by hand before the first start
+    d.start()
+    assert stat.S_IMODE(os.stat(d.data_dir).st_mode) == 0o700  # it holds the admin token
+    assert stat.S_IMODE(os.stat(nvme_dir).st_mode) == 0o700  # the index names every tenant's objects
+    with d.client() as c:
+        c.put(key("perm", 0), content(key("perm", 0), MiB))
+        assert_clean(d, c)
