@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import array
-import os
 import socket
 import threading
 

@@ -20,14 +20,14 @@ from kvstore.errors import CapacityError, ChecksumError, InvalidArgument, LimitE
 from kvstore.identity import ObjectId
 from kvstore.messages import Reserve
 from kvstore.policy import make_policy
+from server.index_ops import IndexOps
 from server.objects import ObjectEntry, PendingPut
+from server.tier_report import TierReport
 from tiers.arena import HostArena
 from tiers.leases import LeaseTable
 
 log = logging.getLogger("kvstore.tiers")
 
-# Fixed cost of loading one object on top of its bytes (one request and its lease).
-PER_OBJECT_LOAD_S = 20e-6
 
 
 @dataclass(slots=True)
@@ -54,12 +54,7 @@ class Namespace:
     counters: TierCounters = field(default_factory=TierCounters)
 
 
-def _log_failure(task: asyncio.Task) -> None:
-    if not task.cancelled() and task.exception() is not None:
-        log.warning("event=promotion_failed error=%r", task.exception())
-
-
-class TierManager:
+class TierManager(IndexOps, TierReport):
     def __init__(self, config: ServerConfig, clock=time.monotonic):
         self.config = config
         self.clock = clock
@@ -254,7 +249,7 @@ class TierManager:
             del self._transient[id(extent)]
 
     def commit(self, owner, lease_id: int, checksum: bytes) -> dict:
-        lease = self._own_lease(owner, lease_id, "write")
+        self._own_lease(owner, lease_id, "write")
         put = self._pending.pop(lease_id)
         self._settle_inflight(owner, put.size)
         self.leases.release(lease_id)
@@ -399,160 +394,6 @@ class TierManager:
                 f"this client holds {limit} leases (limits.max_leases_per_client); release some first"
             )
 
-    # --- index operations ---------------------------------------------------------
-
-    def lookup(self, namespace: str, ids) -> dict:
-        """Per key its tier ("host", "nvme" or None), the leading hits, their bytes, and the
-        estimated time to load them at each tier's measured bandwidth (DESIGN.md section 7)."""
-        ns = self.namespaces.get(namespace)
-        objects = ns.objects if ns is not None else {}
-        mover = self.mover
-        now = self.clock()
-        tiers, sizes, leading = [], [], True
-        host_bytes = nvme_bytes = hits = 0
-        for oid in ids:
-            entry = objects.get(oid)
-            if entry is not None and entry.expires_at > now:
-                tier, size = "host", entry.size
-            elif mover is not None and (size := mover.size_of(namespace, oid)) is not None:
-                tier = "nvme"
-            else:
-                tier, size = None, 0
-            tiers.append(tier)
-            sizes.append(size)
-            if leading and tier is None:
-                leading = False
-            elif leading:
-                hits += 1
-                if tier == "host":
-                    host_bytes += size
-                else:
-                    nvme_bytes += size
-        est = hits * PER_OBJECT_LOAD_S + host_bytes / self.host_bandwidth_bytes_s
-        if nvme_bytes:
-            est += nvme_bytes / mover.bandwidth_bytes_s
-        result = {"hits": hits, "tiers": tiers, "hit_bytes": host_bytes + nvme_bytes, "est_load_s": est}
-        if self.cluster is not None and hits < len(ids):
-            return self._lookup_peers(namespace, ids, result, sizes)
-        return result
-
-    async def _lookup_peers(self, namespace: str, ids, result: dict, sizes: list) -> dict:
-        """Ask the home nodes about the local misses (one round trip per home) and merge."""
-        misses = [i for i, tier in enumerate(result["tiers"]) if tier is None]
-        metas = await self.cluster.lookup_remote(namespace, [ObjectId(bytes(ids[i])) for i in misses])
-        tiers = list(result["tiers"])
-        for i, meta in zip(misses, metas):
-            if meta is not None:
-                tiers[i] = "remote"
-        hits = next((i for i, t in enumerate(tiers) if t is None), len(tiers))
-        remote_bytes = sum(meta.size for i, meta in zip(misses, metas) if meta is not None and i < hits)
-        # Local hits behind the first local miss lead now too: their bytes count as well.
-        later = [(result["tiers"][i], sizes[i]) for i in range(result["hits"], hits) if result["tiers"][i] is not None]
-        host_bytes = sum(size for tier, size in later if tier == "host")
-        nvme_bytes = sum(size for tier, size in later if tier == "nvme")
-        est = result["est_load_s"] + (hits - result["hits"]) * PER_OBJECT_LOAD_S
-        est += remote_bytes / self.cluster.bandwidth_bytes_s if remote_bytes else 0.0
-        est += host_bytes / self.host_bandwidth_bytes_s
-        est += nvme_bytes / self.mover.bandwidth_bytes_s if nvme_bytes else 0.0
-        hit_bytes = result["hit_bytes"] + remote_bytes + host_bytes + nvme_bytes
-        return {"hits": hits, "tiers": tiers, "hit_bytes": hit_bytes, "est_load_s": est}
-
-    def delete(self, namespace: str, ids):
-        """Delete from every tier. Returns how many ids were found anywhere, or an awaitable
-        of that count when NVMe copies must be deleted too."""
-        ns = self.namespaces.get(namespace)
-        deleted = set()
-        for oid in ids if ns is not None else ():
-            entry = ns.objects.get(oid)
-            if entry is not None:
-                self._remove(ns, entry, reason="delete")
-                ns.counters.num_deletes += 1
-                deleted.add(oid)
-        on_nvme = [oid for oid in ids if self.mover is not None and self.mover.holds(namespace, oid)]
-        if not on_nvme:
-            return len(deleted)
-        return self._delete_on_nvme(namespace, on_nvme, deleted)
-
-    async def _delete_on_nvme(self, namespace: str, on_nvme, deleted: set) -> int:
-        await self.mover.delete(namespace, on_nvme)
-        return len(deleted | set(on_nvme))
-
-    def prefetch(self, namespace: str, ids, tier: str, policy: str, timeout_s: float | None):
-        """Bring objects into the host tier. best_effort starts promotions and answers at
-        once; wait answers when all are resident; timeout answers after timeout_s at most.
-        Returns {"resident": n, "requested": m} (or an awaitable of it)."""
-        ns = self.namespaces.get(namespace)
-        objects = ns.objects if ns is not None else {}
-        missing = [oid for oid in ids if oid not in objects and self.mover is not None and self.mover.holds(namespace, oid)]
-        resident = sum(1 for oid in ids if oid in objects)
-        if tier != "host" or not missing:
-            return {"resident": resident, "requested": len(ids)}
-        tasks = [asyncio.ensure_future(self.mover.promote(namespace, oid)) for oid in missing]
-        if policy == "best_effort":
-            for task in tasks:
-                task.add_done_callback(_log_failure)
-            return {"resident": resident, "requested": len(ids), "started": len(tasks)}
-        return self._prefetch_wait(namespace, ids, tasks, None if policy == "wait" else (timeout_s or 1.0))
-
-    async def _prefetch_wait(self, namespace: str, ids, tasks, timeout_s: float | None) -> dict:
-        done, pending = await asyncio.wait(tasks, timeout=timeout_s)
-        for task in pending:
-            task.add_done_callback(_log_failure)  # keeps running; its result lands in the host tier
-        for task in done:
-            _log_failure(task)
-        objects = self.namespaces[namespace].objects if namespace in self.namespaces else {}
-        return {"resident": sum(1 for oid in ids if oid in objects), "requested": len(ids)}
-
-    def pin(self, namespace: str, ids, ttl_s: float | None) -> int:
-        ns = self.namespaces.get(namespace)
-        if ns is None:
-            return 0
-        until = math.inf if ttl_s is None else self.clock() + ttl_s
-        count = 0
-        for oid in ids:
-            entry = ns.objects.get(oid)
-            if entry is not None:
-                entry.pinned_until = until
-                count += 1
-        return count
-
-    def unpin(self, namespace: str, ids) -> int:
-        ns = self.namespaces.get(namespace)
-        if ns is None:
-            return 0
-        count = 0
-        for oid in ids:
-            entry = ns.objects.get(oid)
-            if entry is not None and entry.pinned_until:
-                entry.pinned_until = 0.0
-                count += 1
-        return count
-
-    def evict(self, namespace: str, num_bytes: int | None, match=None) -> list[ObjectEntry]:
-        """Operator eviction in one existing namespace, in the policy's victim order.
-
-        Evicts until `num_bytes` are freed, or, with num_bytes None, every object `match`
-        accepts (`match(entry) -> bool`; None accepts all). Leased and pinned objects are
-        never chosen. Returns the evicted entries. Raises NotFound for an unknown namespace.
-        """
-        ns = self.namespaces.get(namespace)
-        if ns is None:
-            raise NotFound(f"no namespace {namespace!r}")
-        now = self.clock()
-
-        def chosen(oid: ObjectId) -> bool:
-            return self._evictable(ns, oid, now) and (match is None or match(ns.objects[oid]))
-
-        if num_bytes is None:
-            num_bytes = sum(e.size for oid, e in ns.objects.items() if chosen(oid))
-        evicted = []
-        for oid in ns.policy.victims(num_bytes, chosen):
-            entry = ns.objects[oid]
-            self._remove(ns, entry, reason="evict")
-            ns.counters.num_evictions += 1
-            evicted.append(entry)
-        return evicted
-
     def _remove(self, ns: Namespace, entry: ObjectEntry, reason: str) -> None:
         """Drop an entry from the index; its extent is freed now or when its last reader leaves."""
         del ns.objects[entry.object_id]
@@ -583,63 +424,6 @@ class TierManager:
             for entry in [e for e in ns.objects.values() if e.expires_at <= now]:
                 self._remove(ns, entry, reason="expire")
                 ns.counters.num_expired += 1
-
-    def check_integrity(self) -> None:
-        """Raise RuntimeError if the index, leases, policy and arenas disagree."""
-        self.leases.check_integrity()
-        inflight: dict = {}
-        for lease_id, put in self._pending.items():
-            lease = self.leases.get(lease_id)
-            owner = None if lease is None else lease.owner  # None: a reservation without its lease
-            inflight[owner] = inflight.get(owner, 0) + put.size
-        if inflight != self._inflight_bytes:
-            raise RuntimeError(f"uncommitted bytes per client: {self._inflight_bytes} counted, {inflight} reserved")
-        for ns in self.namespaces.values():
-            ns.arena.check_integrity()
-            ns.policy.check_integrity()
-            if len(ns.policy) != len(ns.objects) or any(oid not in ns.policy for oid in ns.objects):
-                raise RuntimeError(f"namespace {ns.name}: policy tracks {len(ns.policy)} keys, index has {len(ns.objects)}")
-            live = [e.extent for e in ns.objects.values()]
-            live += [p.extent for p in self._pending.values() if p.namespace == ns.name]
-            live += [z.extent for z in self._zombies.values() if z.namespace == ns.name]
-            live += [x for name, x in self._transient.values() if name == ns.name]
-            if ns.arena.allocator.num_allocated != len(live) or sum(x.length for x in live) != ns.arena.allocator.used_bytes:
-                raise RuntimeError(
-                    f"namespace {ns.name}: arena holds {ns.arena.allocator.num_allocated} extents / {ns.arena.allocator.used_bytes} B, "
-                    f"index accounts for {len(live)} / {sum(x.length for x in live)} B"
-                )
-            for entry in ns.objects.values():
-                if entry.readers < 0 or entry.deleted:
-                    raise RuntimeError(f"namespace {ns.name}: bad entry state for {entry.object_id.hex}")
-        readers = sum(e.readers for ns in self.namespaces.values() for e in ns.objects.values())
-        readers += sum(z.readers for z in self._zombies.values())
-        if readers != len(self._reading) + self._num_holds:
-            raise RuntimeError(f"{readers} readers counted on entries, {len(self._reading)} read leases "
-                               f"and {self._num_holds} daemon holds")
-        if self.mover is not None:
-            self.mover.check_integrity()
-
-    def stats(self) -> dict:
-        namespaces = {}
-        for ns in self.namespaces.values():
-            c = ns.counters
-            namespaces[ns.name] = {
-                "objects": len(ns.objects),
-                "capacity_bytes": ns.arena.capacity_bytes,
-                "used_bytes": ns.arena.allocator.used_bytes,
-                "pinned": sum(1 for e in ns.objects.values() if e.is_pinned(self.clock())),
-                **{k: getattr(c, k) for k in c.__slots__},
-            }
-        tiers = {"host": {
-            "capacity_bytes": sum(n["capacity_bytes"] for n in namespaces.values()),
-            "used_bytes": sum(n["used_bytes"] for n in namespaces.values()),
-            "objects": sum(n["objects"] for n in namespaces.values()),
-        }}
-        if self.mover is not None:
-            tiers["nvme"] = self.mover.stats()
-        if self.cluster is not None:
-            tiers["remote"] = self.cluster.stats()
-        return {"leases": len(self.leases), "namespaces": namespaces, "tiers": tiers}
 
     def close(self) -> None:
         for ns in self.namespaces.values():

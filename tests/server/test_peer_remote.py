@@ -1,7 +1,6 @@
 """The remote tier against real peer services: homes, batches, isolation, failure as a miss."""
 
 import asyncio
-import time
 
 import numpy as np
 import pytest
@@ -86,23 +85,22 @@ def test_replication_two_survives_losing_a_node(transport):
             for oid, meta, data in objects:
                 assert len(await tier.put("ns", oid, meta, data)) == 2
             await started["c"][0].stop()  # c dies
-            start = time.monotonic()
             results = []
             for oid, meta, data in objects:
                 out = np.empty(meta.size, dtype=np.uint8)
                 results.append((await tier.get_into("ns", oid, lambda m, out=out: out), out))
             found = await tier.lookup("ns", [oid for oid, _, _ in objects])
-            elapsed = time.monotonic() - start
             tier.check_integrity()
             await tier.close()
-            return results, found, elapsed, tier.stats()
+            return results, found, tier.stats()
 
-    results, found, elapsed, stats = run(scenario())
+    results, found, stats = run(scenario())
     for (oid, meta, data), (got, out) in zip(objects, results):
         assert got == meta and np.array_equal(out, data)
     assert found == [meta for _, meta, _ in objects]
     assert stats["num_misses"] == 0 and stats["peers_down"] == ["c"]
-    assert elapsed < 0.5 + 1.0  # the dead node costs one timeout at most, then is skipped
+    # The dead node costs one failed call, then is skipped (counted, not timed).
+    assert stats["num_peer_failures"] >= 1 and stats["num_peer_skips"] >= 1
 
 
 def test_dead_home_is_a_fast_miss_not_a_hang(transport):
@@ -113,17 +111,14 @@ def test_dead_home_is_a_fast_miss_not_a_hang(transport):
             tier = remote_tier(transport, members_of(started), timeout_s=0.3)
             await tier.put("ns", oid, meta, data)
             await started["b"][0].stop()
-            times = []
-            for _ in range(3):
-                start = time.monotonic()
-                assert await tier.get_into("ns", oid, lambda m: np.empty(m.size, np.uint8)) is None
-                times.append(time.monotonic() - start)
+            for _ in range(3):  # wait_for is a hang guard far above the 0.3 s peer timeout
+                get = tier.get_into("ns", oid, lambda m: np.empty(m.size, np.uint8))
+                assert await asyncio.wait_for(get, 30) is None
             tier.check_integrity()
             await tier.close()
-            return times, tier.stats()
+            return tier.stats()
 
-    times, stats = run(scenario())
-    assert max(times) < 0.3 + 0.5
+    stats = run(scenario())
     assert stats["num_misses"] == 3 and stats["num_peer_failures"] >= 1 and stats["num_peer_skips"] >= 1
 
 

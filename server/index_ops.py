@@ -1,0 +1,180 @@
+"""Index operations of the tier manager: lookup, delete, pin, prefetch, operator eviction.
+
+A mixin of `server.tier_manager.TierManager` (it uses the manager's namespaces, mover,
+cluster and _remove). Like the rest of the manager it runs on the event loop; a call that
+needs NVMe or peer I/O returns an awaitable instead of its result.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+
+from kvstore.errors import NotFound
+from kvstore.identity import ObjectId
+from server.objects import ObjectEntry
+
+log = logging.getLogger("kvstore.tiers")
+
+# Fixed cost of loading one object on top of its bytes (one request and its lease).
+PER_OBJECT_LOAD_S = 20e-6
+
+
+def _log_failure(task: asyncio.Task) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.warning("event=promotion_failed error=%r", task.exception())
+
+
+class IndexOps:
+    def lookup(self, namespace: str, ids) -> dict:
+        """Per key its tier ("host", "nvme" or None), the leading hits, their bytes, and the
+        estimated time to load them at each tier's measured bandwidth (DESIGN.md section 7)."""
+        ns = self.namespaces.get(namespace)
+        objects = ns.objects if ns is not None else {}
+        mover = self.mover
+        now = self.clock()
+        tiers, sizes, leading = [], [], True
+        host_bytes = nvme_bytes = hits = 0
+        for oid in ids:
+            entry = objects.get(oid)
+            if entry is not None and entry.expires_at > now:
+                tier, size = "host", entry.size
+            elif mover is not None and (size := mover.size_of(namespace, oid)) is not None:
+                tier = "nvme"
+            else:
+                tier, size = None, 0
+            tiers.append(tier)
+            sizes.append(size)
+            if leading and tier is None:
+                leading = False
+            elif leading:
+                hits += 1
+                if tier == "host":
+                    host_bytes += size
+                else:
+                    nvme_bytes += size
+        est = hits * PER_OBJECT_LOAD_S + host_bytes / self.host_bandwidth_bytes_s
+        if nvme_bytes:
+            est += nvme_bytes / mover.bandwidth_bytes_s
+        result = {"hits": hits, "tiers": tiers, "hit_bytes": host_bytes + nvme_bytes, "est_load_s": est}
+        if self.cluster is not None and hits < len(ids):
+            return self._lookup_peers(namespace, ids, result, sizes)
+        return result
+
+    async def _lookup_peers(self, namespace: str, ids, result: dict, sizes: list) -> dict:
+        """Ask the home nodes about the local misses (one round trip per home) and merge."""
+        misses = [i for i, tier in enumerate(result["tiers"]) if tier is None]
+        metas = await self.cluster.lookup_remote(namespace, [ObjectId(bytes(ids[i])) for i in misses])
+        tiers = list(result["tiers"])
+        for i, meta in zip(misses, metas):
+            if meta is not None:
+                tiers[i] = "remote"
+        hits = next((i for i, t in enumerate(tiers) if t is None), len(tiers))
+        remote_bytes = sum(meta.size for i, meta in zip(misses, metas) if meta is not None and i < hits)
+        # Local hits behind the first local miss lead now too: their bytes count as well.
+        later = [(result["tiers"][i], sizes[i]) for i in range(result["hits"], hits) if result["tiers"][i] is not None]
+        host_bytes = sum(size for tier, size in later if tier == "host")
+        nvme_bytes = sum(size for tier, size in later if tier == "nvme")
+        est = result["est_load_s"] + (hits - result["hits"]) * PER_OBJECT_LOAD_S
+        est += remote_bytes / self.cluster.bandwidth_bytes_s if remote_bytes else 0.0
+        est += host_bytes / self.host_bandwidth_bytes_s
+        est += nvme_bytes / self.mover.bandwidth_bytes_s if nvme_bytes else 0.0
+        hit_bytes = result["hit_bytes"] + remote_bytes + host_bytes + nvme_bytes
+        return {"hits": hits, "tiers": tiers, "hit_bytes": hit_bytes, "est_load_s": est}
+
+    def delete(self, namespace: str, ids):
+        """Delete from every tier. Returns how many ids were found anywhere, or an awaitable
+        of that count when NVMe copies must be deleted too."""
+        ns = self.namespaces.get(namespace)
+        deleted = set()
+        for oid in ids if ns is not None else ():
+            entry = ns.objects.get(oid)
+            if entry is not None:
+                self._remove(ns, entry, reason="delete")
+                ns.counters.num_deletes += 1
+                deleted.add(oid)
+        on_nvme = [oid for oid in ids if self.mover is not None and self.mover.holds(namespace, oid)]
+        if not on_nvme:
+            return len(deleted)
+        return self._delete_on_nvme(namespace, on_nvme, deleted)
+
+    async def _delete_on_nvme(self, namespace: str, on_nvme, deleted: set) -> int:
+        await self.mover.delete(namespace, on_nvme)
+        return len(deleted | set(on_nvme))
+
+    def prefetch(self, namespace: str, ids, tier: str, policy: str, timeout_s: float | None):
+        """Bring objects into the host tier. best_effort starts promotions and answers at
+        once; wait answers when all are resident; timeout answers after timeout_s at most.
+        Returns {"resident": n, "requested": m} (or an awaitable of it)."""
+        ns = self.namespaces.get(namespace)
+        objects = ns.objects if ns is not None else {}
+        missing = [oid for oid in ids if oid not in objects and self.mover is not None and self.mover.holds(namespace, oid)]
+        resident = sum(1 for oid in ids if oid in objects)
+        if tier != "host" or not missing:
+            return {"resident": resident, "requested": len(ids)}
+        tasks = [asyncio.ensure_future(self.mover.promote(namespace, oid)) for oid in missing]
+        if policy == "best_effort":
+            for task in tasks:
+                task.add_done_callback(_log_failure)
+            return {"resident": resident, "requested": len(ids), "started": len(tasks)}
+        return self._prefetch_wait(namespace, ids, tasks, None if policy == "wait" else (timeout_s or 1.0))
+
+    async def _prefetch_wait(self, namespace: str, ids, tasks, timeout_s: float | None) -> dict:
+        done, pending = await asyncio.wait(tasks, timeout=timeout_s)
+        for task in pending:
+            task.add_done_callback(_log_failure)  # keeps running; its result lands in the host tier
+        for task in done:
+            _log_failure(task)
+        objects = self.namespaces[namespace].objects if namespace in self.namespaces else {}
+        return {"resident": sum(1 for oid in ids if oid in objects), "requested": len(ids)}
+
+    def pin(self, namespace: str, ids, ttl_s: float | None) -> int:
+        ns = self.namespaces.get(namespace)
+        if ns is None:
+            return 0
+        until = math.inf if ttl_s is None else self.clock() + ttl_s
+        count = 0
+        for oid in ids:
+            entry = ns.objects.get(oid)
+            if entry is not None:
+                entry.pinned_until = until
+                count += 1
+        return count
+
+    def unpin(self, namespace: str, ids) -> int:
+        ns = self.namespaces.get(namespace)
+        if ns is None:
+            return 0
+        count = 0
+        for oid in ids:
+            entry = ns.objects.get(oid)
+            if entry is not None and entry.pinned_until:
+                entry.pinned_until = 0.0
+                count += 1
+        return count
+
+    def evict(self, namespace: str, num_bytes: int | None, match=None) -> list[ObjectEntry]:
+        """Operator eviction in one existing namespace, in the policy's victim order.
+
+        Evicts until `num_bytes` are freed, or, with num_bytes None, every object `match`
+        accepts (`match(entry) -> bool`; None accepts all). Leased and pinned objects are
+        never chosen. Returns the evicted entries. Raises NotFound for an unknown namespace.
+        """
+        ns = self.namespaces.get(namespace)
+        if ns is None:
+            raise NotFound(f"no namespace {namespace!r}")
+        now = self.clock()
+
+        def chosen(oid: ObjectId) -> bool:
+            return self._evictable(ns, oid, now) and (match is None or match(ns.objects[oid]))
+
+        if num_bytes is None:
+            num_bytes = sum(e.size for oid, e in ns.objects.items() if chosen(oid))
+        evicted = []
+        for oid in ns.policy.victims(num_bytes, chosen):
+            entry = ns.objects[oid]
+            self._remove(ns, entry, reason="evict")
+            ns.counters.num_evictions += 1
+            evicted.append(entry)
+        return evicted
