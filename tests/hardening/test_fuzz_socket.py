@@ -168,9 +168,11 @@ def test_hostile_connections_change_nothing(make_daemon):
         t.start()
 
     @settings(max_examples=max(1, FUZZ_EXAMPLES // 2), deadline=None, database=None, suppress_health_check=list(HealthCheck))
-    @given(frame_lists(vault_ids, default_ids), st.randoms(use_true_random=False))
-    def one_connection(frames, rng):
-        found = converse(d.socket, frames, rng)
+    # A plain seed, not st.randoms(): how many pieces get sent before the daemon hangs up on
+    # a fatal frame depends on timing, and hypothesis must not see that as its own data.
+    @given(frame_lists(vault_ids, default_ids), st.integers(0, 2**32 - 1))
+    def one_connection(frames, seed):
+        found = converse(d.socket, frames, random.Random(seed))
         assert not found, found
         assert d.alive()
 
