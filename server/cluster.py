@@ -147,10 +147,15 @@ class ClusterLink:
         start = time.perf_counter()
         try:
             meta = await self.remote.get_into(namespace, object_id, alloc)
-        finally:
+        except BaseException:
             extent = landed.get("extent")
-            if extent is not None:
+            if extent is not None:  # a failure that escaped: give the landing place back
                 self.manager.track_transient(ns, extent, add=False)
+                ns.arena.free(extent)
+            raise
+        extent = landed.get("extent")
+        if extent is not None:
+            self.manager.track_transient(ns, extent, add=False)
         if meta is not None:
             seconds = max(time.perf_counter() - start, 1e-6)
             self.bandwidth_bytes_s = 0.8 * self.bandwidth_bytes_s + 0.2 * meta.size / seconds
