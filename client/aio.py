@@ -182,11 +182,13 @@ class AsyncClient:
 
     # --- public API (see client.Client for the contract of each call) ---------------
 
-    async def put(self, key, data, desc: StateDescriptor | None = None, hints: Hints | None = None) -> PutResult:
-        return await self._run(self.core.op_put(key, data, desc, hints))
+    async def put(self, key, data, desc: StateDescriptor | None = None, hints: Hints | None = None,
+                  tier: str = "host") -> PutResult:
+        return await self._run(self.core.op_put(key, data, desc, hints, tier))
 
-    async def put_many(self, items, desc: StateDescriptor | None = None, hints: Hints | None = None) -> list[PutResult]:
-        return await self._run(self.core.op_put_many(list(items), desc, hints))
+    async def put_many(self, items, desc: StateDescriptor | None = None, hints: Hints | None = None,
+                       tier: str = "host") -> list[PutResult]:
+        return await self._run(self.core.op_put_many(list(items), desc, hints, tier))
 
     async def get(self, key, namespace: str | None = None, accept=None) -> ReadLease | None:
         return await self._run(self.core.op_get(key, namespace, accept))
@@ -197,8 +199,8 @@ class AsyncClient:
     async def lookup(self, keys, namespace: str | None = None) -> LookupResult:
         return await self._run(self.core.op_lookup(list(keys), namespace))
 
-    async def delete(self, keys, namespace: str | None = None) -> int:
-        return await self._run(self.core.op_batch(m.Delete, list(keys), namespace, "deleted"))
+    async def delete(self, keys, namespace: str | None = None, scope: str = "cluster") -> int:
+        return await self._run(self.core.op_batch(m.Delete, list(keys), namespace, "deleted", scope=scope))
 
     async def pin(self, keys, ttl_s: float | None = None, namespace: str | None = None) -> int:
         return await self._run(self.core.op_batch(m.Pin, list(keys), namespace, "pinned", ttl_s=ttl_s))

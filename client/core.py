@@ -37,6 +37,7 @@ class PutResult:
     tier: str | None = None
     durability: str | None = None  # "memory" in the host tier
     error: KVStoreError | None = None  # put_many only: this item failed
+    homes: tuple = ()  # tier="remote" puts: the object's home nodes
 
 
 @dataclass(frozen=True, slots=True)
@@ -201,9 +202,11 @@ class ClientCore:
     def _descriptor(self, desc: StateDescriptor | None) -> StateDescriptor:
         return desc or StateDescriptor(self.namespace, "opaque", "0")
 
-    def op_put_many(self, items, desc: StateDescriptor | None, hints: Hints | None):
+    def op_put_many(self, items, desc: StateDescriptor | None, hints: Hints | None, tier: str = "host"):
         desc = self._descriptor(desc)
         hints = hints or Hints()
+        if tier not in m.PUT_TIERS:
+            raise InvalidArgument(f"put tier must be one of {m.PUT_TIERS}, got {tier!r}")
         yield from self.op_open(desc.namespace)
         sources = [(to_object_id(key), as_u8(data)) for key, data in items]
         for oid, src in sources:
@@ -215,17 +218,17 @@ class ClientCore:
         results, window, window_bytes = [], [], 0
         for item in sources:
             if window and window_bytes + item[1].size > limit:
-                results += yield from self._put_window(window, desc, hints)
+                results += yield from self._put_window(window, desc, hints, tier)
                 window, window_bytes = [], 0
             window.append(item)
             window_bytes += item[1].size
         if window:
-            results += yield from self._put_window(window, desc, hints)
+            results += yield from self._put_window(window, desc, hints, tier)
         return results
 
-    def _put_window(self, sources, desc: StateDescriptor, hints: Hints):
+    def _put_window(self, sources, desc: StateDescriptor, hints: Hints, tier: str):
         arena = self.arenas[desc.namespace]
-        replies = yield [self.request(m.Reserve(desc.namespace, oid, src.size, desc, hints)) for oid, src in sources]
+        replies = yield [self.request(m.Reserve(desc.namespace, oid, src.size, desc, hints, tier)) for oid, src in sources]
         results: list[PutResult | None] = [None] * len(sources)
         commits, commit_index = [], []
         for i, ((oid, src), reply) in enumerate(zip(sources, replies)):
@@ -246,11 +249,12 @@ class ClientCore:
                 results[i] = PutResult(oid, False, error=from_wire(reply.error))
             else:
                 r = reply.result
-                results[i] = PutResult(oid, r.get("exists", False), r.get("tier"), r.get("durability"))
+                results[i] = PutResult(oid, r.get("exists", False), r.get("tier"), r.get("durability"),
+                                       homes=tuple(r.get("homes", ())))
         return results
 
-    def op_put(self, key, data, desc, hints):
-        (result,) = yield from self.op_put_many([(key, data)], desc, hints)
+    def op_put(self, key, data, desc, hints, tier: str = "host"):
+        (result,) = yield from self.op_put_many([(key, data)], desc, hints, tier)
         if result.error is not None:
             raise result.error
         return result

@@ -180,19 +180,24 @@ class Client:
 
     # --- public API --------------------------------------------------------------
 
-    def put(self, key, data, desc: StateDescriptor | None = None, hints: Hints | None = None) -> PutResult:
+    def put(self, key, data, desc: StateDescriptor | None = None, hints: Hints | None = None,
+            tier: str = "host") -> PutResult:
         """Store `data` (bytes-like, numpy array or CPU tensor) under `key`.
 
         Two phases: reserve an extent, copy straight into the shared arena, commit with
         the xxh3-128 checksum. An id the daemon already holds is not copied again
         (`existed=True`). Raises CapacityError when nothing can be evicted to make room.
+        tier="remote" (a clustered daemon): the commit returns once the object's home nodes
+        hold it, and this node keeps no copy unless it is a home; `result.tier` says where
+        it ended up ("host" if no home could take it) and `result.homes` names the homes.
         """
-        return self._run(self.core.op_put(key, data, desc, hints))
+        return self._run(self.core.op_put(key, data, desc, hints, tier))
 
-    def put_many(self, items, desc: StateDescriptor | None = None, hints: Hints | None = None) -> list[PutResult]:
+    def put_many(self, items, desc: StateDescriptor | None = None, hints: Hints | None = None,
+                 tier: str = "host") -> list[PutResult]:
         """Store many `(key, data)` pairs in two pipelined round trips. Never raises for one
         item's failure: each result carries its own `error` (None on success)."""
-        return self._run(self.core.op_put_many(list(items), desc, hints))
+        return self._run(self.core.op_put_many(list(items), desc, hints, tier))
 
     def get(self, key, namespace: str | None = None, accept=None) -> ReadLease | None:
         """A zero-copy read lease (use as a context manager), or None on a miss."""
@@ -206,8 +211,10 @@ class Client:
         """How many leading keys hit, each key's tier, and the estimated load time (one round trip per 4096 keys)."""
         return self._run(self.core.op_lookup(list(keys), namespace))
 
-    def delete(self, keys, namespace: str | None = None) -> int:
-        return self._run(self.core.op_batch(m.Delete, list(keys), namespace, "deleted"))
+    def delete(self, keys, namespace: str | None = None, scope: str = "cluster") -> int:
+        """Drop objects from every tier; returns how many ids were found. In a cluster,
+        scope="cluster" drops every member's copies, scope="node" only this node's."""
+        return self._run(self.core.op_batch(m.Delete, list(keys), namespace, "deleted", scope=scope))
 
     def pin(self, keys, ttl_s: float | None = None, namespace: str | None = None) -> int:
         """Keep objects resident (never evicted) until unpinned or `ttl_s` passes."""

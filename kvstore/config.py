@@ -189,6 +189,12 @@ class ClusterConfig:
     lease_ttl_s: float = 5.0  # a node that stops renewing leaves the member list after this
     replicas: int = 1  # home nodes per object
     peer_timeout_s: float = 1.0  # any remote call; a dead peer is a miss after this
+    # When objects go to their home nodes: "write_through" copies each put there in the
+    # background at commit; "write_back" only when the object leaves this node's last tier.
+    # Either way an object about to leave that its homes are not known to hold is sent first.
+    remote_write: str = "write_through"
+    rehome: bool = True  # copy objects to their new homes when membership changes
+    rehome_delay_s: float = 1.0  # let membership settle this long before a re-homing pass
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "peers", tuple(self.peers))
@@ -202,7 +208,11 @@ class ClusterConfig:
         if self.advertise:
             parse_address(self.advertise)
         self.peer_map()
-        for name in ("lease_ttl_s", "peer_timeout_s"):
+        if self.remote_write not in ("write_through", "write_back"):
+            raise InvalidArgument(f"cluster.remote_write must be write_through or write_back, got {self.remote_write!r}")
+        if not isinstance(self.rehome, bool):
+            raise InvalidArgument(f"cluster.rehome must be true or false, got {self.rehome!r}")
+        for name in ("lease_ttl_s", "peer_timeout_s", "rehome_delay_s"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value <= 3600:
                 raise InvalidArgument(f"cluster.{name} must be a number in (0, 3600], got {value!r}")

@@ -22,6 +22,8 @@ CHECKSUM_BYTES = 16  # xxh3-128
 # One object may not exceed this; arenas are sized far below it in practice.
 MAX_OBJECT_BYTES = 1 << 40
 TIERS = ("gpu", "host", "nvme", "remote")
+PUT_TIERS = ("host", "remote")  # where a put may ask its object to go
+DELETE_SCOPES = ("cluster", "node")
 PREFETCH_POLICIES = ("best_effort", "wait", "timeout")
 
 
@@ -166,16 +168,18 @@ class OpenNamespace(Message):
 
 @dataclass(frozen=True, slots=True)
 class Reserve(Message):
-    """Phase one of a put: a write lease on an extent of `size` bytes."""
+    """Phase one of a put: a write lease on an extent of `size` bytes. tier "remote": the
+    commit sends the object to its home nodes and waits for them (a clustered daemon only)."""
     namespace: str
     object_id: ObjectId
     size: int
     descriptor: StateDescriptor
     hints: Hints = Hints()
+    tier: str = "host"
     op: ClassVar[str] = "reserve"
     _codecs: ClassVar = {"namespace": NAMESPACE, "object_id": OID, "size": SIZE,
-                         "descriptor": DESCRIPTOR, "hints": HINTS}
-    _defaults: ClassVar = {"hints": Hints()}
+                         "descriptor": DESCRIPTOR, "hints": HINTS, "tier": _choice(PUT_TIERS)}
+    _defaults: ClassVar = {"hints": Hints(), "tier": "host"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -223,10 +227,14 @@ class Lookup(Message):
 
 @dataclass(frozen=True, slots=True)
 class Delete(Message):
+    """Drop ids from every tier: of every live member ("cluster", the default) or of this
+    node only ("node": its own copies, homes keep theirs)."""
     namespace: str
     ids: tuple
+    scope: str = "cluster"
     op: ClassVar[str] = "delete"
-    _codecs: ClassVar = {"namespace": NAMESPACE, "ids": IDS}
+    _codecs: ClassVar = {"namespace": NAMESPACE, "ids": IDS, "scope": _choice(DELETE_SCOPES)}
+    _defaults: ClassVar = {"scope": "cluster"}
 
 
 @dataclass(frozen=True, slots=True)

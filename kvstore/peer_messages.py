@@ -106,4 +106,13 @@ class PeerLookup(Message):
     _codecs: ClassVar = {"namespace": NAMESPACE, "ids": IDS}
 
 
-PEER_OPS: dict[str, type[Message]] = {cls.op: cls for cls in (PeerGet, PeerPut, PeerLookup)}
+@dataclass(frozen=True, slots=True)
+class PeerDelete(Message):
+    """Reply {"found": [bool, ...]}: per id, whether the peer held it (in any tier) and dropped it."""
+    namespace: str
+    ids: tuple
+    op: ClassVar[str] = "peer_delete"
+    _codecs: ClassVar = {"namespace": NAMESPACE, "ids": IDS}
+
+
+PEER_OPS: dict[str, type[Message]] = {cls.op: cls for cls in (PeerGet, PeerPut, PeerLookup, PeerDelete)}

@@ -181,7 +181,7 @@ async def show_object(request: web.Request) -> web.Response:
 
 async def delete_object(request: web.Request) -> web.Response:
     manager, entry = _target(request)
-    deleted = manager.delete(entry.namespace, [entry.object_id])
+    deleted = manager.delete(entry.namespace, [entry.object_id], scope="node")  # this node's admin: its copies
     if inspect.isawaitable(deleted):  # NVMe copies are deleted in the I/O pool
         await deleted
     return json_response({"deleted": True, "namespace": entry.namespace, "object_id": entry.object_id.hex})

@@ -107,7 +107,12 @@ SCHEMAS = {
             {"capacity_bytes": INT, "used_bytes": INT, "objects": INT}, extra=True)},
         "host_bandwidth_bytes_s": NUM,
     }, extra=True),
-    "Cluster": _obj({"self": STR, "nodes": {"type": "array", "items": _ref("Node")}}, extra=True),
+    "Cluster": _obj({"self": STR, "nodes": {"type": "array", "items": _ref("Node")},
+                     "members": {"type": "array", "items": _obj(
+                         {"node_id": STR, "peer_address": STR, "self": BOOL, "down": BOOL}, extra=True)},
+                     "replicas": INT, "remote_write": STR, "rehome": _nullable({"type": "object"})},
+                    required=["self", "nodes"], extra=True,
+                    description="members, replicas, remote_write and rehome are there when cluster.enabled"),
 }
 
 _ERRORS = {400: "invalid request", 401: "missing or wrong bearer token", 404: "no such object or namespace",
@@ -190,7 +195,7 @@ def openapi_document() -> dict:
                                       "EvictResult", (400, 401, 404), body="EvictRequest")},
             "/v1/lookup": {"post": _op("lookup", "hit chunks per tier and estimated load time for a prompt",
                                        "LookupResult", (400, 401), body="LookupRequest")},
-            "/v1/cluster": {"get": _op("cluster", "the nodes of the cluster (this node only for now)", "Cluster")},
+            "/v1/cluster": {"get": _op("cluster", "this node, and the cluster members it sees when clustered", "Cluster")},
             "/metrics": {"get": _op("metrics", "Prometheus text format", {
                 "description": "OK", "content": {"text/plain": {"schema": {"type": "string"}}}})},
             "/openapi.json": {"get": _op("openapi", "this document", _json({"type": "object"}))},

@@ -160,7 +160,18 @@ async def cluster(request: web.Request) -> web.Response:
         "tiers": {"host": {k: host[k] for k in ("capacity_bytes", "used_bytes", "objects")}},
         "host_bandwidth_bytes_s": doc["host_bandwidth_bytes_s"],
     }
-    return json_response({"self": node["node_id"], "nodes": [node]})
+    link = admin.daemon.manager.cluster
+    if link is None or link.remote is None:
+        return json_response({"self": node["node_id"], "nodes": [node]})
+    # Clustered: this node's numbers, and every member as this node sees it.
+    stats = link.stats()
+    node["node_id"] = stats["node_id"]
+    down = set(stats["remote"].get("peers_down", ()))
+    members = [{"node_id": n, "peer_address": a, "self": n == stats["node_id"], "down": n in down}
+               for n, a in sorted(stats["members"].items())]
+    return json_response({"self": node["node_id"], "nodes": [node], "members": members,
+                          "replicas": link.config.replicas, "remote_write": link.config.remote_write,
+                          "rehome": stats.get("rehome")})
 
 
 async def metrics(request: web.Request) -> web.Response:

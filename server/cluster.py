@@ -1,9 +1,16 @@
 """The daemon's part of a cluster: serves peers from the local tiers and asks peers on a miss.
 
-    local put (commit) -> background copy to the object's home nodes (rendezvous hashing)
+    local put (commit) -> write_through: background copy to the object's home nodes
+                          (rendezvous hashing); write_back: nothing yet
+    put tier="remote"  -> the commit waits for the homes; the local copy goes unless this
+                          node is a home itself
+    leaving this node  -> an object evicted from its last local tier that its homes are not
+                          known to hold is sent there first (demotion to tier "remote")
     local get miss     -> host, then NVMe, then the home nodes (one verified transfer)
     lookup             -> local tiers, then one batched round trip per home for the misses
-    peer asks us       -> read / reserve / lookup against the tier manager (PeerBackend)
+    delete             -> this node's tiers, then every live member
+    membership change  -> objects held here are copied to their new homes (server.rehome)
+    peer asks us       -> read / reserve / lookup / delete against the tier manager
 
 Bytes cross nodes only as a transfer between two owners, and every received object is
 checked against its xxh3-128 before it is published (tiers/remote.py and the peer service
@@ -13,6 +20,7 @@ do the checking). A dead or cut-off peer costs at most cluster.peer_timeout_s, t
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 
@@ -23,6 +31,7 @@ from kvstore.peer_messages import RemoteMeta
 from server.objects import ObjectEntry
 from server.peer_node import PeerNode
 from server.peer_service import PeerRead, PeerWrite
+from server.rehome import Rehomer
 
 log = logging.getLogger("kvstore.cluster")
 DEFAULT_REMOTE_BANDWIDTH = 1e9
@@ -32,16 +41,25 @@ class ClusterLink:
     def __init__(self, manager, config):
         self.manager = manager
         self.config = config.cluster
-        self.node = PeerNode(config.cluster, self)
+        self.rehomer = Rehomer(self, config.cluster) if config.cluster.rehome else None
+        self.node = PeerNode(config.cluster, self, on_members=self.rehomer.on_members if self.rehomer else None)
         self._background: set[asyncio.Task] = set()
-        self.num_replicated = 0
+        # (namespace, digest) of objects held here that every remote home is known to hold
+        # too: they may leave this node without being sent. Only objects held here are kept.
+        self._held: set[tuple[str, bytes]] = set()
+        self.counters = {"num_replicated": 0, "num_demoted_remote": 0, "num_demotion_failures": 0,
+                         "num_remote_puts": 0, "num_remote_put_fallbacks": 0}
         # Remote load estimates: start from a loopback-TCP guess, then follow fetches.
         self.bandwidth_bytes_s = DEFAULT_REMOTE_BANDWIDTH
 
     async def start(self) -> None:
         await self.node.start()
+        if self.rehomer is not None:
+            self.rehomer.begin(self.node.membership.members())
 
     async def stop(self) -> None:
+        if self.rehomer is not None:
+            self.rehomer.stop()
         for task in list(self._background):
             task.cancel()
         await self.node.stop()
@@ -52,7 +70,7 @@ class ClusterLink:
 
     # --- PeerBackend: what peers ask of this node --------------------------------------
 
-    def _meta(self, entry: ObjectEntry) -> RemoteMeta:
+    def meta(self, entry: ObjectEntry) -> RemoteMeta:
         return RemoteMeta(entry.size, entry.checksum, entry.descriptor, entry.hints)
 
     def _live(self, ns, object_id) -> ObjectEntry | None:
@@ -74,10 +92,19 @@ class ClusterLink:
         entry = await self.manager.mover.promote(namespace, object_id)
         return None if entry is None else self._lend(self.manager.namespaces[namespace], entry)
 
+    @contextlib.contextmanager
+    def held_view(self, entry: ObjectEntry):
+        """The entry's bytes in the arena, its extent kept in place (a held reader) meanwhile."""
+        self.manager.hold(entry)
+        try:
+            yield self.manager.namespaces[entry.namespace].arena.view(entry.extent)[:entry.size]
+        finally:
+            self.manager.release_hold(entry)
+
     def _lend(self, ns, entry: ObjectEntry) -> PeerRead:
         self.manager.hold(entry)  # the extent stays put until the transfer ends
         view = ns.arena.view(entry.extent)[:entry.size]
-        return PeerRead(self._meta(entry), view, lambda: self.manager.release_hold(entry))
+        return PeerRead(self.meta(entry), view, lambda: self.manager.release_hold(entry))
 
     def reserve(self, namespace: str, object_id, meta: RemoteMeta):
         if meta.descriptor.namespace != namespace:
@@ -98,12 +125,18 @@ class ClusterLink:
         def commit() -> None:  # the peer service verified the bytes against meta.checksum
             self.manager.track_transient(ns, extent, add=False)
             self.manager.publish(ns, object_id, extent, meta.size, meta.checksum, meta.descriptor, meta.hints)
+            self._held.add((namespace, object_id.digest))  # the sender sends to every home
 
         def abort() -> None:
             self.manager.track_transient(ns, extent, add=False)
             ns.arena.free(extent)
 
         return PeerWrite(view, commit, abort)
+
+    def delete(self, namespace: str, ids):
+        for oid in ids:
+            self._held.discard((namespace, oid.digest))
+        return self.manager.delete_here(namespace, ids)
 
     def lookup(self, namespace: str, ids) -> list[RemoteMeta | None]:
         ns = self.manager.namespaces.get(namespace)
@@ -112,7 +145,7 @@ class ClusterLink:
         for oid in ids:
             entry = self._live(ns, oid)
             if entry is not None:
-                found.append(self._meta(entry))
+                found.append(self.meta(entry))
             elif mover is not None and mover.holds(namespace, oid):
                 found.append(mover.remote_meta(namespace, oid))
             else:
@@ -169,27 +202,99 @@ class ClusterLink:
             except CapacityError:
                 return None
             np.copyto(np.frombuffer(ns.arena.view(extent), dtype=np.uint8)[:meta.size], landed["staged"])
+        self._held.add((namespace, object_id.digest))  # a home had it
         return self.manager.publish(ns, object_id, extent, meta.size, meta.checksum, meta.descriptor, meta.hints)
 
-    def replicate_in_background(self, entry: ObjectEntry) -> None:
-        """Copy a fresh local put to its home nodes unless this node is the only home."""
-        if self.remote is None or not self.remote.remote_homes(entry.object_id):
-            return
-        task = asyncio.get_running_loop().create_task(self._replicate(entry))
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+    def on_commit(self, entry: ObjectEntry) -> None:
+        """A local put committed: under write_through, copy it to its homes in the background."""
+        if self.config.remote_write == "write_through" and self.remote is not None \
+                and self.remote.remote_homes(entry.object_id):
+            task = asyncio.get_running_loop().create_task(self._send(entry))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
 
-    async def _replicate(self, entry: ObjectEntry) -> None:
+    async def _send(self, entry: ObjectEntry) -> bool:
+        """Send a host entry to every remote home. True once all of them hold it."""
         ns = self.manager.namespaces[entry.namespace]
-        self.manager.hold(entry)
-        try:
-            view = ns.arena.view(entry.extent)[:entry.size]
-            held = await self.remote.put(entry.namespace, entry.object_id, self._meta(entry), view)
-            del view
-            if held:
-                self.num_replicated += 1
-        finally:
-            self.manager.release_hold(entry)
+        homes = self.remote.remote_homes(entry.object_id)
+        with self.held_view(entry) as view:
+            held = await self.remote.put(entry.namespace, entry.object_id, self.meta(entry), view)
+        if held and set(held) >= set(homes):
+            self.counters["num_replicated"] += 1
+            if entry.object_id in ns.objects:
+                self._held.add((entry.namespace, entry.object_id.digest))
+            return True
+        return False
+
+    # --- demotion to tier "remote" -----------------------------------------------------------
+
+    def must_send(self, namespace: str, object_id) -> bool:
+        """Would this object be lost to the cluster if it left this node now?"""
+        return ((namespace, object_id.digest) not in self._held and self.remote is not None
+                and bool(self.remote.remote_homes(object_id)))
+
+    def forget(self, namespace: str, object_id) -> None:
+        """The object left this node (evicted from its last tier, or deleted)."""
+        self._held.discard((namespace, object_id.digest))
+
+    async def demote(self, entries: list[ObjectEntry]) -> None:
+        """Host entries about to leave this node: send the ones their homes may lack, in
+        parallel. Each send is bounded by the peer timeout; a failure is counted and logged
+        and the entry leaves anyway (as a cache eviction always could)."""
+        sends = [e for e in entries if self.must_send(e.namespace, e.object_id)]
+        results = await asyncio.gather(*(self._send(e) for e in sends)) if sends else []
+        self._count_demotions(sends, results)
+
+    async def demote_from_nvme(self, namespace: str, keys) -> None:
+        """NVMe objects (ObjectIds) about to be evicted: read, verify and send those the
+        homes may lack."""
+        oids = [oid for oid in keys if self.must_send(namespace, oid)]
+        results = await asyncio.gather(*(self._send_from_nvme(namespace, oid) for oid in oids)) if oids else []
+        self._count_demotions(oids, results)
+
+    async def _send_from_nvme(self, namespace: str, oid) -> bool:
+        copy = await self.manager.mover.read_copy(namespace, oid)
+        if copy is None:
+            return False
+        meta, data = copy
+        homes = self.remote.remote_homes(oid)
+        return set(await self.remote.put(namespace, oid, meta, data)) >= set(homes)
+
+    def _count_demotions(self, items, results) -> None:
+        for item, ok in zip(items, results):
+            self.counters["num_demoted_remote" if ok else "num_demotion_failures"] += 1
+            if not ok:
+                oid = getattr(item, "object_id", item)
+                log.warning("event=remote_demotion_failed id=%s homes=%s", oid, ",".join(self.remote.remote_homes(oid)))
+
+    async def put_remote(self, entry: ObjectEntry) -> dict:
+        """An explicit put with tier="remote": the reply waits until the homes hold it. The
+        local copy stays only where this node is a home itself, or where no home could take
+        it (the reply then says tier "host": nothing is lost, and nothing pretends)."""
+        self.counters["num_remote_puts"] += 1
+        homes = self.remote.homes(entry.object_id)
+        sent = not self.remote.remote_homes(entry.object_id) or await self._send(entry)
+        ns = self.manager.namespaces[entry.namespace]
+        if not sent:
+            self.counters["num_remote_put_fallbacks"] += 1
+            log.warning("event=remote_put_fallback namespace=%s id=%s homes=%s", entry.namespace, entry.object_id,
+                        ",".join(homes))
+            return {"exists": False, "tier": "host", "durability": "memory",
+                    "homes": [n for n in homes if n == self.node.node_id]}
+        if self.node.node_id not in homes and ns.objects.get(entry.object_id) is entry:
+            self.manager.drop(ns, entry)  # forgets it here too
+            return {"exists": False, "tier": "remote", "durability": "memory", "homes": homes}
+        return {"exists": False, "tier": "host" if self.node.node_id in homes else "remote",
+                "durability": "memory", "homes": homes}
+
+    async def delete_everywhere(self, namespace: str, ids, found) -> int:
+        """After this node's delete (`found`: per id, or an awaitable of it), every member's."""
+        if not isinstance(found, list):
+            found = await found
+        for oid in ids:
+            self.forget(namespace, oid)
+        remote = await self.remote.delete(namespace, list(ids))
+        return sum(a or b for a, b in zip(found, remote))
 
     async def lookup_remote(self, namespace: str, ids) -> list[RemoteMeta | None]:
         if self.remote is None:
@@ -198,5 +303,7 @@ class ClusterLink:
 
     def stats(self) -> dict:
         stats = dict(self.node.stats())
-        stats["num_replicated"] = self.num_replicated
+        stats.update(self.counters, remote_write=self.config.remote_write)
+        if self.rehomer is not None:
+            stats["rehome"] = self.rehomer.stats()
         return stats

@@ -21,6 +21,10 @@ log = logging.getLogger("kvstore.tiers")
 PER_OBJECT_LOAD_S = 20e-6
 
 
+async def _count(found) -> int:
+    return sum(await found)
+
+
 def _log_failure(task: asyncio.Task) -> None:
     if not task.cancelled() and task.exception() is not None:
         log.warning("event=promotion_failed error=%r", task.exception())
@@ -83,9 +87,18 @@ class IndexOps:
         hit_bytes = result["hit_bytes"] + remote_bytes + host_bytes + nvme_bytes
         return {"hits": hits, "tiers": tiers, "hit_bytes": hit_bytes, "est_load_s": est}
 
-    def delete(self, namespace: str, ids):
-        """Delete from every tier. Returns how many ids were found anywhere, or an awaitable
-        of that count when NVMe copies must be deleted too."""
+    def delete(self, namespace: str, ids, scope: str = "cluster"):
+        """Delete from every tier of this node and, in a cluster with scope "cluster", of
+        every live member. Returns how many ids were found anywhere, or an awaitable of that
+        count when NVMe copies or peers are involved."""
+        found = self.delete_here(namespace, ids)
+        if scope == "cluster" and self.cluster is not None and self.cluster.remote is not None:
+            return self.cluster.delete_everywhere(namespace, ids, found)
+        return sum(found) if isinstance(found, list) else _count(found)
+
+    def delete_here(self, namespace: str, ids):
+        """Delete from this node's tiers only (what a peer's delete asks). Per id whether it
+        was held, or an awaitable of that when NVMe copies must be deleted too."""
         ns = self.namespaces.get(namespace)
         deleted = set()
         for oid in ids if ns is not None else ():
@@ -94,14 +107,16 @@ class IndexOps:
                 self._remove(ns, entry, reason="delete")
                 ns.counters.num_deletes += 1
                 deleted.add(oid)
+        found = [oid in deleted for oid in ids]
         on_nvme = [oid for oid in ids if self.mover is not None and self.mover.holds(namespace, oid)]
         if not on_nvme:
-            return len(deleted)
-        return self._delete_on_nvme(namespace, on_nvme, deleted)
+            return found
+        return self._delete_on_nvme(namespace, on_nvme, found, ids)
 
-    async def _delete_on_nvme(self, namespace: str, on_nvme, deleted: set) -> int:
+    async def _delete_on_nvme(self, namespace: str, on_nvme, found: list, ids) -> list[bool]:
         await self.mover.delete(namespace, on_nvme)
-        return len(deleted | set(on_nvme))
+        gone = set(on_nvme)
+        return [f or oid in gone for f, oid in zip(found, ids)]
 
     def prefetch(self, namespace: str, ids, tier: str, policy: str, timeout_s: float | None):
         """Bring objects into the host tier. best_effort starts promotions and answers at

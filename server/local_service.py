@@ -209,7 +209,7 @@ class LocalConnection(asyncio.Protocol):
             case m.Lookup():
                 return mgr.lookup(self._ns(msg.namespace), msg.ids), None
             case m.Delete():
-                return _keyed("deleted", mgr.delete(self._ns(msg.namespace), msg.ids)), None
+                return _keyed("deleted", mgr.delete(self._ns(msg.namespace), msg.ids, msg.scope)), None
             case m.Pin():
                 return {"pinned": mgr.pin(self._ns(msg.namespace), msg.ids, msg.ttl_s)}, None
             case m.Unpin():

@@ -20,8 +20,11 @@ import logging
 import math
 import time
 
+import numpy as np
+
 from kvstore.errors import CapacityError, ChecksumError, KVStoreError
 from kvstore.identity import ObjectId
+from kvstore.peer_messages import RemoteMeta
 from kvstore.policy import make_policy
 from kvstore.policy.admission import FrequencyAdmission
 from server.objects import ObjectEntry
@@ -91,9 +94,21 @@ class TierMover:
 
     def remote_meta(self, namespace: str, oid):
         """What a peer lookup needs to know of an NVMe-only object (None if it went away)."""
-        from kvstore.peer_messages import RemoteMeta
         meta = self.nvme.meta(namespace, oid)
         return None if meta is None else RemoteMeta(meta.size, meta.checksum, meta.descriptor, meta.hints)
+
+    async def read_copy(self, namespace: str, oid):
+        """(RemoteMeta, bytes verified against it) of an NVMe object, read into fresh memory
+        without touching the host arena (what re-homing and demotion to peers send); None if
+        NVMe no longer has it or it failed its check (the tier dropped and counted it)."""
+        meta = await self._run(self.nvme.meta, namespace, oid)
+        if meta is None:
+            return None
+        out = np.empty(meta.size, dtype=np.uint8)
+        if await self._run(self.nvme.get_into, namespace, oid, out) is None:
+            self._forget((namespace, oid.digest))
+            return None
+        return RemoteMeta(meta.size, meta.checksum, meta.descriptor, meta.hints), out
 
     def record_access(self, namespace: str, oid) -> None:
         self.admission.record((namespace, oid.digest))
@@ -142,15 +157,31 @@ class TierMover:
 
     async def _evict_nvme(self, size: int) -> bool:
         victims = self.policy.victims(size, lambda key: key not in self._promoting)
+        cluster = self.manager.cluster
+        if cluster is not None:  # the ones leaving the node go to their homes first
+            leaving: dict[str, list] = {}
+            for key in victims:
+                if self._host_entry(key) is None:
+                    leaving.setdefault(key[0], []).append(ObjectId(key[1]))
+            for namespace, oids in leaving.items():
+                await cluster.demote_from_nvme(namespace, oids)
         for key in victims:
             self.used_bytes -= self.sizes.pop(key, 0)
             await self._run(self.nvme.delete, key[0], ObjectId(key[1]))
             self.counters["num_nvme_evictions"] += 1
-            ns = self.manager.namespaces.get(key[0])
-            entry = ns.objects.get(ObjectId(key[1])) if ns else None
-            if entry is not None:
-                entry.on_nvme = False
+            self._left_nvme(key)
         return bool(victims)
+
+    def _host_entry(self, key) -> ObjectEntry | None:
+        ns = self.manager.namespaces.get(key[0])
+        return ns.objects.get(ObjectId(key[1])) if ns else None
+
+    def _left_nvme(self, key) -> None:
+        entry = self._host_entry(key)
+        if entry is not None:
+            entry.on_nvme = False
+        elif self.manager.cluster is not None:  # gone from this node altogether
+            self.manager.cluster.forget(key[0], ObjectId(key[1]))
 
     async def make_room(self, ns, size: int) -> None:
         """Evict from the host arena until `size` bytes fit, demoting admitted victims."""
@@ -159,7 +190,8 @@ class TierMover:
             victims = ns.policy.victims(size, lambda oid: self.manager.evictable(ns, oid, now))
             if not victims:
                 raise self.manager.no_room(ns, size)
-            writes = []
+            writes, leaving = [], []
+            cluster = self.manager.cluster
             for oid in victims:
                 entry = ns.objects[oid]
                 key = (ns.name, oid.digest)
@@ -169,18 +201,16 @@ class TierMover:
                     writes.append(entry)
                 else:
                     self.counters["num_rejected"] += 1
-                    self.manager.evict_entry(ns, entry)
-            if writes:
-                await asyncio.gather(*(self.write(e) for e in writes))
-            for entry in writes:
-                if ns.objects.get(entry.object_id) is not entry:
-                    continue  # deleted or dropped while it was being written
-                if entry.readers or entry.is_pinned(self.manager.clock()):
-                    ns.policy.on_insert(entry.object_id, entry.size, entry.hints.recompute_cost_ms, entry.hints.priority)
-                else:
-                    self.manager.evict_entry(ns, entry)
-                    if entry.on_nvme:
-                        self.counters["num_demotions"] += 1
+                    if cluster is not None and cluster.must_send(ns.name, oid):
+                        leaving.append(entry)  # not kept on NVMe: to its home nodes instead
+                    else:
+                        self.manager.evict_entry(ns, entry)
+            if writes or leaving:
+                await asyncio.gather(*(self.write(e) for e in writes), *([cluster.demote(leaving)] if leaving else []))
+            for entry in self.manager.settle_victims(ns, writes):
+                if entry.on_nvme:
+                    self.counters["num_demotions"] += 1
+            self.manager.settle_victims(ns, leaving)
 
     def _admit(self, key, size: int) -> bool:
         """While NVMe has room everything goes in; once full, only what is read often."""
@@ -261,6 +291,7 @@ class TierMover:
         if size is not None:
             self.used_bytes -= size
             self.policy.on_remove(key)
+            self._left_nvme(key)
 
     # --- other paths ------------------------------------------------------------------------------
 

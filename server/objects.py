@@ -62,3 +62,4 @@ class PendingPut:
     descriptor: StateDescriptor
     hints: Hints
     extent: object
+    tier: str = "host"  # "remote": the commit sends it to its home nodes

@@ -1,4 +1,4 @@
-"""The peer service: answers other daemons' peer_get / peer_put / peer_lookup.
+"""The peer service: answers other daemons' peer_get / peer_put / peer_lookup / peer_delete.
 
 Every channel starts with the HMAC handshake (server.peer_auth); a peer that fails it gets
 an error and a closed channel, nothing else. Requests then run one at a time per channel,
@@ -29,7 +29,7 @@ from kvstore.identity import ObjectId
 from kvstore.protocol import Reply, Request
 from server.peer_auth import authenticate_server
 from server.peer_transport import Channel, make_transport, nbytes_of, payload_bytes
-from kvstore.peer_messages import PEER_OPS, PeerGet, PeerPut, RemoteMeta
+from kvstore.peer_messages import PEER_OPS, PeerDelete, PeerGet, PeerPut, RemoteMeta
 from tiers.remote import MIN_PEER_BANDWIDTH_BYTES_S, host_digest
 
 log = logging.getLogger("kvstore.peer")
@@ -67,6 +67,8 @@ class PeerBackend(Protocol):
     def reserve(self, namespace: str, object_id: ObjectId, meta: RemoteMeta) -> PeerWrite | None:
         """None: the object is already held (the payload is dropped). May raise CapacityError."""
     def lookup(self, namespace: str, ids: tuple[ObjectId, ...]) -> list[RemoteMeta | None]: ...
+    def delete(self, namespace: str, ids: tuple[ObjectId, ...]) -> list[bool]:
+        """Drop the ids from every tier; per id, whether it was held."""
 
 
 class InMemoryBackend:
@@ -87,6 +89,9 @@ class InMemoryBackend:
 
     def lookup(self, namespace, ids):
         return [self.objects[(namespace, oid)][0] if (namespace, oid) in self.objects else None for oid in ids]
+
+    def delete(self, namespace, ids):
+        return [self.objects.pop((namespace, oid), None) is not None for oid in ids]
 
 
 @dataclass(slots=True)
@@ -171,6 +176,8 @@ class PeerService:
             if isinstance(msg, PeerPut):
                 pending, nbytes = 0, pending
                 result = await self._put(channel, msg, nbytes)
+            elif isinstance(msg, PeerDelete):
+                result = {"found": list(await _maybe(self.backend.delete(msg.namespace, msg.ids)))}
             else:  # PeerLookup
                 metas = await _maybe(self.backend.lookup(msg.namespace, msg.ids))
                 result = {"metas": [None if m is None else m.to_wire() for m in metas]}

@@ -125,6 +125,8 @@ class TierManager(IndexOps, TierReport):
             )
         if msg.descriptor.namespace != msg.namespace:
             raise InvalidArgument("descriptor.namespace differs from the request's namespace")
+        if msg.tier == "remote" and (self.cluster is None or self.cluster.remote is None):
+            raise InvalidArgument('put with tier="remote" needs a clustered daemon (cluster.enabled)')
         now = self.clock()
         existing = ns.objects.get(msg.object_id)
         if existing is not None and existing.expires_at > now:
@@ -133,22 +135,17 @@ class TierManager(IndexOps, TierReport):
             return {"exists": True}
         self._check_lease_quota(owner)
         self._check_inflight(owner, msg.size)
-        if self.mover is not None and not ns.arena.can_alloc(msg.size):
+        if (self.mover is not None or self.cluster is not None) and not ns.arena.can_alloc(msg.size):
             return self._reserve_after_demotion(owner, ns, msg)
         return self._grant_write(owner, ns, msg, self._alloc(ns, msg.size, now))
 
     async def _reserve_after_demotion(self, owner, ns: Namespace, msg: Reserve) -> dict:
-        self._check_size(ns, msg.size)
-        while True:
-            await self.mover.make_room(ns, msg.size)
-            extent = ns.arena.alloc(msg.size)
-            if extent is not None:
-                return self._grant_write(owner, ns, msg, extent)
+        return self._grant_write(owner, ns, msg, await self.allocate(ns, msg.size))
 
     def _grant_write(self, owner, ns: Namespace, msg: Reserve, extent) -> dict:
         lease = self.leases.grant(owner, None, extent, "write", self.config.limits.lease_ttl_s, self.clock())
         self._pending[lease.lease_id] = PendingPut(
-            msg.namespace, msg.object_id, msg.size, msg.descriptor, msg.hints, extent
+            msg.namespace, msg.object_id, msg.size, msg.descriptor, msg.hints, extent, msg.tier
         )
         self._inflight_bytes[owner] = self._inflight_bytes.get(owner, 0) + msg.size
         return {"lease": lease.lease_id, "offset": extent.offset}
@@ -169,7 +166,7 @@ class TierManager(IndexOps, TierReport):
         )
 
     def _alloc(self, ns: Namespace, size: int, now: float):
-        """Host-only eviction: victims are dropped (no lower tier to keep them)."""
+        """Host-only eviction, no cluster: victims are dropped (no lower tier to keep them)."""
         self._check_size(ns, size)
         while not ns.arena.can_alloc(size):
             victims = ns.policy.victims(size, lambda oid: self.evictable(ns, oid, now))
@@ -222,10 +219,38 @@ class TierManager(IndexOps, TierReport):
             if self.mover is not None:
                 await self.mover.make_room(ns, size)
                 extent = ns.arena.alloc(size)
+            elif self.cluster is not None:
+                await self._make_room_for_peers(ns, size)
+                extent = ns.arena.alloc(size)
             else:
                 extent = self._alloc(ns, size, self.clock())
             if extent is not None:
                 return extent
+
+    async def _make_room_for_peers(self, ns: Namespace, size: int) -> None:
+        """Host-only eviction in a cluster: victims their homes may lack are sent there first."""
+        while not ns.arena.can_alloc(size):
+            now = self.clock()
+            victims = ns.policy.victims(size, lambda oid: self.evictable(ns, oid, now))
+            if not victims:
+                raise self.no_room(ns, size)
+            entries = [ns.objects[oid] for oid in victims]
+            await self.cluster.demote(entries)
+            self.settle_victims(ns, entries)
+
+    def settle_victims(self, ns: Namespace, entries) -> list[ObjectEntry]:
+        """Victims whose copy elsewhere was awaited: evict those still idle; a victim read or
+        pinned meanwhile stays resident (tracked by the policy again). Returns the evicted."""
+        evicted = []
+        for entry in entries:
+            if ns.objects.get(entry.object_id) is not entry:
+                continue  # deleted or dropped meanwhile
+            if entry.readers or entry.is_pinned(self.clock()):
+                ns.policy.on_insert(entry.object_id, entry.size, entry.hints.recompute_cost_ms, entry.hints.priority)
+            else:
+                self.evict_entry(ns, entry)
+                evicted.append(entry)
+        return evicted
 
     def publish(self, ns: Namespace, oid: ObjectId, extent, size: int, checksum: bytes, descriptor, hints) -> ObjectEntry:
         """Make verified bytes already in `extent` a committed object (a peer's put or fetch)."""
@@ -281,8 +306,10 @@ class TierManager(IndexOps, TierReport):
         self.insert(ns, entry)
         ns.counters.num_puts += 1
         ns.counters.bytes_in += put.size
+        if put.tier == "remote":
+            return self.cluster.put_remote(entry)
         if self.cluster is not None:
-            self.cluster.replicate_in_background(entry)
+            self.cluster.on_commit(entry)
         if self.mover is not None and self.config.nvme.write_policy == "write_through":
             return self._write_through(entry)
         return {"exists": False, "tier": "host", "durability": "memory"}
@@ -404,6 +431,8 @@ class TierManager(IndexOps, TierReport):
             self._zombies[id(entry)] = entry
         else:
             ns.arena.free(entry.extent)
+        if self.cluster is not None and not (self.mover is not None and self.mover.holds(ns.name, entry.object_id)):
+            self.cluster.forget(ns.name, entry.object_id)
 
     # --- housekeeping -----------------------------------------------------------
 

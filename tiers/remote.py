@@ -3,7 +3,7 @@
 An object's home nodes come from rendezvous hashing over the live members
 (`kvstore.ownership`). This tier asks them: `get_into` fetches into a buffer the caller
 provides (tier memory; a CUDA buffer through UCX), `put` sends to every home but this node,
-`lookup` asks each home node once for a whole batch. Bytes from a peer are checked against
+`lookup` asks each home node once for a whole batch, `delete` asks every member. Bytes from a peer are checked against
 the xxh3-128 taken at put before `get_into` returns; a mismatch is a miss.
 
 Failure is a miss, never a hang: every call is bounded by `timeout_s` (plus transfer time at
@@ -28,7 +28,7 @@ import xxhash
 from kvstore.errors import KVStoreError, PermissionDenied, ProtocolError, ServiceError
 from kvstore.identity import ObjectId
 from kvstore.ownership import home_nodes
-from kvstore.peer_messages import PeerGet, PeerLookup, PeerPut, RemoteMeta
+from kvstore.peer_messages import PeerDelete, PeerGet, PeerLookup, PeerPut, RemoteMeta
 from kvstore.protocol import MAX_BATCH
 
 log = logging.getLogger("kvstore.remote")
@@ -70,6 +70,7 @@ class RemoteCounters:
     num_misses: int = 0
     num_puts: int = 0
     num_lookups: int = 0
+    num_deletes: int = 0
     num_peer_failures: int = 0  # timeouts, closed links, protocol breaks
     num_peer_skips: int = 0  # calls not tried: the peer failed within the last timeout_s
     num_checksum_failures: int = 0
@@ -154,14 +155,54 @@ class RemoteTier:
     async def put(self, namespace: str, object_id: ObjectId, meta: RemoteMeta, buffer) -> list[str]:
         """Send to every home node but this one, in parallel; returns the nodes that now hold
         it (stored or already had it). Failures are counted and logged, not raised."""
+        nodes = self.remote_homes(object_id)
+        calls = [self.put_to(n, namespace, object_id, meta, buffer) for n in nodes]
+        results = [await calls[0]] if len(calls) == 1 else await asyncio.gather(*calls)
+        return [n for n, held in zip(nodes, results) if held]
+
+    async def put_to(self, node: str, namespace: str, object_id: ObjectId, meta: RemoteMeta, buffer) -> bool:
+        """Send to one node (a home, or a new home while re-homing). True once it holds it."""
         self.counters.num_puts += 1
         args = PeerPut(namespace, object_id, meta.size, meta.checksum, meta.descriptor, meta.hints).to_args()
-        nodes = self.remote_homes(object_id)
-        calls = [self._call(n, PeerPut.op, args, payload=buffer) for n in nodes]
-        results = [await calls[0]] if len(calls) == 1 else await asyncio.gather(*calls)
-        held = [n for n, r in zip(nodes, results) if r is not None]
-        self.counters.bytes_out += meta.size * len(held)
+        result = await self._call(node, PeerPut.op, args, payload=buffer)
+        if result is None:
+            return False
+        if result.get("stored"):
+            self.counters.bytes_out += meta.size
+        return True
+
+    async def held_on(self, node: str, namespace: str, ids: list[ObjectId]) -> list[bool] | None:
+        """Which of `ids` `node` holds in any tier (one round trip per MAX_BATCH ids); None
+        when the node could not be asked."""
+        held: list[bool] = []
+        for start in range(0, len(ids), MAX_BATCH):
+            part = tuple(ids[start:start + MAX_BATCH])
+            result = await self._call(node, PeerLookup.op, PeerLookup(namespace, part).to_args())
+            metas = result.get("metas") if result else None
+            if not isinstance(metas, list) or len(metas) != len(part):
+                return None
+            held += [meta is not None for meta in metas]
         return held
+
+    async def delete(self, namespace: str, ids: list[ObjectId]) -> list[bool]:
+        """Ask every other live member to drop `ids` (homes and nodes holding fetched copies
+        alike), all at once. Per id: whether some peer held it. Unreachable nodes are counted
+        as peer failures and keep their copies."""
+        self.counters.num_deletes += 1
+        found = [False] * len(ids)
+        calls, spans = [], []
+        for node in (n for n in self.members() if n != self.node_id):
+            for start in range(0, len(ids), MAX_BATCH):
+                part = tuple(ids[start:start + MAX_BATCH])
+                calls.append(self._call(node, PeerDelete.op, PeerDelete(namespace, part).to_args()))
+                spans.append((start, len(part)))
+        results = await asyncio.gather(*calls) if calls else []
+        for (start, n), result in zip(spans, results):
+            flags = result.get("found") if isinstance(result, dict) else None
+            if isinstance(flags, list) and len(flags) == n:
+                for i, flag in enumerate(flags):
+                    found[start + i] = found[start + i] or flag is True
+        return found
 
     async def lookup(self, namespace: str, ids: list[ObjectId]) -> list[RemoteMeta | None]:
         """Metas of the ids held by their home nodes (None: miss), in order. One batched round

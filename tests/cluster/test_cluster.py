@@ -99,7 +99,7 @@ def test_an_expired_object_is_not_served_to_other_nodes(cluster):
 
 class Reader(threading.Thread):
     """A client on C reading A-homed objects over and over while B goes down and comes back;
-    it deletes C's fetched copy after each read so every read crosses to A again."""
+    it deletes C's fetched copy (scope "node") after each read so every read crosses to A again."""
 
     def __init__(self, daemon, ids):
         super().__init__(daemon=True)
@@ -116,7 +116,7 @@ class Reader(threading.Thread):
                         got = cc.get_into(oid, out)
                         if got != SIZE or not np.array_equal(out, payload(oid, SIZE)):
                             self.bad.append((oid, got))
-                        cc.delete([oid])
+                        cc.delete([oid], scope="node")
                         self.reads += 1
                     except Exception as exc:  # reported by the test, not swallowed
                         self.bad.append((oid, repr(exc)))

@@ -3,7 +3,8 @@ two replicas per object.
 
 Shown: every daemon registers and sees all three; B cut off leaves the member list once its
 lease runs out, and objects put meanwhile go to the live nodes; once its link is back B
-registers again and takes its share of new objects; a copy that fails its checksum is
+registers again, receives the objects put meanwhile that it is now home to (re-homing),
+and takes its share of new objects; a copy that fails its checksum is
 refused and the next home serves; with two replicas, SIGKILL of B loses no object: every
 object put on any node (B included) reads back bit-exact on A and C, both while B is still
 listed (its reads fail over to the other home) and after it has left.
@@ -71,6 +72,13 @@ def test_cut_off_member_leaves_and_rejoins(cluster):
 
     for name in NAMES:
         wait_until(sees(cluster[name], NAMES), LEAVE_WAIT_S, f"{name} sees B again")
+    # Re-homing: what was put while B was away and is homed on B now reaches B, from A or C.
+    wait_until(held_by_homes(cluster, "gone", ids, NAMES), 15.0, "objects put while B was away reach B")
+    with b.client("gone") as cb:
+        for oid in ids:
+            if "b" in home_nodes(oid, NAMES, 2):
+                assert cb.lookup([oid]).tiers == ("host",) and read_exact(cb, oid, SIZE), oid
+    assert sum(cluster[n].cluster_stats()["rehome"]["objects_sent"] for n in "ac") >= 1
     # B takes its share of new objects again: puts on C replicate to B (and A); B reads them all.
     groups = keys_by_homes("back", NAMES, 1, replicas=2)
     ids = [oid for group in groups.values() for oid in group]

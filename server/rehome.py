@@ -1,0 +1,229 @@
+"""Re-homing: when membership changes, objects held here are copied to their new home nodes.
+
+    membership says {a, b, c}   (after {a, c})
+      -> wait rehome_delay_s for the list to settle (a later change restarts the wait)
+      -> plan: every object this node holds (host and NVMe), per node that is one of its
+         homes now but was not under some member list seen since the last pass
+         (kvstore.ownership.new_homes; objects put meanwhile went to the homes of the list
+         of their day, so {a,b,c} -> {a,c} -> {a,b,c} still re-homes to b), this node
+         excluded
+      -> per target: one batched lookup of what it already holds, then the rest is sent,
+         a few transfers at a time, each verified by the receiver against its checksum
+      -> sends that failed (target down again) are retried after a backoff while the
+         target is still a home of the object
+
+Every node that holds a copy does this, so an object whose old home left is re-homed by
+whichever node still has it (its other replica, or the node it was put on); the lookup
+keeps two holders from both sending what the target already has. Old homes keep their
+copies as ordinary cached objects. Runs on the daemon's event loop; the plan (a hash per
+object and node) is computed in a worker thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import asdict, dataclass
+
+from kvstore.identity import ObjectId
+from kvstore.ownership import home_nodes, new_homes
+
+log = logging.getLogger("kvstore.rehome")
+# Transfers in flight at once during a pass (the remote tier pools 4 links per peer).
+CONCURRENCY = 4
+# Failed sends are retried after this, doubling up to RETRY_MAX_S.
+RETRY_FIRST_S, RETRY_MAX_S = 2.0, 60.0
+# A progress line every this many objects sent.
+PROGRESS_EVERY = 1000
+
+
+@dataclass(slots=True)
+class RehomeCounters:
+    passes: int = 0
+    objects_sent: int = 0
+    bytes_sent: int = 0
+    already_held: int = 0  # the new home had it (another holder sent it, or it never left)
+    failures: int = 0  # sends that failed (retried while the target stays a home)
+    gone: int = 0  # planned objects deleted or evicted here before their turn
+
+
+class Rehomer:
+    def __init__(self, link, cluster_config):
+        self.link = link  # server.cluster.ClusterLink
+        self.replicas = cluster_config.replicas
+        self.delay_s = cluster_config.rehome_delay_s
+        self.counters = RehomeCounters()
+        self._placed: frozenset[str] | None = None  # the member list of the last pass
+        self._members: frozenset[str] | None = None  # the latest member list
+        # Every list seen since the last pass: an object committed meanwhile went to its
+        # homes under one of them, so a node is a new home unless it was a home under all.
+        self._seen: set[frozenset[str]] = set()
+        self._retry: dict[str, set[tuple[str, bytes]]] = {}  # node -> keys whose send failed
+        self._retry_s = RETRY_FIRST_S
+        self._task: asyncio.Task | None = None
+        self._running = False
+        self._last: dict = {}
+
+    # --- triggers -----------------------------------------------------------------------
+
+    def begin(self, members) -> None:
+        """The member list at start: what objects here count as placed for."""
+        if self._placed is None:
+            self._placed = self._members = frozenset(members)
+
+    def on_members(self, members) -> None:
+        """Membership's change callback (on the loop). Before `begin`, the first list is the
+        baseline."""
+        names = frozenset(members)
+        if self._placed is None:
+            self._placed = self._members = names
+            return
+        if names == self._members:
+            return
+        self._members = names
+        self._seen.add(names)
+        self._schedule(self.delay_s)
+
+    def _schedule(self, delay_s: float) -> None:
+        if self._running:
+            return  # the pass in progress looks at the latest list again when it ends
+        if self._task is not None:
+            self._task.cancel()  # a change during the wait restarts it
+        self._task = asyncio.get_running_loop().create_task(self._after(delay_s))
+
+    async def _after(self, delay_s: float) -> None:
+        await asyncio.sleep(delay_s)
+        self._running = True
+        try:
+            await self.run_pass()
+        except Exception:
+            log.exception("event=rehome_failed")
+        finally:
+            self._running = False
+        self._task = None  # this task is ending: the next one must not cancel it
+        if self._members != self._placed:
+            self._schedule(self.delay_s)
+        elif self._retry:
+            self._schedule(self._retry_s)
+            self._retry_s = min(2 * self._retry_s, RETRY_MAX_S)
+        else:
+            self._retry_s = RETRY_FIRST_S
+
+    def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+
+    # --- one pass ---------------------------------------------------------------------------
+
+    async def run_pass(self) -> dict:
+        """Copy what this node holds to the nodes that became its homes since the last pass,
+        and retry earlier failures. Returns what it did (also kept for stats)."""
+        remote = self.link.remote
+        before, after = self._placed, self._members
+        if remote is None or before is None or after is None:
+            return {}
+        start = time.monotonic()
+        self.counters.passes += 1
+        seen, self._seen = self._seen | {before}, set()
+        self._placed = after
+        held = self._held_here()
+        plan = await asyncio.to_thread(self._plan, held, seen, after)
+        retry, self._retry = self._retry, {}
+        for node, keys in retry.items():
+            if node in after and node != remote.node_id:
+                mine = [k for k in keys if node in home_nodes(k[1], after, self.replicas)]
+                plan.setdefault(node, set()).update(mine)
+        total = sum(len(keys) for keys in plan.values())
+        if total:
+            log.info("event=rehome_start members=%s was=%s objects=%d targets=%s", ",".join(sorted(after)),
+                     "|".join(",".join(sorted(m)) for m in seen if m != after) or "-", total, ",".join(f"{n}:{len(k)}" for n, k in sorted(plan.items())))
+        before_counts = asdict(self.counters)
+        for node, keys in sorted(plan.items()):
+            await self._send_to(node, sorted(keys))
+        done = {k: v - before_counts[k] for k, v in asdict(self.counters).items() if k != "passes"}
+        self._last = {"members": sorted(after), "planned": total, "seconds": round(time.monotonic() - start, 3),
+                      **done}
+        if total:
+            log.info("event=rehome_done planned=%d sent=%d bytes=%d already_held=%d failed=%d gone=%d seconds=%.2f",
+                     total, done["objects_sent"], done["bytes_sent"], done["already_held"], done["failures"],
+                     done["gone"], self._last["seconds"])
+        return self._last
+
+    def _held_here(self) -> dict[str, list[ObjectId]]:
+        """Every live object of this node by namespace: host entries and NVMe-only ones."""
+        manager = self.link.manager
+        now = manager.clock()
+        held: dict[str, set] = {}
+        for name, ns in manager.namespaces.items():
+            held[name] = {oid.digest for oid, e in ns.objects.items() if e.expires_at > now}
+        if manager.mover is not None:
+            for namespace, digest in list(manager.mover.sizes):
+                held.setdefault(namespace, set()).add(digest)
+        return {name: [ObjectId(d) for d in digests] for name, digests in held.items() if digests}
+
+    def _plan(self, held, seen, after) -> dict[str, set[tuple[str, bytes]]]:
+        me = self.link.remote.node_id
+        plan: dict[str, set] = {}
+        for namespace, oids in held.items():
+            for before in seen:
+                for node, moved in new_homes(oids, before, after, self.replicas).items():
+                    if node != me:
+                        plan.setdefault(node, set()).update((namespace, oid.digest) for oid in moved)
+        return plan
+
+    async def _send_to(self, node: str, keys: list[tuple[str, bytes]]) -> None:
+        remote = self.link.remote
+        by_ns: dict[str, list[ObjectId]] = {}
+        for namespace, digest in keys:
+            by_ns.setdefault(namespace, []).append(ObjectId(digest))
+        todo = []
+        for namespace, oids in by_ns.items():
+            has = await remote.held_on(node, namespace, oids)
+            if has is None:  # the target cannot be asked: keep all for the retry
+                self._fail(node, [(namespace, oid.digest) for oid in oids])
+                continue
+            self.counters.already_held += sum(has)
+            todo += [(namespace, oid) for oid, h in zip(oids, has) if not h]
+        gate = asyncio.Semaphore(CONCURRENCY)
+
+        async def one(namespace: str, oid: ObjectId) -> None:
+            async with gate:
+                await self._send_one(node, namespace, oid)
+
+        await asyncio.gather(*(one(ns, oid) for ns, oid in todo))
+
+    async def _send_one(self, node: str, namespace: str, oid: ObjectId) -> None:
+        manager, remote = self.link.manager, self.link.remote
+        ns = manager.namespaces.get(namespace)
+        entry = ns.objects.get(oid) if ns is not None else None
+        if entry is not None and entry.expires_at > manager.clock():
+            with self.link.held_view(entry) as view:
+                ok = await remote.put_to(node, namespace, oid, self.link.meta(entry), view)
+            size = entry.size
+        elif manager.mover is not None and manager.mover.holds(namespace, oid):
+            copy = await manager.mover.read_copy(namespace, oid)
+            if copy is None:
+                self.counters.gone += 1
+                return
+            meta, data = copy
+            ok = await remote.put_to(node, namespace, oid, meta, data)
+            size = meta.size
+        else:
+            self.counters.gone += 1
+            return
+        if not ok:
+            self._fail(node, [(namespace, oid.digest)])
+            return
+        self.counters.objects_sent += 1
+        self.counters.bytes_sent += size
+        if self.counters.objects_sent % PROGRESS_EVERY == 0:
+            log.info("event=rehome_progress sent=%d bytes=%d", self.counters.objects_sent, self.counters.bytes_sent)
+
+    def _fail(self, node: str, keys) -> None:
+        self.counters.failures += len(keys)
+        self._retry.setdefault(node, set()).update(keys)
+
+    def stats(self) -> dict:
+        return {**asdict(self.counters), "running": self._running,
+                "pending_retries": sum(len(k) for k in self._retry.values()), "last_pass": dict(self._last)}
