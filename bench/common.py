@@ -278,6 +278,29 @@ def redis_server(workdir: str) -> Iterator[int]:
 
 
 @contextlib.contextmanager
+def etcd_server(workdir: str) -> Iterator[str]:
+    """A throwaway single-member etcd on 127.0.0.1; yields its client URL."""
+    exe = shutil.which("etcd")
+    if exe is None:
+        raise BaselineUnavailable("etcd is not installed (apt-get install -y etcd-server)")
+    client, peer = free_port(), free_port()
+    c_url, p_url = f"http://127.0.0.1:{client}", f"http://127.0.0.1:{peer}"
+    log_path = os.path.join(workdir, "etcd.log")
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            [exe, "--name", "bench", "--data-dir", os.path.join(workdir, "etcd"), "--listen-client-urls", c_url,
+             "--advertise-client-urls", c_url, "--listen-peer-urls", p_url, "--initial-advertise-peer-urls", p_url,
+             "--initial-cluster", f"bench={p_url}", "--log-level", "warn"],
+            stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+        )
+    try:
+        _wait_for_port(client, proc, "etcd", log_path)
+        yield c_url
+    finally:
+        _stop(proc)
+
+
+@contextlib.contextmanager
 def mooncake_master(workdir: str) -> Iterator[tuple[int, int]]:
     """A Mooncake master with its HTTP metadata server; yields (rpc_port, metadata_port).
 
