@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import logging
 import time
 
@@ -32,9 +33,12 @@ from server.objects import ObjectEntry
 from server.peer_node import PeerNode
 from server.peer_service import PeerRead, PeerWrite
 from server.rehome import Rehomer
+from tiers.remote import MAX_LINKS_PER_PEER
 
 log = logging.getLogger("kvstore.cluster")
 DEFAULT_REMOTE_BANDWIDTH = 1e9
+# Set in the task that makes room for a peer's put (and inherited by the sends it starts).
+_FOR_PEER: contextvars.ContextVar[bool] = contextvars.ContextVar("kvstore_for_peer", default=False)
 
 
 class ClusterLink:
@@ -42,11 +46,18 @@ class ClusterLink:
         self.manager = manager
         self.config = config.cluster
         self.rehomer = Rehomer(self, config.cluster) if config.cluster.rehome else None
-        self.node = PeerNode(config.cluster, self, on_members=self.rehomer.on_members if self.rehomer else None)
+        self.node = PeerNode(config.cluster, self, on_members=self.on_members)
         self._background: set[asyncio.Task] = set()
         # (namespace, digest) of objects held here that every remote home is known to hold
-        # too: they may leave this node without being sent. Only objects held here are kept.
+        # too: they may leave this node without being sent. Only objects held here are kept,
+        # and only for the member list of the day (homes move when it changes).
         self._held: set[tuple[str, bytes]] = set()
+        # Sends in flight per object: a delete waits for them, or the copy would land after it.
+        self._sending: dict[tuple[str, bytes], list[asyncio.Future]] = {}
+        # Every send to peers (commit copies, demotions, re-homing) passes this gate: a burst
+        # queues here instead of timing out on the remote tier's link pool (which would mark
+        # a healthy peer down).
+        self.gate = asyncio.Semaphore(MAX_LINKS_PER_PEER)
         self.counters = {"num_replicated": 0, "num_demoted_remote": 0, "num_demotion_failures": 0,
                          "num_remote_puts": 0, "num_remote_put_fallbacks": 0}
         # Remote load estimates: start from a loopback-TCP guess, then follow fetches.
@@ -67,6 +78,31 @@ class ClusterLink:
     @property
     def remote(self):
         return self.node.remote
+
+    def on_members(self, members) -> None:
+        """Membership changed: homes moved, so "the homes hold it" must be learned again."""
+        self._held.clear()
+        if self.rehomer is not None:
+            self.rehomer.on_members(members)
+
+    @contextlib.asynccontextmanager
+    async def sending(self, namespace: str, object_id):
+        """Around one send of an object to peers: gated, and visible to a delete."""
+        key = (namespace, object_id.digest)
+        done = asyncio.get_running_loop().create_future()
+        self._sending.setdefault(key, []).append(done)
+        try:
+            if _FOR_PEER.get():  # room for a peer's put: never queue behind our own sends
+                yield            # to that peer (two nodes could each wait for the other)
+            else:
+                async with self.gate:
+                    yield
+        finally:
+            done.set_result(None)
+            waiting = self._sending[key]
+            waiting.remove(done)
+            if not waiting:
+                del self._sending[key]
 
     # --- PeerBackend: what peers ask of this node --------------------------------------
 
@@ -118,7 +154,11 @@ class ClusterLink:
 
     async def _reserve(self, namespace: str, object_id, meta: RemoteMeta) -> PeerWrite:
         ns = await self.manager.open_namespace(namespace)
-        extent = await self.manager.allocate(ns, meta.size)
+        token = _FOR_PEER.set(True)  # demotions this makes room with skip the gate (see `sending`)
+        try:
+            extent = await self.manager.allocate(ns, meta.size)
+        finally:
+            _FOR_PEER.reset(token)
         self.manager.track_transient(ns, extent, add=True)
         view = ns.arena.view(extent)[:meta.size]
 
@@ -209,19 +249,27 @@ class ClusterLink:
         """A local put committed: under write_through, copy it to its homes in the background."""
         if self.config.remote_write == "write_through" and self.remote is not None \
                 and self.remote.remote_homes(entry.object_id):
-            task = asyncio.get_running_loop().create_task(self._send(entry))
+            task = asyncio.get_running_loop().create_task(self._replicate(entry))
             self._background.add(task)
             task.add_done_callback(self._background.discard)
+
+    async def _replicate(self, entry: ObjectEntry) -> None:
+        if await self._send(entry):
+            self.counters["num_replicated"] += 1
 
     async def _send(self, entry: ObjectEntry) -> bool:
         """Send a host entry to every remote home. True once all of them hold it."""
         ns = self.manager.namespaces[entry.namespace]
+        if ns.objects.get(entry.object_id) is not entry:
+            return False  # deleted or evicted before its turn: its extent may be reused
         homes = self.remote.remote_homes(entry.object_id)
-        with self.held_view(entry) as view:
-            held = await self.remote.put(entry.namespace, entry.object_id, self.meta(entry), view)
+        async with self.sending(entry.namespace, entry.object_id):
+            if ns.objects.get(entry.object_id) is not entry:
+                return False
+            with self.held_view(entry) as view:
+                held = await self.remote.put(entry.namespace, entry.object_id, self.meta(entry), view)
         if held and set(held) >= set(homes):
-            self.counters["num_replicated"] += 1
-            if entry.object_id in ns.objects:
+            if ns.objects.get(entry.object_id) is entry:
                 self._held.add((entry.namespace, entry.object_id.digest))
             return True
         return False
@@ -252,16 +300,19 @@ class ClusterLink:
         results = await asyncio.gather(*(self._send_from_nvme(namespace, oid) for oid in oids)) if oids else []
         self._count_demotions(oids, results)
 
-    async def _send_from_nvme(self, namespace: str, oid) -> bool:
-        copy = await self.manager.mover.read_copy(namespace, oid)
-        if copy is None:
-            return False
-        meta, data = copy
-        homes = self.remote.remote_homes(oid)
-        return set(await self.remote.put(namespace, oid, meta, data)) >= set(homes)
+    async def _send_from_nvme(self, namespace: str, oid) -> bool | None:
+        async with self.sending(namespace, oid):
+            copy = await self.manager.mover.read_copy(namespace, oid)
+            if copy is None:
+                return None  # gone, or failed its check (counted by the NVMe tier)
+            meta, data = copy
+            homes = self.remote.remote_homes(oid)
+            return set(await self.remote.put(namespace, oid, meta, data)) >= set(homes)
 
     def _count_demotions(self, items, results) -> None:
         for item, ok in zip(items, results):
+            if ok is None:
+                continue
             self.counters["num_demoted_remote" if ok else "num_demotion_failures"] += 1
             if not ok:
                 oid = getattr(item, "object_id", item)
@@ -288,11 +339,16 @@ class ClusterLink:
                 "durability": "memory", "homes": homes}
 
     async def delete_everywhere(self, namespace: str, ids, found) -> int:
-        """After this node's delete (`found`: per id, or an awaitable of it), every member's."""
+        """After this node's delete (`found`: per id, or an awaitable of it), every member's.
+        Sends of these ids still in flight from here finish first (each is bounded by the
+        peer timeout), so none lands after the delete."""
         if not isinstance(found, list):
             found = await found
         for oid in ids:
             self.forget(namespace, oid)
+        pending = [f for oid in ids for f in self._sending.get((namespace, oid.digest), ())]
+        if pending:
+            await asyncio.wait(pending)
         remote = await self.remote.delete(namespace, list(ids))
         return sum(a or b for a, b in zip(found, remote))
 

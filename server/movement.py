@@ -139,17 +139,16 @@ class TierMover:
             log.warning("event=host_checksum_mismatch namespace=%s object=%s", entry.namespace, entry.object_id.hex)
             ns.counters.num_checksum_failures += 1
             self.counters["num_demotion_failures"] += 1
-            self.manager.release_hold(entry)
             if entry.object_id in ns.objects and ns.objects[entry.object_id] is entry:
-                self.manager.drop(ns, entry)
+                self.manager.drop(ns, entry)  # freed when the hold below ends
             return None
-        except KVStoreError as exc:
+        except (KVStoreError, OSError) as exc:
             log.warning("event=nvme_write_failed namespace=%s object=%s error=%r",
-                        entry.namespace, entry.object_id.hex, exc.message)
+                        entry.namespace, entry.object_id.hex, getattr(exc, "message", exc))
             self.counters["num_demotion_failures"] += 1
-            self.manager.release_hold(entry)
             return None
-        self.manager.release_hold(entry)
+        finally:  # every way out, cancellation included, gives the hold back
+            self.manager.release_hold(entry)
         if key not in self.sizes:
             self._remember(key, entry.size)
         entry.on_nvme = True
@@ -157,19 +156,30 @@ class TierMover:
 
     async def _evict_nvme(self, size: int) -> bool:
         victims = self.policy.victims(size, lambda key: key not in self._promoting)
+        # They leave NVMe now: nothing counts on these copies from here on (a host entry of
+        # one may be written back meanwhile; its new copy is then kept).
+        for key in victims:
+            self.used_bytes -= self.sizes.pop(key, 0)
+            entry = self._host_entry(key)
+            if entry is not None:
+                entry.on_nvme = False
         cluster = self.manager.cluster
         if cluster is not None:  # the ones leaving the node go to their homes first
             leaving: dict[str, list] = {}
             for key in victims:
                 if self._host_entry(key) is None:
                     leaving.setdefault(key[0], []).append(ObjectId(key[1]))
-            for namespace, oids in leaving.items():
-                await cluster.demote_from_nvme(namespace, oids)
+            try:
+                await asyncio.gather(*(cluster.demote_from_nvme(ns, oids) for ns, oids in leaving.items()))
+            except Exception as exc:  # counted there; the eviction goes on
+                log.warning("event=remote_demotion_failed error=%r", exc)
         for key in victims:
-            self.used_bytes -= self.sizes.pop(key, 0)
+            if key in self.sizes:
+                continue  # written again while the copies above were sent
             await self._run(self.nvme.delete, key[0], ObjectId(key[1]))
             self.counters["num_nvme_evictions"] += 1
-            self._left_nvme(key)
+            if self._host_entry(key) is None and cluster is not None:
+                cluster.forget(key[0], ObjectId(key[1]))  # gone from this node altogether
         return bool(victims)
 
     def _host_entry(self, key) -> ObjectEntry | None:
@@ -205,8 +215,18 @@ class TierMover:
                         leaving.append(entry)  # not kept on NVMe: to its home nodes instead
                     else:
                         self.manager.evict_entry(ns, entry)
-            if writes or leaving:
-                await asyncio.gather(*(self.write(e) for e in writes), *([cluster.demote(leaving)] if leaving else []))
+            try:
+                if writes or leaving:
+                    await asyncio.gather(*(self.write(e) for e in writes),
+                                         *([cluster.demote(leaving)] if leaving else []))
+                # NVMe refused some (full disk, EIO): those leave the node too, homes first.
+                failed = [e for e in writes if not e.on_nvme and cluster is not None
+                          and cluster.must_send(ns.name, e.object_id)]
+                if failed:
+                    await cluster.demote(failed)
+            except BaseException:
+                self.manager.retrack_victims(ns, writes + leaving)  # cancelled: nothing evicted
+                raise
             for entry in self.manager.settle_victims(ns, writes):
                 if entry.on_nvme:
                     self.counters["num_demotions"] += 1

@@ -30,8 +30,8 @@ from kvstore.identity import ObjectId
 from kvstore.ownership import home_nodes, new_homes
 
 log = logging.getLogger("kvstore.rehome")
-# Transfers in flight at once during a pass (the remote tier pools 4 links per peer).
-CONCURRENCY = 4
+# Sends started together (they queue on the cluster link's gate).
+BATCH = 64
 # Failed sends are retried after this, doubling up to RETRY_MAX_S.
 RETRY_FIRST_S, RETRY_MAX_S = 2.0, 60.0
 # A progress line every this many objects sent.
@@ -63,6 +63,7 @@ class Rehomer:
         self._retry_s = RETRY_FIRST_S
         self._task: asyncio.Task | None = None
         self._running = False
+        self._stopped = False
         self._last: dict = {}
 
     # --- triggers -----------------------------------------------------------------------
@@ -86,7 +87,7 @@ class Rehomer:
         self._schedule(self.delay_s)
 
     def _schedule(self, delay_s: float) -> None:
-        if self._running:
+        if self._running or self._stopped:
             return  # the pass in progress looks at the latest list again when it ends
         if self._task is not None:
             self._task.cancel()  # a change during the wait restarts it
@@ -102,7 +103,7 @@ class Rehomer:
         finally:
             self._running = False
         self._task = None  # this task is ending: the next one must not cancel it
-        if self._members != self._placed:
+        if self._members != self._placed or self._seen:  # changes during the pass
             self._schedule(self.delay_s)
         elif self._retry:
             self._schedule(self._retry_s)
@@ -111,6 +112,7 @@ class Rehomer:
             self._retry_s = RETRY_FIRST_S
 
     def stop(self) -> None:
+        self._stopped = True
         if self._task is not None:
             self._task.cancel()
 
@@ -185,40 +187,45 @@ class Rehomer:
                 continue
             self.counters.already_held += sum(has)
             todo += [(namespace, oid) for oid, h in zip(oids, has) if not h]
-        gate = asyncio.Semaphore(CONCURRENCY)
-
-        async def one(namespace: str, oid: ObjectId) -> None:
-            async with gate:
-                await self._send_one(node, namespace, oid)
-
-        await asyncio.gather(*(one(ns, oid) for ns, oid in todo))
+        # The link's gate (shared with commit copies and demotions) bounds the sends in
+        # flight; batches bound the tasks waiting for it.
+        for start in range(0, len(todo), BATCH):
+            await asyncio.gather(*(self._send_one(node, ns, oid) for ns, oid in todo[start:start + BATCH]))
 
     async def _send_one(self, node: str, namespace: str, oid: ObjectId) -> None:
+        try:
+            async with self.link.sending(namespace, oid):
+                sent = await self._copy_to(node, namespace, oid)
+        except Exception as exc:  # one object's trouble (EIO on NVMe, say) is its own
+            log.warning("event=rehome_send_failed node=%s id=%s error=%r", node, oid, exc)
+            sent = False
+        if sent is None:
+            self.counters.gone += 1
+            return
+        if not sent:
+            self._fail(node, [(namespace, oid.digest)])
+            return
+        self.counters.objects_sent += 1
+        self.counters.bytes_sent += sent
+        if self.counters.objects_sent % PROGRESS_EVERY == 0:
+            log.info("event=rehome_progress sent=%d bytes=%d", self.counters.objects_sent, self.counters.bytes_sent)
+
+    async def _copy_to(self, node: str, namespace: str, oid: ObjectId) -> int | bool | None:
+        """Bytes sent (the object's size), False when the send failed, None when it is gone."""
         manager, remote = self.link.manager, self.link.remote
         ns = manager.namespaces.get(namespace)
         entry = ns.objects.get(oid) if ns is not None else None
         if entry is not None and entry.expires_at > manager.clock():
             with self.link.held_view(entry) as view:
                 ok = await remote.put_to(node, namespace, oid, self.link.meta(entry), view)
-            size = entry.size
-        elif manager.mover is not None and manager.mover.holds(namespace, oid):
+            return ok and entry.size
+        if manager.mover is not None and manager.mover.holds(namespace, oid):
             copy = await manager.mover.read_copy(namespace, oid)
             if copy is None:
-                self.counters.gone += 1
-                return
+                return None
             meta, data = copy
-            ok = await remote.put_to(node, namespace, oid, meta, data)
-            size = meta.size
-        else:
-            self.counters.gone += 1
-            return
-        if not ok:
-            self._fail(node, [(namespace, oid.digest)])
-            return
-        self.counters.objects_sent += 1
-        self.counters.bytes_sent += size
-        if self.counters.objects_sent % PROGRESS_EVERY == 0:
-            log.info("event=rehome_progress sent=%d bytes=%d", self.counters.objects_sent, self.counters.bytes_sent)
+            return await remote.put_to(node, namespace, oid, meta, data) and meta.size
+        return None
 
     def _fail(self, node: str, keys) -> None:
         self.counters.failures += len(keys)

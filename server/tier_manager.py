@@ -235,22 +235,33 @@ class TierManager(IndexOps, TierReport):
             if not victims:
                 raise self.no_room(ns, size)
             entries = [ns.objects[oid] for oid in victims]
-            await self.cluster.demote(entries)
+            try:
+                await self.cluster.demote(entries)
+            except BaseException:  # cancelled (a peer's deadline): the victims stay, tracked
+                self.retrack_victims(ns, entries)
+                raise
             self.settle_victims(ns, entries)
 
     def settle_victims(self, ns: Namespace, entries) -> list[ObjectEntry]:
         """Victims whose copy elsewhere was awaited: evict those still idle; a victim read or
         pinned meanwhile stays resident (tracked by the policy again). Returns the evicted."""
         evicted = []
+        now = self.clock()
         for entry in entries:
             if ns.objects.get(entry.object_id) is not entry:
                 continue  # deleted or dropped meanwhile
-            if entry.readers or entry.is_pinned(self.clock()):
-                ns.policy.on_insert(entry.object_id, entry.size, entry.hints.recompute_cost_ms, entry.hints.priority)
+            if entry.readers or entry.is_pinned(now):
+                self.retrack_victims(ns, [entry])
             else:
                 self.evict_entry(ns, entry)
                 evicted.append(entry)
         return evicted
+
+    def retrack_victims(self, ns: Namespace, entries) -> None:
+        """Victims that stay after all: the policy (which dropped them) tracks them again."""
+        for entry in entries:
+            if ns.objects.get(entry.object_id) is entry:
+                ns.policy.on_insert(entry.object_id, entry.size, entry.hints.recompute_cost_ms, entry.hints.priority)
 
     def publish(self, ns: Namespace, oid: ObjectId, extent, size: int, checksum: bytes, descriptor, hints) -> ObjectEntry:
         """Make verified bytes already in `extent` a committed object (a peer's put or fetch)."""
