@@ -195,6 +195,9 @@ class ClusterConfig:
     remote_write: str = "write_through"
     rehome: bool = True  # copy objects to their new homes when membership changes
     rehome_delay_s: float = 1.0  # let membership settle this long before a re-homing pass
+    # On a clean stop, copy what this node holds to the nodes that take over its objects,
+    # for at most this long, before leaving membership (etcd membership; 0 turns it off).
+    handover_s: float = 10.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "peers", tuple(self.peers))
@@ -212,6 +215,9 @@ class ClusterConfig:
             raise InvalidArgument(f"cluster.remote_write must be write_through or write_back, got {self.remote_write!r}")
         if not isinstance(self.rehome, bool):
             raise InvalidArgument(f"cluster.rehome must be true or false, got {self.rehome!r}")
+        if not isinstance(self.handover_s, (int, float)) or isinstance(self.handover_s, bool) \
+                or not 0 <= self.handover_s <= 3600:
+            raise InvalidArgument(f"cluster.handover_s must be a number in [0, 3600], got {self.handover_s!r}")
         for name in ("lease_ttl_s", "peer_timeout_s", "rehome_delay_s"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value <= 3600:

@@ -70,6 +70,8 @@ class ClusterLink:
 
     async def stop(self) -> None:
         if self.rehomer is not None:
+            if self.config.membership != "static" and self.config.handover_s > 0 and self.remote is not None:
+                await self.rehomer.hand_over(self.config.handover_s)  # while still a member
             self.rehomer.stop()
         for task in list(self._background):
             task.cancel()

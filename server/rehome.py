@@ -12,6 +12,10 @@
       -> sends that failed (target down again) are retried after a backoff while the
          target is still a home of the object
 
+A clean stop (SIGTERM) first hands over: the same plan against the member list without
+this node, so what it was home to is on its successors before it leaves (bounded by
+cluster.handover_s; membership "etcd" only, a static list never drops a node).
+
 Every node that holds a copy does this, so an object whose old home left is re-homed by
 whichever node still has it (its other replica, or the node it was put on); the lookup
 keeps two holders from both sending what the target already has. Old homes keep their
@@ -121,34 +125,54 @@ class Rehomer:
     async def run_pass(self) -> dict:
         """Copy what this node holds to the nodes that became its homes since the last pass,
         and retry earlier failures. Returns what it did (also kept for stats)."""
-        remote = self.link.remote
         before, after = self._placed, self._members
-        if remote is None or before is None or after is None:
+        if self.link.remote is None or before is None or after is None:
             return {}
-        start = time.monotonic()
-        self.counters.passes += 1
         seen, self._seen = self._seen | {before}, set()
         self._placed = after
-        held = self._held_here()
-        plan = await asyncio.to_thread(self._plan, held, seen, after)
         retry, self._retry = self._retry, {}
+        return await self._execute("rehome", seen, after, retry)
+
+    async def hand_over(self, timeout_s: float) -> dict:
+        """On a clean stop, before leaving membership: copy what this node holds to the
+        nodes that are its homes once this node is gone (what it was home to, mostly), for
+        at most `timeout_s`. Stops the re-homing passes."""
+        self.stop()
+        remote = self.link.remote
+        members = frozenset(remote.members()) if remote is not None else frozenset()
+        after = members - {remote.node_id} if remote is not None else frozenset()
+        if not after:
+            return {}
+        try:
+            async with asyncio.timeout(timeout_s):
+                return await self._execute("handover", {members}, after, {})
+        except TimeoutError:
+            log.warning("event=handover_incomplete timeout_s=%g sent=%d", timeout_s, self.counters.objects_sent)
+            return {}
+
+    async def _execute(self, event: str, seen, after, retry) -> dict:
+        start = time.monotonic()
+        self.counters.passes += 1
+        me = self.link.remote.node_id
+        plan = await asyncio.to_thread(self._plan, self._held_here(), seen, after)
         for node, keys in retry.items():
-            if node in after and node != remote.node_id:
+            if node in after and node != me:
                 mine = [k for k in keys if node in home_nodes(k[1], after, self.replicas)]
                 plan.setdefault(node, set()).update(mine)
         total = sum(len(keys) for keys in plan.values())
         if total:
-            log.info("event=rehome_start members=%s was=%s objects=%d targets=%s", ",".join(sorted(after)),
-                     "|".join(",".join(sorted(m)) for m in seen if m != after) or "-", total, ",".join(f"{n}:{len(k)}" for n, k in sorted(plan.items())))
+            log.info("event=%s_start members=%s was=%s objects=%d targets=%s", event, ",".join(sorted(after)),
+                     "|".join(",".join(sorted(m)) for m in seen if m != after) or "-", total,
+                     ",".join(f"{n}:{len(k)}" for n, k in sorted(plan.items())))
         before_counts = asdict(self.counters)
         for node, keys in sorted(plan.items()):
             await self._send_to(node, sorted(keys))
         done = {k: v - before_counts[k] for k, v in asdict(self.counters).items() if k != "passes"}
-        self._last = {"members": sorted(after), "planned": total, "seconds": round(time.monotonic() - start, 3),
-                      **done}
+        self._last = {"kind": event, "members": sorted(after), "planned": total,
+                      "seconds": round(time.monotonic() - start, 3), **done}
         if total:
-            log.info("event=rehome_done planned=%d sent=%d bytes=%d already_held=%d failed=%d gone=%d seconds=%.2f",
-                     total, done["objects_sent"], done["bytes_sent"], done["already_held"], done["failures"],
+            log.info("event=%s_done planned=%d sent=%d bytes=%d already_held=%d failed=%d gone=%d seconds=%.2f",
+                     event, total, done["objects_sent"], done["bytes_sent"], done["already_held"], done["failures"],
                      done["gone"], self._last["seconds"])
         return self._last
 

@@ -85,7 +85,9 @@ def _close_loop() -> None:
     pending = asyncio.all_tasks(_loop)
     for task in pending:
         task.cancel()
-    _loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+    async def drain():  # gather inside the loop: outside, it would bind another loop
+        await asyncio.gather(*pending, return_exceptions=True)
+    _loop.run_until_complete(drain())
     _loop.close()
 
 

@@ -259,3 +259,20 @@ def test_a_lost_replica_is_made_again_on_the_remaining_nodes(daemon_factory, etc
             with ca.get(oid) as lease:
                 assert np.array_equal(lease.numpy(), payload(oid, 64_000))
         ca.check_integrity()
+
+
+def test_a_clean_stop_hands_over_what_the_node_was_home_to(daemon_factory, etcd):
+    a = etcd_node(daemon_factory, etcd, "a", prefix="/handover/")
+    b = etcd_node(daemon_factory, etcd, "b", prefix="/handover/")
+    assert wait_for(lambda: members(a) == {"a", "b"} == members(b), 15)
+    on_b = ids_homed("ho", "ab", ("b",), 8)
+    with b.client() as cb:
+        for oid in on_b:
+            cb.put(oid, payload(oid, 100_000))
+    assert local_tiers(a, on_b) == ("remote",) * 8  # only B, their home, has them
+    assert b.stop(signal.SIGTERM) == 0
+    with a.client() as ca:
+        assert ca.lookup(on_b).tiers == ("host",) * 8  # handed over before B left
+        for oid in on_b:
+            with ca.get(oid) as lease:
+                assert np.array_equal(lease.numpy(), payload(oid, 100_000))

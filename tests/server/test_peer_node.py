@@ -26,6 +26,10 @@ SECRET = "node-test-secret-000001"
     ({"replicas": 0}, "replicas"),
     ({"peer_timeout_s": 0}, "peer_timeout_s"),
     ({"node_id": "no spaces"}, "node_id"),
+    ({"remote_write": "selective"}, "remote_write must be write_through or write_back"),
+    ({"rehome": "yes"}, "rehome must be true or false"),
+    ({"rehome_delay_s": 0}, "rehome_delay_s"),
+    ({"handover_s": -1}, "handover_s"),
 ])
 def test_bad_cluster_config_is_refused_with_the_key_named(bad, match):
     with pytest.raises(InvalidArgument, match=match):
@@ -36,6 +40,7 @@ def test_cluster_defaults_are_off_and_loopback():
     cluster = ServerConfig().cluster
     assert not cluster.enabled and cluster.listen.startswith("127.0.0.1:")
     assert cluster.replicas == 1 and cluster.peer_timeout_s == 1.0 and cluster.lease_ttl_s == 5.0
+    assert cluster.remote_write == "write_through" and cluster.rehome and cluster.handover_s == 10.0
 
 
 @pytest.mark.parametrize("node", ["a", "b", "c"])
