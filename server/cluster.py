@@ -349,8 +349,8 @@ class ClusterLink:
         for oid in ids:
             self.forget(namespace, oid)
         pending = [f for oid in ids for f in self._sending.get((namespace, oid.digest), ())]
-        if pending:
-            await asyncio.wait(pending)
+        if pending:  # queued ones give up at once (their entry is gone); bounded regardless
+            await asyncio.wait(pending, timeout=4 * self.config.peer_timeout_s)
         remote = await self.remote.delete(namespace, list(ids))
         return sum(a or b for a, b in zip(found, remote))
 
