@@ -40,6 +40,27 @@ NVME_COUNTERS = {
     "num_nvme_evictions": ("kvstore_nvme_evictions", "Objects the full NVMe tier dropped to make room"),
     "num_demotion_failures": ("kvstore_nvme_write_failures", "Writes to NVMe that failed (disk error, full, checksum)"),
 }
+# The cluster (server/cluster.py, tiers/remote.py, server/rehome.py), node-wide:
+# (section of stats()["tiers"]["remote"] or None for its top level, key) -> (name, help).
+CLUSTER_COUNTERS = {
+    ("remote", "num_gets"): ("kvstore_remote_gets", "Local misses asked of home nodes"),
+    ("remote", "num_hits"): ("kvstore_remote_hits", "Remote gets that brought verified bytes"),
+    ("remote", "num_misses"): ("kvstore_remote_misses", "Remote gets no home could serve"),
+    ("remote", "num_peer_failures"): ("kvstore_peer_failures", "Peer calls that timed out, broke or were refused"),
+    ("remote", "num_peer_skips"): ("kvstore_peer_skips", "Peer calls not tried: the peer failed moments ago"),
+    ("remote", "num_checksum_failures"): ("kvstore_remote_checksum_failures", "Remote bytes refused by their checksum"),
+    ("remote", "bytes_in"): ("kvstore_remote_bytes_in", "Bytes fetched from peers"),
+    ("remote", "bytes_out"): ("kvstore_remote_bytes_out", "Bytes stored on peers"),
+    (None, "num_replicated"): ("kvstore_remote_replicated", "Commits copied to every remote home"),
+    (None, "num_demoted_remote"): ("kvstore_remote_demotions", "Objects sent to their homes as they left this node"),
+    (None, "num_demotion_failures"): ("kvstore_remote_demotion_failures", "Demotions no home took"),
+    (None, "num_remote_puts"): ("kvstore_remote_puts", 'Puts with tier="remote"'),
+    (None, "num_remote_put_fallbacks"): ("kvstore_remote_put_fallbacks", 'tier="remote" puts kept here: no home took them'),
+    ("rehome", "passes"): ("kvstore_rehome_passes", "Re-homing passes (and handovers) run"),
+    ("rehome", "objects_sent"): ("kvstore_rehome_objects", "Objects copied to their new homes"),
+    ("rehome", "bytes_sent"): ("kvstore_rehome_bytes", "Bytes copied to new homes"),
+    ("rehome", "failures"): ("kvstore_rehome_failures", "Re-homing sends that failed (retried)"),
+}
 # Puts (stored or deduplicated), gets and deletes count as operations for the ops/s meter.
 OPS_COUNTERS = ("num_puts", "num_dedup_puts", "num_gets", "num_deletes")
 
@@ -91,6 +112,9 @@ class StatsCollector:
         if nvme is not None:
             for key, (name, doc) in NVME_COUNTERS.items():
                 yield CounterMetricFamily(name, doc, value=nvme.get(key, 0))
+        cluster = stats.get("tiers", {}).get("remote")
+        if cluster is not None:
+            yield from _cluster_families(cluster)
         for name, doc, value in (
             ("kvstore_leases", "Leases held by clients", stats["leases"]),
             ("kvstore_clients", "Local clients connected", stats["clients"]),
@@ -105,6 +129,23 @@ class StatsCollector:
         for code, count in sorted(self.admin.num_errors.items()):
             errors.add_metric([code], count)
         yield errors
+
+
+def _cluster_families(cluster: dict):
+    for (section, key), (name, doc) in CLUSTER_COUNTERS.items():
+        values = cluster if section is None else cluster.get(section) or {}
+        if key in values:
+            yield CounterMetricFamily(name, doc, value=values[key])
+    down = set(cluster.get("remote", {}).get("peers_down", ()))
+    members = GaugeMetricFamily("kvstore_cluster_member_up", "Members this node sees: 0 while a call to it "
+                                "failed within the peer timeout", labels=["node"])
+    for node in sorted(cluster.get("members", {})):
+        members.add_metric([node], 0 if node in down else 1)
+    yield members
+    rehome = cluster.get("rehome") or {}
+    if rehome:
+        yield GaugeMetricFamily("kvstore_rehome_pending_retries", "Re-homing sends waiting for a retry",
+                                value=rehome.get("pending_retries", 0))
 
 
 def make_registry(daemon, admin) -> CollectorRegistry:

@@ -168,6 +168,15 @@ def test_admin_cluster_lists_members_and_the_remote_view(daemon_factory):
     with a.client() as ca:  # a read homed on B notices it is gone
         assert ca.get(ids_homed("adm", "ab", ("b", "a"), 1, replicas=2)[0]) is None
     assert [m["down"] for m in api.get("/v1/cluster")["members"]] == [False, True]
+    from prometheus_client.parser import text_string_to_metric_families
+    text = api.request("GET", "/metrics", raw=True)
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for family in text_string_to_metric_families(text) for s in family.samples}
+    assert samples[("kvstore_cluster_member_up", (("node", "a"),))] == 1
+    assert samples[("kvstore_cluster_member_up", (("node", "b"),))] == 0
+    assert samples[("kvstore_peer_failures_total", ())] >= 1
+    assert samples[("kvstore_remote_misses_total", ())] == 1
+    assert samples[("kvstore_rehome_passes_total", ())] == 0
 
 
 # --- re-homing -----------------------------------------------------------------------------
