@@ -220,7 +220,7 @@ class TierMover:
                     await asyncio.gather(*(self.write(e) for e in writes),
                                          *([cluster.demote(leaving)] if leaving else []))
                 # NVMe refused some (full disk, EIO): those leave the node too, homes first.
-                failed = [e for e in writes if not e.on_nvme and cluster is not None
+                failed = [e for e in writes if not e.on_nvme and cluster is not None and ns.objects.get(e.object_id) is e
                           and cluster.must_send(ns.name, e.object_id)]
                 if failed:
                     await cluster.demote(failed)
