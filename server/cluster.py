@@ -23,6 +23,7 @@ import asyncio
 import contextlib
 import contextvars
 import logging
+import math
 import time
 
 import numpy as np
@@ -58,6 +59,7 @@ class ClusterLink:
         # queues here instead of timing out on the remote tier's link pool (which would mark
         # a healthy peer down).
         self.gate = asyncio.Semaphore(MAX_LINKS_PER_PEER)
+        self._demotion_log_at = -math.inf
         self.counters = {"num_replicated": 0, "num_demoted_remote": 0, "num_demotion_failures": 0,
                          "num_remote_puts": 0, "num_remote_put_fallbacks": 0}
         # Remote load estimates: start from a loopback-TCP guess, then follow fetches.
@@ -312,13 +314,19 @@ class ClusterLink:
             return set(await self.remote.put(namespace, oid, meta, data)) >= set(homes)
 
     def _count_demotions(self, items, results) -> None:
+        failed = []
         for item, ok in zip(items, results):
             if ok is None:
                 continue
             self.counters["num_demoted_remote" if ok else "num_demotion_failures"] += 1
             if not ok:
-                oid = getattr(item, "object_id", item)
-                log.warning("event=remote_demotion_failed id=%s homes=%s", oid, ",".join(self.remote.remote_homes(oid)))
+                failed.append(getattr(item, "object_id", item))
+        # With a home down every eviction fails alike: one line per second, not one per object.
+        now = time.monotonic()
+        if failed and now - self._demotion_log_at >= 1.0:
+            self._demotion_log_at = now
+            log.warning("event=remote_demotion_failed objects=%d first=%s homes=%s total=%d", len(failed), failed[0],
+                        ",".join(self.remote.remote_homes(failed[0])), self.counters["num_demotion_failures"])
 
     async def put_remote(self, entry: ObjectEntry) -> dict:
         """An explicit put with tier="remote": the reply waits until the homes hold it. The

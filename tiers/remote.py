@@ -261,7 +261,7 @@ class RemoteTier:
                 self._release(address, link)
         except (PeerUnavailable, PermissionDenied) as exc:
             self.counters.num_peer_failures += 1
-            if down is None:
+            if node not in self._down_until:  # once per going down, though calls ran in parallel
                 log.warning("event=peer_down node=%s address=%s op=%s error=%r", node, address, op, exc.message)
             self._down_until[node] = self.clock() + self.timeout_s
             return None
