@@ -172,7 +172,15 @@ def test_sigkill_of_clients_under_load_leaks_nothing(make_daemon, tmp_path):
         for wave in range(3):
             running += [_spawn("mixed", d.socket, rng.randrange(10**6), 120, 64, result) for _ in range(4 - len(running))]
             time.sleep(rng.uniform(1.5, 3.0))
-            leases_at_kill += d.admin().get("/v1/stats")["leases"]
+            # Kill only once they hold something: a slow machine may still be starting them.
+            seen = []
+
+            def holding() -> bool:
+                seen.append(d.admin().get("/v1/stats")["leases"])
+                return seen[-1] > 0
+
+            assert wait_for(holding, timeout=60), "the clients never took a lease"
+            leases_at_kill += seen[-1]
             for w in rng.sample(running, 2 if wave < 2 else len(running)):
                 w.send_signal(signal.SIGKILL)
                 w.wait(10)
