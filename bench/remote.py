@@ -5,7 +5,8 @@
 The real peer service (`python -m server.peer_service`, in-memory backend, uvloop) serves
 from its own process; a RemoteTier fetches from another. A timed get is one `get_into` of a
 4 MiB object into a pre-touched buffer, xxh3-128 check included; `transfer` is the same fetch
-without the check; `lookup` is one key, one round trip.
+without the check; `lookup` is one key, one round trip; `sparse` is a ranged get of 1/8 of
+the object's 16 KiB pages (a sparse decode step's read), against the whole-object get.
 
 Baselines, each a pair of processes in the same run, reps interleaved (bench/common.py):
   socket     a blocking client sends 1 byte; the server sendall()s the same 4 MiB, which the
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -46,6 +48,10 @@ from tiers.remote import RemoteTier  # noqa: E402
 SUITE = "remote"
 SIZE = 4 * MiB
 SECRET = b"bench-remote-secret-000"
+# A sparse decode step's read of one chunk: 1/8 of its 16 KiB pages, scattered (fixed seed).
+PAGE = 16 * 1024
+SPARSE_RANGES = tuple((p * PAGE, PAGE) for p in sorted(random.Random(3).sample(range(SIZE // PAGE), SIZE // PAGE // 8)))
+SPARSE_BYTES = sum(n for _, n in SPARSE_RANGES)
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,6 +106,16 @@ class PeerClientSide:
         elapsed = time.perf_counter() - start
         if got != self.meta:
             raise RuntimeError(f"remote get_into missed: {self.tier.stats()}")
+        return elapsed
+
+    def sparse(self, rep: int) -> float:
+        """A sparse step's read: SPARSE_PAGES of the object's 16 KiB pages, as ranges."""
+        start = time.perf_counter()
+        got = self.loop.run_until_complete(
+            self.tier.get_ranges_into("bench", self.oid, SPARSE_RANGES, self.out[:SPARSE_BYTES]))
+        elapsed = time.perf_counter() - start
+        if got is None or got[0] != self.meta:
+            raise RuntimeError(f"remote ranged get missed: {self.tier.stats()}")
         return elapsed
 
     def transfer(self, rep: int) -> float:
@@ -259,7 +275,9 @@ def run(plan: Plan, transports: list[str], workdir: str, skipped: dict[str, str]
         sides = start_sides(transports, workdir, skipped, stack)
         cases = {name: (worker, "get") for name, worker in sides.items()}
         cases.update({f"transfer {k.split()[1]}": (w, "transfer") for k, w in sides.items() if k.startswith("ours ")})
-        speed = {k: gb_per_s(SIZE, median(v)) for k, v in interleave(cases, plan.reps).items()}
+        cases.update({f"sparse {k.split()[1]}": (w, "sparse") for k, w in sides.items() if k.startswith("ours ")})
+        times = interleave(cases, plan.reps)
+        speed = {k: gb_per_s(SIZE, median(v)) for k, v in times.items()}
         for key in [k for k in sides if k.startswith("ours ")]:
             transport = key.split()[1]
             for base in ("socket recv_into", "mooncake get_into"):
@@ -268,6 +286,9 @@ def run(plan: Plan, transports: list[str], workdir: str, skipped: dict[str, str]
                                     base, speed[base]))
             rows.append(Row(SUITE, f"transfer 4MiB {transport}", "throughput", "GB/s", speed[f"transfer {transport}"],
                             "socket recv_into", speed["socket recv_into"]))
+            rows.append(Row(SUITE, f"sparse read 1/8 of 4MiB {transport}", "median", "ms",
+                            median(times[f"sparse {transport}"]) * 1e3, "whole-object get_into",
+                            median(times[key]) * 1e3, higher_is_better=False))
             print(f"[{time.strftime('%H:%M:%S')}] lookup 1 key over {transport}: {plan.lookup_iters} calls", flush=True)
             samples = sides[key].call("lookup", plan.lookup_iters)
             for q in (50, 99):

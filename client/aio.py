@@ -190,8 +190,8 @@ class AsyncClient:
                        tier: str = "host") -> list[PutResult]:
         return await self._run(self.core.op_put_many(list(items), desc, hints, tier))
 
-    async def get(self, key, namespace: str | None = None, accept=None) -> ReadLease | None:
-        return await self._run(self.core.op_get(key, namespace, accept))
+    async def get(self, key, namespace: str | None = None, accept=None, ranges=None) -> ReadLease | None:
+        return await self._run(self.core.op_get(key, namespace, accept, ranges))
 
     async def get_into(self, key, out, namespace: str | None = None, verify: bool = False) -> int | None:
         return await self._run(self.core.op_get_into(key, out, namespace, verify))

@@ -5,6 +5,9 @@ chunk p // blocks_per_chunk. The reader turns {chunk: [(layer, block), ...]} int
 ranges of `Layout.ranges` (adjacent segments merged) and copies only those out of the
 chunk's read lease. It keeps one lease per chunk of a request until `release(request_id)`, so
 later steps pay a memcpy, not a round trip; the daemon neither moves nor evicts a leased object.
+The get names the ranges: a chunk that only its home nodes hold (a cluster) comes back as
+just those bytes, so a sparse step moves its pages over the network, not the whole chunk;
+such a lease serves that step only.
 """
 
 from __future__ import annotations
@@ -44,19 +47,25 @@ class SegmentReader:
         def read(client):
             out = {}
             for chunk, pairs in wanted.items():
+                spans = desc.layout.ranges(pairs, desc.dtype, chunk_tokens)
                 lease = req.by_chunk.get(chunk)
                 if lease is None:
-                    lease = client.get(req.keys[chunk].object_id)
+                    lease = client.get(req.keys[chunk].object_id, ranges=[(s.offset, s.length) for s in spans])
                     if lease is None:
                         return None
-                    req.by_chunk[chunk] = lease
-                for span in desc.layout.ranges(pairs, desc.dtype, chunk_tokens):
-                    data = lease._array[span.offset:span.offset + span.length].copy()
-                    self.bytes_read += span.length
-                    for layer, block in pairs:
-                        seg = desc.layout.segment(layer, block, desc.dtype, chunk_tokens)
-                        if span.offset <= seg.offset < span.offset + span.length:
-                            out[(chunk, layer, block)] = data[seg.offset - span.offset:][:seg.length]
+                    if lease.ranges is None:  # whole and on this node: keep it for later steps
+                        req.by_chunk[chunk] = lease
+                try:
+                    for span in spans:
+                        data = lease.read(span.offset, span.length).copy()
+                        self.bytes_read += span.length
+                        for layer, block in pairs:
+                            seg = desc.layout.segment(layer, block, desc.dtype, chunk_tokens)
+                            if span.offset <= seg.offset < span.offset + span.length:
+                                out[(chunk, layer, block)] = data[seg.offset - span.offset:][:seg.length]
+                finally:
+                    if lease.ranges is not None:  # just this step's pages, fetched from a home node
+                        lease.release()
             return out
 
         return self.link.call(read)

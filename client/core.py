@@ -8,6 +8,7 @@ asyncio clients identical in behaviour.
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import mmap
 import os
@@ -22,6 +23,7 @@ from kvstore.errors import ChecksumError, InvalidArgument, KVStoreError, Protoco
 from kvstore.hints import Hints
 from kvstore.identity import ChunkKey, ObjectId, StateDescriptor
 from kvstore.protocol import MAX_BATCH, FrameCodec, Reply, Request
+from kvstore.ranges import decode as decode_ranges, encode as encode_ranges, starts
 from client.buffers import as_u8, as_writable_u8
 
 # Bytes of reserved-but-uncommitted puts one put_many keeps in flight.
@@ -57,9 +59,10 @@ class ReadLease:
     daemon later puts there. Release is idempotent.
     """
 
-    __slots__ = ("lease_id", "object_id", "size", "checksum", "_descriptor", "tier", "_array", "_release", "_done")
+    __slots__ = ("lease_id", "object_id", "size", "checksum", "_descriptor", "tier", "_array", "_release", "_done",
+                 "ranges", "_starts")
 
-    def __init__(self, release, lease_id, object_id, size, checksum, descriptor_wire, tier, array):
+    def __init__(self, release, lease_id, object_id, size, checksum, descriptor_wire, tier, array, ranges=None):
         self.lease_id = lease_id
         self.object_id = object_id
         self.size = size
@@ -69,6 +72,10 @@ class ReadLease:
         self._array = array
         self._release = release
         self._done = False
+        # None: the lease covers the whole object. Else the (offset, length) ranges of the
+        # object it holds, packed in order (`size` and `checksum` are then of the packed bytes).
+        self.ranges = ranges
+        self._starts = None if ranges is None else sorted(zip(ranges, starts(ranges)))  # by object offset
 
     @property
     def descriptor(self) -> StateDescriptor:
@@ -91,8 +98,28 @@ class ReadLease:
         import torch
         return torch.frombuffer(self._array, dtype=dtype or torch.uint8)
 
+    def read(self, offset: int, length: int) -> np.ndarray:
+        """A read-only uint8 view of the object's bytes [offset, offset + length). On a ranged
+        lease they must lie inside one of its ranges."""
+        if self.ranges is None:
+            if offset < 0 or length < 0 or offset + length > self.size:
+                raise InvalidArgument(f"bytes [{offset}, {offset + length}) are outside the object's {self.size}")
+            at = offset
+        else:
+            i = bisect.bisect_right(self._starts, offset, key=lambda item: item[0][0]) - 1
+            while i >= 0 and sum(self._starts[i][0]) < offset + length:
+                i -= 1  # an earlier, longer range may still cover them
+            if i < 0 or length < 0:
+                raise InvalidArgument(f"bytes [{offset}, {offset + length}) are not in this lease's ranges")
+            (start, _), packed_at = self._starts[i]
+            at = packed_at + offset - start
+        view = self._array[at:at + length]
+        view.flags.writeable = False
+        return view
+
     def verify(self) -> bool:
-        """Recompute the xxh3-128 of the bytes and compare it with the put's checksum."""
+        """Recompute the xxh3-128 of the bytes and compare it with the put's checksum (on a
+        ranged lease: the checksum the home computed over the ranges it sent)."""
         return xxhash.xxh3_128_digest(self._array) == self.checksum
 
     def release(self) -> None:
@@ -259,17 +286,21 @@ class ClientCore:
             raise result.error
         return result
 
-    def op_get(self, key, namespace: str | None, accept):
+    def op_get(self, key, namespace: str | None, accept, ranges=None):
         namespace = namespace or self.namespace
         yield from self.op_open(namespace)
         accept = tuple(accept) if accept else None
         oid = to_object_id(key)
-        (reply,) = yield [self.request(m.Get(namespace, oid, accept))]
+        if ranges is not None:
+            ranges = decode_ranges(encode_ranges(ranges))  # InvalidArgument before anything is sent
+        (reply,) = yield [self.request(m.Get(namespace, oid, accept, ranges))]
         r = self.result(reply)
         if not r["hit"]:
             return None
         array = self.arenas[namespace][r["offset"]:r["offset"] + r["size"]]
-        return ReadLease(self._release_cb, r["lease"], oid, r["size"], r["checksum"], r["descriptor"], r["tier"], array)
+        held = None if r.get("ranges") is None else decode_ranges(r["ranges"])
+        return ReadLease(self._release_cb, r["lease"], oid, r["size"], r["checksum"], r["descriptor"], r["tier"],
+                         array, held)
 
     def op_get_into(self, key, out, namespace, verify: bool):
         dst = as_writable_u8(out)

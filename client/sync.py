@@ -199,9 +199,14 @@ class Client:
         item's failure: each result carries its own `error` (None on success)."""
         return self._run(self.core.op_put_many(list(items), desc, hints, tier))
 
-    def get(self, key, namespace: str | None = None, accept=None) -> ReadLease | None:
-        """A zero-copy read lease (use as a context manager), or None on a miss."""
-        return self._run(self.core.op_get(key, namespace, accept))
+    def get(self, key, namespace: str | None = None, accept=None, ranges=None) -> ReadLease | None:
+        """A zero-copy read lease (use as a context manager), or None on a miss.
+
+        ranges: [(offset, length), ...] when only those bytes will be read (a sparse
+        reader). An object on this node is still leased whole; one held only by its home
+        nodes comes back as just those ranges (`lease.ranges` set). Read through
+        `lease.read(offset, length)`, which works on both."""
+        return self._run(self.core.op_get(key, namespace, accept, ranges))
 
     def get_into(self, key, out, namespace: str | None = None, verify: bool = False) -> int | None:
         """Copy the object into `out`; returns its size, or None on a miss."""

@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar
 
+from kvstore.ranges import CODEC as RANGES
 from kvstore.dtypes import DType
 from kvstore.errors import InvalidArgument, ProtocolError
 from kvstore.hints import Hints
@@ -200,13 +201,18 @@ class Abort(Message):
 
 @dataclass(frozen=True, slots=True)
 class Get(Message):
-    """A read lease on a committed object, or a miss. `accept` lists dtypes the reader can use."""
+    """A read lease on a committed object, or a miss. `accept` lists dtypes the reader can use.
+
+    `ranges` ((offset, length) pairs, kvstore.ranges) says the reader needs only those bytes.
+    An object held on this node is still leased whole; one only its home nodes hold is
+    fetched as just those ranges, packed, into a lease of their own (reply field "ranges")."""
     namespace: str
     object_id: ObjectId
     accept: tuple | None = None
+    ranges: tuple | None = None
     op: ClassVar[str] = "get"
-    _codecs: ClassVar = {"namespace": NAMESPACE, "object_id": OID, "accept": ACCEPT}
-    _defaults: ClassVar = {"accept": None}
+    _codecs: ClassVar = {"namespace": NAMESPACE, "object_id": OID, "accept": ACCEPT, "ranges": RANGES}
+    _defaults: ClassVar = {"accept": None, "ranges": None}
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,6 +6,7 @@ A request or reply with payload bytes after it says how many in its top-level
 request names its namespace: a node answers only for the namespace asked.
 
     peer_get     {namespace, object_id}            -> {"meta": meta | None} (+ meta.size bytes)
+                 {..., ranges}                     -> {"meta", "ranges_checksum"} (+ the ranges, packed)
     peer_put     {namespace, object_id, **meta}    (+ size bytes) -> {"stored": bool}
     peer_lookup  {namespace, ids}                  -> {"metas": [meta | None, ...]}
 """
@@ -16,6 +17,7 @@ import functools
 from dataclasses import dataclass
 from typing import ClassVar
 
+from kvstore.ranges import CODEC as RANGES
 from kvstore.errors import ProtocolError
 from kvstore.hints import Hints
 from kvstore.identity import ObjectId, StateDescriptor
@@ -72,11 +74,15 @@ class RemoteMeta:
 
 @dataclass(frozen=True, slots=True)
 class PeerGet(Message):
-    """Reply {"meta": meta | None}; when found, `meta.size` payload bytes follow."""
+    """Reply {"meta": meta | None}; when found, `meta.size` payload bytes follow. With
+    `ranges`, only those bytes follow, packed (kvstore.ranges), and the reply's
+    "ranges_checksum" is their xxh3-128."""
     namespace: str
     object_id: ObjectId
+    ranges: tuple | None = None
     op: ClassVar[str] = "peer_get"
-    _codecs: ClassVar = {"namespace": NAMESPACE, "object_id": OID}
+    _codecs: ClassVar = {"namespace": NAMESPACE, "object_id": OID, "ranges": RANGES}
+    _defaults: ClassVar = {"ranges": None}
 
 
 @dataclass(frozen=True, slots=True)

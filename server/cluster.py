@@ -6,7 +6,8 @@
                           node is a home itself
     leaving this node  -> an object evicted from its last local tier that its homes are not
                           known to hold is sent there first (demotion to tier "remote")
-    local get miss     -> host, then NVMe, then the home nodes (one verified transfer)
+    local get miss     -> host, then NVMe, then the home nodes (one verified transfer);
+                          a get with byte ranges fetches only those, leased, not published
     lookup             -> local tiers, then one batched round trip per home for the misses
     delete             -> this node's tiers, then every live member
     membership change  -> objects held here are copied to their new homes (server.rehome)
@@ -30,6 +31,7 @@ import numpy as np
 
 from kvstore.errors import CapacityError, ChecksumError
 from kvstore.peer_messages import RemoteMeta
+from kvstore.ranges import encode as ranges_encode, total as ranges_total
 from server.objects import ObjectEntry
 from server.peer_node import PeerNode
 from server.peer_service import PeerRead, PeerWrite
@@ -248,6 +250,38 @@ class ClusterLink:
             np.copyto(np.frombuffer(ns.arena.view(extent), dtype=np.uint8)[:meta.size], landed["staged"])
         self._held.add((namespace, object_id.digest))  # a home had it
         return self.manager.publish(ns, object_id, extent, meta.size, meta.checksum, meta.descriptor, meta.hints)
+
+    async def get_ranges(self, owner, namespace: str, object_id, accept, ranges: tuple) -> dict:
+        """A local miss of a reader that needs only `ranges` (kvstore.ranges): fetch just those
+        bytes from a home into a transient extent and lease it; nothing is published here."""
+        mgr = self.manager
+        ns = mgr.namespaces[namespace]
+        if self.remote is None or not self.remote.remote_homes(object_id):
+            ns.counters.num_misses += 1
+            return {"hit": False}
+        size = ranges_total(ranges)
+        extent = await mgr.allocate(ns, size)
+        mgr.track_transient(ns, extent, add=True)
+        lease_id = None
+        try:
+            got = await self.remote.get_ranges_into(namespace, object_id, ranges, ns.arena.view(extent)[:size])
+            if got is not None and (accept is None or got[0].descriptor.dtype in accept):
+                lease_id = mgr.grant_ranged(owner, ns, object_id, extent)
+        finally:
+            if lease_id is None:  # a miss, a refusal or an error: the landing place goes back
+                mgr.track_transient(ns, extent, add=False)
+                ns.arena.free(extent)
+        if lease_id is None:
+            ns.counters.num_misses += 1
+            if got is None:
+                return {"hit": False}
+            return {"hit": False, "reason": f"stored as {got[0].descriptor.dtype.value}, not in accept list"}
+        meta, checksum = got
+        ns.counters.num_hits += 1
+        ns.counters.bytes_out += size
+        return {"hit": True, "lease": lease_id, "offset": extent.offset, "size": size, "checksum": checksum,
+                "tier": "remote", "descriptor": meta.descriptor.to_wire(), "ranges": ranges_encode(ranges),
+                "object_size": meta.size}
 
     def on_commit(self, entry: ObjectEntry) -> None:
         """A local put committed: under write_through, copy it to its homes in the background."""

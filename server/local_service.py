@@ -194,7 +194,7 @@ class LocalConnection(asyncio.Protocol):
         mgr, owner = self.manager, self.conn_id
         match msg:
             case m.Get():
-                return mgr.get(owner, self._ns(msg.namespace), msg.object_id, msg.accept), None
+                return mgr.get(owner, self._ns(msg.namespace), msg.object_id, msg.accept, msg.ranges), None
             case m.Release():
                 mgr.release(owner, msg.lease)
                 return None, None

@@ -44,6 +44,7 @@ NVME_COUNTERS = {
 # (section of stats()["tiers"]["remote"] or None for its top level, key) -> (name, help).
 CLUSTER_COUNTERS = {
     ("remote", "num_gets"): ("kvstore_remote_gets", "Local misses asked of home nodes"),
+    ("remote", "num_ranged_gets"): ("kvstore_remote_ranged_gets", "Remote gets of byte ranges only (sparse readers)"),
     ("remote", "num_hits"): ("kvstore_remote_hits", "Remote gets that brought verified bytes"),
     ("remote", "num_misses"): ("kvstore_remote_misses", "Remote gets no home could serve"),
     ("remote", "num_peer_failures"): ("kvstore_peer_failures", "Peer calls that timed out, broke or were refused"),

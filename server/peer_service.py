@@ -24,6 +24,7 @@ import sys
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Protocol
 
+from kvstore import ranges
 from kvstore.errors import ChecksumError, KVStoreError, PermissionDenied, ProtocolError
 from kvstore.identity import ObjectId
 from kvstore.protocol import Reply, Request
@@ -195,13 +196,28 @@ class PeerService:
         if read is None:
             await channel.send(Reply(rid, {"meta": None}))
             return
+        reply, payload = {"meta": read.meta.to_wire()}, read.buffer
+        if msg.ranges is not None:  # only those bytes, packed: the copy ends the hold at once
+            try:
+                ranges.check_within(msg.ranges, read.meta.size)
+                # The reader cannot check part of an object against the put's checksum, so
+                # this node checks its whole copy first: bytes that rotted here are never sent.
+                if self.digest(read.buffer) != read.meta.checksum:
+                    self.counters.num_checksum_failures += 1
+                    log.warning("event=peer_get_checksum_mismatch namespace=%s id=%s", msg.namespace, msg.object_id)
+                    raise ChecksumError(f"object {msg.object_id} fails its checksum on node {self.node_id}; not sent")
+                payload = ranges.pack(read.buffer, msg.ranges)
+            finally:
+                read.release()
+            reply["ranges_checksum"] = self.digest(payload)
         try:
-            size = nbytes_of(read.buffer)
+            size = nbytes_of(payload)
             async with asyncio.timeout(self._budget(size)):
-                await channel.send(Reply(rid, {"meta": read.meta.to_wire(), "payload_bytes": size}), read.buffer)
+                await channel.send(Reply(rid, {**reply, "payload_bytes": size}), payload)
             self.counters.bytes_out += size
         finally:
-            read.release()
+            if msg.ranges is None:
+                read.release()
 
     async def _put(self, channel: Channel, msg: PeerPut, nbytes: int) -> dict:
         async with asyncio.timeout(self._budget(nbytes)):

@@ -66,6 +66,7 @@ class TierManager(IndexOps, TierReport):
         self._zombies: dict[int, ObjectEntry] = {}  # id(entry) -> deleted entry still leased
         self._creating: dict[str, asyncio.Future] = {}  # namespaces whose arena is being made
         self._transient: dict[int, object] = {}  # id(extent) -> extent being filled by a promotion
+        self._ranged: dict[int, tuple] = {}  # read lease id -> (namespace, transient extent of fetched ranges)
         self.mover = None  # server.movement.TierMover when the NVMe tier is enabled
         self.cluster = None  # server.cluster.ClusterLink when cluster.enabled
         self._num_holds = 0  # readers the daemon itself holds (copies to NVMe in flight)
@@ -337,7 +338,7 @@ class TierManager(IndexOps, TierReport):
 
     # --- get --------------------------------------------------------------------
 
-    def get(self, owner, namespace: str, oid: ObjectId, accept=None) -> dict:
+    def get(self, owner, namespace: str, oid: ObjectId, accept=None, ranges=None) -> dict:
         ns = self.namespaces.get(namespace)
         if ns is None:
             return {"hit": False}
@@ -351,6 +352,9 @@ class TierManager(IndexOps, TierReport):
             if self.mover is not None and self.mover.holds(namespace, oid):
                 return self._get_after_promotion(owner, namespace, oid, accept)
             if self.cluster is not None:
+                if ranges is not None:  # a sparse reader: only those bytes cross the network
+                    self._check_lease_quota(owner)
+                    return self.cluster.get_ranges(owner, namespace, oid, accept, ranges)
                 return self._get_from_peers(owner, namespace, oid, accept)
             ns.counters.num_misses += 1
             return {"hit": False}
@@ -389,6 +393,14 @@ class TierManager(IndexOps, TierReport):
         reply = self.get(owner, namespace, oid, accept)  # resident now: the sync path
         return reply if not hasattr(reply, "__await__") else await reply
 
+    def grant_ranged(self, owner, ns: Namespace, oid: ObjectId, extent) -> int:
+        """A read lease on an extent holding some ranges of `oid` (transient, never indexed);
+        it is freed when the lease ends."""
+        self._check_lease_quota(owner)
+        lease = self.leases.grant(owner, oid, extent, "read", self.config.limits.lease_ttl_s, self.clock())
+        self._ranged[lease.lease_id] = (ns, extent)
+        return lease.lease_id
+
     def release(self, owner, lease_id: int) -> None:
         self._own_lease(owner, lease_id, "read")
         self._end_lease(self.leases.release(lease_id))
@@ -408,6 +420,11 @@ class TierManager(IndexOps, TierReport):
             put = self._pending.pop(lease.lease_id)
             self._settle_inflight(lease.owner, put.size)
             self.namespaces[put.namespace].arena.free(put.extent)
+            return
+        ranged = self._ranged.pop(lease.lease_id, None)
+        if ranged is not None:
+            self.track_transient(ranged[0], ranged[1], add=False)
+            ranged[0].arena.free(ranged[1])
             return
         self._drop_reader(self._reading.pop(lease.lease_id))
 

@@ -3,8 +3,10 @@
 An object's home nodes come from rendezvous hashing over the live members
 (`kvstore.ownership`). This tier asks them: `get_into` fetches into a buffer the caller
 provides (tier memory; a CUDA buffer through UCX), `put` sends to every home but this node,
-`lookup` asks each home node once for a whole batch, `delete` asks every member. Bytes from a peer are checked against
-the xxh3-128 taken at put before `get_into` returns; a mismatch is a miss.
+`get_ranges_into` fetches only some byte ranges (a sparse reader), `lookup` asks each home
+node once for a whole batch, `delete` asks every member. Bytes from a peer are checked
+against the xxh3-128 taken at put before `get_into` returns (ranges: against the checksum
+of the packed ranges, taken by the home after it checked its whole copy); a mismatch is a miss.
 
 Failure is a miss, never a hang: every call is bounded by `timeout_s` (plus transfer time at
 MIN_PEER_BANDWIDTH_BYTES_S), is counted, and logged once per peer going down. A peer that just
@@ -25,11 +27,12 @@ from typing import Any, Awaitable, Callable, Mapping, Protocol
 
 import xxhash
 
-from kvstore.errors import KVStoreError, PermissionDenied, ProtocolError, ServiceError
+from kvstore.errors import InvalidArgument, KVStoreError, PermissionDenied, ProtocolError, ServiceError
 from kvstore.identity import ObjectId
 from kvstore.ownership import home_nodes
 from kvstore.peer_messages import PeerDelete, PeerGet, PeerLookup, PeerPut, RemoteMeta
 from kvstore.protocol import MAX_BATCH
+from kvstore.ranges import total as ranges_total
 
 log = logging.getLogger("kvstore.remote")
 
@@ -66,6 +69,7 @@ class PeerLink(Protocol):
 @dataclass(slots=True)
 class RemoteCounters:
     num_gets: int = 0
+    num_ranged_gets: int = 0  # of num_gets: only some byte ranges asked for
     num_hits: int = 0
     num_misses: int = 0
     num_puts: int = 0
@@ -125,8 +129,21 @@ class RemoteTier:
         bytes, or None to skip). Returns the meta once the bytes are in and verified; None
         on a miss, in which case whatever `alloc` returned holds nothing usable. `alloc` may
         be called once per home tried."""
+        got = await self._get(namespace, object_id, alloc, None)
+        return None if got is None else got[0]
+
+    async def get_ranges_into(self, namespace: str, object_id: ObjectId, ranges: tuple,
+                              buffer) -> tuple[RemoteMeta, bytes] | None:
+        """Fetch only `ranges` of the object (kvstore.ranges), packed into `buffer` (exactly
+        their total length). Returns (meta of the whole object, xxh3-128 of the packed
+        bytes) once they are in and match the checksum the home computed over its copy;
+        None on a miss. A range past the object's end raises the home's InvalidArgument."""
+        return await self._get(namespace, object_id, lambda meta: buffer, ranges)
+
+    async def _get(self, namespace: str, object_id: ObjectId, alloc, ranges) -> tuple[RemoteMeta, bytes] | None:
         self.counters.num_gets += 1
-        args = PeerGet(namespace, object_id).to_args()
+        self.counters.num_ranged_gets += ranges is not None
+        args = PeerGet(namespace, object_id, ranges).to_args()
         for node in self.remote_homes(object_id):
             target: list = []
 
@@ -134,21 +151,23 @@ class RemoteTier:
                 meta = RemoteMeta.from_wire(result.get("meta"))
                 if meta.descriptor.namespace != namespace:  # never another tenant's bytes
                     raise ProtocolError(f"peer answered for namespace {meta.descriptor.namespace!r}")
+                expected = meta.checksum if ranges is None else result.get("ranges_checksum")
                 buf = alloc(meta)
-                target[:] = [meta, buf]
+                target[:] = [meta, buf, expected]
                 return buf
 
-            result = await self._call(node, PeerGet.op, args, into=into)
+            result = await self._call(node, PeerGet.op, args, into=into, raising=ranges is not None)
             if not result or not result.get("meta") or not target or target[1] is None:
                 continue
-            meta, buf = target
-            self.counters.bytes_in += meta.size
-            if self.digest(buf) != meta.checksum:
+            meta, buf, expected = target
+            self.counters.bytes_in += meta.size if ranges is None else ranges_total(ranges)
+            digest = self.digest(buf)
+            if digest != expected:
                 self.counters.num_checksum_failures += 1
                 log.warning("event=remote_checksum_mismatch node=%s namespace=%s id=%s", node, namespace, object_id)
                 continue
             self.counters.num_hits += 1
-            return meta
+            return meta, digest
         self.counters.num_misses += 1
         return None
 
@@ -243,8 +262,10 @@ class RemoteTier:
 
     # --- links ---------------------------------------------------------------------
 
-    async def _call(self, node: str, op: str, args: dict, payload=None, into=None) -> dict | None:
-        """One call to `node`; None when it failed (counted, logged when the peer goes down)."""
+    async def _call(self, node: str, op: str, args: dict, payload=None, into=None,
+                    raising: bool = False) -> dict | None:
+        """One call to `node`; None when it failed (counted, logged when the peer goes down).
+        raising: an InvalidArgument the peer answers with is raised (the caller's mistake)."""
         down = self._down_until.get(node)
         if down is not None and down > self.clock():
             self.counters.num_peer_skips += 1
@@ -266,6 +287,8 @@ class RemoteTier:
             self._down_until[node] = self.clock() + self.timeout_s
             return None
         except KVStoreError as exc:  # the peer answered with an error: it is up
+            if raising and isinstance(exc, InvalidArgument):
+                raise
             log.info("event=peer_error node=%s op=%s code=%s error=%r", node, op, exc.code, exc.message)
         # Two calls to a peer that was down may both succeed: only the first says it is up.
         if down is not None and self._down_until.pop(node, None) is not None:

@@ -183,10 +183,11 @@ class SparseDecoder:
                          m["prefetch_s"] / steps, getattr(source, "num_fallbacks", 0))
 
     def run(self, prompt: list[int], max_new_tokens: int, connector=None, codec=None,
-            request_id=0) -> SparseRun:
+            request_id=0, reader=None) -> SparseRun:
         """Prefill, save the prompt's chunks through `connector` (whose first codec must read
-        `codec.engine.kv`: see `PrefillKV`), and decode from the store; without a connector,
-        decode with every page resident (the reference)."""
+        `codec.engine.kv`: see `PrefillKV`), and decode from the store, reading pages through
+        `reader` if given (another node's connector: a decode node) else `connector`; without
+        a connector, decode with every page resident (the reference)."""
         prefill = self.prefill(prompt)
         if connector is None:
             return self.decode(prompt, prefill, ResidentPages(prefill.kv, self.page_tokens), max_new_tokens)
@@ -194,12 +195,14 @@ class SparseDecoder:
         codec.engine.kv = prefill.kv
         connector.save_kv(request_id, prompt, len(prompt))
         connector.wait_for_save()
-        source = StorePages(connector, codec, request_id, prompt, lambda: self.prefill(prompt).kv)
+        reader = reader or connector
+        source = StorePages(reader, codec, request_id, prompt, lambda: self.prefill(prompt).kv)
         try:
             return self.decode(prompt, prefill, source, max_new_tokens)
         finally:
             codec.engine.kv = None  # the device forgets the prompt
-            connector.request_finished(request_id, prompt, 0)
+            for conn in {id(c): c for c in (connector, reader)}.values():
+                conn.request_finished(request_id, prompt, 0)
 
 
 class PrefillKV:

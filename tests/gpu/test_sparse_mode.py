@@ -76,3 +76,41 @@ def test_sparse_config_rejects_a_budget_below_the_selection():
     from kvstore.errors import InvalidArgument
     with pytest.raises(InvalidArgument):
         SparseConfig(top_k=8, resident_pages=4)
+
+
+def test_decode_node_reads_only_the_selected_pages_from_the_prefill_node(daemon_factory, model):
+    """Prefill saves on node A (write_back: nothing is copied out), decode runs against node B.
+    B has none of the chunks, so each step's pages come from A as ranged reads: the tokens
+    match all-resident decode, and the bytes crossing nodes are exactly the pages read."""
+    import socket
+    model, prompt = model
+    ports = []
+    for _ in range(2):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            ports.append(s.getsockname()[1])
+    peers = [f"a=127.0.0.1:{ports[0]}", f"b=127.0.0.1:{ports[1]}"]
+
+    def node(name, port):
+        return daemon_factory("64MiB", config={"cluster": {
+            "enabled": True, "node_id": name, "listen": f"127.0.0.1:{port}", "peers": peers,
+            "secret": "a-cluster-secret-of-some-length", "remote_write": "write_back"}})
+
+    a, b = node("a", ports[0]), node("b", ports[1])
+    writer, codec = connect(model, StoreConfig(socket_path=a.socket, dtype="fp32", chunk_tokens=CHUNK))
+    reader, _ = connect(model, StoreConfig(socket_path=b.socket, dtype="fp32", chunk_tokens=CHUNK))
+    sparse = decoder(model, prefetch_extra=2)
+    fetched = sparse.run(prompt, 10, writer, codec, reader=reader)
+    resident = sparse.run(prompt, 10)
+    assert fetched.token_ids == resident.token_ids and fetched.num_fallbacks == 0
+    with b.client() as cb:
+        stats = cb.stats()
+        remote = stats["tiers"]["remote"]["remote"]
+        assert stats["tiers"]["host"]["objects"] == 0 and stats["leases"] == 0  # nothing kept on B
+        assert remote["num_ranged_gets"] > 0 and remote["num_misses"] == 0
+        assert remote["bytes_in"] == reader.segments.bytes_read > 0  # the selected pages, no more
+        chunk_bytes = 30 * (CHUNK // 16) * 2 * 16 * 3 * 64 * 4  # 30 layers x 4 pages of K and V
+        assert remote["bytes_in"] < remote["num_ranged_gets"] * chunk_bytes / 2
+        cb.check_integrity()
+    writer.close()
+    reader.close()

@@ -29,6 +29,7 @@ HOSTILE = [
     # str.isdigit() accepts these, int() does not: both once escaped as ValueError ("internal")
     {"namespace": "t", "model": "m", "model_revision": "r", "shard": "²/3"},
     {"namespace": "t", "model": "m", "model_revision": "r", "layout": "raw(bytes=²)"},
+    [[0, 0]], [[-1, 1]], [[0]], [[0, 2**40]], [[0, 1]] * (MAX_BATCH + 1),  # byte ranges
 ]
 hostile = st.sampled_from(HOSTILE) | wire_values
 
@@ -46,13 +47,15 @@ descriptors = st.builds(
 hints = st.builds(Hints, st.none() | st.floats(0, 1e6), st.integers(-10, 10), st.none() | st.text(max_size=8),
                   st.none(), st.none() | st.floats(0, 10), st.none() | st.floats(0, 1e3), st.booleans())
 leases = st.integers(1, 2**63 - 1)
+byte_ranges = st.none() | st.lists(st.tuples(st.integers(0, 2**39), st.integers(1, 2**20)), min_size=1,
+                                   max_size=8).map(tuple)
 no_neg = st.none() | st.floats(0, 1e6)
 messages = st.one_of(
     st.builds(m.Hello, st.text(max_size=20), st.integers(0, 2**31)),
     st.builds(m.OpenNamespace, names, st.none() | st.text(max_size=40)),
     st.builds(lambda d, o, s, h: m.Reserve(d.namespace, o, s, d, h), descriptors, oids, st.integers(1, 2**40), hints),
     st.builds(m.Commit, leases, st.binary(min_size=16, max_size=16)), st.builds(m.Abort, leases),
-    st.builds(m.Get, names, oids), st.builds(m.Release, leases), st.builds(m.Lookup, names, id_batches),
+    st.builds(m.Get, names, oids, st.none(), byte_ranges), st.builds(m.Release, leases), st.builds(m.Lookup, names, id_batches),
     st.builds(m.Delete, names, id_batches), st.builds(m.Pin, names, id_batches, no_neg),
     st.builds(m.Unpin, names, id_batches),
     st.builds(m.Prefetch, names, id_batches, st.sampled_from(m.TIERS), st.sampled_from(m.PREFETCH_POLICIES), no_neg),

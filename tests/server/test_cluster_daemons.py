@@ -8,7 +8,10 @@ import time
 import numpy as np
 import pytest
 
+from kvstore.dtypes import DType
+from kvstore.errors import InvalidArgument
 from kvstore.identity import ObjectId
+from kvstore.ownership import home_nodes
 
 SECRET = "a-cluster-secret-of-some-length"
 
@@ -107,3 +110,40 @@ def test_wrong_secret_gets_nothing(daemon_factory):
         time.sleep(0.5)
         assert cb.lookup(keys).hits == 0
         assert all(cb.get(k) is None for k in keys)
+
+
+def test_ranged_get_fetches_only_the_ranges_and_keeps_nothing(pair):
+    a, b = pair
+    size, pairs = 1 << 20, [(700_000, 8192), (0, 4096), (4000, 200)]  # unsorted, overlapping
+    packed = sum(n for _, n in pairs)
+    candidates = (ObjectId(bytes([200 + i]) * 32) for i in range(40))
+    only_on_a = [k for k in candidates if home_nodes(k, ("a", "b")) == ["a"]][:3]
+    assert len(only_on_a) == 3
+    with a.client() as ca, b.client() as cb:
+        for i, k in enumerate(only_on_a):
+            ca.put(k, payload(size, i))
+        used = cb.stats()["tiers"]["host"]["used_bytes"]
+        for i, k in enumerate(only_on_a):
+            lease = cb.get(k, ranges=pairs)
+            assert lease.tier == "remote" and lease.ranges == tuple(pairs) and lease.size == packed
+            assert lease.verify()
+            for offset, length in pairs:
+                assert np.array_equal(lease.read(offset, length), payload(size, i)[offset:offset + length])
+            cb.check_integrity()  # the leased landing place is accounted for
+            lease.release()
+        stats = cb.stats()
+        assert stats["tiers"]["host"]["objects"] == 0 and stats["tiers"]["host"]["used_bytes"] == used
+        assert stats["leases"] == 0 and stats["tiers"]["remote"]["remote"]["bytes_in"] == 3 * packed
+        with pytest.raises(InvalidArgument, match=r"\[1048575, 1048577\) reaches past the object's 1048576 bytes"):
+            cb.get(only_on_a[0], ranges=[(size - 1, 2)])
+        stored = ca.get(only_on_a[0]).descriptor.dtype
+        assert cb.get(only_on_a[0], ranges=pairs, accept=[d for d in DType if d != stored][:1]) is None
+        assert cb.get(ObjectId(b"\x09" * 32), ranges=pairs) is None
+        with ca.get(only_on_a[0], ranges=pairs) as whole:  # held here: leased whole, read the same way
+            assert whole.ranges is None and whole.size == size
+            assert np.array_equal(whole.read(700_000, 8192), payload(size, 0)[700_000:708_192])
+        with b.client() as dies:
+            assert dies.get(only_on_a[1], ranges=pairs) is not None  # left leased when the client goes
+        assert wait_for(lambda: cb.stats()["leases"] == 0)
+        assert cb.stats()["tiers"]["host"]["used_bytes"] == used
+        cb.check_integrity()

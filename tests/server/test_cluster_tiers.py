@@ -176,6 +176,7 @@ def test_admin_cluster_lists_members_and_the_remote_view(daemon_factory):
     assert samples[("kvstore_cluster_member_up", (("node", "b"),))] == 0
     assert samples[("kvstore_peer_failures_total", ())] >= 1
     assert samples[("kvstore_remote_misses_total", ())] == 1
+    assert samples[("kvstore_remote_ranged_gets_total", ())] == 0
     assert samples[("kvstore_rehome_passes_total", ())] == 0
 
 

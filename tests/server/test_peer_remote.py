@@ -4,9 +4,11 @@ import asyncio
 
 import numpy as np
 import pytest
+import xxhash
 from peer_helpers import TRANSPORTS, make_object, remote_tier, run, services, transport_or_skip
 
-from kvstore.errors import CapacityError
+from kvstore import ranges
+from kvstore.errors import CapacityError, InvalidArgument
 from kvstore.identity import ObjectId
 from server.peer_service import InMemoryBackend
 from tiers.remote import MAX_LINKS_PER_PEER
@@ -233,3 +235,35 @@ def test_wrong_size_buffer_is_the_callers_error_not_a_dead_peer(transport):
     bad, good, stats, service = run(scenario())
     assert bad is None and good == meta
     assert stats["peers_down"] == [] and stats["num_peer_failures"] == 0 and service["num_channels"] == 1
+
+
+def test_ranged_get_moves_only_the_ranges_and_never_rotted_bytes(transport):
+    oid, meta, data = make_object(MiB, seed=7)
+    backend = InMemoryBackend()
+    pairs = ((900_000, 4096), (0, 100), (50, 200), (MiB - 1, 1))  # unsorted, overlapping, last byte
+
+    async def scenario():
+        async with services(transport, backends=[backend]) as started:
+            service = started["b"][0]
+            tier = remote_tier(transport, members_of(started))
+            await tier.put("ns", oid, meta, data)
+            sent_before = service.counters.bytes_out
+            out = np.empty(ranges.total(pairs), np.uint8)
+            got = await tier.get_ranges_into("ns", oid, pairs, out)
+            sent = service.counters.bytes_out - sent_before
+            with pytest.raises(InvalidArgument, match="reaches past the object's"):
+                await tier.get_ranges_into("ns", oid, ((MiB - 10, 11),), np.empty(11, np.uint8))
+            other = await tier.get_ranges_into("tenant-2", oid, pairs, np.empty(out.size, np.uint8))
+            backend.objects[("ns", oid)][1][MiB // 2] ^= 0xFF  # rot outside the ranges asked for
+            rotted = await tier.get_ranges_into("ns", oid, pairs, np.empty(out.size, np.uint8))
+            tier.check_integrity()
+            await tier.close()
+            return got, out, sent, other, rotted, tier.stats(), service.stats()
+
+    got, out, sent, other, rotted, stats, service = run(scenario())
+    assert got is not None and got[0] == meta and got[1] == xxhash.xxh3_128_digest(out)
+    assert np.array_equal(out, ranges.pack(data, pairs))
+    assert sent == out.size == 4096 + 100 + 200 + 1  # not the object's MiB
+    assert other is None  # namespaces stay apart
+    assert rotted is None and service["num_checksum_failures"] == 1  # the home checked its whole copy
+    assert stats["num_ranged_gets"] == 4 and stats["peers_down"] == []  # a bad range is not a dead peer
