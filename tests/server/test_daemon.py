@@ -185,7 +185,7 @@ def test_lease_released_when_client_dies(daemon_factory):
 
 
 def test_lease_expires_when_client_never_releases(daemon_factory):
-    d = daemon_factory(config={"limits": {"lease_ttl_s": 1.0}})
+    d = daemon_factory(config={"limits": {"lease_ttl_s": 2.0}})
     with d.client() as c:
         key = ids(1)[0]
         c.put(key, b"x" * 10)

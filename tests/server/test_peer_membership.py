@@ -16,7 +16,7 @@ from server.membership import EtcdMembership, StaticMembership
 
 TTL_S = 2.0
 # Lease expiry is checked by etcd about every 0.5 s; the watch then tells us at once.
-NOTICE_MARGIN_S = 1.5
+NOTICE_MARGIN_S = 3.0  # generous: a loaded CI machine delays etcd and us alike
 
 _MEMBER = """
 import asyncio, sys
@@ -68,7 +68,7 @@ def test_members_see_each_other_and_a_killed_node_leaves_within_the_ttl(etcd):
         await a.start()
         proc = await asyncio.to_thread(_spawn_member, etcd, "b", "10.0.0.2:1")
         try:
-            await _wait_for(lambda: "b" in a.members(), 2.0)
+            await _wait_for(lambda: "b" in a.members(), 10.0)
             assert a.members() == {"a": "10.0.0.1:1", "b": "10.0.0.2:1"}
             proc.send_signal(signal.SIGKILL)  # no revoke: only the lease running out tells
             noticed = await _wait_for(lambda: "b" not in a.members(), TTL_S + NOTICE_MARGIN_S)
@@ -84,19 +84,21 @@ def test_members_see_each_other_and_a_killed_node_leaves_within_the_ttl(etcd):
 
 
 def test_graceful_stop_leaves_at_once(etcd):
+    ttl_s = 30.0  # far longer than any wait below: b is gone because it revoked, not expired
+
     async def scenario():
-        a = EtcdMembership(etcd, "/g/", "a", "10.0.0.1:1", ttl_s=TTL_S)
-        b = EtcdMembership(etcd, "/g/", "b", "10.0.0.2:1", ttl_s=TTL_S)
+        a = EtcdMembership(etcd, "/g/", "a", "10.0.0.1:1", ttl_s=ttl_s)
+        b = EtcdMembership(etcd, "/g/", "b", "10.0.0.2:1", ttl_s=ttl_s)
         await a.start()
         await b.start()
-        await _wait_for(lambda: set(a.members()) == {"a", "b"}, 2.0)
+        await _wait_for(lambda: set(a.members()) == {"a", "b"}, 10.0)
         await b.stop()
         try:
-            return await _wait_for(lambda: set(a.members()) == {"a"}, 1.0)
+            return await _wait_for(lambda: set(a.members()) == {"a"}, ttl_s / 3)
         finally:
             await a.stop()
 
-    assert run(scenario()) < 1.0
+    assert run(scenario(), timeout_s=60) < 30.0 / 3
 
 
 def test_lost_lease_is_registered_again(etcd):
@@ -109,8 +111,8 @@ def test_lost_lease_is_registered_again(etcd):
         old = b.lease_id
         body = json.dumps({"ID": old}).encode()
         await asyncio.to_thread(urllib.request.urlopen, f"{etcd}/v3/lease/revoke", body, 2)
-        await _wait_for(lambda: "b" not in a.members(), 2.0)
-        await _wait_for(lambda: "b" in a.members(), TTL_S / 3 + NOTICE_MARGIN_S)
+        await _wait_for(lambda: "b" not in a.members(), 10.0)
+        await _wait_for(lambda: "b" in a.members(), 10.0)
         new = b.lease_id
         await b.stop()
         await a.stop()

@@ -83,7 +83,7 @@ def test_peer_that_accepts_but_never_answers_times_out(transport):
         finally:
             await listener.close()
 
-    assert run(scenario()) < 0.3 + 0.5
+    assert run(scenario()) < 10  # ended by the 0.3 s timeout, not the peer's hour-long stall
 
 
 def test_peer_that_stalls_mid_call_times_out_and_link_closes(transport):
@@ -105,7 +105,7 @@ def test_peer_that_stalls_mid_call_times_out_and_link_closes(transport):
                 await link.call("peer_lookup", {"namespace": "ns", "ids": []})
             return elapsed
 
-    assert run(scenario()) < 0.3 + 0.5
+    assert run(scenario()) < 10  # ended by the 0.3 s timeout, not the peer's hour-long stall
 
 
 def test_unwanted_payload_is_drained_and_link_stays_usable(transport):
