@@ -1,9 +1,9 @@
 """Cluster soak: three real daemons with etcd membership and two replicas, small
 host tiers (one of them write_back, one with NVMe), a client thread per node running a random
-mix (put, put tier="remote", get, lookup, delete of either scope) over a shared key space,
-while nodes are SIGKILLed or SIGTERMed and started again. Every hit is checked bit-exact as
-it happens. At the end, with all nodes back: every id reads bit-exact or cleanly misses on
-every node, and each daemon's check_integrity passes.
+mix (put, put tier="remote", get, get of byte ranges, lookup, delete of either scope) over a
+shared key space, while nodes are SIGKILLed or SIGTERMed and started again. Every hit is
+checked bit-exact as it happens. At the end, with all nodes back: every id reads bit-exact
+or cleanly misses on every node, and each daemon's check_integrity passes.
 
 CI runs 25 s; the long version is marked slow:
     pytest -m slow tests/server/test_cluster_soak.py      # KVSTORE_CLUSTER_SOAK_S, default 300
@@ -66,7 +66,8 @@ class Worker(threading.Thread):
 
     def one(self, client):
         i = self.rng.randrange(NUM_IDS)
-        oid, op = oid_of(i), self.rng.choices(["put", "put_remote", "get", "lookup", "delete"], [4, 1, 8, 2, 1])[0]
+        oid, op = oid_of(i), self.rng.choices(["put", "put_remote", "get", "get_ranges", "lookup", "delete"],
+                                              [4, 1, 6, 2, 2, 1])[0]
         self.ops[op] += 1
         if op in ("put", "put_remote"):
             client.put(oid, data_of(i), tier="remote" if op == "put_remote" else "host")
@@ -75,6 +76,16 @@ class Worker(threading.Thread):
             if lease is not None:
                 with lease:
                     if not np.array_equal(lease.numpy(), data_of(i)):
+                        self.bad.append(i)
+        elif op == "get_ranges":  # a sparse reader: whole lease if held here, else just these bytes
+            data = data_of(i)
+            spans = [(o, self.rng.randint(1, min(8192, data.size - o)))
+                     for o in (self.rng.randrange(data.size) for _ in range(self.rng.randint(1, 4)))]
+            lease = client.get(oid, ranges=spans)
+            if lease is not None:
+                with lease:
+                    self.ops[f"ranged_{lease.tier}"] += 1
+                    if not all(np.array_equal(lease.read(o, n), data[o:o + n]) for o, n in spans):
                         self.bad.append(i)
         elif op == "lookup":
             client.lookup([oid_of(j) for j in range(i, min(i + 8, NUM_IDS))])
