@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from kvstore.errors import InvalidArgument
 from kvstore.identity import StateDescriptor
+from kvstore.ranges import MAX_RANGES
 
 
 @dataclass(slots=True)
@@ -46,11 +47,14 @@ class SegmentReader:
 
         def read(client):
             out = {}
+            for chunk in [c for c, lease in req.by_chunk.items() if lease.closed]:
+                del req.by_chunk[chunk]  # its connection died (the link reconnected): the daemon took it back
             for chunk, pairs in wanted.items():
                 spans = desc.layout.ranges(pairs, desc.dtype, chunk_tokens)
                 lease = req.by_chunk.get(chunk)
                 if lease is None:
-                    lease = client.get(req.keys[chunk].object_id, ranges=[(s.offset, s.length) for s in spans])
+                    asked = [(s.offset, s.length) for s in spans] if len(spans) <= MAX_RANGES else None
+                    lease = client.get(req.keys[chunk].object_id, ranges=asked)
                     if lease is None:
                         return None
                     if lease.ranges is None:  # whole and on this node: keep it for later steps

@@ -19,11 +19,11 @@ import numpy as np
 import xxhash
 
 from kvstore import messages as m
-from kvstore.errors import ChecksumError, InvalidArgument, KVStoreError, ProtocolError, from_wire
+from kvstore.errors import ChecksumError, DaemonUnavailable, InvalidArgument, KVStoreError, ProtocolError, from_wire
 from kvstore.hints import Hints
 from kvstore.identity import ChunkKey, ObjectId, StateDescriptor
 from kvstore.protocol import MAX_BATCH, FrameCodec, Reply, Request
-from kvstore.ranges import decode as decode_ranges, encode as encode_ranges, starts
+from kvstore.ranges import decode as decode_ranges, normalize as normalize_ranges, starts
 from client.buffers import as_u8, as_writable_u8
 
 # Bytes of reserved-but-uncommitted puts one put_many keeps in flight.
@@ -60,9 +60,10 @@ class ReadLease:
     """
 
     __slots__ = ("lease_id", "object_id", "size", "checksum", "_descriptor", "tier", "_array", "_release", "_done",
-                 "ranges", "_starts")
+                 "ranges", "_starts", "_core")
 
-    def __init__(self, release, lease_id, object_id, size, checksum, descriptor_wire, tier, array, ranges=None):
+    def __init__(self, release, lease_id, object_id, size, checksum, descriptor_wire, tier, array, ranges=None,
+                 core=None):
         self.lease_id = lease_id
         self.object_id = object_id
         self.size = size
@@ -76,6 +77,13 @@ class ReadLease:
         # object it holds, packed in order (`size` and `checksum` are then of the packed bytes).
         self.ranges = ranges
         self._starts = None if ranges is None else sorted(zip(ranges, starts(ranges)))  # by object offset
+        self._core = core  # the connection it came from: the daemon ends the lease when that closes
+
+    @property
+    def closed(self) -> bool:
+        """Released, or its connection to the daemon closed (the daemon then took it back,
+        and its bytes may already hold another object)."""
+        return self._done or (self._core is not None and self._core.closed)
 
     @property
     def descriptor(self) -> StateDescriptor:
@@ -101,6 +109,9 @@ class ReadLease:
     def read(self, offset: int, length: int) -> np.ndarray:
         """A read-only uint8 view of the object's bytes [offset, offset + length). On a ranged
         lease they must lie inside one of its ranges."""
+        if self.closed:
+            raise DaemonUnavailable(f"the lease on {self.object_id.hex} has ended (released, or its connection "
+                                    "closed); get the object again")
         if self.ranges is None:
             if offset < 0 or length < 0 or offset + length > self.size:
                 raise InvalidArgument(f"bytes [{offset}, {offset + length}) are outside the object's {self.size}")
@@ -184,6 +195,7 @@ class ClientCore:
         self._ids = itertools.count(1)
         self._release_cb = release
         self.max_inflight_bytes = PUT_WINDOW_BYTES  # the daemon's limit, from hello
+        self.closed = False  # the connection is gone: so are its leases
 
     def request(self, msg: m.Message, no_reply: bool = False) -> Request:
         return Request(next(self._ids), msg.op, msg.to_args(), no_reply)
@@ -198,6 +210,7 @@ class ClientCore:
         return self.request(m.Release(lease_id), no_reply=True)
 
     def close(self) -> None:
+        self.closed = True
         while self.fds:
             os.close(self.fds.popleft())
         # Mappings stay valid for leases still in the caller's hands; the GC unmaps them.
@@ -292,7 +305,7 @@ class ClientCore:
         accept = tuple(accept) if accept else None
         oid = to_object_id(key)
         if ranges is not None:
-            ranges = decode_ranges(encode_ranges(ranges))  # InvalidArgument before anything is sent
+            ranges = normalize_ranges(ranges)  # InvalidArgument before anything is sent
         (reply,) = yield [self.request(m.Get(namespace, oid, accept, ranges))]
         r = self.result(reply)
         if not r["hit"]:
@@ -300,7 +313,7 @@ class ClientCore:
         array = self.arenas[namespace][r["offset"]:r["offset"] + r["size"]]
         held = None if r.get("ranges") is None else decode_ranges(r["ranges"])
         return ReadLease(self._release_cb, r["lease"], oid, r["size"], r["checksum"], r["descriptor"], r["tier"],
-                         array, held)
+                         array, held, self)
 
     def op_get_into(self, key, out, namespace, verify: bool):
         dst = as_writable_u8(out)

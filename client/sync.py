@@ -205,7 +205,8 @@ class Client:
         ranges: [(offset, length), ...] when only those bytes will be read (a sparse
         reader). An object on this node is still leased whole; one held only by its home
         nodes comes back as just those ranges (`lease.ranges` set). Read through
-        `lease.read(offset, length)`, which works on both."""
+        `lease.read(offset, length)`, which works on both. Ranges past the object's end,
+        or adding up to more bytes than it has, raise RangeError."""
         return self._run(self.core.op_get(key, namespace, accept, ranges))
 
     def get_into(self, key, out, namespace: str | None = None, verify: bool = False) -> int | None:

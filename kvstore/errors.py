@@ -39,6 +39,12 @@ class InvalidArgument(RequestError):
     code = "invalid_argument"
 
 
+class RangeError(InvalidArgument):
+    """Byte ranges do not fit the object (past its end, or more bytes than it has)."""
+
+    code = "invalid_range"
+
+
 class NotFound(RequestError):
     """The object, lease or namespace does not exist (or is not visible to this caller)."""
 
@@ -92,6 +98,7 @@ _BY_CODE = {
         RequestError,
         ProtocolError,
         InvalidArgument,
+        RangeError,
         NotFound,
         PermissionDenied,
         LimitExceeded,

@@ -146,7 +146,14 @@ class Message:
         return cls(**values)
 
     def to_args(self) -> dict:
-        return {name: encode(getattr(self, name)) for name, (_, encode) in self._codecs.items()}
+        """The wire fields; one at its default is left out (the decoder fills it in), so a
+        field added later does not break a reader that predates it unless it is used."""
+        defaults, args = self._defaults, {}
+        for name, (_, encode) in self._codecs.items():
+            value = getattr(self, name)
+            if name not in defaults or value != defaults[name]:
+                args[name] = encode(value)
+        return args
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,8 +10,9 @@ peer service that packs them and the client that unpacks them.
 from __future__ import annotations
 
 import itertools
+import operator
 
-from kvstore.errors import InvalidArgument
+from kvstore.errors import InvalidArgument, RangeError
 from kvstore.protocol import MAX_BATCH
 
 MAX_RANGES = MAX_BATCH  # one request's ranges; adjacent ones should be merged by the reader
@@ -36,7 +37,17 @@ def decode(v) -> tuple | None:
 
 
 def encode(ranges) -> list | None:
-    return None if ranges is None else [[int(o), int(n)] for o, n in ranges]
+    return None if ranges is None else [[o, n] for o, n in ranges]
+
+
+def normalize(ranges) -> tuple:
+    """What a caller passed (pairs of ints, numpy ints included) -> validated ranges, or
+    InvalidArgument naming the problem (floats are refused, never truncated)."""
+    try:
+        pairs = [[operator.index(o), operator.index(n)] for o, n in ranges]
+    except (TypeError, ValueError):
+        raise InvalidArgument("ranges must be (offset, length) pairs of integers") from None
+    return decode(pairs)
 
 
 CODEC = (decode, encode)
@@ -52,10 +63,14 @@ def starts(ranges) -> list[int]:
 
 
 def check_within(ranges, size: int) -> None:
-    """InvalidArgument naming the first range that reaches past an object of `size` bytes."""
+    """RangeError naming the first range that reaches past an object of `size` bytes, or
+    when the ranges add up to more bytes than the object has (overlaps read twice)."""
     for offset, length in ranges:
         if offset + length > size:
-            raise InvalidArgument(f"range [{offset}, {offset + length}) reaches past the object's {size} bytes")
+            raise RangeError(f"range [{offset}, {offset + length}) reaches past the object's {size} bytes")
+    if total(ranges) > size:
+        raise RangeError(f"the ranges add up to {total(ranges)} bytes, more than the object's {size}; "
+                         "merge overlapping ranges or read the whole object")
 
 
 def pack(buffer, ranges):

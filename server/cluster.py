@@ -31,7 +31,7 @@ import numpy as np
 
 from kvstore.errors import CapacityError, ChecksumError
 from kvstore.peer_messages import RemoteMeta
-from kvstore.ranges import encode as ranges_encode, total as ranges_total
+from kvstore.ranges import check_within, encode as ranges_encode, total as ranges_total
 from server.objects import ObjectEntry
 from server.peer_node import PeerNode
 from server.peer_service import PeerRead, PeerWrite
@@ -253,35 +253,58 @@ class ClusterLink:
 
     async def get_ranges(self, owner, namespace: str, object_id, accept, ranges: tuple) -> dict:
         """A local miss of a reader that needs only `ranges` (kvstore.ranges): fetch just those
-        bytes from a home into a transient extent and lease it; nothing is published here."""
+        bytes from a home and lease them; nothing is published here. As in `fetch`, room is
+        taken only once a home has answered: free room at once, else the bytes are staged and
+        room is made (evicting) only for a verified hit."""
         mgr = self.manager
         ns = mgr.namespaces[namespace]
-        if self.remote is None or not self.remote.remote_homes(object_id):
-            ns.counters.num_misses += 1
-            return {"hit": False}
-        size = ranges_total(ranges)
-        extent = await mgr.allocate(ns, size)
-        mgr.track_transient(ns, extent, add=True)
-        lease_id = None
+        size, landed = ranges_total(ranges), {}
+
+        def alloc(meta: RemoteMeta):
+            check_within(ranges, meta.size)  # a home that did not check must not make us allocate
+            if accept is not None and meta.descriptor.dtype not in accept:
+                landed["refused"] = meta.descriptor.dtype
+                return None  # the bytes are drained, not kept
+            if "extent" not in landed:  # a second home reuses the first one's landing place
+                extent = ns.arena.alloc(size)
+                if extent is None:
+                    return landed.setdefault("staged", np.empty(size, dtype=np.uint8))
+                mgr.track_transient(ns, extent, add=True)
+                landed["extent"] = extent
+            return ns.arena.view(landed["extent"])[:size]
+
+        lease_id, got = None, None
         try:
-            got = await self.remote.get_ranges_into(namespace, object_id, ranges, ns.arena.view(extent)[:size])
-            if got is not None and (accept is None or got[0].descriptor.dtype in accept):
-                lease_id = mgr.grant_ranged(owner, ns, object_id, extent)
+            if self.remote is not None and self.remote.remote_homes(object_id):
+                got = await self.remote.get_ranges_into(namespace, object_id, ranges, alloc)
+            if got is not None and "extent" not in landed:  # staged: make room for a verified hit
+                try:
+                    extent = await mgr.allocate(ns, size)
+                except CapacityError:
+                    got = None
+                else:
+                    mgr.track_transient(ns, extent, add=True)
+                    landed["extent"] = extent
+                    np.copyto(np.frombuffer(ns.arena.view(extent), dtype=np.uint8)[:size], landed["staged"])
+            if got is not None:
+                lease_id = mgr.grant_ranged(owner, ns, object_id, landed["extent"])
         finally:
-            if lease_id is None:  # a miss, a refusal or an error: the landing place goes back
-                mgr.track_transient(ns, extent, add=False)
-                ns.arena.free(extent)
+            if lease_id is None:
+                ns.counters.num_misses += 1  # a miss, a refusal or an error
+                extent = landed.get("extent")
+                if extent is not None:  # the landing place goes back
+                    mgr.track_transient(ns, extent, add=False)
+                    ns.arena.free(extent)
         if lease_id is None:
-            ns.counters.num_misses += 1
-            if got is None:
-                return {"hit": False}
-            return {"hit": False, "reason": f"stored as {got[0].descriptor.dtype.value}, not in accept list"}
+            if "refused" in landed:
+                return {"hit": False, "reason": f"stored as {landed['refused'].value}, not in accept list"}
+            return {"hit": False}
         meta, checksum = got
         ns.counters.num_hits += 1
         ns.counters.bytes_out += size
-        return {"hit": True, "lease": lease_id, "offset": extent.offset, "size": size, "checksum": checksum,
-                "tier": "remote", "descriptor": meta.descriptor.to_wire(), "ranges": ranges_encode(ranges),
-                "object_size": meta.size}
+        return {"hit": True, "lease": lease_id, "offset": landed["extent"].offset, "size": size,
+                "checksum": checksum, "tier": "remote", "descriptor": meta.descriptor.to_wire(),
+                "ranges": ranges_encode(ranges), "object_size": meta.size}
 
     def on_commit(self, entry: ObjectEntry) -> None:
         """A local put committed: under write_through, copy it to its homes in the background."""

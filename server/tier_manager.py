@@ -19,6 +19,7 @@ from kvstore.config import ServerConfig
 from kvstore.errors import CapacityError, ChecksumError, InvalidArgument, LimitExceeded, NotFound
 from kvstore.identity import ObjectId
 from kvstore.messages import Reserve
+from kvstore.ranges import check_within
 from kvstore.policy import make_policy
 from server.index_ops import IndexOps
 from server.objects import ObjectEntry, PendingPut
@@ -350,7 +351,7 @@ class TierManager(IndexOps, TierReport):
             entry = None
         if entry is None:
             if self.mover is not None and self.mover.holds(namespace, oid):
-                return self._get_after_promotion(owner, namespace, oid, accept)
+                return self._get_after_promotion(owner, namespace, oid, accept, ranges)
             if self.cluster is not None:
                 if ranges is not None:  # a sparse reader: only those bytes cross the network
                     self._check_lease_quota(owner)
@@ -361,6 +362,8 @@ class TierManager(IndexOps, TierReport):
         if accept is not None and entry.descriptor.dtype not in accept:
             ns.counters.num_misses += 1
             return {"hit": False, "reason": f"stored as {entry.descriptor.dtype.value}, not in accept list"}
+        if ranges is not None:  # leased whole, but ranges that do not fit are refused wherever it is
+            check_within(ranges, entry.size)
         self._check_lease_quota(owner)
         lease = self.leases.grant(owner, oid, entry.extent, "read", self.config.limits.lease_ttl_s, now)
         self._reading[lease.lease_id] = entry
@@ -379,10 +382,10 @@ class TierManager(IndexOps, TierReport):
     async def _get_from_peers(self, owner, namespace: str, oid: ObjectId, accept) -> dict:
         return await self._get_after(self.cluster.fetch(namespace, oid), owner, namespace, oid, accept)
 
-    async def _get_after_promotion(self, owner, namespace: str, oid: ObjectId, accept) -> dict:
-        return await self._get_after(self.mover.promote(namespace, oid), owner, namespace, oid, accept)
+    async def _get_after_promotion(self, owner, namespace: str, oid: ObjectId, accept, ranges=None) -> dict:
+        return await self._get_after(self.mover.promote(namespace, oid), owner, namespace, oid, accept, ranges)
 
-    async def _get_after(self, bring, owner, namespace: str, oid: ObjectId, accept) -> dict:
+    async def _get_after(self, bring, owner, namespace: str, oid: ObjectId, accept, ranges=None) -> dict:
         """Await what brings the object into the host tier, then serve it from there."""
         entry = await bring
         ns = self.namespaces[namespace]
@@ -390,7 +393,7 @@ class TierManager(IndexOps, TierReport):
             ns.counters.num_misses += 1  # num_gets was counted when the request came in
             return {"hit": False}
         ns.counters.num_gets -= 1  # the get below counts this same request again
-        reply = self.get(owner, namespace, oid, accept)  # resident now: the sync path
+        reply = self.get(owner, namespace, oid, accept, ranges)  # resident now: the sync path
         return reply if not hasattr(reply, "__await__") else await reply
 
     def grant_ranged(self, owner, ns: Namespace, oid: ObjectId, extent) -> int:

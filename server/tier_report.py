@@ -31,6 +31,14 @@ class TierReport:
             for entry in ns.objects.values():
                 if entry.readers < 0 or entry.deleted:
                     raise RuntimeError(f"namespace {ns.name}: bad entry state for {entry.object_id.hex}")
+        if set(self._reading) & set(self._ranged):
+            raise RuntimeError("a read lease is both a whole-object lease and a ranged one")
+        for lease_id, (ns, extent) in self._ranged.items():
+            lease = self.leases.get(lease_id)
+            if lease is None or lease.mode != "read" or self._transient.get(id(extent)) != (ns.name, extent):
+                raise RuntimeError(f"ranged lease {lease_id}: no read lease, or its extent is not accounted for")
+        if sum(1 for lease in self.leases if lease.mode == "read") != len(self._reading) + len(self._ranged):
+            raise RuntimeError("read leases and the leases the tier manager tracks disagree")
         readers = sum(e.readers for ns in self.namespaces.values() for e in ns.objects.values())
         readers += sum(z.readers for z in self._zombies.values())
         if readers != len(self._reading) + self._num_holds:

@@ -125,6 +125,10 @@ class LeaseTable:
     def __contains__(self, lease_id: object) -> bool:
         return lease_id in self._leases
 
+    def __iter__(self):
+        """The live leases (do not grant or end leases while iterating)."""
+        return iter(self._leases.values())
+
     def check_integrity(self) -> None:
         """Raise RuntimeError describing the first index that disagrees with the leases."""
         by_owner: dict[Hashable, set[int]] = {}

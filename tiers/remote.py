@@ -27,7 +27,7 @@ from typing import Any, Awaitable, Callable, Mapping, Protocol
 
 import xxhash
 
-from kvstore.errors import InvalidArgument, KVStoreError, PermissionDenied, ProtocolError, ServiceError
+from kvstore.errors import KVStoreError, PermissionDenied, ProtocolError, RangeError, ServiceError
 from kvstore.identity import ObjectId
 from kvstore.ownership import home_nodes
 from kvstore.peer_messages import PeerDelete, PeerGet, PeerLookup, PeerPut, RemoteMeta
@@ -133,12 +133,13 @@ class RemoteTier:
         return None if got is None else got[0]
 
     async def get_ranges_into(self, namespace: str, object_id: ObjectId, ranges: tuple,
-                              buffer) -> tuple[RemoteMeta, bytes] | None:
-        """Fetch only `ranges` of the object (kvstore.ranges), packed into `buffer` (exactly
-        their total length). Returns (meta of the whole object, xxh3-128 of the packed
-        bytes) once they are in and match the checksum the home computed over its copy;
-        None on a miss. A range past the object's end raises the home's InvalidArgument."""
-        return await self._get(namespace, object_id, lambda meta: buffer, ranges)
+                              alloc: Callable[[RemoteMeta], Any]) -> tuple[RemoteMeta, bytes] | None:
+        """Fetch only `ranges` of the object (kvstore.ranges), packed into `alloc(meta)` (a
+        buffer of exactly their total length, or None to skip; called once the home has
+        answered). Returns (meta of the whole object, xxh3-128 of the packed bytes) once
+        they are in and match the checksum the home computed over its checked copy; None on
+        a miss. Ranges that do not fit the object raise the home's RangeError."""
+        return await self._get(namespace, object_id, alloc, ranges)
 
     async def _get(self, namespace: str, object_id: ObjectId, alloc, ranges) -> tuple[RemoteMeta, bytes] | None:
         self.counters.num_gets += 1
@@ -156,7 +157,11 @@ class RemoteTier:
                 target[:] = [meta, buf, expected]
                 return buf
 
-            result = await self._call(node, PeerGet.op, args, into=into, raising=ranges is not None)
+            try:
+                result = await self._call(node, PeerGet.op, args, into=into, raising=ranges is not None)
+            except RangeError:  # the caller's ranges do not fit: every home would say the same
+                self.counters.num_misses += 1
+                raise
             if not result or not result.get("meta") or not target or target[1] is None:
                 continue
             meta, buf, expected = target
@@ -265,7 +270,8 @@ class RemoteTier:
     async def _call(self, node: str, op: str, args: dict, payload=None, into=None,
                     raising: bool = False) -> dict | None:
         """One call to `node`; None when it failed (counted, logged when the peer goes down).
-        raising: an InvalidArgument the peer answers with is raised (the caller's mistake)."""
+        raising: a RangeError (the caller's ranges do not fit the object) is raised; any other
+        error is the peer's (an old version, a bad reply) and makes this call fail."""
         down = self._down_until.get(node)
         if down is not None and down > self.clock():
             self.counters.num_peer_skips += 1
@@ -287,7 +293,7 @@ class RemoteTier:
             self._down_until[node] = self.clock() + self.timeout_s
             return None
         except KVStoreError as exc:  # the peer answered with an error: it is up
-            if raising and isinstance(exc, InvalidArgument):
+            if raising and isinstance(exc, RangeError):
                 raise
             log.info("event=peer_error node=%s op=%s code=%s error=%r", node, op, exc.code, exc.message)
         # Two calls to a peer that was down may both succeed: only the first says it is up.

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from client.core import ReadLease
 from kvstore import messages as m
 from kvstore import ranges
-from kvstore.errors import InvalidArgument
+from kvstore.errors import DaemonUnavailable, InvalidArgument, RangeError
 from kvstore.identity import ObjectId
 
 OID = ObjectId(b"r" * 32)
@@ -68,3 +68,33 @@ def test_read_outside_the_held_ranges_is_refused():
     assert np.array_equal(whole.read(95, 5), obj[95:])
     with pytest.raises(InvalidArgument, match="outside the object's 100"):
         whole.read(95, 6)
+
+
+def test_callers_ranges_are_normalized_never_truncated():
+    assert ranges.normalize([(np.int64(4), 2), [0, np.uint16(1)]]) == ((4, 2), (0, 1))
+    for bad in ([(0.7, 4.9)], [(0, "4")], [(0, 4, 5)], [3], None):
+        with pytest.raises(InvalidArgument):
+            ranges.normalize(bad)
+
+
+def test_ranges_adding_up_past_the_object_are_refused():
+    with pytest.raises(RangeError, match="add up to 150 bytes, more than the object's 100"):
+        ranges.check_within(((0, 100), (0, 50)), 100)
+    assert issubclass(RangeError, InvalidArgument) and RangeError("x").code == "invalid_range"
+
+
+def test_a_released_or_orphaned_lease_refuses_reads():
+    class Core:
+        closed = False
+
+    core, obj = Core(), np.arange(10, dtype=np.uint8)
+    lease = ReadLease(lambda _: None, 1, OID, 10, b"", {}, "host", obj, None, core)
+    assert not lease.closed and lease.read(2, 3).tolist() == [2, 3, 4]
+    core.closed = True  # the connection went: the daemon took the lease back
+    assert lease.closed
+    with pytest.raises(DaemonUnavailable, match="has ended"):
+        lease.read(2, 3)
+    released = ReadLease(lambda _: None, 2, OID, 10, b"", {}, "host", obj, None, Core())
+    released.release()
+    with pytest.raises(DaemonUnavailable):
+        released.read(0, 1)

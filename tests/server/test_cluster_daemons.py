@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from kvstore.dtypes import DType
-from kvstore.errors import InvalidArgument
+from kvstore.errors import InvalidArgument, RangeError
 from kvstore.identity import ObjectId
 from kvstore.ownership import home_nodes
 
@@ -146,4 +146,25 @@ def test_ranged_get_fetches_only_the_ranges_and_keeps_nothing(pair):
             assert dies.get(only_on_a[1], ranges=pairs) is not None  # left leased when the client goes
         assert wait_for(lambda: cb.stats()["leases"] == 0)
         assert cb.stats()["tiers"]["host"]["used_bytes"] == used
+        cb.check_integrity()
+
+
+def test_ranged_miss_under_memory_pressure_evicts_nothing(pair):
+    """B's arena (32 MiB) is nearly full of its own objects; ranged gets that miss, or whose
+    ranges do not fit, must not make room: room is taken only for a verified hit."""
+    a, b = pair
+    mine = [ObjectId(bytes([60 + i]) * 32) for i in range(6)]
+    with b.client() as cb:
+        for i, k in enumerate(mine):
+            cb.put(k, payload(5 << 20, i))
+        before = cb.stats()["tiers"]["host"]
+        candidates = (ObjectId(bytes([120 + i]) * 32) for i in range(20))
+        missing = [k for k in candidates if home_nodes(k, ("a", "b")) == ["a"]]
+        assert cb.get(missing[0], ranges=[(0, 1 << 20)] * 8) is None  # 8 MiB asked of nothing
+        with pytest.raises(RangeError, match="reaches past the object's 5242880 bytes"):
+            cb.get(mine[0], ranges=[(5 << 20, 1)])  # held here: the same error as for a remote one
+        assert cb.stats()["tiers"]["host"] == before
+        for i, k in enumerate(mine):
+            with cb.get(k) as lease:
+                assert np.array_equal(lease.numpy(), payload(5 << 20, i))
         cb.check_integrity()

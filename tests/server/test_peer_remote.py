@@ -1,6 +1,7 @@
 """The remote tier against real peer services: homes, batches, isolation, failure as a miss."""
 
 import asyncio
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -8,9 +9,9 @@ import xxhash
 from peer_helpers import TRANSPORTS, make_object, remote_tier, run, services, transport_or_skip
 
 from kvstore import ranges
-from kvstore.errors import CapacityError, InvalidArgument
+from kvstore.errors import CapacityError, RangeError
 from kvstore.identity import ObjectId
-from server.peer_service import InMemoryBackend
+from server.peer_service import InMemoryBackend, PeerService
 from tiers.remote import MAX_LINKS_PER_PEER
 
 MiB = 1 << 20
@@ -249,21 +250,48 @@ def test_ranged_get_moves_only_the_ranges_and_never_rotted_bytes(transport):
             await tier.put("ns", oid, meta, data)
             sent_before = service.counters.bytes_out
             out = np.empty(ranges.total(pairs), np.uint8)
-            got = await tier.get_ranges_into("ns", oid, pairs, out)
+            got = await tier.get_ranges_into("ns", oid, pairs, lambda m: out)
             sent = service.counters.bytes_out - sent_before
-            with pytest.raises(InvalidArgument, match="reaches past the object's"):
-                await tier.get_ranges_into("ns", oid, ((MiB - 10, 11),), np.empty(11, np.uint8))
-            other = await tier.get_ranges_into("tenant-2", oid, pairs, np.empty(out.size, np.uint8))
+            again = await tier.get_ranges_into("ns", oid, pairs, lambda m: np.empty(out.size, np.uint8))
+            checks = service.counters.num_copy_checks  # the second read within recheck_s: not hashed again
+            with pytest.raises(RangeError, match="reaches past the object's"):
+                await tier.get_ranges_into("ns", oid, ((MiB - 10, 11),), lambda m: np.empty(11, np.uint8))
+            with pytest.raises(RangeError, match="add up to 2097152 bytes"):
+                await tier.get_ranges_into("ns", oid, ((0, MiB), (0, MiB)), lambda m: np.empty(2 * MiB, np.uint8))
+            other = await tier.get_ranges_into("tenant-2", oid, pairs, lambda m: np.empty(out.size, np.uint8))
+            service.recheck_s = 0.0
             backend.objects[("ns", oid)][1][MiB // 2] ^= 0xFF  # rot outside the ranges asked for
-            rotted = await tier.get_ranges_into("ns", oid, pairs, np.empty(out.size, np.uint8))
+            rotted = await tier.get_ranges_into("ns", oid, pairs, lambda m: np.empty(out.size, np.uint8))
             tier.check_integrity()
             await tier.close()
-            return got, out, sent, other, rotted, tier.stats(), service.stats()
+            return got, out, sent, again, checks, other, rotted, tier.stats(), service.stats()
 
-    got, out, sent, other, rotted, stats, service = run(scenario())
-    assert got is not None and got[0] == meta and got[1] == xxhash.xxh3_128_digest(out)
+    got, out, sent, again, checks, other, rotted, stats, service = run(scenario())
+    assert got is not None and got[0] == meta and got[1] == xxhash.xxh3_128_digest(out) and again == got
     assert np.array_equal(out, ranges.pack(data, pairs))
     assert sent == out.size == 4096 + 100 + 200 + 1  # not the object's MiB
+    assert checks == 1
     assert other is None  # namespaces stay apart
     assert rotted is None and service["num_checksum_failures"] == 1  # the home checked its whole copy
-    assert stats["num_ranged_gets"] == 4 and stats["peers_down"] == []  # a bad range is not a dead peer
+    assert stats["num_ranged_gets"] == 6 and stats["num_gets"] == stats["num_hits"] + stats["num_misses"]
+    assert stats["peers_down"] == []  # a bad range is the caller's error, not a dead peer
+
+
+def test_ranged_get_goes_on_to_the_next_home_when_one_answers_wrong(transport):
+    oid, meta, data = make_object(256 * 1024, seed=8)
+    pairs = ((1000, 500),)
+
+    async def scenario():
+        async with services(transport, names=("b", "c")) as started:
+            tier = remote_tier(transport, members_of(started), replicas=2)
+            assert sorted(await tier.put("ns", oid, meta, data)) == ["b", "c"]
+            bad = started[tier.homes(oid)[0]][0]  # the first home asked: sends the whole object
+            bad._get = lambda channel, rid, msg: PeerService._get(bad, channel, rid, replace(msg, ranges=None))
+            out = np.empty(500, np.uint8)
+            got = await tier.get_ranges_into("ns", oid, pairs, lambda m: out)
+            await tier.close()
+            return got, out, tier.stats()
+
+    got, out, stats = run(scenario())
+    assert got is not None and np.array_equal(out, data[1000:1500])  # the second home served it
+    assert stats["num_hits"] == 1 and stats["num_misses"] == 0
