@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import math
 import mmap
 import os
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -30,6 +32,8 @@ from client.buffers import as_u8, as_writable_u8
 PUT_WINDOW_BYTES = 64 << 20
 # Copy-and-hash granularity: fits in L2 with room to spare.
 HASH_BLOCK_BYTES = 256 << 10
+# A read lease counts as ended (ReadLease.closed) after this share of the daemon's lease TTL.
+LEASE_TTL_MARGIN = 0.8
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,7 +64,7 @@ class ReadLease:
     """
 
     __slots__ = ("lease_id", "object_id", "size", "checksum", "_descriptor", "tier", "_array", "_release", "_done",
-                 "ranges", "_starts", "_core")
+                 "ranges", "_starts", "_core", "_stale_at")
 
     def __init__(self, release, lease_id, object_id, size, checksum, descriptor_wire, tier, array, ranges=None,
                  core=None):
@@ -78,12 +82,16 @@ class ReadLease:
         self.ranges = ranges
         self._starts = None if ranges is None else sorted(zip(ranges, starts(ranges)))  # by object offset
         self._core = core  # the connection it came from: the daemon ends the lease when that closes
+        # The daemon also takes a lease back after limits.lease_ttl_s; treat it as gone at 80%.
+        ttl = getattr(core, "lease_ttl_s", None)
+        self._stale_at = math.inf if ttl is None else time.monotonic() + LEASE_TTL_MARGIN * ttl
 
     @property
     def closed(self) -> bool:
-        """Released, or its connection to the daemon closed (the daemon then took it back,
-        and its bytes may already hold another object)."""
-        return self._done or (self._core is not None and self._core.closed)
+        """Released, its connection to the daemon closed, or near the daemon's lease TTL:
+        the daemon takes such a lease back, and its bytes may then hold another object."""
+        return (self._done or (self._core is not None and self._core.closed)
+                or time.monotonic() >= self._stale_at)
 
     @property
     def descriptor(self) -> StateDescriptor:
@@ -196,6 +204,7 @@ class ClientCore:
         self._release_cb = release
         self.max_inflight_bytes = PUT_WINDOW_BYTES  # the daemon's limit, from hello
         self.closed = False  # the connection is gone: so are its leases
+        self.lease_ttl_s: float | None = None  # the daemon's, from hello
 
     def request(self, msg: m.Message, no_reply: bool = False) -> Request:
         return Request(next(self._ids), msg.op, msg.to_args(), no_reply)
@@ -222,6 +231,7 @@ class ClientCore:
         (reply,) = yield [self.request(m.Hello(name, os.getpid()))]
         info = self.result(reply)
         self.max_inflight_bytes = info.get("limits", {}).get("max_inflight_bytes") or PUT_WINDOW_BYTES
+        self.lease_ttl_s = info.get("limits", {}).get("lease_ttl_s")
         return info
 
     def op_open(self, namespace: str):

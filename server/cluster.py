@@ -146,7 +146,7 @@ class ClusterLink:
     def _lend(self, ns, entry: ObjectEntry) -> PeerRead:
         self.manager.hold(entry)  # the extent stays put until the transfer ends
         view = ns.arena.view(entry.extent)[:entry.size]
-        return PeerRead(self.meta(entry), view, lambda: self.manager.release_hold(entry))
+        return PeerRead(self.meta(entry), view, lambda: self.manager.release_hold(entry), entry.serial)
 
     def reserve(self, namespace: str, object_id, meta: RemoteMeta):
         if meta.descriptor.namespace != namespace:

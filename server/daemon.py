@@ -179,7 +179,7 @@ class Daemon:
         limits = self.config.limits
         return {"max_frame_bytes": limits.max_frame_bytes, "max_batch": MAX_BATCH,
                 "max_leases": limits.max_leases_per_client,
-                "max_inflight_bytes": limits.max_inflight_bytes_per_client}
+                "max_inflight_bytes": limits.max_inflight_bytes_per_client, "lease_ttl_s": limits.lease_ttl_s}
 
     def stats(self) -> dict:
         return {

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import itertools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvstore.hints import Hints
 from kvstore.identity import ObjectId, StateDescriptor
+
+
+_SERIALS = itertools.count(1)
 
 
 @dataclass(slots=True)
@@ -28,6 +32,7 @@ class ObjectEntry:
     deleted: bool = False  # removed from the index, extent freed when the last reader leaves
     on_nvme: bool = False  # a verified copy is on the NVMe tier too
     descriptor_wire: dict | None = None  # descriptor.to_wire(), built once: every get sends it
+    serial: int = field(default_factory=lambda: next(_SERIALS))  # this copy, never reused
 
     def get_reply(self, lease_id: int, tier: str = "host") -> dict:
         """What a get hit sends: where to read, how to check it, and what it is."""

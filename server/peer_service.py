@@ -49,11 +49,13 @@ def _noop() -> None:
 
 @dataclass(frozen=True, slots=True)
 class PeerRead:
-    """A committed object to send: `buffer` stays valid (leased) until `release()`."""
+    """A committed object to send: `buffer` stays valid (leased) until `release()`. `copy`
+    names this stored copy (never reused for another); None: the buffer's address does."""
 
     meta: RemoteMeta
     buffer: Any
     release: Callable[[], None] = _noop
+    copy: Any = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -231,9 +233,10 @@ class PeerService:
 
     def _copy_checked(self, msg: PeerGet, read: PeerRead) -> bool:
         """Whether this node's copy matches the put's checksum. Hashed, unless the same copy
-        (same bytes expected at the same address) passed within `recheck_s`: a sparse decode
-        asks for each chunk once per layer per step, and a chunk can be many MiB."""
-        key = (msg.namespace, msg.object_id, read.meta.checksum, np.frombuffer(read.buffer, np.uint8).ctypes.data)
+        passed within `recheck_s`: a sparse decode asks for each chunk once per layer per
+        step, and a chunk can be many MiB."""
+        copy = read.copy if read.copy is not None else np.frombuffer(read.buffer, np.uint8).ctypes.data
+        key = (msg.namespace, msg.object_id, read.meta.checksum, copy)
         now = time.monotonic()
         at = self._checked.get(key)
         if at is not None and now - at < self.recheck_s:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import xxhash
 
 from kvstore.config import ServerConfig
-from kvstore.errors import CapacityError, ChecksumError, InvalidArgument, LimitExceeded, NotFound
+from kvstore.errors import CapacityError, ChecksumError, InvalidArgument, LimitExceeded, NotFound, RangeError
 from kvstore.identity import ObjectId
 from kvstore.messages import Reserve
 from kvstore.ranges import check_within
@@ -351,6 +351,7 @@ class TierManager(IndexOps, TierReport):
             entry = None
         if entry is None:
             if self.mover is not None and self.mover.holds(namespace, oid):
+                self._check_ranges(ns, ranges, self.mover.size_of(namespace, oid))  # before promoting it
                 return self._get_after_promotion(owner, namespace, oid, accept, ranges)
             if self.cluster is not None:
                 if ranges is not None:  # a sparse reader: only those bytes cross the network
@@ -362,8 +363,7 @@ class TierManager(IndexOps, TierReport):
         if accept is not None and entry.descriptor.dtype not in accept:
             ns.counters.num_misses += 1
             return {"hit": False, "reason": f"stored as {entry.descriptor.dtype.value}, not in accept list"}
-        if ranges is not None:  # leased whole, but ranges that do not fit are refused wherever it is
-            check_within(ranges, entry.size)
+        self._check_ranges(ns, ranges, entry.size)  # leased whole, but the same error wherever it is
         self._check_lease_quota(owner)
         lease = self.leases.grant(owner, oid, entry.extent, "read", self.config.limits.lease_ttl_s, now)
         self._reading[lease.lease_id] = entry
@@ -395,6 +395,15 @@ class TierManager(IndexOps, TierReport):
         ns.counters.num_gets -= 1  # the get below counts this same request again
         reply = self.get(owner, namespace, oid, accept, ranges)  # resident now: the sync path
         return reply if not hasattr(reply, "__await__") else await reply
+
+    @staticmethod
+    def _check_ranges(ns: Namespace, ranges, size: int) -> None:
+        if ranges is not None:
+            try:
+                check_within(ranges, size)
+            except RangeError:
+                ns.counters.num_misses += 1
+                raise
 
     def grant_ranged(self, owner, ns: Namespace, oid: ObjectId, extent) -> int:
         """A read lease on an extent holding some ranges of `oid` (transient, never indexed);

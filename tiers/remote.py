@@ -126,16 +126,16 @@ class RemoteTier:
     async def get_into(self, namespace: str, object_id: ObjectId,
                        alloc: Callable[[RemoteMeta], Any]) -> RemoteMeta | None:
         """Fetch from the first home that has it into `alloc(meta)` (a buffer of meta.size
-        bytes, or None to skip). Returns the meta once the bytes are in and verified; None
-        on a miss, in which case whatever `alloc` returned holds nothing usable. `alloc` may
-        be called once per home tried."""
+        bytes, or None to decline it: no other home is asked then). Returns the meta once the
+        bytes are in and verified; None on a miss, in which case whatever `alloc` returned
+        holds nothing usable. `alloc` may be called once per home tried."""
         got = await self._get(namespace, object_id, alloc, None)
         return None if got is None else got[0]
 
     async def get_ranges_into(self, namespace: str, object_id: ObjectId, ranges: tuple,
                               alloc: Callable[[RemoteMeta], Any]) -> tuple[RemoteMeta, bytes] | None:
         """Fetch only `ranges` of the object (kvstore.ranges), packed into `alloc(meta)` (a
-        buffer of exactly their total length, or None to skip; called once the home has
+        buffer of exactly their total length, or None to decline; called once the home has
         answered). Returns (meta of the whole object, xxh3-128 of the packed bytes) once
         they are in and match the checksum the home computed over its checked copy; None on
         a miss. Ranges that do not fit the object raise the home's RangeError."""
@@ -162,7 +162,9 @@ class RemoteTier:
             except RangeError:  # the caller's ranges do not fit: every home would say the same
                 self.counters.num_misses += 1
                 raise
-            if not result or not result.get("meta") or not target or target[1] is None:
+            if target and target[1] is None:
+                break  # the caller declined the object (e.g. its dtype): every home holds the same
+            if not result or not result.get("meta") or not target:
                 continue
             meta, buf, expected = target
             self.counters.bytes_in += meta.size if ranges is None else ranges_total(ranges)

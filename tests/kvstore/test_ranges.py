@@ -98,3 +98,16 @@ def test_a_released_or_orphaned_lease_refuses_reads():
     released.release()
     with pytest.raises(DaemonUnavailable):
         released.read(0, 1)
+
+
+def test_a_lease_near_the_daemons_ttl_counts_as_ended():
+    import time
+
+    class Core:
+        closed, lease_ttl_s = False, 0.05
+
+    lease = ReadLease(lambda _: None, 1, OID, 10, b"", {}, "host", np.zeros(10, np.uint8), None, Core())
+    time.sleep(0.05 * 0.8 + 0.01)  # past 80% of the ttl: the daemon may take it back any moment
+    assert lease.closed
+    with pytest.raises(DaemonUnavailable):
+        lease.read(0, 1)

@@ -79,7 +79,7 @@ class Worker(threading.Thread):
                         self.bad.append(i)
         elif op == "get_ranges":  # a sparse reader: whole lease if held here, else just these bytes
             data = data_of(i)
-            spans = [(o, self.rng.randint(1, min(8192, data.size - o)))
+            spans = [(o, self.rng.randint(1, min(data.size // 4, data.size - o)))  # at most the object, in all
                      for o in (self.rng.randrange(data.size) for _ in range(self.rng.randint(1, 4)))]
             lease = client.get(oid, ranges=spans)
             if lease is not None:

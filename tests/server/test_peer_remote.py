@@ -11,7 +11,8 @@ from peer_helpers import TRANSPORTS, make_object, remote_tier, run, services, tr
 from kvstore import ranges
 from kvstore.errors import CapacityError, RangeError
 from kvstore.identity import ObjectId
-from server.peer_service import InMemoryBackend, PeerService
+from kvstore.peer_messages import PeerGet
+from server.peer_service import InMemoryBackend, PeerRead, PeerService
 from tiers.remote import MAX_LINKS_PER_PEER
 
 MiB = 1 << 20
@@ -295,3 +296,18 @@ def test_ranged_get_goes_on_to_the_next_home_when_one_answers_wrong(transport):
     got, out, stats = run(scenario())
     assert got is not None and np.array_equal(out, data[1000:1500])  # the second home served it
     assert stats["num_hits"] == 1 and stats["num_misses"] == 0
+
+
+def test_a_new_copy_at_the_same_place_is_hashed_again():
+    """The skip-hash window belongs to one stored copy: an object deleted and put again (same
+    id and claimed checksum, even the same address) is checked afresh."""
+    oid, meta, data = make_object(4096, seed=9)
+    service = PeerService(InMemoryBackend(), None, b"secret", "b")
+    msg = PeerGet("ns", oid, ((0, 10),))
+    buf = bytearray(data.tobytes())
+    assert service._copy_checked(msg, PeerRead(meta, memoryview(buf), copy=1))
+    assert service._copy_checked(msg, PeerRead(meta, memoryview(buf), copy=1))
+    assert service.counters.num_copy_checks == 1
+    buf[5] ^= 0xFF  # the next copy holds other bytes in the same place
+    assert not service._copy_checked(msg, PeerRead(meta, memoryview(buf), copy=2))
+    assert service.counters.num_copy_checks == 2
