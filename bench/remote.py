@@ -7,8 +7,8 @@ from its own process; a RemoteTier fetches from another. A timed get is one `get
 4 MiB object into a pre-touched buffer, xxh3-128 check included; `transfer` is the same fetch
 without the check; `lookup` is one key, one round trip; `sparse` is a ranged get of 1/8 of
 the object's 16 KiB pages (a sparse decode step's read), against the whole-object get: once
-with the home's whole-copy check fresh (as within a decode step), once with it stale (the
-home hashes its whole copy first).
+from a home whose whole-copy check is fresh (as within a decode step), once from a second
+home started with --recheck-s 0 (it hashes its whole copy before every ranged read).
 
 Baselines, each a pair of processes in the same run, reps interleaved (bench/common.py):
   socket     a blocking client sends 1 byte; the server sendall()s the same 4 MiB, which the
@@ -122,11 +122,6 @@ class PeerClientSide:
             raise RuntimeError(f"remote ranged get missed: {self.tier.stats()}")
         return elapsed
 
-    def sparse_cold(self, rep: int) -> float:
-        """The same read once the home's check has gone stale: it hashes its whole copy first."""
-        time.sleep(RANGED_RECHECK_S + 0.05)
-        return self.sparse(rep)
-
     def transfer(self, rep: int) -> float:
         """The same fetch through one link without the checksum pass."""
         start = time.perf_counter()
@@ -225,13 +220,14 @@ class MooncakeClientSide:
         self.store.close()
 
 
-def peer_server(transport: str, workdir: str) -> tuple[subprocess.Popen, str]:
+def peer_server(transport: str, workdir: str, recheck_s: float = RANGED_RECHECK_S) -> tuple[subprocess.Popen, str]:
     secret_file = os.path.join(workdir, "secret")
     with open(secret_file, "wb") as f:
         f.write(SECRET)
-    log = open(os.path.join(workdir, f"peer-{transport}.log"), "w")
+    log = open(os.path.join(workdir, f"peer-{transport}-{recheck_s}.log"), "w")
     proc = subprocess.Popen([sys.executable, "-m", "server.peer_service", "--listen", "127.0.0.1:0", "--secret-file",
-                             secret_file, "--transport", transport, "--node-id", "server", "--timeout-s", "5"],
+                             secret_file, "--transport", transport, "--node-id", "server", "--timeout-s", "5",
+                             "--recheck-s", str(recheck_s)],
                             stdout=subprocess.PIPE, stderr=log, text=True, cwd=ROOT)
     line = proc.stdout.readline()
     if not line.startswith("listening "):
@@ -259,10 +255,10 @@ def start_sides(transports: list[str], workdir: str, skipped: dict[str, str], st
     sides: dict[str, Worker] = {}
     for transport in transports:
         try:
-            proc, address = peer_server(transport, workdir)
-            stack.callback(lambda proc=proc: (proc.terminate(), proc.wait(10)))
-            sides[f"ours {transport}"] = stack.enter_context(
-                Worker(f"client-{transport}", PeerClientSide, transport, address))
+            for name, recheck_s in ((f"ours {transport}", RANGED_RECHECK_S), (f"hashing {transport}", 0.0)):
+                proc, address = peer_server(transport, workdir, recheck_s)
+                stack.callback(lambda proc=proc: (proc.terminate(), proc.wait(10)))
+                sides[name] = stack.enter_context(Worker(f"client-{name}", PeerClientSide, transport, address))
         except BaselineUnavailable as exc:
             skipped[f"ours {transport}"] = str(exc)
     server = stack.enter_context(Worker("socket-server", SocketServerSide))
@@ -282,11 +278,11 @@ def run(plan: Plan, transports: list[str], workdir: str, skipped: dict[str, str]
     rows: list[Row] = []
     with ExitStack() as stack:
         sides = start_sides(transports, workdir, skipped, stack)
-        cases = {name: (worker, "get") for name, worker in sides.items()}
+        cases = {name: (worker, "get") for name, worker in sides.items() if not name.startswith("hashing ")}
         cases.update({f"transfer {k.split()[1]}": (w, "transfer") for k, w in sides.items() if k.startswith("ours ")})
         cases.update({f"sparse {k.split()[1]}": (w, "sparse") for k, w in sides.items() if k.startswith("ours ")})
-        cases.update({f"sparse-cold {k.split()[1]}": (w, "sparse_cold") for k, w in sides.items()
-                      if k.startswith("ours ")})
+        cases.update({f"sparse-cold {k.split()[1]}": (w, "sparse") for k, w in sides.items()
+                      if k.startswith("hashing ")})
         times = interleave(cases, plan.reps)
         speed = {k: gb_per_s(SIZE, median(v)) for k, v in times.items()}
         for key in [k for k in sides if k.startswith("ours ")]:

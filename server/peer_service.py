@@ -292,7 +292,7 @@ def _read_secret(args) -> bytes:
 
 async def _main(args) -> None:
     service = PeerService(InMemoryBackend(), make_transport(args.transport), _read_secret(args),
-                          args.node_id, args.timeout_s)
+                          args.node_id, args.timeout_s, recheck_s=args.recheck_s)
     address = await service.start(args.listen)
     print(f"listening {address}", flush=True)
     stop = asyncio.Event()
@@ -310,6 +310,9 @@ def main(argv=None) -> None:
     parser.add_argument("--node-id", default=os.uname().nodename)
     parser.add_argument("--transport", choices=("tcp", "ucx"), default="tcp")
     parser.add_argument("--timeout-s", type=float, default=1.0)
+    parser.add_argument("--recheck-s", type=float, default=RANGED_RECHECK_S,
+                        help="how long a copy that passed its checksum is trusted before ranges of it are sent "
+                             "(0: hash the whole copy before every ranged read)")
     args = parser.parse_args(argv)
     from server.logs import configure
     configure("info")
