@@ -202,11 +202,12 @@ class AsyncClient:
     async def delete(self, keys, namespace: str | None = None, scope: str = "cluster") -> int:
         return await self._run(self.core.op_batch(m.Delete, list(keys), namespace, "deleted", scope=scope))
 
-    async def pin(self, keys, ttl_s: float | None = None, namespace: str | None = None) -> int:
-        return await self._run(self.core.op_batch(m.Pin, list(keys), namespace, "pinned", ttl_s=ttl_s))
+    async def pin(self, keys, ttl_s: float | None = None, namespace: str | None = None,
+                  scope: str = "cluster") -> int:
+        return await self._run(self.core.op_batch(m.Pin, list(keys), namespace, "pinned", ttl_s=ttl_s, scope=scope))
 
-    async def unpin(self, keys, namespace: str | None = None) -> int:
-        return await self._run(self.core.op_batch(m.Unpin, list(keys), namespace, "unpinned"))
+    async def unpin(self, keys, namespace: str | None = None, scope: str = "cluster") -> int:
+        return await self._run(self.core.op_batch(m.Unpin, list(keys), namespace, "unpinned", scope=scope))
 
     async def prefetch(self, keys, tier: str = "host", policy: str = "best_effort",
                        timeout_s: float | None = None, namespace: str | None = None) -> int:

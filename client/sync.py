@@ -222,12 +222,14 @@ class Client:
         scope="cluster" drops every member's copies, scope="node" only this node's."""
         return self._run(self.core.op_batch(m.Delete, list(keys), namespace, "deleted", scope=scope))
 
-    def pin(self, keys, ttl_s: float | None = None, namespace: str | None = None) -> int:
-        """Keep objects resident (never evicted) until unpinned or `ttl_s` passes."""
-        return self._run(self.core.op_batch(m.Pin, list(keys), namespace, "pinned", ttl_s=ttl_s))
+    def pin(self, keys, ttl_s: float | None = None, namespace: str | None = None, scope: str = "cluster") -> int:
+        """Keep objects resident (never evicted) until unpinned or `ttl_s` passes; returns how
+        many were pinned somewhere. In a cluster, scope="cluster" pins this node's copies and
+        the home nodes' (an object held only by its homes stays there), "node" only this node's."""
+        return self._run(self.core.op_batch(m.Pin, list(keys), namespace, "pinned", ttl_s=ttl_s, scope=scope))
 
-    def unpin(self, keys, namespace: str | None = None) -> int:
-        return self._run(self.core.op_batch(m.Unpin, list(keys), namespace, "unpinned"))
+    def unpin(self, keys, namespace: str | None = None, scope: str = "cluster") -> int:
+        return self._run(self.core.op_batch(m.Unpin, list(keys), namespace, "unpinned", scope=scope))
 
     def prefetch(self, keys, tier: str = "host", policy: str = "best_effort",
                  timeout_s: float | None = None, namespace: str | None = None) -> int:

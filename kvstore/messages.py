@@ -24,7 +24,7 @@ CHECKSUM_BYTES = 16  # xxh3-128
 MAX_OBJECT_BYTES = 1 << 40
 TIERS = ("gpu", "host", "nvme", "remote")
 PUT_TIERS = ("host", "remote")  # where a put may ask its object to go
-DELETE_SCOPES = ("cluster", "node")
+SCOPES = ("cluster", "node")  # of a delete, pin or unpin
 PREFETCH_POLICIES = ("best_effort", "wait", "timeout")
 
 
@@ -246,26 +246,31 @@ class Delete(Message):
     ids: tuple
     scope: str = "cluster"
     op: ClassVar[str] = "delete"
-    _codecs: ClassVar = {"namespace": NAMESPACE, "ids": IDS, "scope": _choice(DELETE_SCOPES)}
+    _codecs: ClassVar = {"namespace": NAMESPACE, "ids": IDS, "scope": _choice(SCOPES)}
     _defaults: ClassVar = {"scope": "cluster"}
 
 
 @dataclass(frozen=True, slots=True)
 class Pin(Message):
+    """Keep ids resident until unpinned or ttl_s passes: this node's host copies and, in a
+    cluster with scope "cluster" (the default), their home nodes' too."""
     namespace: str
     ids: tuple
     ttl_s: float | None = None
+    scope: str = "cluster"
     op: ClassVar[str] = "pin"
-    _codecs: ClassVar = {"namespace": NAMESPACE, "ids": IDS, "ttl_s": FLOAT}
-    _defaults: ClassVar = {"ttl_s": None}
+    _codecs: ClassVar = {"namespace": NAMESPACE, "ids": IDS, "ttl_s": FLOAT, "scope": _choice(SCOPES)}
+    _defaults: ClassVar = {"ttl_s": None, "scope": "cluster"}
 
 
 @dataclass(frozen=True, slots=True)
 class Unpin(Message):
     namespace: str
     ids: tuple
+    scope: str = "cluster"
     op: ClassVar[str] = "unpin"
-    _codecs: ClassVar = {"namespace": NAMESPACE, "ids": IDS}
+    _codecs: ClassVar = {"namespace": NAMESPACE, "ids": IDS, "scope": _choice(SCOPES)}
+    _defaults: ClassVar = {"scope": "cluster"}
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,6 +9,8 @@ request names its namespace: a node answers only for the namespace asked.
                  {..., ranges}                     -> {"meta", "ranges_checksum"} (+ the ranges, packed)
     peer_put     {namespace, object_id, **meta}    (+ size bytes) -> {"stored": bool}
     peer_lookup  {namespace, ids}                  -> {"metas": [meta | None, ...]}
+    peer_delete  {namespace, ids}                  -> {"found": [bool, ...]}
+    peer_pin     {namespace, ids, ttl_s, unpin}    -> {"pinned": [bool, ...]}
 """
 
 from __future__ import annotations
@@ -18,10 +20,10 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from kvstore.ranges import CODEC as RANGES
-from kvstore.errors import ProtocolError
+from kvstore.errors import InvalidArgument, ProtocolError
 from kvstore.hints import Hints
 from kvstore.identity import ObjectId, StateDescriptor
-from kvstore.messages import CHECKSUM, DESCRIPTOR, HINTS, IDS, NAMESPACE, OID, SIZE, Message
+from kvstore.messages import CHECKSUM, DESCRIPTOR, FLOAT, HINTS, IDS, NAMESPACE, OID, SIZE, Message
 
 # Descriptors and hints repeat across objects (one model, a few layouts): their parsed and
 # encoded forms are cached, which took decoding a meta from ~58 us to a few. Cached wire
@@ -121,4 +123,23 @@ class PeerDelete(Message):
     _codecs: ClassVar = {"namespace": NAMESPACE, "ids": IDS}
 
 
-PEER_OPS: dict[str, type[Message]] = {cls.op: cls for cls in (PeerGet, PeerPut, PeerLookup, PeerDelete)}
+def _bool_dec(v):
+    if not isinstance(v, bool):
+        raise InvalidArgument(f"must be true or false, got {v!r}"[:200])
+    return v
+
+
+@dataclass(frozen=True, slots=True)
+class PeerPin(Message):
+    """Pin (or with `unpin`, unpin) the ids' host copies held here. Reply {"pinned": [bool, ...]}:
+    per id, whether this node held it and changed its pin."""
+    namespace: str
+    ids: tuple
+    ttl_s: float | None = None
+    unpin: bool = False
+    op: ClassVar[str] = "peer_pin"
+    _codecs: ClassVar = {"namespace": NAMESPACE, "ids": IDS, "ttl_s": FLOAT, "unpin": (_bool_dec, lambda v: v)}
+    _defaults: ClassVar = {"ttl_s": None, "unpin": False}
+
+
+PEER_OPS: dict[str, type[Message]] = {cls.op: cls for cls in (PeerGet, PeerPut, PeerLookup, PeerDelete, PeerPin)}

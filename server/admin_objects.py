@@ -193,13 +193,13 @@ async def pin_object(request: web.Request) -> web.Response:
     if ttl_s == 0:
         raise InvalidArgument("ttl_s must be > 0, or null to pin until unpinned")
     manager, entry = _target(request)
-    manager.pin(entry.namespace, [entry.object_id], ttl_s)
+    manager.pin(entry.namespace, [entry.object_id], ttl_s, scope="node")  # like delete: this node's copy
     return json_response(object_doc(entry, manager.clock()))
 
 
 async def unpin_object(request: web.Request) -> web.Response:
     manager, entry = _target(request)
-    manager.unpin(entry.namespace, [entry.object_id])
+    manager.unpin(entry.namespace, [entry.object_id], scope="node")
     return json_response(object_doc(entry, manager.clock()))
 
 

@@ -11,7 +11,8 @@
     lookup             -> local tiers, then one batched round trip per home for the misses
     delete             -> this node's tiers, then every live member
     membership change  -> objects held here are copied to their new homes (server.rehome)
-    peer asks us       -> read / reserve / lookup / delete against the tier manager
+    pin / unpin        -> this node's host copies, then the homes' (scope "cluster")
+    peer asks us       -> read / reserve / lookup / delete / pin against the tier manager
 
 Bytes cross nodes only as a transfer between two owners, and every received object is
 checked against its xxh3-128 before it is published (tiers/remote.py and the peer service
@@ -183,6 +184,9 @@ class ClusterLink:
         for oid in ids:
             self._held.discard((namespace, oid.digest))
         return self.manager.delete_here(namespace, ids)
+
+    def pin(self, namespace: str, ids, ttl_s, unpin: bool) -> list[bool]:
+        return self.manager.pin_here(namespace, ids, ttl_s, unpin)
 
     def lookup(self, namespace: str, ids) -> list[RemoteMeta | None]:
         ns = self.manager.namespaces.get(namespace)
@@ -418,6 +422,11 @@ class ClusterLink:
             await asyncio.wait(pending, timeout=4 * self.config.peer_timeout_s)
         remote = await self.remote.delete(namespace, list(ids))
         return sum(a or b for a, b in zip(found, remote))
+
+    async def pin_everywhere(self, namespace: str, ids, ttl_s, unpin: bool, here: list[bool]) -> int:
+        """After this node's pins (`here`, per id), the homes': how many ids were pinned somewhere."""
+        remote = await self.remote.pin(namespace, list(ids), ttl_s, unpin)
+        return sum(a or b for a, b in zip(here, remote))
 
     async def lookup_remote(self, namespace: str, ids) -> list[RemoteMeta | None]:
         if self.remote is None:

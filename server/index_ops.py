@@ -144,30 +144,35 @@ class IndexOps:
         objects = self.namespaces[namespace].objects if namespace in self.namespaces else {}
         return {"resident": sum(1 for oid in ids if oid in objects), "requested": len(ids)}
 
-    def pin(self, namespace: str, ids, ttl_s: float | None) -> int:
-        ns = self.namespaces.get(namespace)
-        if ns is None:
-            return 0
-        until = math.inf if ttl_s is None else self.clock() + ttl_s
-        count = 0
-        for oid in ids:
-            entry = ns.objects.get(oid)
-            if entry is not None:
-                entry.pinned_until = until
-                count += 1
-        return count
+    def pin(self, namespace: str, ids, ttl_s: float | None, scope: str = "cluster"):
+        """Pin this node's host copies and, in a cluster with scope "cluster", the homes'.
+        Returns how many ids were pinned somewhere, or an awaitable of that count."""
+        return self._pin_scoped(namespace, ids, ttl_s, scope, unpin=False)
 
-    def unpin(self, namespace: str, ids) -> int:
+    def unpin(self, namespace: str, ids, scope: str = "cluster"):
+        return self._pin_scoped(namespace, ids, None, scope, unpin=True)
+
+    def _pin_scoped(self, namespace: str, ids, ttl_s, scope: str, unpin: bool):
+        flags = self.pin_here(namespace, ids, ttl_s, unpin)
+        if scope == "cluster" and self.cluster is not None and self.cluster.remote is not None:
+            return self.cluster.pin_everywhere(namespace, ids, ttl_s, unpin, flags)
+        return sum(flags)
+
+    def pin_here(self, namespace: str, ids, ttl_s: float | None, unpin: bool = False) -> list[bool]:
+        """Pin (until now + ttl_s, or until unpinned) or unpin this node's host copies; per id,
+        whether it was held here (for an unpin: held and pinned)."""
         ns = self.namespaces.get(namespace)
         if ns is None:
-            return 0
-        count = 0
+            return [False] * len(ids)
+        until = math.inf if ttl_s is None else self.clock() + ttl_s
+        flags = []
         for oid in ids:
             entry = ns.objects.get(oid)
-            if entry is not None and entry.pinned_until:
-                entry.pinned_until = 0.0
-                count += 1
-        return count
+            changed = entry is not None and (not unpin or entry.pinned_until > 0)
+            if changed:
+                entry.pinned_until = 0.0 if unpin else until
+            flags.append(changed)
+        return flags
 
     def evict(self, namespace: str, num_bytes: int | None, match=None) -> list[ObjectEntry]:
         """Operator eviction in one existing namespace, in the policy's victim order.

@@ -211,9 +211,9 @@ class LocalConnection(asyncio.Protocol):
             case m.Delete():
                 return _keyed("deleted", mgr.delete(self._ns(msg.namespace), msg.ids, msg.scope)), None
             case m.Pin():
-                return {"pinned": mgr.pin(self._ns(msg.namespace), msg.ids, msg.ttl_s)}, None
+                return _keyed("pinned", mgr.pin(self._ns(msg.namespace), msg.ids, msg.ttl_s, msg.scope)), None
             case m.Unpin():
-                return {"unpinned": mgr.unpin(self._ns(msg.namespace), msg.ids)}, None
+                return _keyed("unpinned", mgr.unpin(self._ns(msg.namespace), msg.ids, msg.scope)), None
             case m.Prefetch():
                 return mgr.prefetch(self._ns(msg.namespace), msg.ids, msg.tier, msg.policy, msg.timeout_s), None
             case m.OpenNamespace():

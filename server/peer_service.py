@@ -1,4 +1,4 @@
-"""The peer service: answers other daemons' peer_get / peer_put / peer_lookup / peer_delete.
+"""The peer service: answers other daemons' peer_get / peer_put / peer_lookup / peer_delete / peer_pin.
 
 Every channel starts with the HMAC handshake (server.peer_auth); a peer that fails it gets
 an error and a closed channel, nothing else. Requests then run one at a time per channel,
@@ -34,7 +34,7 @@ from kvstore.identity import ObjectId
 from kvstore.protocol import Reply, Request
 from server.peer_auth import authenticate_server
 from server.peer_transport import Channel, make_transport, nbytes_of, payload_bytes
-from kvstore.peer_messages import PEER_OPS, PeerDelete, PeerGet, PeerPut, RemoteMeta
+from kvstore.peer_messages import PEER_OPS, PeerDelete, PeerGet, PeerPin, PeerPut, RemoteMeta
 from tiers.remote import MIN_PEER_BANDWIDTH_BYTES_S, host_digest
 
 log = logging.getLogger("kvstore.peer")
@@ -79,6 +79,8 @@ class PeerBackend(Protocol):
     def lookup(self, namespace: str, ids: tuple[ObjectId, ...]) -> list[RemoteMeta | None]: ...
     def delete(self, namespace: str, ids: tuple[ObjectId, ...]) -> list[bool]:
         """Drop the ids from every tier; per id, whether it was held."""
+    def pin(self, namespace: str, ids: tuple[ObjectId, ...], ttl_s: float | None, unpin: bool) -> list[bool]:
+        """Pin (ttl_s None: until unpinned) or unpin the ids' resident copies; per id, whether held."""
 
 
 class InMemoryBackend:
@@ -102,6 +104,9 @@ class InMemoryBackend:
 
     def delete(self, namespace, ids):
         return [self.objects.pop((namespace, oid), None) is not None for oid in ids]
+
+    def pin(self, namespace, ids, ttl_s, unpin):
+        return [(namespace, oid) in self.objects for oid in ids]  # held in memory: always resident
 
 
 @dataclass(slots=True)
@@ -191,6 +196,8 @@ class PeerService:
                 result = await self._put(channel, msg, nbytes)
             elif isinstance(msg, PeerDelete):
                 result = {"found": list(await _maybe(self.backend.delete(msg.namespace, msg.ids)))}
+            elif isinstance(msg, PeerPin):
+                result = {"pinned": list(await _maybe(self.backend.pin(msg.namespace, msg.ids, msg.ttl_s, msg.unpin)))}
             else:  # PeerLookup
                 metas = await _maybe(self.backend.lookup(msg.namespace, msg.ids))
                 result = {"metas": [None if m is None else m.to_wire() for m in metas]}

@@ -4,9 +4,10 @@ An object's home nodes come from rendezvous hashing over the live members
 (`kvstore.ownership`). This tier asks them: `get_into` fetches into a buffer the caller
 provides (tier memory; a CUDA buffer through UCX), `put` sends to every home but this node,
 `get_ranges_into` fetches only some byte ranges (a sparse reader), `lookup` asks each home
-node once for a whole batch, `delete` asks every member. Bytes from a peer are checked
-against the xxh3-128 taken at put before `get_into` returns (ranges: against the checksum
-of the packed ranges, taken by the home after it checked its whole copy); a mismatch is a miss.
+node once for a whole batch, `pin` asks every home of each id, `delete` asks every member.
+Bytes from a peer are checked against the xxh3-128 taken at put before `get_into` returns
+(ranges: against the checksum of the packed ranges, taken by the home after it checked its
+whole copy); a mismatch is a miss.
 
 Failure is a miss, never a hang: every call is bounded by `timeout_s` (plus transfer time at
 MIN_PEER_BANDWIDTH_BYTES_S), is counted, and logged once per peer going down. A peer that just
@@ -30,7 +31,7 @@ import xxhash
 from kvstore.errors import KVStoreError, PermissionDenied, ProtocolError, RangeError, ServiceError
 from kvstore.identity import ObjectId
 from kvstore.ownership import home_nodes
-from kvstore.peer_messages import PeerDelete, PeerGet, PeerLookup, PeerPut, RemoteMeta
+from kvstore.peer_messages import PeerDelete, PeerGet, PeerLookup, PeerPin, PeerPut, RemoteMeta
 from kvstore.protocol import MAX_BATCH
 from kvstore.ranges import total as ranges_total
 
@@ -75,6 +76,7 @@ class RemoteCounters:
     num_puts: int = 0
     num_lookups: int = 0
     num_deletes: int = 0
+    num_pins: int = 0  # pin and unpin calls that asked the homes
     num_peer_failures: int = 0  # timeouts, closed links, protocol breaks
     num_peer_skips: int = 0  # calls not tried: the peer failed within the last timeout_s
     num_checksum_failures: int = 0
@@ -229,6 +231,30 @@ class RemoteTier:
                 for i, flag in enumerate(flags):
                     found[start + i] = found[start + i] or flag is True
         return found
+
+    async def pin(self, namespace: str, ids: list[ObjectId], ttl_s: float | None, unpin: bool = False) -> list[bool]:
+        """Pin (or unpin) the ids on every remote home, one batched call per home node, all
+        nodes at once. Per id: whether some home held it and changed its pin. Unreachable
+        homes are counted as peer failures."""
+        self.counters.num_pins += 1
+        by_node: dict[str, list[int]] = {}
+        for i, oid in enumerate(ids):
+            for node in self.remote_homes(oid):
+                by_node.setdefault(node, []).append(i)
+        calls, spans = [], []
+        for node, indices in by_node.items():
+            for start in range(0, len(indices), MAX_BATCH):
+                part = indices[start:start + MAX_BATCH]
+                args = PeerPin(namespace, tuple(ids[i] for i in part), ttl_s, unpin).to_args()
+                calls.append(self._call(node, PeerPin.op, args))
+                spans.append(part)
+        pinned = [False] * len(ids)
+        for part, result in zip(spans, await asyncio.gather(*calls) if calls else []):
+            flags = result.get("pinned") if isinstance(result, dict) else None
+            if isinstance(flags, list) and len(flags) == len(part):
+                for i, flag in zip(part, flags):
+                    pinned[i] = pinned[i] or flag is True
+        return pinned
 
     async def lookup(self, namespace: str, ids: list[ObjectId]) -> list[RemoteMeta | None]:
         """Metas of the ids held by their home nodes (None: miss), in order. One batched round

@@ -168,3 +168,28 @@ def test_ranged_miss_under_memory_pressure_evicts_nothing(pair):
             with cb.get(k) as lease:
                 assert np.array_equal(lease.numpy(), payload(5 << 20, i))
         cb.check_integrity()
+
+
+def test_pins_reach_the_home_and_hold_its_copy_through_eviction(pair):
+    a, b = pair
+    candidates = (ObjectId(bytes([150 + i]) * 32) for i in range(40))
+    target = next(k for k in candidates if home_nodes(k, ("a", "b")) == ["a"])
+
+    def flood(ca, tag):  # 64 MiB through A's 32 MiB arena: everything unpinned is evicted
+        for i in range(64):
+            ca.put(ObjectId(f"{tag}-{i}".encode().ljust(32, b".")), payload(1 << 20, 1000 + i))
+
+    with a.client() as ca, b.client() as cb:
+        ca.put(target, payload(1 << 20, 5))
+        assert cb.pin([target], scope="node") == 0  # B holds no copy of its own
+        assert cb.pin([target]) == 1  # the home's copy
+        flood(ca, "first")
+        assert ca.lookup([target]).tiers == ("host",)
+        with cb.get(target, ranges=[(0, 4096)]) as lease:  # still served from A
+            assert np.array_equal(lease.read(0, 4096), payload(1 << 20, 5)[:4096])
+        assert cb.unpin([target]) == 1 and cb.unpin([target]) == 0
+        flood(ca, "second")
+        assert ca.lookup([target]).tiers == (None,)
+        remote = cb.stats()["tiers"]["remote"]["remote"]
+        assert remote["num_pins"] == 3 and remote["num_peer_failures"] == 0
+        ca.check_integrity()

@@ -311,3 +311,26 @@ def test_a_new_copy_at_the_same_place_is_hashed_again():
     buf[5] ^= 0xFF  # the next copy holds other bytes in the same place
     assert not service._copy_checked(msg, PeerRead(meta, memoryview(buf), copy=2))
     assert service.counters.num_copy_checks == 2
+
+
+def test_pins_ask_every_home_once_and_survive_a_dead_one(transport):
+    objects = [make_object(1000, seed=40 + i) for i in range(30)]
+    missing = ObjectId(b"\x08" * 32)
+
+    async def scenario():
+        async with services(transport, names=("b", "c")) as started:
+            tier = remote_tier(transport, members_of(started), replicas=2)
+            for oid, meta, data in objects:
+                await tier.put("ns", oid, meta, data)
+            ids = [oid for oid, _, _ in objects] + [missing]
+            before = sum(s.counters.num_requests for s, _ in started.values())
+            pinned = await tier.pin("ns", ids, 60.0)
+            requests = sum(s.counters.num_requests for s, _ in started.values()) - before
+            await started["c"][0].stop()
+            with_one_dead = await tier.pin("ns", ids, None, unpin=True)
+            await tier.close()
+            return pinned, requests, with_one_dead, tier.stats()
+
+    pinned, requests, with_one_dead, stats = run(scenario())
+    assert pinned == [True] * 30 + [False] and requests == 2  # one batched call per home node
+    assert with_one_dead == [True] * 30 + [False] and stats["num_peer_failures"] >= 1
