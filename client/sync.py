@@ -224,11 +224,15 @@ class Client:
 
     def pin(self, keys, ttl_s: float | None = None, namespace: str | None = None, scope: str = "cluster") -> int:
         """Keep objects resident (never evicted) until unpinned or `ttl_s` passes; returns how
-        many were pinned somewhere. In a cluster, scope="cluster" pins this node's copies and
-        the home nodes' (an object held only by its homes stays there), "node" only this node's."""
+        many were pinned somewhere. A pin never shortens an earlier one's expiry. In a
+        cluster, scope="cluster" pins this node's copies and the home nodes' (an object held
+        only by its homes stays there), "node" only this node's."""
         return self._run(self.core.op_batch(m.Pin, list(keys), namespace, "pinned", ttl_s=ttl_s, scope=scope))
 
     def unpin(self, keys, namespace: str | None = None, scope: str = "cluster") -> int:
+        """Undo pins; returns how many ids were still pinned somewhere. In a cluster,
+        scope="cluster" reaches every live member (a pin made from any node may hold a
+        copy there), "node" only this node's copies."""
         return self._run(self.core.op_batch(m.Unpin, list(keys), namespace, "unpinned", scope=scope))
 
     def prefetch(self, keys, tier: str = "host", policy: str = "best_effort",

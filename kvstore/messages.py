@@ -112,6 +112,16 @@ RAW_IDS = (_raw_ids_dec, lambda v: [x.digest if isinstance(x, ObjectId) else x f
 LEASE = _int(1, 2**63 - 1)
 SIZE = _int(1, MAX_OBJECT_BYTES)
 FLOAT = (_float, lambda v: v)
+
+
+def _pin_ttl(v):
+    v = _float(v)
+    if v == 0:
+        raise InvalidArgument("must be > 0 (seconds), or null to pin until unpinned")
+    return v
+
+
+PIN_TTL = (_pin_ttl, lambda v: v)
 STR = (_str_dec, lambda v: v)
 OPT_STR = (_opt_str_dec, lambda v: v)
 CHECKSUM = (_checksum_dec, lambda v: v)
@@ -259,7 +269,7 @@ class Pin(Message):
     ttl_s: float | None = None
     scope: str = "cluster"
     op: ClassVar[str] = "pin"
-    _codecs: ClassVar = {"namespace": NAMESPACE, "ids": IDS, "ttl_s": FLOAT, "scope": _choice(SCOPES)}
+    _codecs: ClassVar = {"namespace": NAMESPACE, "ids": IDS, "ttl_s": PIN_TTL, "scope": _choice(SCOPES)}
     _defaults: ClassVar = {"ttl_s": None, "scope": "cluster"}
 
 

@@ -23,7 +23,7 @@ from kvstore.ranges import CODEC as RANGES
 from kvstore.errors import InvalidArgument, ProtocolError
 from kvstore.hints import Hints
 from kvstore.identity import ObjectId, StateDescriptor
-from kvstore.messages import CHECKSUM, DESCRIPTOR, FLOAT, HINTS, IDS, NAMESPACE, OID, SIZE, Message
+from kvstore.messages import CHECKSUM, DESCRIPTOR, HINTS, IDS, NAMESPACE, OID, PIN_TTL, SIZE, Message
 
 # Descriptors and hints repeat across objects (one model, a few layouts): their parsed and
 # encoded forms are cached, which took decoding a meta from ~58 us to a few. Cached wire
@@ -138,7 +138,7 @@ class PeerPin(Message):
     ttl_s: float | None = None
     unpin: bool = False
     op: ClassVar[str] = "peer_pin"
-    _codecs: ClassVar = {"namespace": NAMESPACE, "ids": IDS, "ttl_s": FLOAT, "unpin": (_bool_dec, lambda v: v)}
+    _codecs: ClassVar = {"namespace": NAMESPACE, "ids": IDS, "ttl_s": PIN_TTL, "unpin": (_bool_dec, lambda v: v)}
     _defaults: ClassVar = {"ttl_s": None, "unpin": False}
 
 

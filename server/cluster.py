@@ -171,7 +171,8 @@ class ClusterLink:
 
         def commit() -> None:  # the peer service verified the bytes against meta.checksum
             self.manager.track_transient(ns, extent, add=False)
-            self.manager.publish(ns, object_id, extent, meta.size, meta.checksum, meta.descriptor, meta.hints)
+            self.manager.publish(ns, object_id, extent, meta.size, meta.checksum, meta.descriptor, meta.hints,
+                                 pin_hint=True)
             self._held.add((namespace, object_id.digest))  # the sender sends to every home
 
         def abort() -> None:

@@ -160,18 +160,21 @@ class IndexOps:
 
     def pin_here(self, namespace: str, ids, ttl_s: float | None, unpin: bool = False) -> list[bool]:
         """Pin (until now + ttl_s, or until unpinned) or unpin this node's host copies; per id,
-        whether it was held here (for an unpin: held and pinned)."""
+        whether it was held here (for an unpin: held and still pinned). A pin never shortens
+        another's: pins reach a copy from every node, and the latest expiry wins."""
         ns = self.namespaces.get(namespace)
         if ns is None:
             return [False] * len(ids)
-        until = math.inf if ttl_s is None else self.clock() + ttl_s
+        now = self.clock()
+        until = math.inf if ttl_s is None else now + ttl_s
         flags = []
         for oid in ids:
             entry = ns.objects.get(oid)
-            changed = entry is not None and (not unpin or entry.pinned_until > 0)
-            if changed:
-                entry.pinned_until = 0.0 if unpin else until
-            flags.append(changed)
+            if entry is None or (unpin and entry.pinned_until <= now):
+                flags.append(False)
+                continue
+            entry.pinned_until = 0.0 if unpin else max(entry.pinned_until, until)
+            flags.append(True)
         return flags
 
     def evict(self, namespace: str, num_bytes: int | None, match=None) -> list[ObjectEntry]:

@@ -265,8 +265,10 @@ class TierManager(IndexOps, TierReport):
             if ns.objects.get(entry.object_id) is entry:
                 ns.policy.on_insert(entry.object_id, entry.size, entry.hints.recompute_cost_ms, entry.hints.priority)
 
-    def publish(self, ns: Namespace, oid: ObjectId, extent, size: int, checksum: bytes, descriptor, hints) -> ObjectEntry:
-        """Make verified bytes already in `extent` a committed object (a peer's put or fetch)."""
+    def publish(self, ns: Namespace, oid: ObjectId, extent, size: int, checksum: bytes, descriptor, hints,
+                pin_hint: bool = False) -> ObjectEntry:
+        """Make verified bytes already in `extent` a committed object (a peer's put or fetch).
+        pin_hint: honour hints.pin (a home's copy, as at a local commit; not a fetched copy)."""
         existing = ns.objects.get(oid)
         if existing is not None:
             ns.arena.free(extent)
@@ -274,6 +276,7 @@ class TierManager(IndexOps, TierReport):
         entry = ObjectEntry(
             oid, ns.name, extent, size, checksum, descriptor, hints, created_at=time.time(),
             expires_at=math.inf if hints.ttl_s is None else self.clock() + hints.ttl_s,
+            pinned_until=math.inf if pin_hint and hints.pin else 0.0,
         )
         self.insert(ns, entry)
         ns.counters.num_puts += 1

@@ -4,7 +4,8 @@ An object's home nodes come from rendezvous hashing over the live members
 (`kvstore.ownership`). This tier asks them: `get_into` fetches into a buffer the caller
 provides (tier memory; a CUDA buffer through UCX), `put` sends to every home but this node,
 `get_ranges_into` fetches only some byte ranges (a sparse reader), `lookup` asks each home
-node once for a whole batch, `pin` asks every home of each id, `delete` asks every member.
+node once for a whole batch, `pin` asks every home of each id (an unpin, every member),
+`delete` asks every member.
 Bytes from a peer are checked against the xxh3-128 taken at put before `get_into` returns
 (ranges: against the checksum of the packed ranges, taken by the home after it checked its
 whole copy); a mismatch is a miss.
@@ -233,13 +234,15 @@ class RemoteTier:
         return found
 
     async def pin(self, namespace: str, ids: list[ObjectId], ttl_s: float | None, unpin: bool = False) -> list[bool]:
-        """Pin (or unpin) the ids on every remote home, one batched call per home node, all
-        nodes at once. Per id: whether some home held it and changed its pin. Unreachable
-        homes are counted as peer failures."""
+        """Pin the ids on every remote home, or unpin them on every other live member (a pin
+        from any node, or an old home's copy kept after re-homing, may hold one); one
+        batched call per node, all nodes at once. Per id: whether some node held it and
+        changed its pin. Unreachable nodes are counted as peer failures."""
         self.counters.num_pins += 1
         by_node: dict[str, list[int]] = {}
+        others = [n for n in self.members() if n != self.node_id] if unpin else None
         for i, oid in enumerate(ids):
-            for node in self.remote_homes(oid):
+            for node in others if unpin else self.remote_homes(oid):
                 by_node.setdefault(node, []).append(i)
         calls, spans = [], []
         for node, indices in by_node.items():

@@ -57,7 +57,7 @@ messages = st.one_of(
     st.builds(m.Commit, leases, st.binary(min_size=16, max_size=16)), st.builds(m.Abort, leases),
     st.builds(m.Get, names, oids, st.none(), byte_ranges), st.builds(m.Release, leases), st.builds(m.Lookup, names, id_batches),
     st.builds(m.Delete, names, id_batches, st.sampled_from(m.SCOPES)),
-    st.builds(m.Pin, names, id_batches, no_neg, st.sampled_from(m.SCOPES)),
+    st.builds(m.Pin, names, id_batches, st.none() | st.floats(1e-3, 1e6), st.sampled_from(m.SCOPES)),
     st.builds(m.Unpin, names, id_batches, st.sampled_from(m.SCOPES)),
     st.builds(m.Prefetch, names, id_batches, st.sampled_from(m.TIERS), st.sampled_from(m.PREFETCH_POLICIES), no_neg),
     st.just(m.Stats()), st.just(m.Check()),

@@ -8,6 +8,7 @@ import time
 import numpy as np
 import pytest
 
+from kvstore import Hints
 from kvstore.dtypes import DType
 from kvstore.errors import InvalidArgument, RangeError
 from kvstore.identity import ObjectId
@@ -193,3 +194,20 @@ def test_pins_reach_the_home_and_hold_its_copy_through_eviction(pair):
         remote = cb.stats()["tiers"]["remote"]["remote"]
         assert remote["num_pins"] == 3 and remote["num_peer_failures"] == 0
         ca.check_integrity()
+
+
+def test_an_unpin_from_any_node_reaches_every_pinned_copy(pair):
+    a, b = pair
+    candidates = [ObjectId(bytes([170 + i]) * 32) for i in range(40)]
+    on_a = [k for k in candidates if home_nodes(k, ("a", "b")) == ["a"]][:2]
+    with a.client() as ca, b.client() as cb:
+        ca.put(on_a[0], payload(4096, 1))
+        with cb.get(on_a[0]):  # B now holds a fetched copy of its own
+            pass
+        assert cb.pin([on_a[0]]) == 1  # B's copy and the home's
+        assert ca.unpin([on_a[0]]) == 1  # from A, which is the only home
+        assert cb.unpin([on_a[0]], scope="node") == 0  # B's copy was unpinned too
+        # A put that asks to be pinned keeps that pin on the home that holds it for B.
+        put = cb.put(on_a[1], payload(4096, 2), hints=Hints(pin=True), tier="remote")
+        assert put.homes == ("a",) and put.tier == "remote"
+        assert ca.unpin([on_a[1]], scope="node") == 1

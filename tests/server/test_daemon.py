@@ -195,6 +195,20 @@ def test_lease_expires_when_client_never_releases(daemon_factory):
         c.check_integrity()
 
 
+def test_pins_extend_never_shorten_and_expired_pins_are_not_unpinned(daemon):
+    with daemon.client() as c:
+        forever, brief = ids(2, seed=9)
+        c.put(forever, b"f" * 100)
+        c.put(brief, b"b" * 100)
+        assert c.pin([forever]) == 1 and c.pin([forever], ttl_s=0.05) == 1  # the second must not shorten it
+        assert c.pin([brief], ttl_s=0.05) == 1
+        with pytest.raises(InvalidArgument, match="ttl_s: must be > 0"):
+            c.pin([brief], ttl_s=0)
+        time.sleep(0.1)
+        assert c.unpin([forever, brief]) == 1  # only the pin still in force counts
+        assert c.unpin([forever]) == 0
+
+
 def test_lease_quota_per_client(daemon_factory):
     d = daemon_factory(config={"limits": {"max_leases_per_client": 3}})
     with d.client() as c, d.client() as other:
