@@ -11,8 +11,9 @@ import asyncio
 import logging
 import math
 
-from kvstore.errors import NotFound
+from kvstore.errors import NotFound, RangeError
 from kvstore.identity import ObjectId
+from kvstore.ranges import check_within
 from server.objects import ObjectEntry
 
 log = logging.getLogger("kvstore.tiers")
@@ -143,6 +144,16 @@ class IndexOps:
             _log_failure(task)
         objects = self.namespaces[namespace].objects if namespace in self.namespaces else {}
         return {"resident": sum(1 for oid in ids if oid in objects), "requested": len(ids)}
+
+    @staticmethod
+    def _check_ranges(ns, ranges, size: int) -> None:
+        """A get's byte ranges against the object's size: RangeError (a counted miss)."""
+        if ranges is not None:
+            try:
+                check_within(ranges, size)
+            except RangeError:
+                ns.counters.num_misses += 1
+                raise
 
     def pin(self, namespace: str, ids, ttl_s: float | None, scope: str = "cluster"):
         """Pin this node's host copies and, in a cluster with scope "cluster", the homes'.

@@ -16,10 +16,9 @@ from dataclasses import dataclass, field
 import xxhash
 
 from kvstore.config import ServerConfig
-from kvstore.errors import CapacityError, ChecksumError, InvalidArgument, LimitExceeded, NotFound, RangeError
+from kvstore.errors import CapacityError, ChecksumError, InvalidArgument, LimitExceeded, NotFound
 from kvstore.identity import ObjectId
 from kvstore.messages import Reserve
-from kvstore.ranges import check_within
 from kvstore.policy import make_policy
 from server.index_ops import IndexOps
 from server.objects import ObjectEntry, PendingPut
@@ -398,15 +397,6 @@ class TierManager(IndexOps, TierReport):
         ns.counters.num_gets -= 1  # the get below counts this same request again
         reply = self.get(owner, namespace, oid, accept, ranges)  # resident now: the sync path
         return reply if not hasattr(reply, "__await__") else await reply
-
-    @staticmethod
-    def _check_ranges(ns: Namespace, ranges, size: int) -> None:
-        if ranges is not None:
-            try:
-                check_within(ranges, size)
-            except RangeError:
-                ns.counters.num_misses += 1
-                raise
 
     def grant_ranged(self, owner, ns: Namespace, oid: ObjectId, extent) -> int:
         """A read lease on an extent holding some ranges of `oid` (transient, never indexed);

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from kvstore import Hints
+from kvstore.errors import RangeError
 from kvstore.identity import ObjectId
 
 MiB = 1 << 20
@@ -124,6 +125,24 @@ def test_prefetch_wait_brings_objects_back_to_host(daemon_factory):
         assert len(cold) == 2
         assert c.prefetch(cold, policy="wait") == 2
         assert c.lookup(cold).tiers == ("host", "host")
+        c.check_integrity()
+
+
+def test_ranged_get_of_an_nvme_object_checks_ranges_before_promoting(daemon_factory):
+    d = daemon_factory("4MiB", config=nvme(admit_min_hits=0))
+    keys = ids(12)
+    with d.client() as c:
+        for i, key in enumerate(keys):
+            c.put(key, payload(MiB - 8192, i))
+        cold = [k for k, t in zip(keys, c.lookup(keys).tiers) if t == "nvme"][0]
+        promotions = c.stats()["tiers"]["nvme"]["num_promotions"]
+        with pytest.raises(RangeError, match="reaches past the object's"):
+            c.get(cold, ranges=[(MiB - 8192, 1)])
+        assert c.stats()["tiers"]["nvme"]["num_promotions"] == promotions  # nothing was moved for it
+        i = keys.index(cold)
+        with c.get(cold, ranges=[(4096, 100)]) as lease:  # held here: promoted and leased whole
+            assert lease.ranges is None
+            assert np.array_equal(lease.read(4096, 100), payload(MiB - 8192, i)[4096:4196])
         c.check_integrity()
 
 
