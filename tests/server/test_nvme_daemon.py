@@ -115,13 +115,21 @@ def test_flipped_byte_on_disk_is_a_miss_not_wrong_data(daemon_factory):
         c.check_integrity()
 
 
+COLD_SIZE = MiB - 8192
+
+
+def put_until_cold(c) -> list:
+    """12 objects through a 4 MiB host tier; returns the keys now only on NVMe, in order."""
+    keys = ids(12)
+    for i, key in enumerate(keys):
+        c.put(key, payload(COLD_SIZE, i))
+    return [k for k, t in zip(keys, c.lookup(keys).tiers) if t == "nvme"]
+
+
 def test_prefetch_wait_brings_objects_back_to_host(daemon_factory):
     d = daemon_factory("4MiB", config=nvme(admit_min_hits=0))
-    keys = ids(12)
     with d.client() as c:
-        for i, key in enumerate(keys):
-            c.put(key, payload(MiB - 8192, i))
-        cold = [k for k, t in zip(keys, c.lookup(keys).tiers) if t == "nvme"][:2]
+        cold = put_until_cold(c)[:2]
         assert len(cold) == 2
         assert c.prefetch(cold, policy="wait") == 2
         assert c.lookup(cold).tiers == ("host", "host")
@@ -130,19 +138,15 @@ def test_prefetch_wait_brings_objects_back_to_host(daemon_factory):
 
 def test_ranged_get_of_an_nvme_object_checks_ranges_before_promoting(daemon_factory):
     d = daemon_factory("4MiB", config=nvme(admit_min_hits=0))
-    keys = ids(12)
     with d.client() as c:
-        for i, key in enumerate(keys):
-            c.put(key, payload(MiB - 8192, i))
-        cold = [k for k, t in zip(keys, c.lookup(keys).tiers) if t == "nvme"][0]
+        cold = put_until_cold(c)[0]
         promotions = c.stats()["tiers"]["nvme"]["num_promotions"]
         with pytest.raises(RangeError, match="reaches past the object's"):
-            c.get(cold, ranges=[(MiB - 8192, 1)])
+            c.get(cold, ranges=[(COLD_SIZE, 1)])
         assert c.stats()["tiers"]["nvme"]["num_promotions"] == promotions  # nothing was moved for it
-        i = keys.index(cold)
         with c.get(cold, ranges=[(4096, 100)]) as lease:  # held here: promoted and leased whole
             assert lease.ranges is None
-            assert np.array_equal(lease.read(4096, 100), payload(MiB - 8192, i)[4096:4196])
+            assert np.array_equal(lease.read(4096, 100), payload(COLD_SIZE, ids(12).index(cold))[4096:4196])
         c.check_integrity()
 
 
