@@ -187,9 +187,9 @@ def openapi_document() -> dict:
                               "Deleted", ONE_ERRORS, ONE),
             },
             "/v1/objects/{id}/pin": {
-                "post": _op("pinObject", "keep resident for ttl_s seconds, or until unpinned", "Object",
-                            ONE_ERRORS, ONE, body="PinRequest", body_required=False, links=FROM_ONE),
-                "delete": _op("unpinObject", "unpin", "Object", ONE_ERRORS, ONE),
+                "post": _op("pinObject", "keep this node's copy resident for ttl_s seconds, or until unpinned",
+                            "Object", ONE_ERRORS, ONE, body="PinRequest", body_required=False, links=FROM_ONE),
+                "delete": _op("unpinObject", "unpin this node's copy", "Object", ONE_ERRORS, ONE),
             },
             "/v1/evict": {"post": _op("evict", "evict by bytes or filter; leased and pinned objects stay",
                                       "EvictResult", (400, 401, 404), body="EvictRequest")},
