@@ -1,18 +1,21 @@
 """Configuration: one frozen dataclass per component, composed by the daemon.
 
 Every field has a default that works with no config file. `ServerConfig.from_dict`
-takes the parsed TOML and rejects unknown keys and bad values with a message that
-names the key: a typo never silently falls back to a default.
+takes the parsed TOML and rejects unknown keys, values of the wrong type (checked against
+each field's annotation: `enabled = "false"` is a string, not false) and bad values with a
+message that names the key: a typo never silently falls back to a default.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from dataclasses import dataclass, field, fields, is_dataclass, replace
 
 from kvstore.config_auth import AuthConfig, NamespaceAuth  # noqa: F401 (re-exported)
 from kvstore.errors import InvalidArgument
+from kvstore.policy import POLICIES
 from kvstore.protocol import MAX_FRAME_BYTES
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
@@ -20,17 +23,26 @@ _UNITS = {None: 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
 
-def parse_size(value: int | str) -> int:
-    """`4096`, `"64MiB"`, `"1.5GiB"`, `"2GB"` -> bytes."""
+def parse_size(value: int | str, key: str = "size") -> int:
+    """`4096`, `"64MiB"`, `"1.5GiB"`, `"2GB"` -> bytes; errors name `key` (e.g. "host.arena_bytes")."""
     if isinstance(value, int) and not isinstance(value, bool):
         if value < 0:
-            raise InvalidArgument(f"size must be >= 0, got {value}")
+            raise InvalidArgument(f"{key} must be >= 0 bytes, got {value}")
         return value
-    match = _SIZE_RE.match(str(value))
+    match = _SIZE_RE.match(value) if isinstance(value, str) else None
     if match is None:
-        raise InvalidArgument(f"cannot parse size {value!r}; use bytes or e.g. '64MiB', '2GiB'")
+        raise InvalidArgument(f"{key} must be a size in bytes or e.g. '64MiB', '2GiB', got {value!r}")
     unit = match.group(2).lower() if match.group(2) else None
     return int(float(match.group(1)) * _UNITS[unit])
+
+
+def _positive_number(value) -> bool:
+    """A finite number > 0 (not a bool, not nan: `nan <= 0` is False)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < math.inf
+
+
+# Fields that hold a size: an integer number of bytes or a string such as "64MiB".
+SIZE = {"size": True}
 
 
 def default_runtime_dir() -> str:
@@ -52,7 +64,7 @@ def default_data_dir() -> str:
 @dataclass(frozen=True, slots=True)
 class HostTierConfig:
     # Each namespace gets its own memfd arena of this size (tenants never share memory).
-    arena_bytes: int = 1 << 30
+    arena_bytes: int = field(default=1 << 30, metadata=SIZE)
     # Fault the arena in at start: first touch runs at ~1 GB/s here against ~10 GB/s.
     prefault: bool = True
     max_namespaces: int = 64
@@ -61,7 +73,7 @@ class HostTierConfig:
     namespaces: tuple = ("default",)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "arena_bytes", parse_size(self.arena_bytes))
+        object.__setattr__(self, "arena_bytes", parse_size(self.arena_bytes, "host.arena_bytes"))
         if self.arena_bytes < 4096 or self.arena_bytes % 4096:
             raise InvalidArgument(f"host.arena_bytes must be a positive multiple of 4096, got {self.arena_bytes}")
         if not isinstance(self.max_namespaces, int) or self.max_namespaces < 1:
@@ -69,6 +81,8 @@ class HostTierConfig:
         if isinstance(self.namespaces, str) or not all(isinstance(n, str) and n for n in self.namespaces):
             raise InvalidArgument("host.namespaces must be a list of namespace names")
         object.__setattr__(self, "namespaces", tuple(self.namespaces))
+        if self.policy not in POLICIES:
+            raise InvalidArgument(f"host.policy must be one of {sorted(POLICIES)}, got {self.policy!r}")
         if len(self.namespaces) > self.max_namespaces:
             raise InvalidArgument("host.namespaces lists more namespaces than host.max_namespaces")
 
@@ -82,8 +96,8 @@ class NvmeTierConfig:
 
     enabled: bool = False
     path: str = ""  # "" = <data_dir>/nvme
-    capacity_bytes: int = 8 << 30
-    file_bytes: int = 1 << 30
+    capacity_bytes: int = field(default=8 << 30, metadata=SIZE)
+    file_bytes: int = field(default=1 << 30, metadata=SIZE)
     durability: str = "sync"  # sync: fdatasync + synced index per put; group: every group_commit_ms
     group_commit_ms: float = 5.0
     io_threads: int = 4
@@ -100,7 +114,7 @@ class NvmeTierConfig:
 
     def __post_init__(self) -> None:
         for name in ("capacity_bytes", "file_bytes"):
-            object.__setattr__(self, name, parse_size(getattr(self, name)))
+            object.__setattr__(self, name, parse_size(getattr(self, name), f"nvme.{name}"))
         if self.durability not in ("sync", "group"):
             raise InvalidArgument(f"nvme.durability must be sync or group, got {self.durability!r}")
         if self.write_policy not in WRITE_POLICIES:
@@ -110,6 +124,8 @@ class NvmeTierConfig:
                 raise InvalidArgument(f"nvme.{name} must be an integer >= 1")
         if not isinstance(self.admit_min_hits, int) or self.admit_min_hits < 0:
             raise InvalidArgument("nvme.admit_min_hits must be an integer >= 0")
+        if not _positive_number(self.group_commit_ms):
+            raise InvalidArgument(f"nvme.group_commit_ms must be a number > 0, got {self.group_commit_ms!r}")
 
 
 # Lowest limits.max_frame_bytes: a lookup of MAX_BATCH ids is a ~140 KiB frame. The highest
@@ -124,23 +140,23 @@ class LimitsConfig:
     # Bytes one client may hold reserved but not committed (its puts in flight). Reserved
     # extents cannot be evicted: without a bound, one client's abandoned reservations could
     # fill an arena. Keep it below host.arena_bytes; the client's put window adapts to it.
-    max_inflight_bytes_per_client: int = 256 << 20
+    max_inflight_bytes_per_client: int = field(default=256 << 20, metadata=SIZE)
     # Largest frame the daemon reads from a client; a bigger length header closes the connection.
-    max_frame_bytes: int = MAX_FRAME_BYTES
+    max_frame_bytes: int = field(default=MAX_FRAME_BYTES, metadata=SIZE)
     # A lease not released within this time is taken back (a stuck client cannot pin memory forever).
     lease_ttl_s: float = 300.0
 
     def __post_init__(self) -> None:
         for name in ("max_inflight_bytes_per_client", "max_frame_bytes"):
-            object.__setattr__(self, name, parse_size(getattr(self, name)))
+            object.__setattr__(self, name, parse_size(getattr(self, name), f"limits.{name}"))
         for name in ("max_clients", "max_leases_per_client", "max_inflight_bytes_per_client"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise InvalidArgument(f"limits.{name} must be an integer >= 1")
         if not MIN_FRAME_BYTES <= self.max_frame_bytes <= MAX_FRAME_BYTES:
             raise InvalidArgument(f"limits.max_frame_bytes must be in {MIN_FRAME_BYTES}..{MAX_FRAME_BYTES}, "
                                   f"got {self.max_frame_bytes}")
-        if not isinstance(self.lease_ttl_s, (int, float)) or self.lease_ttl_s <= 0:
-            raise InvalidArgument("limits.lease_ttl_s must be a number > 0")
+        if not _positive_number(self.lease_ttl_s):
+            raise InvalidArgument(f"limits.lease_ttl_s must be a number > 0, got {self.lease_ttl_s!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -265,6 +281,8 @@ class ServerConfig:
             raise InvalidArgument(f"log_level must be debug, info, warning or error, got {self.log_level!r}")
         if self.log_format not in ("kv", "json"):
             raise InvalidArgument(f"log_format must be kv or json, got {self.log_format!r}")
+        if not isinstance(self.socket_mode, int) or not 0 <= self.socket_mode <= 0o777:
+            raise InvalidArgument(f"socket_mode must be a file mode in 0..0o777 (e.g. 0o600), got {self.socket_mode!r}")
         if len(os.fsencode(self.socket_path)) > 100:
             raise InvalidArgument(f"socket_path is too long for a Unix socket (max ~100 bytes): {self.socket_path}")
 
@@ -295,8 +313,30 @@ def _build(cls, data: dict, prefix: str):
         if is_dataclass(default):
             values[name] = _build(type(default), value, f"{prefix}{name}.")
         else:
+            _check_type(prefix + name, known[name], value)
             values[name] = value
     try:
         return cls(**values)
     except TypeError as exc:
         raise InvalidArgument(f"bad config in {prefix or '<top>'}: {exc}") from None
+
+
+# What each annotation admits from TOML, and how the error says it. bool is a subclass of
+# int in Python: `arena_bytes = true` or `port = false` must not pass as 1 or 0.
+_TYPES = {
+    "bool": (lambda v: isinstance(v, bool), "true or false"),
+    "int": (lambda v: isinstance(v, int) and not isinstance(v, bool), "an integer"),
+    "float": (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool), "a number"),
+    "str": (lambda v: isinstance(v, str), "a string"),
+    "tuple": (lambda v: isinstance(v, (list, tuple)) and all(isinstance(x, str) for x in v), "a list of strings"),
+    "dict": (lambda v: isinstance(v, dict), "a table"),
+}
+_SIZE_TYPE = (lambda v: isinstance(v, str) or _TYPES["int"][0](v), "a size (bytes, or a string like '64MiB')")
+
+
+def _check_type(key: str, spec, value) -> None:
+    """Refuse a TOML value whose type is not the field's (the value itself is checked by the
+    dataclass). Every field's annotation must be in _TYPES: a new kind of field fails loudly."""
+    accepts, kind = _SIZE_TYPE if spec.metadata.get("size") else _TYPES[spec.type]
+    if not accepts(value):
+        raise InvalidArgument(f"{key} must be {kind}, got {value!r}")

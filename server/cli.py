@@ -25,7 +25,7 @@ def load_config(args) -> ServerConfig:
     config = ServerConfig.from_dict(data)
     host, admin = config.host, config.admin
     if getattr(args, "arena_bytes", None):
-        host = replace(host, arena_bytes=parse_size(args.arena_bytes))
+        host = replace(host, arena_bytes=parse_size(args.arena_bytes, "--arena-bytes"))
     if getattr(args, "admin_host", None) or getattr(args, "admin_port", None) is not None:
         admin = replace(admin, host=args.admin_host or admin.host,
                         port=admin.port if args.admin_port is None else args.admin_port)

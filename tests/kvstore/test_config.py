@@ -36,3 +36,83 @@ def test_nested_tables_and_sizes():
 def test_bad_config_is_refused_with_the_key_named(data, match):
     with pytest.raises(InvalidArgument, match=match):
         ServerConfig.from_dict(data)
+
+
+@pytest.mark.parametrize("section, key, value", [
+    ("nvme", "enabled", "false"),  # a non-empty string is truthy: this turned NVMe on
+    ("cluster", "enabled", "false"),
+    (None, "verify_puts", "yes"),
+    ("host", "prefault", 0),
+    ("nvme", "flush_on_shutdown", 1),
+    ("cluster", "rehome", "true"),
+    ("admin", "enabled", "no"),
+    ("host", "arena_bytes", True),  # bool is an int subclass: not 1 byte
+    ("host", "max_namespaces", True),
+    ("admin", "port", False),
+    ("limits", "max_clients", 4.0),
+    ("limits", "lease_ttl_s", "300"),
+    ("limits", "lease_ttl_s", float("nan")),
+    ("nvme", "group_commit_ms", -5.0),
+    ("cluster", "replicas", "2"),
+    ("cluster", "peers", "a=127.0.0.1:1"),
+    ("cluster", "peers", [5]),
+    ("host", "namespaces", "default"),
+    ("host", "policy", 3),
+    ("admin", "host", 127),
+    (None, "data_dir", 5),
+    (None, "socket_mode", "0600"),
+    (None, "socket_mode", 0o7777),
+    ("auth", "namespaces", ["a"]),
+])
+def test_values_of_the_wrong_type_are_refused_naming_the_key(section, key, value):
+    data = {key: value} if section is None else {section: {key: value}}
+    name = key if section is None else f"{section}.{key}"
+    with pytest.raises(InvalidArgument, match=name.replace(".", r"\.")):
+        ServerConfig.from_dict(data)
+
+
+def test_every_config_field_has_a_type_check():
+    """A field whose annotation _check_type does not know would fail with a KeyError."""
+    from dataclasses import fields, is_dataclass
+    from kvstore.config import _TYPES
+
+    def walk(obj, prefix=""):
+        for f in fields(obj):
+            value = getattr(obj, f.name)
+            if is_dataclass(value):
+                yield from walk(value, f"{prefix}{f.name}.")
+            else:
+                yield prefix + f.name, f
+    unknown = [key for key, f in walk(ServerConfig()) if not f.metadata.get("size") and f.type not in _TYPES]
+    assert unknown == []
+
+
+@pytest.mark.parametrize("data, message", [
+    ({"host": {"arena_bytes": -5}}, "host.arena_bytes must be >= 0 bytes, got -5"),
+    ({"host": {"arena_bytes": "lots"}}, "host.arena_bytes must be a size"),
+    ({"host": {"arena_bytes": 1.5e9}}, "host.arena_bytes must be a size"),
+    ({"nvme": {"capacity_bytes": "-1GiB"}}, "nvme.capacity_bytes must be a size"),
+    ({"nvme": {"file_bytes": -1}}, "nvme.file_bytes must be >= 0"),
+    ({"limits": {"max_inflight_bytes_per_client": "many"}}, "limits.max_inflight_bytes_per_client must be a size"),
+    ({"limits": {"max_frame_bytes": [1]}}, "limits.max_frame_bytes must be a size"),
+])
+def test_size_errors_name_their_key(data, message):
+    with pytest.raises(InvalidArgument, match=message.replace(".", r"\.")):
+        ServerConfig.from_dict(data)
+
+
+def test_unknown_policy_is_refused_by_the_config():
+    """It used to pass the config and fail only when the first arena was made (after the admin API started)."""
+    with pytest.raises(InvalidArgument, match=r"host\.policy.*'lfu'"):
+        ServerConfig.from_dict({"host": {"policy": "lfu"}})
+
+
+def test_well_typed_values_pass():
+    config = ServerConfig.from_dict({
+        "verify_puts": True, "socket_mode": 0o660,
+        "host": {"arena_bytes": 1 << 20, "prefault": False, "namespaces": ["a", "b"], "policy": "lru"},
+        "limits": {"lease_ttl_s": 30, "max_frame_bytes": "1MiB"},
+        "nvme": {"enabled": False, "group_commit_ms": 2},
+        "cluster": {"enabled": False, "lease_ttl_s": 2.5, "peers": ["a=127.0.0.1:9000"]},
+    })
+    assert config.host.namespaces == ("a", "b") and config.limits.max_frame_bytes == 1 << 20
