@@ -1,7 +1,8 @@
 """Operator commands over the admin API: `kvstore status`, `kvstore objects ...`, `kvstore evict`.
 
-Each finds the daemon through its data directory (--data-dir, else the config default):
-the URL in admin.addr and the bearer token in admin.token. --admin-url overrides the URL.
+Each finds the daemon through its data directory (--data-dir, else data_dir in the TOML file
+--config names, read as `kvstore serve --config` reads it, else the default): the URL in
+admin.addr and the bearer token in admin.token. --admin-url overrides the URL.
 """
 
 from __future__ import annotations
@@ -16,10 +17,15 @@ FILTER_FLAGS = ("model", "model_revision", "kind", "dtype", "session_id", "branc
 
 
 def _client(args) -> AdminClient:
-    return AdminClient.from_data_dir(args.data_dir, url=args.admin_url)
+    data_dir = args.data_dir
+    if data_dir is None and args.config is not None:
+        from server.cli import load_config  # the daemon's own loader: same file, same data_dir
+        data_dir = load_config(args).data_dir
+    return AdminClient.from_data_dir(data_dir, url=args.admin_url)
 
 
 def _common(parser: argparse.ArgumentParser, json_flag: bool = True) -> None:
+    parser.add_argument("--config", help="the daemon's TOML config (its data_dir is used; --data-dir wins)")
     parser.add_argument("--data-dir", help="the daemon's data directory (holds admin.addr and admin.token)")
     parser.add_argument("--admin-url", help="admin API URL (default: read from <data-dir>/admin.addr)")
     if json_flag:
@@ -56,12 +62,16 @@ def status_rows(stats: dict) -> list[str]:
                 f"{human_bytes(t['capacity_bytes']):>10} {usage_bar(t['used_bytes'], t['capacity_bytes']):22} "
                 f"{rate:>8} {t.get('num_evictions', 0):>9}")
 
+    shown = set()
     for name, ns in stats["namespaces"].items():
         rows += [row(name, tier, t) for tier, t in sorted(ns["tiers"].items())]
-    if len(stats["namespaces"]) > 1:
-        rows += [row("(all)", tier, t) for tier, t in sorted(stats["tiers"].items())]
+        shown |= set(ns["tiers"])
     if not stats["namespaces"]:
         rows.append("(no namespaces opened yet)")
+    # Node-wide tiers (NVMe is one store for every namespace) always; the host total when
+    # several namespaces share it.
+    rows += [row("(all)", tier, t) for tier, t in sorted(stats["tiers"].items())
+             if tier not in shown or len(stats["namespaces"]) > 1]
     return rows
 
 
