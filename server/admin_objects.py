@@ -10,11 +10,8 @@ from __future__ import annotations
 
 import base64
 import binascii
-import dataclasses
-import heapq
 import inspect
 import json
-import math
 from dataclasses import dataclass
 
 from aiohttp import web
@@ -25,7 +22,6 @@ from kvstore.hints import MAX_LABEL_CHARS
 from kvstore.identity import MAX_NAME_CHARS, Kind
 from server.admin_http import (
     ADMIN,
-    Conflict,
     check_number,
     check_str,
     json_body,
@@ -34,8 +30,9 @@ from server.admin_http import (
     query_int,
     query_str,
 )
+from server.admin_listing import check_tier, doc, find_object, list_page
+from server.objects import ObjectEntry
 
-KNOWN_TIERS = ("host",)
 DEFAULT_PAGE = 100
 MAX_PAGE = 1000
 # An eviction answer lists at most this many objects (its counts are always complete).
@@ -45,25 +42,6 @@ FILTER_FIELDS = ("model", "model_revision", "kind", "dtype", "session_id", "bran
 
 def _manager(request: web.Request):
     return request.app[ADMIN].daemon.manager
-
-
-def object_doc(entry, now: float) -> dict:
-    pinned = entry.is_pinned(now)
-    return {
-        "object_id": entry.object_id.hex,
-        "namespace": entry.namespace,
-        "tier": "host",
-        "size": entry.size,
-        "checksum": entry.checksum.hex(),
-        "descriptor": entry.descriptor.to_wire(),
-        "hints": dataclasses.asdict(entry.hints),
-        "created_at": entry.created_at,
-        "expires_in_s": None if math.isinf(entry.expires_at) else max(0.0, entry.expires_at - now),
-        "pinned": pinned,
-        "pinned_for_s": max(0.0, entry.pinned_until - now) if pinned and math.isfinite(entry.pinned_until) else None,
-        "num_hits": entry.num_hits,
-        "readers": entry.readers,
-    }
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,92 +93,60 @@ def decode_cursor(text: str) -> tuple[str, bytes]:
         raise InvalidArgument("cursor is not one this server handed out; list again without it") from None
 
 
-def list_page(manager, namespace: str | None, flt: ObjectFilter, after, limit: int):
-    """Up to `limit` live entries after key `after`, and the key to continue from (None: done)."""
-    now = manager.clock()
-
-    def candidates():
-        for name, ns in manager.namespaces.items():
-            if (namespace is not None and name != namespace) or (after is not None and name < after[0]):
-                continue
-            for oid, entry in ns.objects.items():
-                key = (name, oid.digest)
-                if (after is None or key > after) and entry.expires_at > now and flt.matches(entry):
-                    yield key, entry
-
-    page = heapq.nsmallest(limit + 1, candidates(), key=lambda item: item[0])
-    more = len(page) > limit
-    page = page[:limit]
-    return [entry for _, entry in page], (page[-1][0] if more else None)
-
-
 async def list_objects(request: web.Request) -> web.Response:
+    manager = _manager(request)
     tier = query_str(request, "tier")
-    if tier is not None and tier not in KNOWN_TIERS:
-        raise InvalidArgument(f"unknown tier {tier!r}; this node has: {', '.join(KNOWN_TIERS)}")
+    check_tier(manager, tier)
     flt = ObjectFilter.parse({"model": query_str(request, "model"), "kind": query_str(request, "kind")})
     limit = query_int(request, "limit", DEFAULT_PAGE, 1, MAX_PAGE)
     cursor = query_str(request, "cursor")
-    manager = _manager(request)
-    entries, last = list_page(manager, query_str(request, "namespace"), flt,
-                              decode_cursor(cursor) if cursor is not None else None, limit)
+    views, last = await list_page(manager, query_str(request, "namespace"), flt,
+                                  decode_cursor(cursor) if cursor is not None else None, limit, tier)
     now = manager.clock()
-    return json_response({"objects": [object_doc(e, now) for e in entries],
+    return json_response({"objects": [doc(manager, v, now) for v in views],
                           "next_cursor": encode_cursor(last) if last is not None else None})
 
 
-def find_object(manager, oid, namespace: str | None):
-    """The one live entry with this id (in `namespace`, or in whichever namespace holds it)."""
-    now = manager.clock()
-    if namespace is not None:
-        if namespace not in manager.namespaces:
-            raise NotFound(f"no namespace {namespace!r} on this node")
-        spaces = [manager.namespaces[namespace]]
-    else:
-        spaces = list(manager.namespaces.values())
-    found = [ns.objects[oid] for ns in spaces if oid in ns.objects and ns.objects[oid].expires_at > now]
-    if not found:
-        where = f"namespace {namespace!r}" if namespace is not None else "any namespace"
-        raise NotFound(f"no object {oid.hex} in {where}")
-    if len(found) > 1:
-        names = ", ".join(sorted(e.namespace for e in found))
-        raise Conflict(f"object {oid.hex} is stored in several namespaces ({names}); add ?namespace=")
-    return found[0]
-
-
-def _target(request: web.Request):
+async def _target(request: web.Request):
     manager = _manager(request)
     oid = parse_object_id(request.match_info["id"])
-    return manager, find_object(manager, oid, query_str(request, "namespace"))
+    return manager, await find_object(manager, oid, query_str(request, "namespace"))
 
 
 async def show_object(request: web.Request) -> web.Response:
-    manager, entry = _target(request)
-    return json_response(object_doc(entry, manager.clock()))
+    manager, view = await _target(request)
+    return json_response(doc(manager, view, manager.clock()))
 
 
 async def delete_object(request: web.Request) -> web.Response:
-    manager, entry = _target(request)
-    deleted = manager.delete(entry.namespace, [entry.object_id], scope="node")  # this node's admin: its copies
+    manager, view = await _target(request)
+    deleted = manager.delete(view.namespace, [view.object_id], scope="node")  # this node's admin: its copies
     if inspect.isawaitable(deleted):  # NVMe copies are deleted in the I/O pool
         await deleted
-    return json_response({"deleted": True, "namespace": entry.namespace, "object_id": entry.object_id.hex})
+    return json_response({"deleted": True, "namespace": view.namespace, "object_id": view.object_id.hex})
 
 
 async def pin_object(request: web.Request) -> web.Response:
+    """Pin this node's host copy. An object only on NVMe is promoted into host memory first
+    (a pin keeps an object resident, and only host copies are ever evicted)."""
     body = await json_body(request, {"ttl_s"}, optional=True, nullable=frozenset({"ttl_s"}))
     ttl_s = check_number(body, "ttl_s")
     if ttl_s == 0:
         raise InvalidArgument("ttl_s must be > 0, or null to pin until unpinned")
-    manager, entry = _target(request)
-    manager.pin(entry.namespace, [entry.object_id], ttl_s, scope="node")  # like delete: this node's copy
-    return json_response(object_doc(entry, manager.clock()))
+    manager, view = await _target(request)
+    if not isinstance(view, ObjectEntry):
+        view = await manager.mover.promote(view.namespace, view.object_id)
+        if view is None:  # deleted meanwhile, or its NVMe copy failed its checksum (dropped, counted)
+            raise NotFound(f"object {request.match_info['id']} left NVMe before it could be pinned")
+    manager.pin(view.namespace, [view.object_id], ttl_s, scope="node")  # like delete: this node's copy
+    return json_response(doc(manager, view, manager.clock()))
 
 
 async def unpin_object(request: web.Request) -> web.Response:
-    manager, entry = _target(request)
-    manager.unpin(entry.namespace, [entry.object_id], scope="node")
-    return json_response(object_doc(entry, manager.clock()))
+    manager, view = await _target(request)
+    if isinstance(view, ObjectEntry):  # an NVMe-only copy is never pinned: nothing to undo
+        manager.unpin(view.namespace, [view.object_id], scope="node")
+    return json_response(doc(manager, view, manager.clock()))
 
 
 async def evict(request: web.Request) -> web.Response:
@@ -208,10 +154,13 @@ async def evict(request: web.Request) -> web.Response:
 
     Leased and pinned objects are never evicted; the answer lists what was."""
     body = await json_body(request, {"namespace", "tier", "bytes", "filter"})
+    manager = _manager(request)
     namespace = check_str(body, "namespace")
     tier = check_str(body, "tier") or "host"
-    if tier not in KNOWN_TIERS:
-        raise InvalidArgument(f"unknown tier {tier!r}; this node has: {', '.join(KNOWN_TIERS)}")
+    if tier == "nvme":
+        raise InvalidArgument("evict frees host memory only; NVMe makes its own room (delete an NVMe copy "
+                              "with DELETE /v1/objects/{id}, `kvstore objects rm`)")
+    check_tier(manager, tier)
     num_bytes = check_number(body, "bytes", integer=True, minimum=1)
     raw_filter = body.get("filter")
     if num_bytes is None and raw_filter is None:
@@ -223,7 +172,6 @@ async def evict(request: web.Request) -> web.Response:
     flt = ObjectFilter.parse(raw_filter or {})
     if num_bytes is not None and namespace is None:
         raise InvalidArgument("bytes frees room in one namespace's arena; give namespace too")
-    manager = _manager(request)
     if namespace is not None and namespace not in manager.namespaces:
         raise NotFound(f"no namespace {namespace!r} on this node")
     evicted = []

@@ -45,7 +45,9 @@ TIER_KEYS = ("capacity_bytes", "used_bytes", "objects", "pinned", "num_puts", "n
 SCHEMAS = {
     "Error": _obj({"error": _obj({"code": STR, "message": STR}, extra=True)}, extra=True),
     "TierStats": _obj({k: {"type": "integer", "minimum": 0} for k in TIER_KEYS}, extra=INT,
-                      description="num_gets are the reads, num_puts the writes"),
+                      description="num_gets are the reads, num_puts the writes; used_bytes counts whole "
+                                  "allocation units (allocation_unit_bytes, in the node-wide tiers: every "
+                                  "object takes whole 4 KiB pages)"),
     "Stats": _obj({
         "version": STR, "pid": INT, "uptime_s": NUM, "ready": BOOL, "clients": INT, "leases": INT,
         "ops_per_s": {"type": "number", "minimum": 0}, "socket": STR, "host_bandwidth_bytes_s": NUM,
@@ -59,7 +61,10 @@ SCHEMAS = {
                    "branch_id": _nullable(STR), "next_access_s": _nullable(NUM),
                    "recompute_cost_ms": _nullable(NUM), "pin": BOOL}, extra=True),
     "Object": _obj({
-        "object_id": STR, "namespace": STR, "tier": STR, "size": INT, "checksum": STR,
+        "object_id": STR, "namespace": STR, "tier": {**STR, "description": "the fastest tier holding it"},
+        "tiers": {"type": "array", "items": {"type": "string", "enum": ["host", "nvme"]},
+                  "description": "every tier of this node that holds a copy"},
+        "size": INT, "checksum": STR,
         "descriptor": _ref("Descriptor"), "hints": _ref("Hints"), "created_at": NUM,
         "expires_in_s": _nullable(NUM), "pinned": BOOL, "pinned_for_s": _nullable(NUM),
         "num_hits": INT, "readers": INT,
@@ -177,7 +182,8 @@ def openapi_document() -> dict:
                 NAMESPACE | {"description": "only this namespace"},
                 _query("model", NAME, "only this model"),
                 _query("kind", KIND, "only this state kind"),
-                _query("tier", {"type": "string", "enum": ["host"]}, "only this tier"),
+                _query("tier", {"type": "string", "enum": ["host", "nvme"]},
+                       "only objects with a copy in this tier (nvme: where the NVMe tier is enabled)"),
                 _query("limit", {"type": "integer", "minimum": 1, "maximum": 1000}, "page size (default 100)"),
                 _query("cursor", {"type": "string", "minLength": 1}, "next_cursor of the previous page"),
             ))},
@@ -187,7 +193,8 @@ def openapi_document() -> dict:
                               "Deleted", ONE_ERRORS, ONE),
             },
             "/v1/objects/{id}/pin": {
-                "post": _op("pinObject", "keep this node's copy resident for ttl_s seconds, or until unpinned",
+                "post": _op("pinObject", "keep this node's copy resident for ttl_s seconds, or until unpinned "
+                            "(an object only on NVMe is promoted into host memory first)",
                             "Object", ONE_ERRORS, ONE, body="PinRequest", body_required=False, links=FROM_ONE),
                 "delete": _op("unpinObject", "unpin this node's copy", "Object", ONE_ERRORS, ONE),
             },

@@ -17,6 +17,8 @@ from kvstore.identity import StateDescriptor, chunk_keys
 from server import admin_objects as objects
 from server.admin_http import ADMIN, json_body, json_response
 from server.admin_openapi import TIER_KEYS, openapi_document
+from tiers.arena import PAGE_BYTES
+from tiers.nvme_io import ALIGN as NVME_ALIGN
 
 # Router calls per lookup stay bounded: 1M tokens is 4096 chunks of 256.
 MAX_LOOKUP_TOKENS = 1 << 20
@@ -48,6 +50,8 @@ def stats_document(admin) -> dict:
     for ns in per_ns.values():
         for key, value in ns["tiers"]["host"].items():
             total[key] = total.get(key, 0) + value
+    # Every object takes whole pages of the arena: 1 KiB objects fill it at 1/4 of its size.
+    total["allocation_unit_bytes"] = PAGE_BYTES
     return {
         "version": stats["version"],
         "pid": stats["pid"],
@@ -76,6 +80,7 @@ def _nvme_tier(nvme: dict) -> dict:
         doc[key] = value if isinstance(value, int) and not isinstance(value, bool) else 0
     doc.update({k: v for k, v in nvme.items()
                 if isinstance(v, int) and not isinstance(v, bool) and v >= 0 and k not in doc})
+    doc["allocation_unit_bytes"] = NVME_ALIGN  # extents are O_DIRECT-aligned: whole 4 KiB blocks
     return doc
 
 
@@ -148,7 +153,6 @@ async def lookup(request: web.Request) -> web.Response:
 async def cluster(request: web.Request) -> web.Response:
     admin = _admin(request)
     doc = stats_document(admin)
-    host = doc["tiers"]["host"]
     node = {
         "node_id": f"{socket.gethostname()}:{os.getpid()}",
         "hostname": socket.gethostname(),
@@ -157,7 +161,8 @@ async def cluster(request: web.Request) -> web.Response:
         "ready": doc["ready"],
         "uptime_s": doc["uptime_s"],
         "namespaces": sorted(doc["namespaces"]),
-        "tiers": {"host": {k: host[k] for k in ("capacity_bytes", "used_bytes", "objects")}},
+        "tiers": {name: {k: tier[k] for k in ("capacity_bytes", "used_bytes", "objects")}
+                  for name, tier in doc["tiers"].items()},
         "host_bandwidth_bytes_s": doc["host_bandwidth_bytes_s"],
     }
     link = admin.daemon.manager.cluster
