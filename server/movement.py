@@ -33,6 +33,8 @@ from tiers.nvme import NvmeConfig, NvmeTier
 log = logging.getLogger("kvstore.movement")
 # Until promotions have measured it, assume this NVMe read bandwidth for load estimates.
 DEFAULT_NVME_BANDWIDTH = 1e9
+# write(displace=ANY_VICTIM): the NVMe policy's victims, whatever they are, make room.
+ANY_VICTIM = object()
 
 
 class TierMover:
@@ -116,8 +118,13 @@ class TierMover:
 
     # --- host -> NVMe -----------------------------------------------------------------------
 
-    async def write(self, entry: ObjectEntry) -> str | None:
-        """Copy a host entry to NVMe. Returns the durability it got, or None if it failed."""
+    async def write(self, entry: ObjectEntry, displace=ANY_VICTIM) -> str | None:
+        """Copy a host entry to NVMe. Returns the durability it got, or None if it failed.
+
+        displace: which NVMe objects may be evicted to make room for it, a predicate on
+        their (namespace, digest) keys; None: none (the copy goes only into free room).
+        A copy that finds no room it may take is counted in num_rejected, not as a failure.
+        """
         key = (entry.namespace, entry.object_id.digest)
         if key in self.sizes:
             return "sync"
@@ -131,7 +138,10 @@ class TierMover:
                                           entry.descriptor, entry.hints)
                     break
                 except CapacityError:
-                    if attempt == 2 or not await self._evict_nvme(entry.size):
+                    if attempt == 2 or displace is None or not await self._evict_nvme(entry.size, displace):
+                        if displace is not ANY_VICTIM:  # refused by admission or the flush's rule
+                            self.counters["num_rejected"] += 1
+                            return None
                         raise
             del view
         except ChecksumError:
@@ -154,8 +164,9 @@ class TierMover:
         entry.on_nvme = True
         return put.durability
 
-    async def _evict_nvme(self, size: int) -> bool:
-        victims = self.policy.victims(size, lambda key: key not in self._promoting)
+    async def _evict_nvme(self, size: int, displace=ANY_VICTIM) -> bool:
+        victims = self.policy.victims(
+            size, lambda key: key not in self._promoting and (displace is ANY_VICTIM or displace(key)))
         # They leave NVMe now: nothing counts on these copies from here on (a host entry of
         # one may be written back meanwhile; its new copy is then kept).
         for key in victims:
@@ -194,49 +205,51 @@ class TierMover:
             self.manager.cluster.forget(key[0], ObjectId(key[1]))
 
     async def make_room(self, ns, size: int) -> None:
-        """Evict from the host arena until `size` bytes fit, demoting admitted victims."""
+        """Evict from the host arena until `size` bytes fit, demoting victims to NVMe as
+        admission allows; those NVMe turns away go to their home nodes first (in a cluster)."""
         while not ns.arena.can_alloc(size):
             now = self.manager.clock()
             victims = ns.policy.victims(size, lambda oid: self.manager.evictable(ns, oid, now))
             if not victims:
                 raise self.manager.no_room(ns, size)
-            writes, leaving = [], []
+            writes = []
             cluster = self.manager.cluster
             for oid in victims:
                 entry = ns.objects[oid]
                 key = (ns.name, oid.digest)
                 if entry.on_nvme or key in self.sizes:
                     self.manager.evict_entry(ns, entry)
-                elif self._admit(key, entry.size):
-                    writes.append(entry)
                 else:
-                    self.counters["num_rejected"] += 1
-                    if cluster is not None and cluster.must_send(ns.name, oid):
-                        leaving.append(entry)  # not kept on NVMe: to its home nodes instead
-                    else:
-                        self.manager.evict_entry(ns, entry)
+                    writes.append(entry)
             try:
-                if writes or leaving:
-                    await asyncio.gather(*(self.write(e) for e in writes),
-                                         *([cluster.demote(leaving)] if leaving else []))
-                # NVMe refused some (full disk, EIO): those leave the node too, homes first.
+                if writes:
+                    await asyncio.gather(*(self.write(e, self._displaceable_by(e)) for e in writes))
+                # NVMe refused some (full of hotter objects, full disk, EIO): those leave the
+                # node, homes first.
                 failed = [e for e in writes if not e.on_nvme and cluster is not None and ns.objects.get(e.object_id) is e
                           and cluster.must_send(ns.name, e.object_id)]
                 if failed:
                     await cluster.demote(failed)
             except BaseException:
-                self.manager.retrack_victims(ns, writes + leaving)  # cancelled: nothing evicted
+                self.manager.retrack_victims(ns, writes)  # cancelled: nothing evicted
                 raise
             for entry in self.manager.settle_victims(ns, writes):
                 if entry.on_nvme:
                     self.counters["num_demotions"] += 1
-            self.manager.settle_victims(ns, leaving)
 
-    def _admit(self, key, size: int) -> bool:
-        """While NVMe has room everything goes in; once full, only what is read often."""
-        if self.config.capacity_bytes - self.used_bytes >= size:
-            return True
-        return self.admission.admit(key)
+    def _displaceable_by(self, entry: ObjectEntry):
+        """Which NVMe objects a host victim may push out (TinyLFU admission, DESIGN section 5).
+
+        While NVMe has room nothing is pushed out. An object read at least admit_min_hits
+        times (recently: the sketch ages) takes the NVMe policy's victims like any write.
+        Any other takes only victims read no more often than itself: a new, unread object
+        displaces old unread ones (they age out in the NVMe policy's FIFO order), never an
+        object that is being read."""
+        key = (entry.namespace, entry.object_id.digest)
+        if self.config.capacity_bytes - self.used_bytes >= entry.size or self.admission.admit(key):
+            return ANY_VICTIM
+        reads = self.admission.estimate(key)
+        return lambda victim: self.admission.estimate(victim) <= reads
 
     # --- NVMe -> host ------------------------------------------------------------------------
 
@@ -316,14 +329,37 @@ class TierMover:
     # --- other paths ------------------------------------------------------------------------------
 
     async def flush_host(self) -> int:
-        """Write every host object that NVMe does not hold yet. Returns how many landed."""
-        entries = [e for ns in self.manager.namespaces.values() for e in ns.objects.values() if not e.on_nvme]
+        """On a clean stop, write the host objects NVMe lacks into its free room, most valuable
+        first (pinned, then most read, then newest). Never evicts: what was durable before the
+        stop stays durable. Returns how many landed; the rest are counted and logged."""
+        entries = [e for ns in self.manager.namespaces.values() for e in ns.objects.values()
+                   if not e.on_nvme and not e.deleted and (e.namespace, e.object_id.digest) not in self.sizes]
         if not entries:
             return 0
-        log.info("event=flush_start objects=%d bytes=%d", len(entries), sum(e.size for e in entries))
-        results = await asyncio.gather(*(self.write(e) for e in entries))
+        now = self.manager.clock()
+        entries.sort(key=lambda e: (e.is_pinned(now), e.num_hits, e.created_at), reverse=True)
+        free = self.config.capacity_bytes - self.used_bytes
+        planned, no_room = [], 0
+        for entry in entries:
+            if entry.size <= free:
+                planned.append(entry)
+                free -= entry.size
+            else:
+                no_room += 1
+        log.info("event=flush_start objects=%d bytes=%d planned=%d no_room=%d", len(entries),
+                 sum(e.size for e in entries), len(planned), no_room)
+        gate = asyncio.Semaphore(max(1, self.config.io_threads))
+
+        async def one(entry):
+            async with gate:
+                return await self.write(entry, displace=None)
+
+        results = await asyncio.gather(*(one(e) for e in planned))
         written = sum(r is not None for r in results)
-        log.info("event=flush_done written=%d failed=%d", written, len(entries) - written)
+        log.log(logging.WARNING if written < len(entries) else logging.INFO,
+                "event=flush_done written=%d not_written=%d no_room=%d bytes_written=%d",
+                written, len(entries) - written, no_room,
+                sum(e.size for e, r in zip(planned, results) if r is not None))
         return written
 
     def write_in_background(self, entry: ObjectEntry) -> None:

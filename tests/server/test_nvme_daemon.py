@@ -255,3 +255,78 @@ def test_metrics_report_the_nvme_tier(daemon_factory):
     req = urllib.request.Request(f"{base}/v1/stats", headers={"Authorization": f"Bearer {token}"})
     stats = json.loads(urllib.request.urlopen(req, timeout=10).read())
     assert "nvme" in json.dumps(stats)
+
+
+def _tiers_of(c, keys):
+    return dict(zip(keys, c.lookup(keys).tiers)) if keys else {}
+
+
+def test_flush_of_a_full_nvme_tier_never_evicts_durable_objects(daemon_factory):
+    """Issue 13.1: a clean SIGTERM with a full NVMe tier deleted objects that were already
+    durable (to make room for host objects it then failed to write)."""
+    conf = nvme(capacity_bytes="64MiB", file_bytes="64MiB")
+    d = daemon_factory("32MiB", config=conf)
+    large, small = ids(12, seed=1), ids(40, seed=2)
+    with d.client() as c:
+        for i, key in enumerate(large):
+            c.put(key, payload(8 * MiB, i))
+        for i, key in enumerate(small):
+            c.put(key, payload(256 << 10, 100 + i))
+        before = _tiers_of(c, large + small)
+        durable = [k for k, t in before.items() if t == "nvme"]
+        held = [k for k, t in before.items() if t is not None]
+    assert durable, "the scenario must have objects on NVMe before the stop"
+    assert d.stop(signal.SIGTERM) == 0
+    d.start("32MiB")
+    with d.client() as c:
+        after = _tiers_of(c, large + small)
+        lost = [k for k in durable if after[k] is None]
+        assert not lost, f"{len(lost)} of {len(durable)} objects that were durable before the stop are gone"
+        kept = [k for k in held if after[k] is not None]
+        sizes = {k: 8 * MiB for k in large} | {k: 256 << 10 for k in small}
+        # What the flush kept fills the tier: it did not empty NVMe and then fail.
+        assert sum(sizes[k] for k in kept) >= 56 * MiB
+        everything = {k: payload(8 * MiB, i) for i, k in enumerate(large)}
+        everything |= {k: payload(256 << 10, 100 + i) for i, k in enumerate(small)}
+        for key in kept:
+            assert np.array_equal(read(c, key, sizes[key]), everything[key])
+        c.check_integrity()
+
+
+def test_a_full_nvme_tier_ages_out_unread_objects_for_new_puts(daemon_factory):
+    """Issue 13.2: once NVMe was full, new acknowledged puts vanished (refused by the
+    admission filter) while old, never-read NVMe objects stayed for good."""
+    d = daemon_factory("8MiB", config=nvme(capacity_bytes="16MiB", file_bytes="16MiB"))
+    old, new = ids(64, seed=3), ids(100, seed=4)
+    with d.client() as c:
+        for i, key in enumerate(old):  # 16 MiB of objects nobody reads: NVMe fills
+            c.put(key, payload(256 << 10, i))
+        for i, key in enumerate(new):
+            c.put(key, payload(256 << 10, 1000 + i))
+        tiers = _tiers_of(c, new)
+        # The last 8 MiB of new puts fit in host; the 16 MiB before them must be on NVMe,
+        # displacing the old unread objects.
+        recent = new[-80:]
+        missing = [k for k in recent if tiers[k] is None]
+        assert not missing, f"{len(missing)} of the last 80 acknowledged puts are gone"
+        assert c.stats()["tiers"]["nvme"]["num_nvme_evictions"] > 0
+        # A few reads (each promotes, which pushes other objects down again).
+        for i in (20, 30, 40, 50):
+            assert tiers[new[i]] == "nvme"
+            assert np.array_equal(read(c, new[i], 256 << 10), payload(256 << 10, 1000 + i))
+        c.check_integrity()
+
+
+def test_a_full_nvme_tier_keeps_objects_read_more_often_than_the_newcomer(daemon_factory):
+    """The other side of 13.2: ageing out must not flush objects that are being read."""
+    d = daemon_factory("8MiB", config=nvme(capacity_bytes="16MiB", file_bytes="16MiB"))
+    hot, new = ids(16, seed=5), ids(120, seed=6)
+    with d.client() as c:
+        for i, key in enumerate(hot):
+            c.put(key, payload(256 << 10, i))
+        for i, key in enumerate(new):
+            c.put(key, payload(256 << 10, 1000 + i))
+            if i % 8 == 0:  # the hot set is read all along
+                for j, h in enumerate(hot):
+                    assert np.array_equal(read(c, h, 256 << 10), payload(256 << 10, j))
+        assert all(t is not None for t in c.lookup(hot).tiers)
