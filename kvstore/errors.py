@@ -51,6 +51,13 @@ class NotFound(RequestError):
     code = "not_found"
 
 
+class Conflict(RequestError):
+    """The id is already stored with another size or descriptor. Ids are content
+    addresses: one id is one state, so the stored object stays and this put is refused."""
+
+    code = "conflict"
+
+
 class PermissionDenied(RequestError):
     """The caller may not use this namespace or operation."""
 
@@ -100,6 +107,7 @@ _BY_CODE = {
         InvalidArgument,
         RangeError,
         NotFound,
+        Conflict,
         PermissionDenied,
         LimitExceeded,
         ServiceError,

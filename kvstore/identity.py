@@ -236,6 +236,18 @@ def chain_hash(salt: bytes, parent: bytes, tokens: Sequence[int], extra_keys: It
     return h.digest()
 
 
+IDENTITY_FIELDS = ("namespace", "model", "model_revision", "kind", "dtype", "layout", "shard", "chunk_tokens")
+
+
+def descriptor_differences(expected: StateDescriptor, actual: StateDescriptor) -> str:
+    """The fields where two descriptors differ, as `field: expected != actual` ('' if none)."""
+    def text(value) -> str:
+        return value.value if isinstance(value, enum.Enum) else str(value)
+
+    return ", ".join(f"{name} {text(getattr(expected, name))} != {text(getattr(actual, name))}"
+                     for name in IDENTITY_FIELDS if getattr(expected, name) != getattr(actual, name))
+
+
 def object_id(salt: bytes, logical: bytes, desc: StateDescriptor) -> ObjectId:
     h = hashlib.blake2b(digest_size=ID_BYTES, key=salt, person=b"kvstore-obj-v1")
     h.update(
@@ -250,12 +262,17 @@ def object_id(salt: bytes, logical: bytes, desc: StateDescriptor) -> ObjectId:
 
 @dataclass(frozen=True, slots=True)
 class ChunkKey:
-    """The object holding the state after the prefix that ends at chunk `index`."""
+    """The object holding the state after the prefix that ends at chunk `index`.
+
+    It carries the descriptor its id was computed for: a put with a ChunkKey stores it under
+    that descriptor (another one is refused), and a get or lookup with it expects it (an
+    object stored under any other descriptor is a miss)."""
 
     index: int
     end_token: int  # tokens [0, end_token) are covered by this key's prefix
     logical: bytes
     object_id: ObjectId
+    descriptor: StateDescriptor
 
 
 def chunk_keys(
@@ -281,5 +298,5 @@ def chunk_keys(
     for index in range(len(tokens) // size):
         extras = common + [_as_bytes(e) for e in (chunk_extra_keys or {}).get(index, ())]
         parent = chain_hash(salt, parent, tokens[index * size:(index + 1) * size], extras)
-        keys.append(ChunkKey(index, (index + 1) * size, parent, object_id(salt, parent, desc)))
+        keys.append(ChunkKey(index, (index + 1) * size, parent, object_id(salt, parent, desc), desc))
     return keys

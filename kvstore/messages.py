@@ -126,6 +126,28 @@ STR = (_str_dec, lambda v: v)
 OPT_STR = (_opt_str_dec, lambda v: v)
 CHECKSUM = (_checksum_dec, lambda v: v)
 DESCRIPTOR = (StateDescriptor.from_wire, lambda v: v.to_wire())
+EXPECT = (lambda v: None if v is None else StateDescriptor.from_wire(v), lambda v: None if v is None else v.to_wire())
+# Distinct descriptors one lookup may expect (a request mixes a few kinds of state, not more).
+MAX_EXPECTED_DESCRIPTORS = 16
+NO_EXPECTATION = 255  # in Lookup.expect_of: this id expects nothing
+
+
+def _expect_list_dec(v):
+    if v is None:
+        return None
+    if not isinstance(v, list) or not 0 < len(v) <= MAX_EXPECTED_DESCRIPTORS:
+        raise InvalidArgument(f"must be a list of 1..{MAX_EXPECTED_DESCRIPTORS} descriptors")
+    return tuple(StateDescriptor.from_wire(d) for d in v)
+
+
+def _expect_of_dec(v):
+    if v is not None and not isinstance(v, bytes):
+        raise InvalidArgument("must be bytes: per id, an index into expect (255: none)")
+    return v
+
+
+EXPECT_LIST = (_expect_list_dec, lambda v: None if v is None else [d.to_wire() for d in v])
+EXPECT_OF = (_expect_of_dec, lambda v: v)
 HINTS = (Hints.from_wire, lambda v: v.to_wire())
 ACCEPT = (_accept_dec, lambda v: None if v is None else [DType.parse(d).value for d in v])
 
@@ -222,14 +244,19 @@ class Get(Message):
 
     `ranges` ((offset, length) pairs, kvstore.ranges) says the reader needs only those bytes.
     An object held on this node is still leased whole; one only its home nodes hold is
-    fetched as just those ranges, packed, into a lease of their own (reply field "ranges")."""
+    fetched as just those ranges, packed, into a lease of their own (reply field "ranges").
+
+    `expect`: the descriptor the reader can use; an object stored under any other (model,
+    revision, kind, dtype, layout, shard, chunk_tokens) is a miss."""
     namespace: str
     object_id: ObjectId
     accept: tuple | None = None
     ranges: tuple | None = None
+    expect: StateDescriptor | None = None
     op: ClassVar[str] = "get"
-    _codecs: ClassVar = {"namespace": NAMESPACE, "object_id": OID, "accept": ACCEPT, "ranges": RANGES}
-    _defaults: ClassVar = {"accept": None, "ranges": None}
+    _codecs: ClassVar = {"namespace": NAMESPACE, "object_id": OID, "accept": ACCEPT, "ranges": RANGES,
+                         "expect": EXPECT}
+    _defaults: ClassVar = {"accept": None, "ranges": None, "expect": None}
 
 
 @dataclass(frozen=True, slots=True)
@@ -241,11 +268,34 @@ class Release(Message):
 
 @dataclass(frozen=True, slots=True)
 class Lookup(Message):
-    """`ids` decode to raw 32-byte digests (each equal to its ObjectId)."""
+    """`ids` decode to raw 32-byte digests (each equal to its ObjectId).
+
+    `expect`: descriptors the reader can use; an id stored under another one is a miss.
+    `expect_of`: per id, the index of its descriptor in `expect` (NO_EXPECTATION: none);
+    absent, every id expects expect[0]."""
     namespace: str
     ids: tuple
+    expect: tuple | None = None
+    expect_of: bytes | None = None
     op: ClassVar[str] = "lookup"
-    _codecs: ClassVar = {"namespace": NAMESPACE, "ids": RAW_IDS}
+    _codecs: ClassVar = {"namespace": NAMESPACE, "ids": RAW_IDS, "expect": EXPECT_LIST, "expect_of": EXPECT_OF}
+    _defaults: ClassVar = {"expect": None, "expect_of": None}
+
+    def __post_init__(self) -> None:
+        if self.expect_of is None:
+            return
+        if self.expect is None or len(self.expect_of) != len(self.ids):
+            raise InvalidArgument("lookup.expect_of needs expect and one byte per id")
+        if any(i >= len(self.expect) and i != NO_EXPECTATION for i in self.expect_of):
+            raise InvalidArgument(f"lookup.expect_of: an index past expect's {len(self.expect)} descriptors")
+
+    def expectations(self) -> list | None:
+        """Per id, the descriptor it expects (or None); None when no id expects one."""
+        if self.expect is None:
+            return None
+        if self.expect_of is None:
+            return [self.expect[0]] * len(self.ids)
+        return [None if i == NO_EXPECTATION else self.expect[i] for i in self.expect_of]
 
 
 @dataclass(frozen=True, slots=True)

@@ -33,7 +33,7 @@ import numpy as np
 from kvstore.errors import CapacityError, ChecksumError
 from kvstore.peer_messages import RemoteMeta
 from kvstore.ranges import check_within, encode as ranges_encode, total as ranges_total
-from server.objects import ObjectEntry
+from server.objects import ObjectEntry, check_same_object
 from server.peer_node import PeerNode
 from server.peer_service import PeerRead, PeerWrite
 from server.rehome import Rehomer
@@ -153,9 +153,13 @@ class ClusterLink:
         if meta.descriptor.namespace != namespace:
             raise ChecksumError("peer put names another namespace in its descriptor")
         ns = self.manager.namespaces.get(namespace)
-        if ns is not None and object_id in ns.objects:
+        held = self._live(ns, object_id)
+        if held is None and self.manager.mover is not None and self.manager.mover.holds(namespace, object_id):
+            held = self.manager.mover.remote_meta(namespace, object_id)
+        if held is not None:  # the same state, or a Conflict the sender logs and counts
+            check_same_object(object_id, held.size, held.descriptor, meta.size, meta.descriptor)
             return None
-        if self.manager.mover is not None and self.manager.mover.holds(namespace, object_id):
+        if ns is not None and object_id in ns.objects:
             return None
         return self._reserve(namespace, object_id, meta)
 

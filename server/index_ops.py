@@ -32,22 +32,26 @@ def _log_failure(task: asyncio.Task) -> None:
 
 
 class IndexOps:
-    def lookup(self, namespace: str, ids) -> dict:
+    def lookup(self, namespace: str, ids, expect: list | None = None) -> dict:
         """Per key its tier ("host", "nvme" or None), the leading hits, their bytes, and the
-        estimated time to load them at each tier's measured bandwidth (DESIGN.md section 7)."""
+        estimated time to load them at each tier's measured bandwidth (DESIGN.md section 7).
+        expect: per key the descriptor the reader can use, or None; an object stored under
+        another descriptor is a miss."""
         ns = self.namespaces.get(namespace)
         objects = ns.objects if ns is not None else {}
         mover = self.mover
         now = self.clock()
         tiers, sizes, leading = [], [], True
         host_bytes = nvme_bytes = hits = 0
-        for oid in ids:
+        for i, oid in enumerate(ids):
             entry = objects.get(oid)
             if entry is not None and entry.expires_at > now:
                 tier, size = "host", entry.size
             elif mover is not None and (size := mover.size_of(namespace, oid)) is not None:
                 tier = "nvme"
             else:
+                tier, size = None, 0
+            if expect is not None and tier is not None and not self._as_expected(namespace, oid, entry, expect[i]):
                 tier, size = None, 0
             tiers.append(tier)
             sizes.append(size)
@@ -64,16 +68,25 @@ class IndexOps:
             est += nvme_bytes / mover.bandwidth_bytes_s
         result = {"hits": hits, "tiers": tiers, "hit_bytes": host_bytes + nvme_bytes, "est_load_s": est}
         if self.cluster is not None and hits < len(ids):
-            return self._lookup_peers(namespace, ids, result, sizes)
+            return self._lookup_peers(namespace, ids, result, sizes, expect)
         return result
 
-    async def _lookup_peers(self, namespace: str, ids, result: dict, sizes: list) -> dict:
+    def _as_expected(self, namespace: str, oid, entry, wanted) -> bool:
+        """Whether a held object (host `entry`, else on NVMe) has the descriptor `wanted`."""
+        if wanted is None:
+            return True
+        if entry is not None and entry.expires_at > self.clock():
+            return entry.descriptor == wanted
+        meta = self.mover.remote_meta(namespace, ObjectId(bytes(oid)))
+        return meta is not None and meta.descriptor == wanted
+
+    async def _lookup_peers(self, namespace: str, ids, result: dict, sizes: list, expect=None) -> dict:
         """Ask the home nodes about the local misses (one round trip per home) and merge."""
         misses = [i for i, tier in enumerate(result["tiers"]) if tier is None]
         metas = await self.cluster.lookup_remote(namespace, [ObjectId(bytes(ids[i])) for i in misses])
         tiers = list(result["tiers"])
         for i, meta in zip(misses, metas):
-            if meta is not None:
+            if meta is not None and (expect is None or expect[i] is None or meta.descriptor == expect[i]):
                 tiers[i] = "remote"
         hits = next((i for i, t in enumerate(tiers) if t is None), len(tiers))
         remote_bytes = sum(meta.size for i, meta in zip(misses, metas) if meta is not None and i < hits)

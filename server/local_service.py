@@ -194,7 +194,7 @@ class LocalConnection(asyncio.Protocol):
         mgr, owner = self.manager, self.conn_id
         match msg:
             case m.Get():
-                return mgr.get(owner, self._ns(msg.namespace), msg.object_id, msg.accept, msg.ranges), None
+                return mgr.get(owner, self._ns(msg.namespace), msg.object_id, msg.accept, msg.ranges, msg.expect), None
             case m.Release():
                 mgr.release(owner, msg.lease)
                 return None, None
@@ -207,7 +207,7 @@ class LocalConnection(asyncio.Protocol):
                 mgr.abort(owner, msg.lease)
                 return None, None
             case m.Lookup():
-                return mgr.lookup(self._ns(msg.namespace), msg.ids), None
+                return mgr.lookup(self._ns(msg.namespace), msg.ids, msg.expectations()), None
             case m.Delete():
                 return _keyed("deleted", mgr.delete(self._ns(msg.namespace), msg.ids, msg.scope)), None
             case m.Pin():

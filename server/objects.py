@@ -6,8 +6,9 @@ import itertools
 import math
 from dataclasses import dataclass, field
 
+from kvstore.errors import Conflict
 from kvstore.hints import Hints
-from kvstore.identity import ObjectId, StateDescriptor
+from kvstore.identity import ObjectId, StateDescriptor, descriptor_differences
 
 
 _SERIALS = itertools.count(1)
@@ -68,3 +69,15 @@ class PendingPut:
     hints: Hints
     extent: object
     tier: str = "host"  # "remote": the commit sends it to its home nodes
+
+
+def check_same_object(oid: ObjectId, size: int, descriptor, new_size: int, new_descriptor) -> None:
+    """A put of an id already stored: the same state (dedup), or Conflict if it differs."""
+    if size != new_size or descriptor != new_descriptor:
+        diff = descriptor_differences(descriptor, new_descriptor)
+        raise Conflict(
+            f"object {oid.hex} is already stored with "
+            + (f"{size} bytes, not {new_size}" if size != new_size else "another descriptor")
+            + (f" ({diff}; stored != put)" if diff else "")
+            + "; an id names one state: delete it first, or compute the key from the put's descriptor"
+        )

@@ -17,11 +17,11 @@ import xxhash
 
 from kvstore.config import ServerConfig
 from kvstore.errors import CapacityError, ChecksumError, InvalidArgument, LimitExceeded, NotFound
-from kvstore.identity import ObjectId
+from kvstore.identity import ObjectId, descriptor_differences
 from kvstore.messages import Reserve
 from kvstore.policy import make_policy
 from server.index_ops import IndexOps
-from server.objects import ObjectEntry, PendingPut
+from server.objects import ObjectEntry, PendingPut, check_same_object
 from server.tier_report import TierReport
 from tiers.arena import HostArena
 from tiers.leases import LeaseTable
@@ -136,8 +136,13 @@ class TierManager(IndexOps, TierReport):
             return {"exists": True}
         self._check_lease_quota(owner)
         self._check_inflight(owner, msg.size)
+            check_same_object(msg.object_id, existing.size, existing.descriptor, msg.size, msg.descriptor)
         if (self.mover is not None or self.cluster is not None) and not ns.arena.can_alloc(msg.size):
             return self._reserve_after_demotion(owner, ns, msg)
+        if existing is None and self.mover is not None and self.mover.holds(msg.namespace, msg.object_id):
+            held = self.mover.remote_meta(msg.namespace, msg.object_id)
+            if held is not None:
+                check_same_object(msg.object_id, held.size, held.descriptor, msg.size, msg.descriptor)
         return self._grant_write(owner, ns, msg, self._alloc(ns, msg.size, now))
 
     async def _reserve_after_demotion(self, owner, ns: Namespace, msg: Reserve) -> dict:
@@ -313,6 +318,7 @@ class TierManager(IndexOps, TierReport):
                 return {"exists": True}
             self._remove(ns, old, reason="expire")
         entry = ObjectEntry(
+                check_same_object(put.object_id, old.size, old.descriptor, put.size, put.descriptor)
             put.object_id, put.namespace, put.extent, put.size, checksum, put.descriptor, put.hints,
             created_at=time.time(),
             expires_at=now + put.hints.ttl_s if put.hints.ttl_s is not None else math.inf,
@@ -341,7 +347,8 @@ class TierManager(IndexOps, TierReport):
 
     # --- get --------------------------------------------------------------------
 
-    def get(self, owner, namespace: str, oid: ObjectId, accept=None, ranges=None) -> dict:
+    def get(self, owner, namespace: str, oid: ObjectId, accept=None, ranges=None, expect=None) -> dict:
+        """A read lease, or a miss. expect: the descriptor the reader can use (any other is a miss)."""
         ns = self.namespaces.get(namespace)
         if ns is None:
             return {"hit": False}
@@ -354,12 +361,12 @@ class TierManager(IndexOps, TierReport):
         if entry is None:
             if self.mover is not None and self.mover.holds(namespace, oid):
                 self._check_ranges(ns, ranges, self.mover.size_of(namespace, oid))  # before promoting it
-                return self._get_after_promotion(owner, namespace, oid, accept, ranges)
+                return self._get_after_promotion(owner, namespace, oid, accept, ranges, expect)
             if self.cluster is not None:
                 if ranges is not None:  # a sparse reader: only those bytes cross the network
                     self._check_lease_quota(owner)
                     return self.cluster.get_ranges(owner, namespace, oid, accept, ranges)
-                return self._get_from_peers(owner, namespace, oid, accept)
+                return self._get_from_peers(owner, namespace, oid, accept, expect)
             ns.counters.num_misses += 1
             return {"hit": False}
         if accept is not None and entry.descriptor.dtype not in accept:
@@ -369,6 +376,9 @@ class TierManager(IndexOps, TierReport):
         self._check_lease_quota(owner)
         lease = self.leases.grant(owner, oid, entry.extent, "read", self.config.limits.lease_ttl_s, now)
         self._reading[lease.lease_id] = entry
+        if expect is not None and entry.descriptor != expect:
+            ns.counters.num_misses += 1
+            return {"hit": False, "reason": f"stored as {descriptor_differences(entry.descriptor, expect)}"}
         entry.readers += 1
         entry.num_hits += 1
         ns.policy.on_access(oid)
@@ -381,13 +391,16 @@ class TierManager(IndexOps, TierReport):
                 self.mover.write_in_background(entry)
         return entry.get_reply(lease.lease_id)
 
-    async def _get_from_peers(self, owner, namespace: str, oid: ObjectId, accept) -> dict:
-        return await self._get_after(self.cluster.fetch(namespace, oid), owner, namespace, oid, accept)
+    async def _get_from_peers(self, owner, namespace: str, oid: ObjectId, accept, expect=None) -> dict:
+        return await self._get_after(self.cluster.fetch(namespace, oid), owner, namespace, oid, accept, None, expect)
 
-    async def _get_after_promotion(self, owner, namespace: str, oid: ObjectId, accept, ranges=None) -> dict:
-        return await self._get_after(self.mover.promote(namespace, oid), owner, namespace, oid, accept, ranges)
+    async def _get_after_promotion(self, owner, namespace: str, oid: ObjectId, accept, ranges=None,
+                                   expect=None) -> dict:
+        return await self._get_after(self.mover.promote(namespace, oid), owner, namespace, oid, accept, ranges,
+                                     expect)
 
-    async def _get_after(self, bring, owner, namespace: str, oid: ObjectId, accept, ranges=None) -> dict:
+    async def _get_after(self, bring, owner, namespace: str, oid: ObjectId, accept, ranges=None,
+                         expect=None) -> dict:
         """Await what brings the object into the host tier, then serve it from there."""
         entry = await bring
         ns = self.namespaces[namespace]
@@ -395,7 +408,7 @@ class TierManager(IndexOps, TierReport):
             ns.counters.num_misses += 1  # num_gets was counted when the request came in
             return {"hit": False}
         ns.counters.num_gets -= 1  # the get below counts this same request again
-        reply = self.get(owner, namespace, oid, accept, ranges)  # resident now: the sync path
+        reply = self.get(owner, namespace, oid, accept, ranges, expect)  # resident now: the sync path
         return reply if not hasattr(reply, "__await__") else await reply
 
     def grant_ranged(self, owner, ns: Namespace, oid: ObjectId, extent) -> int:
