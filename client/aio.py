@@ -190,14 +190,18 @@ class AsyncClient:
                        tier: str = "host") -> list[PutResult]:
         return await self._run(self.core.op_put_many(list(items), desc, hints, tier))
 
-    async def get(self, key, namespace: str | None = None, accept=None, ranges=None) -> ReadLease | None:
-        return await self._run(self.core.op_get(key, namespace, accept, ranges))
+    async def get(self, key, namespace: str | None = None, accept=None, ranges=None,
+                  expect: StateDescriptor | None = None) -> ReadLease | None:
+        """A read lease, or None; use it as `async with await client.get(k) as lease:`."""
+        return await self._run(self.core.op_get(key, namespace, accept, ranges, expect))
 
-    async def get_into(self, key, out, namespace: str | None = None, verify: bool = False) -> int | None:
-        return await self._run(self.core.op_get_into(key, out, namespace, verify))
+    async def get_into(self, key, out, namespace: str | None = None, verify: bool = False,
+                       expect: StateDescriptor | None = None) -> int | None:
+        return await self._run(self.core.op_get_into(key, out, namespace, verify, expect))
 
-    async def lookup(self, keys, namespace: str | None = None) -> LookupResult:
-        return await self._run(self.core.op_lookup(list(keys), namespace))
+    async def lookup(self, keys, namespace: str | None = None,
+                     expect: StateDescriptor | None = None) -> LookupResult:
+        return await self._run(self.core.op_lookup(list(keys), namespace, expect))
 
     async def delete(self, keys, namespace: str | None = None, scope: str = "cluster") -> int:
         return await self._run(self.core.op_batch(m.Delete, list(keys), namespace, "deleted", scope=scope))

@@ -23,7 +23,7 @@ import xxhash
 from kvstore import messages as m
 from kvstore.errors import ChecksumError, DaemonUnavailable, InvalidArgument, KVStoreError, ProtocolError, from_wire
 from kvstore.hints import Hints
-from kvstore.identity import ChunkKey, ObjectId, StateDescriptor
+from kvstore.identity import ChunkKey, ObjectId, StateDescriptor, descriptor_differences
 from kvstore.protocol import MAX_BATCH, FrameCodec, Reply, Request
 from kvstore.ranges import decode as decode_ranges, normalize as normalize_ranges, starts
 from client.buffers import as_u8, as_writable_u8
@@ -57,17 +57,25 @@ class LookupResult:
 class ReadLease:
     """A read lease on a committed object, viewed in place in the shared arena.
 
-    `buffer` (read-only memoryview), `numpy()` and `tensor()` are zero-copy views that
-    stay valid until `release()` (or leaving the `with` block); the daemon neither moves
-    nor evicts the object before then. Using a view after release reads whatever the
-    daemon later puts there. Release is idempotent.
+    The daemon neither moves nor evicts the object until `release()` (or the end of the
+    `with` / `async with` block); release is idempotent. Views: `numpy()`, `buffer` and
+    `read()` are zero-copy and read-only; `tensor()` is a copy (torch has no read-only
+    tensors, and a writable view would change what every later reader of the object gets).
+    After release each of them raises DaemonUnavailable. `buffer` memoryviews go dead at
+    release; a numpy array taken earlier cannot be revoked: it then shows whatever the daemon
+    puts in that memory later, so copy (`.copy()`, or `tensor()`) what you keep past the lease.
+
+    A lease got with `ranges=` is read with `read(offset, length)` only: it holds the whole
+    object when the object is on this node and just the packed ranges when a home node sent
+    them (`ranges` set), so `numpy()`, `tensor()` and `buffer` refuse on it rather than mean
+    two different things.
     """
 
     __slots__ = ("lease_id", "object_id", "size", "checksum", "_descriptor", "tier", "_array", "_release", "_done",
-                 "ranges", "_starts", "_core", "_stale_at")
+                 "ranges", "_starts", "_core", "_stale_at", "_asked_ranges", "_views")
 
     def __init__(self, release, lease_id, object_id, size, checksum, descriptor_wire, tier, array, ranges=None,
-                 core=None):
+                 core=None, asked_ranges: bool = False):
         self.lease_id = lease_id
         self.object_id = object_id
         self.size = size
@@ -85,6 +93,8 @@ class ReadLease:
         # The daemon also takes a lease back after limits.lease_ttl_s; treat it as gone at 80%.
         ttl = getattr(core, "lease_ttl_s", None)
         self._stale_at = math.inf if ttl is None else time.monotonic() + LEASE_TTL_MARGIN * ttl
+        self._asked_ranges = asked_ranges  # got with ranges=: read() only
+        self._views: list[memoryview] = []  # handed out by `buffer`, released with the lease
 
     @property
     def closed(self) -> bool:
@@ -100,19 +110,36 @@ class ReadLease:
             self._descriptor = StateDescriptor.from_wire(self._descriptor)
         return self._descriptor
 
+    def _whole(self, what: str) -> np.ndarray:
+        """The leased bytes, for a view of the whole object: refused once the lease has
+        ended, and on a ranged lease."""
+        if self.closed:
+            raise DaemonUnavailable(f"the lease on {self.object_id.hex} has ended (released, or its connection "
+                                    f"closed); {what} is no longer valid: get the object again")
+        if self._asked_ranges:
+            raise InvalidArgument(f"{what} of a lease got with ranges=: read its bytes with read(offset, length) "
+                                  "(the lease holds the whole object or only the ranges, depending on where it was)")
+        return self._array
+
     @property
     def buffer(self) -> memoryview:
-        return memoryview(self._array).toreadonly()
+        """A read-only memoryview of the object; it is released (unusable) with the lease."""
+        view = memoryview(self._whole("buffer")).toreadonly()
+        self._views.append(view)
+        return view
 
     def numpy(self, dtype=np.uint8) -> np.ndarray:
-        view = self._array.view(dtype)
+        """A read-only zero-copy array of the object's bytes as `dtype`, valid until release."""
+        view = self._whole("numpy()").view(dtype)
         view.flags.writeable = False
         return view
 
     def tensor(self, dtype=None):
-        """A CPU torch tensor over the object's bytes (torch.uint8 unless `dtype`)."""
+        """A CPU torch tensor holding a copy of the object's bytes (torch.uint8 unless
+        `dtype`). The copy is the caller's and outlives the lease; for zero copies, read
+        through `numpy()` (read-only) within the lease."""
         import torch
-        return torch.frombuffer(self._array, dtype=dtype or torch.uint8)
+        return torch.from_numpy(self._whole("tensor()").copy()).view(dtype or torch.uint8)
 
     def read(self, offset: int, length: int) -> np.ndarray:
         """A read-only uint8 view of the object's bytes [offset, offset + length). On a ranged
@@ -144,12 +171,24 @@ class ReadLease:
     def release(self) -> None:
         if not self._done:
             self._done = True
+            for view in self._views:
+                try:
+                    view.release()
+                except BufferError:
+                    pass  # something (a numpy array) still exports it: it stays readable
+            self._views.clear()
             self._release(self.lease_id)
 
     def __enter__(self) -> ReadLease:
         return self
 
     def __exit__(self, *exc) -> None:
+        self.release()
+
+    async def __aenter__(self) -> ReadLease:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
         self.release()
 
     def __repr__(self) -> str:
@@ -183,6 +222,26 @@ def to_object_id(key) -> ObjectId:
     if isinstance(key, str):
         return ObjectId.from_hex(key)
     raise InvalidArgument(f"a key is an ObjectId, ChunkKey, 32 bytes or 64 hex chars, not {type(key).__name__}")
+
+
+def _expectation(key, expect: StateDescriptor | None) -> StateDescriptor | None:
+    """What a read of `key` expects: `expect`, else the descriptor a ChunkKey carries."""
+    if expect is not None and not isinstance(expect, StateDescriptor):
+        raise InvalidArgument(f"expect must be a StateDescriptor, not {type(expect).__name__}")
+    return expect or (key.descriptor if isinstance(key, ChunkKey) else None)
+
+
+def _expect_fields(wanted: list) -> tuple:
+    """Lookup's (expect, expect_of) for per-key expectations (None: none)."""
+    distinct = list(dict.fromkeys(d for d in wanted if d is not None))
+    if not distinct:
+        return None, None
+    if len(distinct) == 1 and None not in wanted:
+        return tuple(distinct), None
+    if len(distinct) > m.MAX_EXPECTED_DESCRIPTORS:
+        raise InvalidArgument(f"one lookup may expect at most {m.MAX_EXPECTED_DESCRIPTORS} distinct descriptors")
+    index = {d: i for i, d in enumerate(distinct)}
+    return tuple(distinct), bytes(m.NO_EXPECTATION if d is None else index[d] for d in wanted)
 
 
 def _batches(ids):
@@ -252,36 +311,56 @@ class ClientCore:
     def _descriptor(self, desc: StateDescriptor | None) -> StateDescriptor:
         return desc or StateDescriptor(self.namespace, "opaque", "0")
 
+    def _put_item(self, key, data, desc: StateDescriptor | None):
+        """(object id, descriptor, bytes) of one put item; InvalidArgument names its problem."""
+        oid = to_object_id(key)
+        carried = key.descriptor if isinstance(key, ChunkKey) else None
+        if carried is not None and desc is not None and desc != carried:
+            raise InvalidArgument(
+                f"key {oid.hex} was computed for another descriptor than the put's "
+                f"({descriptor_differences(carried, desc)}; key != put): compute the key with "
+                "chunk_keys(tokens, desc) for the descriptor you store, or put without desc")
+        src = as_u8(data)
+        if src.size == 0:
+            raise InvalidArgument(f"object {oid.hex}: cannot store an empty object")
+        return oid, carried or self._descriptor(desc), src
+
     def op_put_many(self, items, desc: StateDescriptor | None, hints: Hints | None, tier: str = "host"):
-        desc = self._descriptor(desc)
+        """Per item a PutResult; an item that cannot be stored carries its error (its
+        object_id is None when the key itself is not one) and the others are stored."""
         hints = hints or Hints()
         if tier not in m.PUT_TIERS:
             raise InvalidArgument(f"put tier must be one of {m.PUT_TIERS}, got {tier!r}")
-        yield from self.op_open(desc.namespace)
-        sources = [(to_object_id(key), as_u8(data)) for key, data in items]
-        for oid, src in sources:
-            if src.size == 0:
-                raise InvalidArgument(f"object {oid.hex}: cannot store an empty object")
+        results: list[PutResult | None] = [None] * len(items)
+        sources = []  # (index, oid, descriptor, bytes) of the items to send
+        for i, (key, data) in enumerate(items):
+            try:
+                sources.append((i, *self._put_item(key, data, desc)))
+            except InvalidArgument as exc:
+                oid = key.object_id if isinstance(key, ChunkKey) else key if isinstance(key, ObjectId) else None
+                results[i] = PutResult(oid, False, error=exc)
+        for namespace in {d.namespace for _, _, d, _ in sources}:
+            yield from self.op_open(namespace)
         # Reservations hold arena space until committed: pipeline a window of them, not
         # the whole batch, so a large batch cannot fill the arena with its own leases.
-        limit = max(1, min(PUT_WINDOW_BYTES, self.arenas[desc.namespace].size // 4, self.max_inflight_bytes))
-        results, window, window_bytes = [], [], 0
+        arena_bytes = min((self.arenas[d.namespace].size for _, _, d, _ in sources), default=0)
+        limit = max(1, min(PUT_WINDOW_BYTES, arena_bytes // 4, self.max_inflight_bytes))
+        window, window_bytes = [], 0
         for item in sources:
-            if window and window_bytes + item[1].size > limit:
-                results += yield from self._put_window(window, desc, hints, tier)
+            if window and window_bytes + item[3].size > limit:
+                yield from self._put_window(window, hints, tier, results)
                 window, window_bytes = [], 0
             window.append(item)
-            window_bytes += item[1].size
+            window_bytes += item[3].size
         if window:
-            results += yield from self._put_window(window, desc, hints, tier)
+            yield from self._put_window(window, hints, tier, results)
         return results
 
-    def _put_window(self, sources, desc: StateDescriptor, hints: Hints, tier: str):
-        arena = self.arenas[desc.namespace]
-        replies = yield [self.request(m.Reserve(desc.namespace, oid, src.size, desc, hints, tier)) for oid, src in sources]
-        results: list[PutResult | None] = [None] * len(sources)
-        commits, commit_index = [], []
-        for i, ((oid, src), reply) in enumerate(zip(sources, replies)):
+    def _put_window(self, sources, hints: Hints, tier: str, results: list):
+        replies = yield [self.request(m.Reserve(d.namespace, oid, src.size, d, hints, tier))
+                         for _, oid, d, src in sources]
+        commits, committed = [], []
+        for (i, oid, d, src), reply in zip(sources, replies):
             if reply.error is not None:
                 results[i] = PutResult(oid, False, error=from_wire(reply.error))
                 continue
@@ -289,45 +368,50 @@ class ClientCore:
             if r.get("exists"):
                 results[i] = PutResult(oid, True)
                 continue
+            arena = self.arenas[d.namespace]
             checksum = copy_and_hash(arena[r["offset"]:r["offset"] + src.size], src)
             commits.append(self.request(m.Commit(r["lease"], checksum)))
-            commit_index.append(i)
+            committed.append((i, oid))
         replies = (yield commits) if commits else []
-        for i, reply in zip(commit_index, replies):
-            oid = sources[i][0]
+        for (i, oid), reply in zip(committed, replies):
             if reply.error is not None:
                 results[i] = PutResult(oid, False, error=from_wire(reply.error))
             else:
                 r = reply.result
                 results[i] = PutResult(oid, r.get("exists", False), r.get("tier"), r.get("durability"),
                                        homes=tuple(r.get("homes", ())))
-        return results
 
     def op_put(self, key, data, desc, hints, tier: str = "host"):
-        (result,) = yield from self.op_put_many([(key, data)], desc, hints, tier)
+        oid, d, src = self._put_item(key, data, desc)  # the caller's mistakes raise here
+        (result,) = yield from self.op_put_many([(oid, src)], d, hints, tier)
         if result.error is not None:
             raise result.error
         return result
 
-    def op_get(self, key, namespace: str | None, accept, ranges=None):
+    def op_get(self, key, namespace: str | None, accept, ranges=None, expect: StateDescriptor | None = None):
+        expect = _expectation(key, expect)
         namespace = namespace or self.namespace
         yield from self.op_open(namespace)
         accept = tuple(accept) if accept else None
         oid = to_object_id(key)
         if ranges is not None:
             ranges = normalize_ranges(ranges)  # InvalidArgument before anything is sent
-        (reply,) = yield [self.request(m.Get(namespace, oid, accept, ranges))]
+        (reply,) = yield [self.request(m.Get(namespace, oid, accept, ranges, expect))]
         r = self.result(reply)
         if not r["hit"]:
             return None
         array = self.arenas[namespace][r["offset"]:r["offset"] + r["size"]]
         held = None if r.get("ranges") is None else decode_ranges(r["ranges"])
-        return ReadLease(self._release_cb, r["lease"], oid, r["size"], r["checksum"], r["descriptor"], r["tier"],
-                         array, held, self)
+        lease = ReadLease(self._release_cb, r["lease"], oid, r["size"], r["checksum"], r["descriptor"], r["tier"],
+                          array, held, self, asked_ranges=ranges is not None)
+        if expect is not None and lease.descriptor != expect:  # a daemon that answered for another one
+            lease.release()
+            return None
+        return lease
 
-    def op_get_into(self, key, out, namespace, verify: bool):
+    def op_get_into(self, key, out, namespace, verify: bool, expect: StateDescriptor | None = None):
         dst = as_writable_u8(out)
-        lease = yield from self.op_get(key, namespace, None)
+        lease = yield from self.op_get(key, namespace, None, None, expect)
         if lease is None:
             return None
         with lease:
@@ -338,13 +422,18 @@ class ClientCore:
                 raise ChecksumError(f"object {lease.object_id.hex}: copied bytes fail their checksum")
         return lease.size
 
-    def op_lookup(self, keys, namespace: str | None):
+    def op_lookup(self, keys, namespace: str | None, expect: StateDescriptor | None = None):
+        wanted = [_expectation(k, expect) for k in keys]
         namespace = namespace or self.namespace
         yield from self.op_open(namespace)
         ids = [to_object_id(k) for k in keys]
         if not ids:
             return LookupResult(0, (), 0, 0.0)
-        replies = yield [self.request(m.Lookup(namespace, tuple(b))) for b in _batches(ids)]
+        requests = []
+        for start in range(0, len(ids), MAX_BATCH):
+            batch = tuple(ids[start:start + MAX_BATCH])
+            requests.append(self.request(m.Lookup(namespace, batch, *_expect_fields(wanted[start:start + MAX_BATCH]))))
+        replies = yield requests
         tiers, hit_bytes, est, leading = [], 0, 0.0, True
         for reply in replies:
             r = self.result(reply)

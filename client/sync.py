@@ -185,8 +185,11 @@ class Client:
         """Store `data` (bytes-like, numpy array or CPU tensor) under `key`.
 
         Two phases: reserve an extent, copy straight into the shared arena, commit with
-        the xxh3-128 checksum. An id the daemon already holds is not copied again
-        (`existed=True`). Raises CapacityError when nothing can be evicted to make room.
+        the xxh3-128 checksum. An id the daemon already holds with the same size and
+        descriptor is not copied again (`existed=True`); held with another size or
+        descriptor, the put raises Conflict and the stored object stays. A ChunkKey carries
+        the descriptor its id was computed for: `desc` may be left out, and another `desc`
+        raises InvalidArgument. Raises CapacityError when nothing can be evicted to make room.
         tier="remote" (a clustered daemon): the commit returns once the object's home nodes
         hold it, and this node keeps no copy unless it is a home; `result.tier` says where
         it ended up ("host" if no home could take it) and `result.homes` names the homes.
@@ -196,26 +199,36 @@ class Client:
     def put_many(self, items, desc: StateDescriptor | None = None, hints: Hints | None = None,
                  tier: str = "host") -> list[PutResult]:
         """Store many `(key, data)` pairs in two pipelined round trips. Never raises for one
-        item's failure: each result carries its own `error` (None on success)."""
+        item's failure (an empty item, a key whose descriptor differs, a Conflict, no room):
+        each result carries its own `error` (None on success; `object_id` None when the key
+        itself was not one) and the other items are stored."""
         return self._run(self.core.op_put_many(list(items), desc, hints, tier))
 
-    def get(self, key, namespace: str | None = None, accept=None, ranges=None) -> ReadLease | None:
+    def get(self, key, namespace: str | None = None, accept=None, ranges=None,
+            expect: StateDescriptor | None = None) -> ReadLease | None:
         """A zero-copy read lease (use as a context manager), or None on a miss.
+
+        expect: the descriptor the caller can use (a ChunkKey expects its own); an object
+        stored under another model, revision, kind, dtype, layout or shard is a miss.
 
         ranges: [(offset, length), ...] when only those bytes will be read (a sparse
         reader). An object on this node is still leased whole; one held only by its home
         nodes comes back as just those ranges (`lease.ranges` set). Read through
-        `lease.read(offset, length)`, which works on both. Ranges past the object's end,
-        or adding up to more bytes than it has, raise RangeError."""
-        return self._run(self.core.op_get(key, namespace, accept, ranges))
+        `lease.read(offset, length)`, which works on both (numpy(), tensor() and buffer
+        refuse on a ranged lease). Ranges past the object's end, or adding up to more bytes
+        than it has, raise RangeError."""
+        return self._run(self.core.op_get(key, namespace, accept, ranges, expect))
 
-    def get_into(self, key, out, namespace: str | None = None, verify: bool = False) -> int | None:
-        """Copy the object into `out`; returns its size, or None on a miss."""
-        return self._run(self.core.op_get_into(key, out, namespace, verify))
+    def get_into(self, key, out, namespace: str | None = None, verify: bool = False,
+                 expect: StateDescriptor | None = None) -> int | None:
+        """Copy the object into `out`; returns its size, or None on a miss (as `get`)."""
+        return self._run(self.core.op_get_into(key, out, namespace, verify, expect))
 
-    def lookup(self, keys, namespace: str | None = None) -> LookupResult:
-        """How many leading keys hit, each key's tier, and the estimated load time (one round trip per 4096 keys)."""
-        return self._run(self.core.op_lookup(list(keys), namespace))
+    def lookup(self, keys, namespace: str | None = None, expect: StateDescriptor | None = None) -> LookupResult:
+        """How many leading keys hit, each key's tier, and the estimated load time (one round trip per 4096 keys).
+        expect: the descriptor every key must be stored under (ChunkKeys expect their own);
+        a key stored under another is a miss."""
+        return self._run(self.core.op_lookup(list(keys), namespace, expect))
 
     def delete(self, keys, namespace: str | None = None, scope: str = "cluster") -> int:
         """Drop objects from every tier; returns how many ids were found. In a cluster,

@@ -128,6 +128,8 @@ def test_ranged_get_fetches_only_the_ranges_and_keeps_nothing(pair):
             lease = cb.get(k, ranges=pairs)
             assert lease.tier == "remote" and lease.ranges == tuple(pairs) and lease.size == packed
             assert lease.verify()
+            with pytest.raises(InvalidArgument, match=r"read\(offset, length\)"):
+                lease.numpy()  # packed ranges here, the whole object on a node that holds it: refused on both
             for offset, length in pairs:
                 assert np.array_equal(lease.read(offset, length), payload(size, i)[offset:offset + length])
             cb.check_integrity()  # the leased landing place is accounted for
@@ -142,6 +144,8 @@ def test_ranged_get_fetches_only_the_ranges_and_keeps_nothing(pair):
         assert cb.get(ObjectId(b"\x09" * 32), ranges=pairs) is None
         with ca.get(only_on_a[0], ranges=pairs) as whole:  # held here: leased whole, read the same way
             assert whole.ranges is None and whole.size == size
+            with pytest.raises(InvalidArgument, match=r"read\(offset, length\)"):
+                whole.numpy()
             assert np.array_equal(whole.read(700_000, 8192), payload(size, 0)[700_000:708_192])
         with b.client() as dies:
             assert dies.get(only_on_a[1], ranges=pairs) is not None  # left leased when the client goes

@@ -1,0 +1,129 @@
+"""A key and its descriptor agree, over a real daemon: a put under another descriptor is
+refused, one id holds one state, and a reader states what it expects (host and NVMe, sync
+and asyncio clients). put_many reports one item's failure in that item's result."""
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from client import AsyncClient
+from kvstore import Layout, StateDescriptor, chunk_keys
+from kvstore.errors import Conflict, InvalidArgument
+from kvstore.identity import ObjectId
+
+TOKENS = list(range(512))
+LAYOUT = Layout.make("paged", order="layer_first", layers=2, block=16, kv_heads=1, head_dim=64)
+MODEL_A = StateDescriptor("default", "model-a", "r1", layout=LAYOUT, chunk_tokens=256)
+MODEL_B = MODEL_A.with_(model="model-b")
+SIZE = MODEL_A.object_bytes
+
+
+def payload(size, seed):
+    return np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8)
+
+
+def test_put_of_a_chunk_key_under_another_models_descriptor_is_refused(daemon):
+    key_b = chunk_keys(TOKENS, MODEL_B)[0]
+    with daemon.client() as c:
+        with pytest.raises(InvalidArgument, match="model model-b != model-a"):
+            c.put(key_b, payload(SIZE, 1), MODEL_A)
+        assert c.lookup([key_b.object_id]).hits == 0  # nothing was stored
+        c.put(key_b, payload(SIZE, 1))  # the key's own descriptor
+        with c.get(key_b) as lease:
+            assert lease.descriptor == MODEL_B
+
+
+def test_same_id_with_another_size_or_descriptor_is_a_conflict(daemon):
+    key = chunk_keys(TOKENS, MODEL_A)[0]
+    raw = ObjectId(b"\x33" * 32)
+    with daemon.client() as c:
+        assert not c.put(key, payload(SIZE, 1)).existed
+        with pytest.raises(Conflict, match="another descriptor .*model model-a != model-b"):
+            c.put(key.object_id, payload(SIZE, 2), MODEL_B)
+        assert c.put(key, payload(SIZE, 1)).existed  # the same state: deduplicated
+        c.put(raw, payload(8192, 3))
+        with pytest.raises(Conflict, match="already stored with 8192 bytes, not 4096"):
+            c.put(raw, payload(4096, 4))
+        with c.get(key) as lease, c.get(raw) as other:  # the stored objects stayed
+            assert np.array_equal(lease.numpy(), payload(SIZE, 1)) and lease.descriptor == MODEL_A
+            assert np.array_equal(other.numpy(), payload(8192, 3))
+        c.check_integrity()
+
+
+def test_reader_of_another_model_misses(daemon):
+    key_b = chunk_keys(TOKENS, MODEL_B)[0]
+    with daemon.client() as c:
+        c.put(key_b.object_id, payload(SIZE, 1), MODEL_A)  # a plain id: the daemon cannot tell
+        assert c.get(key_b) is None  # a ChunkKey expects the descriptor it was computed for
+        assert c.get(key_b.object_id, expect=MODEL_B) is None
+        assert c.get_into(key_b, np.empty(SIZE, np.uint8)) is None
+        assert c.lookup([key_b]).hits == 0
+        assert c.lookup([key_b.object_id], expect=MODEL_B).tiers == (None,)
+        for other in (MODEL_A.with_(model_revision="r2"), MODEL_A.with_(kind="mla_latent"),
+                      MODEL_A.with_(dtype="fp16"), MODEL_A.with_(shard="0/2"),
+                      MODEL_A.with_(layout=Layout.make("raw"))):
+            assert c.get(key_b.object_id, expect=other) is None
+            assert c.lookup([key_b.object_id], expect=other).hits == 0
+        with c.get(key_b.object_id, expect=MODEL_A) as lease:
+            assert lease.descriptor == MODEL_A
+        mixed = [chunk_keys(TOKENS, d)[0] for d in (MODEL_A, MODEL_B)]
+        c.put(mixed[0], payload(SIZE, 2))
+        assert c.lookup(mixed + [key_b.object_id]).tiers == ("host", None, "host")  # per key
+
+
+def test_async_reader_of_another_model_misses(daemon):
+    key_b = chunk_keys(TOKENS, MODEL_B)[0]
+
+    async def main():
+        c = await AsyncClient.connect(daemon.socket)
+        try:
+            await c.put(key_b.object_id, payload(SIZE, 1), MODEL_A)
+            with pytest.raises(InvalidArgument, match="model model-b != model-a"):
+                await c.put(key_b, payload(SIZE, 1), MODEL_A)
+            assert await c.get(key_b) is None
+            assert await c.get_into(key_b, np.empty(SIZE, np.uint8)) is None
+            assert (await c.lookup([key_b])).hits == 0
+            assert (await c.lookup([key_b.object_id], expect=MODEL_A)).hits == 1
+        finally:
+            await c.close()
+
+    asyncio.run(main())
+
+
+def test_nvme_held_objects_keep_their_identity(daemon_factory):
+    d = daemon_factory("4MiB", config={"nvme": {"enabled": True, "capacity_bytes": "64MiB", "file_bytes": "32MiB",
+                                                "admit_min_hits": 0}})
+    big = MODEL_A.with_(layout=Layout.make("raw"))  # any size
+    keys = chunk_keys(list(range(256 * 12)), big)
+    with d.client() as c:
+        for i, key in enumerate(keys):
+            c.put(key, payload(1 << 20, i))
+        found = c.lookup(keys)
+        cold = [i for i, t in enumerate(found.tiers) if t == "nvme"][:2]
+        assert len(cold) == 2
+        first, second = (keys[i] for i in cold)
+        assert c.lookup([first.object_id], expect=big.with_(model="model-b")).tiers == (None,)
+        assert c.lookup([first]).tiers == ("nvme",)
+        with pytest.raises(Conflict, match="another descriptor"):
+            c.put(second.object_id, payload(1 << 20, 99), big.with_(model="model-b"))
+        assert c.get(first.object_id, expect=big.with_(model_revision="r2")) is None
+        got = np.empty(1 << 20, np.uint8)
+        assert c.get_into(second, got) == 1 << 20 and np.array_equal(got, payload(1 << 20, cold[1]))
+        c.check_integrity()
+
+
+def test_put_many_reports_an_empty_item_and_stores_the_rest(daemon):
+    keys = [ObjectId(bytes([0x40 + i]) * 32) for i in range(4)]
+    with daemon.client() as c:
+        c.put(keys[3], payload(8192, 3))
+        results = c.put_many([(keys[0], payload(4096, 0)), (keys[1], b""), (keys[2], payload(4096, 2)),
+                              (keys[3], payload(4096, 3)), ("not-a-key", b"x")])
+        assert [r.error is None for r in results] == [True, False, True, False, False]
+        assert isinstance(results[1].error, InvalidArgument) and "empty" in results[1].error.message
+        assert results[1].object_id == keys[1]
+        assert isinstance(results[3].error, Conflict)
+        assert results[4].object_id is None and isinstance(results[4].error, InvalidArgument)
+        assert c.lookup(keys[:3]).tiers == ("host", None, "host")
+        with pytest.raises(InvalidArgument, match="empty"):
+            c.put(keys[1], b"")
