@@ -215,3 +215,16 @@ def test_an_unpin_from_any_node_reaches_every_pinned_copy(pair):
         put = cb.put(on_a[1], payload(4096, 2), hints=Hints(pin=True), tier="remote")
         assert put.homes == ("a",) and put.tier == "remote"
         assert ca.unpin([on_a[1]], scope="node") == 1
+
+
+def test_a_home_refuses_a_put_of_its_id_with_another_size(pair):
+    a, b = pair
+    key = next(k for k in (ObjectId(bytes([150 + i]) * 32) for i in range(40)) if home_nodes(k, ("a", "b")) == ["b"])
+    with a.client() as ca, b.client() as cb:
+        assert ca.put(key, payload(8192, 1), tier="remote").tier == "remote"  # held by b alone
+        again = ca.put(key, payload(4096, 2), tier="remote")
+        assert again.tier == "host" and again.homes == ()  # b said Conflict: a keeps its copy
+        with cb.get(key) as lease:  # b kept the state it had
+            assert np.array_equal(lease.numpy(), payload(8192, 1))
+        with ca.get(key) as lease:
+            assert lease.size == 4096
