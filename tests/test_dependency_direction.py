@@ -6,13 +6,14 @@ import pathlib
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-PACKAGES = ("kvstore", "tiers", "server", "client", "gpu")
+PACKAGES = ("kvstore", "tiers", "server", "client", "gpu", "adapters")
 ALLOWED = {
     "kvstore": set(),
     "tiers": {"kvstore"},
     "client": {"kvstore"},
     "gpu": {"kvstore", "client"},
     "server": {"kvstore", "tiers"},
+    "adapters": {"kvstore", "client"},
 }
 # User-facing entry points drive a daemon through the client, as any user would
 # (recorded in docs/architecture.md). The daemon's own modules never import client.
@@ -49,3 +50,12 @@ def test_kvstore_is_pure_at_import_time():
     heavy = [f"{p.relative_to(ROOT)} imports {n}" for p in (ROOT / "kvstore").rglob("*.py")
              for n in _imports(p, top_level_only=True) if n in HEAVY]
     assert not heavy, "\n".join(heavy)
+
+
+def test_adapters_import_their_engine_lazily():
+    """An adapter module imports without its engine (or torch) installed: the engine comes in
+    only inside the classes the engine itself loads."""
+    engines = {"vllm", "sglang", "lmcache", "torch"}
+    eager = [f"{p.relative_to(ROOT)} imports {n}" for p in (ROOT / "adapters").rglob("*.py")
+             for n in _imports(p, top_level_only=True) if n in engines]
+    assert not eager, "\n".join(eager)

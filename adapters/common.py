@@ -1,0 +1,145 @@
+"""What every engine adapter shares: object ids from engine keys, and a fail-soft store.
+
+Engine keys (vLLM block hashes, SGLang page hashes, LMCache chunk keys) already chain the
+prefix. An adapter turns one into an object id with `engine_object_id`, which folds in the
+namespace salt, model and revision (kvstore-key-v1's root) and the full descriptor (kind,
+dtype, layout, shard): the same engine key under another model, dtype, layout or rank is
+another object, so a reader never gets state it cannot use.
+
+`SafeStore` is the adapters' only way to the daemon. Every call returns a plain value and
+never raises: a daemon that is down, restarted, slow or full is a miss (counted in
+`num_failures`, logged once per outage by StoreLink), and the engine recomputes. It is
+thread-safe (one lock around one connection): engines call their storage backends from
+scheduler, worker and I/O threads.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvstore.identity import ObjectId, StateDescriptor, chain_hash, namespace_salt, object_id, root_hash
+from client.connector_link import StoreLink
+
+# One lookup request carries at most this many ids (the daemon's batch limit is 4,096).
+LOOKUP_BATCH = 4096
+
+
+def engine_object_id(desc: StateDescriptor, engine: str, key: bytes | str | int) -> ObjectId:
+    """The object id of engine `engine`'s key `key` under descriptor `desc`."""
+    if isinstance(key, int):
+        key = key.to_bytes((key.bit_length() + 8) // 8 or 1, "little", signed=True)
+    salt = namespace_salt(desc.namespace)
+    logical = chain_hash(salt, root_hash(salt, desc.model, desc.model_revision), (), (f"engine:{engine}", key))
+    return object_id(salt, logical, desc)
+
+
+@dataclass(frozen=True, slots=True)
+class StoreConfig:
+    """Where the daemon is and how long to wait for it. Every field has a sane default."""
+
+    socket_path: str | None = None  # None: $KVSTORE_SOCKET, then the daemon's default path
+    namespace: str = "default"
+    timeout_s: float = 5.0
+    retry_after_s: float = 2.0  # after a failure, skip the store this long (then reconnect)
+
+    @classmethod
+    def from_mapping(cls, values: dict | None, prefix: str = "") -> StoreConfig:
+        """From an engine's free-form extra config: keys `<prefix>socket_path`, `namespace`,
+        `timeout_s`, `retry_after_s`; unknown keys are the engine's business."""
+        values = values or {}
+
+        def pick(name, default, kind):
+            value = values.get(prefix + name, default)
+            return default if value is None else kind(value)
+
+        return cls(pick("socket_path", os.environ.get("KVSTORE_SOCKET"), str), pick("namespace", "default", str),
+                   pick("timeout_s", 5.0, float), pick("retry_after_s", 2.0, float))
+
+
+class SafeStore:
+    """A thread-safe, never-raising handle on the daemon (see the module docstring)."""
+
+    def __init__(self, config: StoreConfig):
+        self.config = config
+        self._link = StoreLink(config.socket_path, config.namespace, config.timeout_s, config.retry_after_s)
+        self._lock = threading.Lock()
+        self.num_failures = 0  # calls answered as a miss because the store failed
+        self.num_hits = 0
+        self.num_misses = 0
+        self.num_stored = 0
+
+    def _call(self, op, on_failure):
+        """op(client) never returns None; None from the link means the store failed or is
+        being skipped after a failure."""
+        with self._lock:
+            result = self._link.call(op)
+            if result is None:
+                self.num_failures += 1
+                return on_failure
+        return result
+
+    def contains(self, ids: list[ObjectId]) -> list[bool]:
+        """Which of `ids` the store holds (any tier), in one round trip per 4,096 ids."""
+        if not ids:
+            return []
+
+        def op(client):
+            found = []
+            for start in range(0, len(ids), LOOKUP_BATCH):
+                found += [t is not None for t in client.lookup(ids[start:start + LOOKUP_BATCH]).tiers]
+            return found
+
+        found = self._call(op, [False] * len(ids))
+        hits = sum(found)
+        self.num_hits += hits
+        self.num_misses += len(ids) - hits
+        return found
+
+    def prefix_hits(self, ids: list[ObjectId]) -> int:
+        """How many leading ids the store holds."""
+        found = self.contains(ids)
+        return next((i for i, ok in enumerate(found) if not ok), len(found))
+
+    def get_into(self, oid: ObjectId, out) -> bool:
+        """Copy the object into `out` (a writable buffer, numpy array or CPU tensor of at
+        least its size); False on a miss or any store failure (then `out` may be partly
+        written: the caller must not use it)."""
+        got = self._call(lambda client: client.get_into(oid, out, verify=False) or 0, 0)
+        return bool(got)
+
+    def put_many(self, items: list[tuple[ObjectId, object]], desc: StateDescriptor) -> list[bool]:
+        """Store (id, bytes-like / numpy / CPU tensor) pairs; which ones the store now holds.
+        The data is only read during the call."""
+        if not items:
+            return []
+
+        def op(client):
+            return [r.error is None for r in client.put_many(items, desc)]
+
+        stored = self._call(op, [False] * len(items))
+        self.num_stored += sum(stored)
+        return stored
+
+    def delete(self, ids: list[ObjectId]) -> int:
+        return self._call(lambda client: client.delete(ids), 0) if ids else 0
+
+    def stats(self) -> dict:
+        return {"num_hits": self.num_hits, "num_misses": self.num_misses, "num_stored": self.num_stored,
+                "num_failures": self.num_failures, "last_error": self._link.last_error}
+
+    def close(self) -> None:
+        with self._lock:
+            self._link.close()
+
+
+def as_u8(buffer) -> np.ndarray:
+    """A flat uint8 view of a writable buffer, numpy array or CPU tensor (no copy)."""
+    if hasattr(buffer, "detach"):  # a torch tensor: its storage through numpy, zero-copy
+        buffer = buffer.detach().view(-1)
+        import torch
+        buffer = buffer.view(torch.uint8).numpy()
+    return np.frombuffer(buffer, dtype=np.uint8) if not isinstance(buffer, np.ndarray) else buffer.reshape(-1).view(np.uint8)

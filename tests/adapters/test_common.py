@@ -1,0 +1,53 @@
+"""adapters.common against a real daemon: ids from engine keys, and a store that never raises."""
+
+import signal
+import time
+
+import numpy as np
+
+from adapters.common import SafeStore, StoreConfig, engine_object_id
+from kvstore import StateDescriptor
+
+DESC = StateDescriptor("default", "m", "r1", kind="kv", dtype="bf16",
+                       layout="paged(order=layer_first,layers=2,block=16,kv_heads=1,head_dim=8)", chunk_tokens=16)
+
+
+def test_engine_ids_depend_on_every_identity_field_and_the_engine():
+    base = engine_object_id(DESC, "vllm", b"\x01" * 32)
+    assert base == engine_object_id(DESC, "vllm", b"\x01" * 32)
+    others = [
+        engine_object_id(DESC, "sglang", b"\x01" * 32),
+        engine_object_id(DESC, "vllm", b"\x02" * 32),
+        engine_object_id(DESC.with_(model="m2"), "vllm", b"\x01" * 32),
+        engine_object_id(DESC.with_(model_revision="r2"), "vllm", b"\x01" * 32),
+        engine_object_id(DESC.with_(dtype="fp8_e4m3"), "vllm", b"\x01" * 32),
+        engine_object_id(DESC.with_(shard="1/2"), "vllm", b"\x01" * 32),
+        engine_object_id(DESC.with_(namespace="other"), "vllm", b"\x01" * 32),
+    ]
+    assert len({base, *others}) == len(others) + 1
+    assert engine_object_id(DESC, "vllm", 12345) == engine_object_id(DESC, "vllm", 12345)
+    assert engine_object_id(DESC, "vllm", "abc") != engine_object_id(DESC, "vllm", "abd")
+
+
+def test_safe_store_round_trip_then_a_dead_daemon_is_a_counted_miss(daemon):
+    store = SafeStore(StoreConfig(socket_path=daemon.socket, timeout_s=2, retry_after_s=0.05))
+    ids = [engine_object_id(DESC, "test", i) for i in range(4)]
+    data = [np.full(DESC.object_bytes, i, np.uint8) for i in range(4)]
+    assert store.put_many(list(zip(ids[:3], data[:3])), DESC) == [True] * 3
+    assert store.contains(ids) == [True, True, True, False]
+    assert store.prefix_hits(ids) == 3
+    out = np.zeros(DESC.object_bytes, np.uint8)
+    assert store.get_into(ids[1], out) and np.array_equal(out, data[1])
+    assert not store.get_into(ids[3], out)
+    assert store.num_failures == 0
+    daemon.stop(signal.SIGKILL)
+    assert store.contains(ids) == [False] * 4
+    assert not store.get_into(ids[0], out)
+    assert store.put_many([(ids[3], data[3])], DESC) == [False]
+    assert store.num_failures == 3
+    daemon.start()
+    deadline = time.monotonic() + 30  # past retry_after_s the store reconnects by itself
+    while store.put_many([(ids[3], data[3])], DESC) != [True]:
+        assert time.monotonic() < deadline, store.stats()
+        time.sleep(0.1)
+    assert store.contains(ids[3:]) == [True]
