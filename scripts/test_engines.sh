@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Run the engine adapters' tests (marker `engines`), each in its engine's own cached
+# environment (scripts/engine_env.sh makes it when missing: minutes, several GB).
+#   scripts/test_engines.sh [vllm] [sglang] [lmcache]      default: all three
+# Extra pytest arguments: ENGINE_PYTEST_ARGS="-x -k name".
+set -euo pipefail
+cd "$(dirname "$0")/.."
+engines=("$@")
+[ ${#engines[@]} -gt 0 ] || engines=(vllm sglang lmcache)
+status=0
+for engine in "${engines[@]}"; do
+    py=$(scripts/engine_env.sh "$engine")
+    echo "engines: $engine adapter tests with $py"
+    # CPU-only: vLLM's platform is cpu, nothing reaches a model hub.
+    PYTHONPATH="$PWD" VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 \
+        "$py" -m pytest -q -m engines -p no:cacheprovider ${ENGINE_PYTEST_ARGS:-} "tests/adapters/$engine" || status=1
+done
+exit $status
