@@ -135,8 +135,13 @@ class KVConnector:
         return chunk_keys(token_ids, self.codecs[0].descriptor, self.config.extra_keys,
                           secret=self.config.secret)
 
-    def _oid(self, key: ChunkKey, codec: int):
-        return key.object_id if codec == 0 else object_id(self._salt, key.logical, self.codecs[codec].descriptor)
+    def _oid(self, key: ChunkKey, codec: int) -> ChunkKey:
+        """The key of codec `codec`'s object for the chunk of `key`; it carries that codec's
+        descriptor, so a read expects it (an object stored under another is a miss)."""
+        if codec == 0:
+            return key
+        desc = self.codecs[codec].descriptor
+        return replace(key, object_id=object_id(self._salt, key.logical, desc), descriptor=desc)
 
     # -- load -----------------------------------------------------------------------------
 

@@ -54,7 +54,7 @@ class SegmentReader:
                 lease = req.by_chunk.get(chunk)
                 if lease is None:
                     asked = [(s.offset, s.length) for s in spans] if len(spans) <= MAX_RANGES else None
-                    lease = client.get(req.keys[chunk].object_id, ranges=asked)
+                    lease = client.get(req.keys[chunk], ranges=asked)  # expects its descriptor
                     if lease is None:
                         return None
                     if lease.ranges is None:  # whole and on this node: keep it for later steps

@@ -233,15 +233,25 @@ def _expectation(key, expect: StateDescriptor | None) -> StateDescriptor | None:
 
 def _expect_fields(wanted: list) -> tuple:
     """Lookup's (expect, expect_of) for per-key expectations (None: none)."""
-    distinct = list(dict.fromkeys(d for d in wanted if d is not None))
-    if not distinct:
-        return None, None
-    if len(distinct) == 1 and None not in wanted:
-        return tuple(distinct), None
-    if len(distinct) > m.MAX_EXPECTED_DESCRIPTORS:
+    first = wanted[0]
+    if all(d is first for d in wanted):  # the common case: keys of one chunk_keys call
+        return (None, None) if first is None else ((first,), None)
+    index: dict = {}  # descriptor -> its place in expect
+    by_object: dict = {}  # id(descriptor) -> the same: hashing a descriptor costs ~1 us, id() does not
+    of = bytearray()
+    for _, run in itertools.groupby(wanted, key=id):  # keys come in runs of one chunk_keys call
+        run = list(run)
+        d = run[0]
+        if d is None:
+            at = m.NO_EXPECTATION
+        elif (at := by_object.get(id(d))) is None:
+            at = by_object[id(d)] = min(index.setdefault(d, len(index)), m.NO_EXPECTATION - 1)  # past it: refused
+        of += bytes((at,)) * len(run)
+    if len(index) > m.MAX_EXPECTED_DESCRIPTORS:
         raise InvalidArgument(f"one lookup may expect at most {m.MAX_EXPECTED_DESCRIPTORS} distinct descriptors")
-    index = {d: i for i, d in enumerate(distinct)}
-    return tuple(distinct), bytes(m.NO_EXPECTATION if d is None else index[d] for d in wanted)
+    if len(index) == 1 and m.NO_EXPECTATION not in of:
+        return tuple(index), None
+    return tuple(index), bytes(of)
 
 
 def _batches(ids):
@@ -423,7 +433,10 @@ class ClientCore:
         return lease.size
 
     def op_lookup(self, keys, namespace: str | None, expect: StateDescriptor | None = None):
-        wanted = [_expectation(k, expect) for k in keys]
+        if expect is None:
+            wanted = [k.descriptor if type(k) is ChunkKey else None for k in keys]
+        else:
+            wanted = [_expectation(None, expect)] * len(keys)
         namespace = namespace or self.namespace
         yield from self.op_open(namespace)
         ids = [to_object_id(k) for k in keys]

@@ -127,3 +127,42 @@ def test_put_many_reports_an_empty_item_and_stores_the_rest(daemon):
         assert c.lookup(keys[:3]).tiers == ("host", None, "host")
         with pytest.raises(InvalidArgument, match="empty"):
             c.put(keys[1], b"")
+
+
+class RecordingCodec:
+    """A StateCodec that only records what the connector hands it."""
+
+    boundary_only = False
+
+    def __init__(self, descriptor):
+        self.descriptor = descriptor
+        self.loaded = []
+
+    def export(self, request_id, start_token, end_token):
+        return None
+
+    def load(self, request_id, start_token, end_token, data):
+        self.loaded.append(data.copy())
+
+
+def test_connector_never_loads_another_models_state(daemon):
+    from client.connector import KVConnector
+    keys_b = chunk_keys(TOKENS, MODEL_B)
+    with daemon.client() as c:
+        for i, key in enumerate(keys_b):  # model A's state under model B's ids
+            c.put(key.object_id, payload(SIZE, i), MODEL_A)
+    codec = RecordingCodec(MODEL_B)
+    connector = KVConnector(daemon.socket, [codec], prefill_s=lambda tokens: tokens * 1.0)
+    try:
+        match = connector.get_num_new_matched_tokens("r1", TOKENS + [7])
+        assert (match.num_tokens, match.reason) == (0, "miss")
+        assert connector.start_load_kv("r1") == 0 and codec.loaded == []
+        assert connector.read_segments("r1", TOKENS, {0: [(1, 1)]}) is None  # a sparse reader's pages too
+        with daemon.client() as c:
+            c.delete([k.object_id for k in keys_b])
+            c.put_many([(key, payload(SIZE, i)) for i, key in enumerate(keys_b)])  # under their own descriptor
+        assert connector.get_num_new_matched_tokens("r2", TOKENS + [7]).num_tokens == 512
+        assert connector.start_load_kv("r2") == 512 and len(codec.loaded) == 2
+        assert connector.read_segments("r2", TOKENS, {0: [(1, 1)]}) is not None
+    finally:
+        connector.close()
