@@ -217,9 +217,13 @@ def test_an_unpin_from_any_node_reaches_every_pinned_copy(pair):
         assert ca.unpin([on_a[1]], scope="node") == 1
 
 
+def homed_only_on_b() -> ObjectId:
+    return next(k for k in (ObjectId(bytes([150 + i]) * 32) for i in range(40)) if home_nodes(k, ("a", "b")) == ["b"])
+
+
 def test_a_home_refuses_a_put_of_its_id_with_another_size(pair):
     a, b = pair
-    key = next(k for k in (ObjectId(bytes([150 + i]) * 32) for i in range(40)) if home_nodes(k, ("a", "b")) == ["b"])
+    key = homed_only_on_b()
     with a.client() as ca, b.client() as cb:
         assert ca.put(key, payload(8192, 1), tier="remote").tier == "remote"  # held by b alone
         again = ca.put(key, payload(4096, 2), tier="remote")
@@ -228,3 +232,19 @@ def test_a_home_refuses_a_put_of_its_id_with_another_size(pair):
             assert np.array_equal(lease.numpy(), payload(8192, 1))
         with ca.get(key) as lease:
             assert lease.size == 4096
+
+
+def test_a_reader_expecting_another_descriptor_misses_what_a_home_holds(pair):
+    a, b = pair
+    key = homed_only_on_b()
+    with a.client() as ca, b.client() as cb:
+        assert ca.put(key, payload(8192, 1), tier="remote").tier == "remote"  # held by b alone
+        with cb.get(key) as lease:
+            stored = lease.descriptor
+        other = stored.with_(model="another-model")
+        assert ca.lookup([key], expect=stored).tiers == ("remote",)
+        assert ca.lookup([key], expect=other).tiers == (None,)  # the home's answer is checked too
+        assert ca.get(key, ranges=[(0, 16)], expect=other) is None  # only those bytes would travel
+        assert ca.get(key, expect=other) is None
+        with ca.get(key, expect=stored) as lease:
+            assert np.array_equal(lease.numpy(), payload(8192, 1))
