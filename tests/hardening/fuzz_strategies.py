@@ -50,12 +50,24 @@ leases = st.integers(1, 2**63 - 1)
 byte_ranges = st.none() | st.lists(st.tuples(st.integers(0, 2**39), st.integers(1, 2**20)), min_size=1,
                                    max_size=8).map(tuple)
 no_neg = st.none() | st.floats(0, 1e6)
+expected = st.lists(descriptors, min_size=1, max_size=3).map(tuple)
+
+
+def _lookup_expecting(namespace, ids, expect) -> m.Lookup:
+    """One descriptor for every id, or per id one of them (every third id: none)."""
+    if len(expect) == 1:
+        return m.Lookup(namespace, ids, expect)
+    of = bytes(m.NO_EXPECTATION if i % 3 == 2 else i % len(expect) for i in range(len(ids)))
+    return m.Lookup(namespace, ids, expect, of)
+
+
 messages = st.one_of(
     st.builds(m.Hello, st.text(max_size=20), st.integers(0, 2**31)),
     st.builds(m.OpenNamespace, names, st.none() | st.text(max_size=40)),
     st.builds(lambda d, o, s, h: m.Reserve(d.namespace, o, s, d, h), descriptors, oids, st.integers(1, 2**40), hints),
     st.builds(m.Commit, leases, st.binary(min_size=16, max_size=16)), st.builds(m.Abort, leases),
-    st.builds(m.Get, names, oids, st.none(), byte_ranges), st.builds(m.Release, leases), st.builds(m.Lookup, names, id_batches),
+    st.builds(m.Get, names, oids, st.none(), byte_ranges, st.none() | descriptors), st.builds(m.Release, leases),
+    st.builds(m.Lookup, names, id_batches), st.builds(_lookup_expecting, names, id_batches, expected),
     st.builds(m.Delete, names, id_batches, st.sampled_from(m.SCOPES)),
     st.builds(m.Pin, names, id_batches, st.none() | st.floats(1e-3, 1e6), st.sampled_from(m.SCOPES)),
     st.builds(m.Unpin, names, id_batches, st.sampled_from(m.SCOPES)),

@@ -121,6 +121,9 @@ def _oid():
     m.Hello("engine", 123), m.OpenNamespace("t"), m.OpenNamespace("t", "tok"),
     m.Reserve("t", _oid(), 4096, StateDescriptor("t", "m", "r")),
     m.Commit(5, b"\x00" * 16), m.Abort(5), m.Get("t", _oid()), m.Get("t", _oid(), ("bf16",)),
+    m.Get("t", _oid(), expect=StateDescriptor("t", "m", "r")),
+    m.Lookup("t", (_oid(), _oid()), (StateDescriptor("t", "m", "r"),)),
+    m.Lookup("t", (_oid(), _oid()), (StateDescriptor("t", "m", "r"), StateDescriptor("t", "m2", "r")), b"\x01\xff"),
     m.Release(5), m.Lookup("t", (_oid(), _oid())), m.Delete("t", (_oid(),)), m.Pin("t", (_oid(),), 3.0),
     m.Unpin("t", ()), m.Prefetch("t", (_oid(),), "host", "wait", 0.5), m.Stats(),
 ])
@@ -147,6 +150,11 @@ def test_every_message_survives_the_wire(msg):
     ("commit", {"lease": 1, "checksum": b"\x00" * 8}, "checksum"),
     ("commit", {"lease": 0, "checksum": b"\x00" * 16}, "lease"),
     ("lookup", {"namespace": "t", "ids": [b"\x00" * 32] * (MAX_BATCH + 1)}, "at most"),
+    ("lookup", {"namespace": "t", "ids": [b"\x00" * 32], "expect": []}, "lookup.expect: must be a list of 1..16"),
+    ("lookup", {"namespace": "t", "ids": [b"\x00" * 32], "expect_of": b"\x00"}, "expect_of needs expect"),
+    ("lookup", {"namespace": "t", "ids": [b"\x00" * 32], "expect": [{"namespace": "t", "model": "m",
+                "model_revision": "r"}], "expect_of": b"\x01"}, "index past expect's 1"),
+    ("get", {"namespace": "t", "object_id": b"\x00" * 32, "expect": {"model": "m"}}, "get.expect"),
     ("pin", {"namespace": "t", "ids": [], "ttl_s": float("nan")}, "finite"),
     ("prefetch", {"namespace": "t", "ids": [], "tier": "moon"}, "one of"),
 ])
