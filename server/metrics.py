@@ -137,6 +137,11 @@ def _cluster_families(cluster: dict):
         values = cluster if section is None else cluster.get(section) or {}
         if key in values:
             yield CounterMetricFamily(name, doc, value=values[key])
+    auth = CounterMetricFamily("kvstore_peer_auth_failures", "Peer handshakes refused for a wrong cluster secret "
+                               "(client: links this node opened; server: links it accepted)", labels=["side"])
+    for side, count in sorted((cluster.get("auth_failures") or {}).items()):
+        auth.add_metric([side], count)
+    yield auth
     down = set(cluster.get("remote", {}).get("peers_down", ()))
     members = GaugeMetricFamily("kvstore_cluster_member_up", "Members this node sees: 0 while a call to it "
                                 "failed within the peer timeout", labels=["node"])

@@ -7,12 +7,16 @@ The first exchange on every peer channel, before any request is served:
     client -> server  request peer_auth  {proof}                             proof_c = MAC("client")
     server -> client  reply  {ok: true}, or a permission_denied error and the channel closes
 
+    (client -> server request peer_auth {refused: true} instead, when proof_s is wrong: the
+     client sends no proof of its own, and the server learns why the channel ends)
+
     MAC(role) = HMAC-SHA256(secret, "kvstore-peer-v1" | role | nonce_c | nonce_s | node_c | node_s)
 
 Each side proves it holds the secret over a nonce the other side just chose, so a recorded
 handshake cannot be replayed, and the role in the MAC keeps one side's proof from being
 reflected back as the other's. The client checks the server's proof before it sends anything
 else: a node with the wrong secret is refused in both directions. The secret never travels.
+A wrong secret is logged at warning level on both sides, as "wrong secret from <address>".
 """
 
 from __future__ import annotations
@@ -68,7 +72,11 @@ async def authenticate_client(channel, secret: bytes, node_id: str) -> str:
     nonce_s = _bytes(reply.get("nonce"), NONCE_BYTES, "nonce")
     expected = proof(secret, "server", nonce_c, nonce_s, node_id, node_s)
     if not hmac.compare_digest(expected, _bytes(reply.get("proof"), PROOF_BYTES, "proof")):
-        log.warning("event=peer_auth_failed side=client peer=%s node=%s reason=wrong_secret", channel.peer, node_s)
+        _log_wrong_secret("client", channel.peer, node_s, "its proof does not match our secret")
+        try:  # tell the server why the channel ends; it may be gone already
+            await channel.send(Request(1, "peer_auth", {"refused": True}))
+        except Exception:
+            pass
         raise PermissionDenied(f"{WRONG_SECRET}; peer {node_s} at {channel.peer}")
     mine = proof(secret, "client", nonce_c, nonce_s, node_id, node_s)
     await channel.send(Request(1, "peer_auth", {"proof": mine}))
@@ -92,13 +100,21 @@ async def authenticate_server(channel, secret: bytes, node_id: str) -> str:
     auth = await channel.recv()
     if not isinstance(auth, Request) or auth.op != "peer_auth":
         await _refuse(channel, auth, "peer_auth must follow peer_hello")
+    if auth.args.get("refused") is True:  # our proof did not match the client's secret
+        _log_wrong_secret("server", channel.peer, node_c, "it refused our proof")
+        raise PermissionDenied(f"{WRONG_SECRET}; peer {node_c} at {channel.peer} refused this node's proof")
     expected = proof(secret, "client", nonce_c, nonce_s, node_c, node_id)
     if not hmac.compare_digest(expected, _bytes(auth.args.get("proof"), PROOF_BYTES, "proof")):
-        log.warning("event=peer_auth_failed side=server peer=%s node=%s reason=wrong_secret", channel.peer, node_c)
+        _log_wrong_secret("server", channel.peer, node_c, "its proof does not match our secret")
         await channel.send(Reply(auth.id, error=PermissionDenied(WRONG_SECRET).to_wire()))
         raise PermissionDenied(f"{WRONG_SECRET}; peer {node_c} at {channel.peer}")
     await channel.send(Reply(auth.id, {"ok": True}))
     return node_c
+
+
+def _log_wrong_secret(side: str, address: str, node: str, why: str) -> None:
+    log.warning("event=peer_auth_failed side=%s peer=%s node=%s reason=wrong_secret wrong secret from %s "
+                "(node %s: %s; cluster.secret must be the same on every node)", side, address, node, address, node, why)
 
 
 async def _refuse(channel, event, message: str):
@@ -113,7 +129,8 @@ async def _reply(channel, rid: int) -> dict:
         raise ProtocolError("peer handshake: unexpected message")
     if event.error is not None:
         if event.error.get("code") == PermissionDenied.code:
-            log.warning("event=peer_auth_refused peer=%s message=%r", channel.peer, event.error.get("message"))
+            log.warning("event=peer_auth_refused peer=%s message=%r wrong secret from %s",
+                        channel.peer, event.error.get("message"), channel.peer)
             raise PermissionDenied(f"{event.error.get('message')}; refused by {channel.peer}")
         raise ProtocolError(f"peer handshake failed: {event.error.get('message')}")
     if not isinstance(event.result, dict):

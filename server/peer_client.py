@@ -3,8 +3,8 @@
 `connect_peer` opens a channel on a transport and runs the handshake; `PeerClient.call`
 then does one exchange at a time: request (+ payload), reply (+ payload into the buffer
 `into` names), all under one deadline of timeout_s plus transfer time. A timeout or a broken
-channel closes the link and raises PeerUnavailable; an error the peer answers with is raised
-as itself and the link stays usable.
+channel closes the link and raises PeerUnavailable (LinkBroken when the channel was closed
+under the call); an error the peer answers with is raised as itself and the link stays usable.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from kvstore.errors import InvalidArgument, KVStoreError, ProtocolError, from_wi
 from kvstore.protocol import Reply, Request
 from server.peer_auth import authenticate_client
 from server.peer_transport import Channel, Transport, nbytes_of, payload_bytes
-from tiers.remote import MIN_PEER_BANDWIDTH_BYTES_S, PeerUnavailable
+from tiers.remote import MIN_PEER_BANDWIDTH_BYTES_S, LinkBroken, PeerUnavailable
 
 
 class PeerClient:
@@ -42,7 +42,11 @@ class PeerClient:
                 if isinstance(exc, (asyncio.CancelledError, KeyboardInterrupt)):
                     raise
                 what = "did not answer in time" if isinstance(exc, TimeoutError) else f"failed: {exc!r}"
-                raise PeerUnavailable(f"peer {self.peer_node} ({self.channel.peer}) {what} on {op}") from None
+                # Closed under us (a restarted peer, on a pooled link) is worth one retry on a
+                # fresh link; a timeout (a cut-off peer) is not.
+                broken = isinstance(exc, (ConnectionError, asyncio.IncompleteReadError))
+                raise (LinkBroken if broken else PeerUnavailable)(
+                    f"peer {self.peer_node} ({self.channel.peer}) {what} on {op}") from None
         if error is not None:  # the peer (or `into`) refused; the link stays usable
             raise error
         return result

@@ -127,8 +127,11 @@ async def _maybe(value):
 
 class PeerService:
     def __init__(self, backend: PeerBackend, transport, secret: bytes, node_id: str, timeout_s: float = 1.0,
-                 digest: Callable[[Any], bytes] = host_digest, recheck_s: float = RANGED_RECHECK_S):
+                 digest: Callable[[Any], bytes] = host_digest, recheck_s: float = RANGED_RECHECK_S,
+                 on_peer: Callable[[str], None] = lambda node: None):
+        """on_peer(node): a peer authenticated a channel (it is up; see PeerNode)."""
         self.backend, self.transport, self.secret = backend, transport, secret
+        self.on_peer = on_peer
         self.node_id, self.timeout_s, self.digest = node_id, timeout_s, digest
         self.recheck_s = recheck_s
         self._checked: collections.OrderedDict = collections.OrderedDict()  # copy -> when it last passed
@@ -164,6 +167,7 @@ class PeerService:
             channel.close()
             return
         log.debug("event=peer_connected node=%s peer=%s", peer, channel.peer)
+        self.on_peer(peer)
         try:
             while True:
                 request = await channel.recv()

@@ -13,6 +13,10 @@ whole copy); a mismatch is a miss.
 Failure is a miss, never a hang: every call is bounded by `timeout_s` (plus transfer time at
 MIN_PEER_BANDWIDTH_BYTES_S), is counted, and logged once per peer going down. A peer that just
 failed is skipped for `timeout_s`, so reads of its objects fail at once instead of each waiting.
+It counts as down (`down_nodes`, `on_state`) until an exchange with it succeeds: a call after
+that pause, a `probe`, or `mark_up` from whoever saw it answer. A pooled link found closed
+(the peer restarted since it was opened) is not a failure: the call is tried once more on a
+fresh link.
 
 Links come from `connect(address)` (server.peer_transport.connect_peer with the transport
 and secret bound), so this module imports no transport. Runs on one event loop.
@@ -51,6 +55,12 @@ def host_digest(buffer) -> bytes:
 
 class PeerUnavailable(ServiceError):
     """A peer did not answer in time, closed the link, or broke the protocol: treat as a miss."""
+
+
+class LinkBroken(PeerUnavailable):
+    """The link was closed under a call (by the peer, or a reset) rather than timing out. On a
+    link taken from the pool this is what a peer that restarted looks like: a fresh link to
+    it may well work, so the call is tried once more on one."""
 
 
 class PeerLink(Protocol):
@@ -109,10 +119,14 @@ class RemoteTier:
 
     def __init__(self, node_id: str, members: Callable[[], Mapping[str, str]],
                  connect: Callable[[str], Awaitable[PeerLink]], replicas: int = 1,
-                 timeout_s: float = 1.0, digest: Callable[[Any], bytes] | None = None, clock=time.monotonic):
+                 timeout_s: float = 1.0, digest: Callable[[Any], bytes] | None = None, clock=time.monotonic,
+                 on_state: Callable[[str, bool], None] | None = None):
+        """on_state(node, up): called on the loop when a peer is marked down, and when one
+        marked down answers again."""
         self.node_id, self.members, self.connect = node_id, members, connect
         self.digest = digest or host_digest
         self.replicas, self.timeout_s, self.clock = replicas, timeout_s, clock
+        self.on_state = on_state
         self.counters = RemoteCounters()
         self._pools: dict[str, _Pool] = {}
         self._down_until: dict[str, float] = {}
@@ -312,39 +326,88 @@ class RemoteTier:
             return None
         result = None
         try:
-            link = await self._acquire(address)
-            try:
-                result = await link.call(op, args, payload=payload, into=into)
-            finally:
-                self._release(address, link)
+            result = await self._exchange(address, op, args, payload, into)
         except (PeerUnavailable, PermissionDenied) as exc:
-            self.counters.num_peer_failures += 1
-            if node not in self._down_until:  # once per going down, though calls ran in parallel
-                log.warning("event=peer_down node=%s address=%s op=%s error=%r", node, address, op, exc.message)
-            self._down_until[node] = self.clock() + self.timeout_s
+            self._mark_down(node, address, op, exc)
             return None
         except KVStoreError as exc:  # the peer answered with an error: it is up
             if raising and isinstance(exc, RangeError):
+                self.mark_up(node)
                 raise
             log.info("event=peer_error node=%s op=%s code=%s error=%r", node, op, exc.code, exc.message)
-        # Two calls to a peer that was down may both succeed: only the first says it is up.
-        if down is not None and self._down_until.pop(node, None) is not None:
-            log.info("event=peer_up node=%s address=%s", node, address)
+        self.mark_up(node)
         return result
 
-    async def _acquire(self, address: str) -> PeerLink:
-        """An idle link (no await on this path), a new one, or the next one released."""
+    async def _exchange(self, address: str, op: str, args: dict, payload, into) -> dict:
+        """One call on a pooled link; a pooled link found broken (the peer restarted since it
+        was opened) is dropped with its idle siblings and the call tried once on a fresh one.
+        Calls are idempotent at the peer (puts are content-addressed), so a retry is safe."""
+        fresh = False
+        while True:
+            link, reused = await self._acquire(address, fresh)
+            try:
+                return await link.call(op, args, payload=payload, into=into)
+            except LinkBroken:
+                if not reused or fresh:
+                    raise
+                await self._drop_idle(address)
+                fresh = True
+            finally:
+                self._release(address, link)
+
+    def _mark_down(self, node: str, address: str, op: str, exc: KVStoreError) -> None:
+        self.counters.num_peer_failures += 1
+        first = node not in self._down_until
+        if first:  # once per going down, though calls ran in parallel
+            log.warning("event=peer_down node=%s address=%s op=%s error=%r", node, address, op, exc.message)
+        self._down_until[node] = self.clock() + self.timeout_s
+        if first and self.on_state is not None:
+            self.on_state(node, False)
+
+    def mark_up(self, node: str) -> None:
+        """`node` answered (any successful exchange, either direction): it is up."""
+        if self._down_until.pop(node, None) is not None:
+            log.info("event=peer_up node=%s address=%s", node, self.members().get(node))
+            if self.on_state is not None:
+                self.on_state(node, True)
+
+    def down_nodes(self) -> list[str]:
+        """Peers marked down: a call to them failed and none succeeded since."""
+        return sorted(self._down_until)
+
+    async def probe(self, node: str) -> bool:
+        """Open a fresh authenticated link to `node` (kept in its pool, replacing idle links
+        that may date from before a restart), whatever its down mark says; marks it up when
+        the handshake succeeds. Returns whether it did. A failure leaves the mark as it was."""
+        address = self.members().get(node)
+        if address is None:
+            return False
+        await self._drop_idle(address)
+        try:
+            link, _ = await self._acquire(address, fresh=True)
+        except (PeerUnavailable, PermissionDenied):
+            return False
+        self._release(address, link)
+        self.mark_up(node)
+        return True
+
+    async def _acquire(self, address: str, fresh: bool = False) -> tuple[PeerLink, bool]:
+        """An idle link (no await on this path), a new one, or the next one released; and
+        whether it was reused from the pool. fresh: only a new link will do."""
         pool = self._pools.setdefault(address, _Pool())
         while True:
-            while pool.idle:
+            while pool.idle and not fresh:
                 link = pool.idle.pop()
                 if not link.closed:
-                    return link
+                    return link, True
                 pool.num_open -= 1
+            while fresh and pool.idle and pool.num_open >= MAX_LINKS_PER_PEER:
+                pool.num_open -= 1  # an idle link makes room for the new one
+                await pool.idle.pop().close()
             if pool.num_open < MAX_LINKS_PER_PEER:
                 pool.num_open += 1
                 try:
-                    return await self.connect(address)  # bounded by connect's own timeout
+                    return await self.connect(address), False  # bounded by connect's own timeout
                 except BaseException:
                     pool.num_open -= 1
                     pool.wake_one()
@@ -356,6 +419,17 @@ class RemoteTier:
                     await waiter
             except TimeoutError:
                 raise PeerUnavailable(f"no free link to peer {address} within {self.timeout_s} s") from None
+
+    async def _drop_idle(self, address: str) -> None:
+        """Close the idle links to `address` (they may all date from before a peer restart)."""
+        pool = self._pools.get(address)
+        if pool is None:
+            return
+        idle, pool.idle = pool.idle, []
+        pool.num_open -= len(idle)
+        for link in idle:
+            await link.close()
+        pool.wake_one()
 
     def _release(self, address: str, link: PeerLink) -> None:
         pool = self._pools[address]
