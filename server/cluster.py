@@ -50,7 +50,7 @@ class ClusterLink:
         self.manager = manager
         self.config = config.cluster
         self.rehomer = Rehomer(self, config.cluster) if config.cluster.rehome else None
-        self.node = PeerNode(config.cluster, self, on_members=self.on_members)
+        self.node = PeerNode(config.cluster, self, on_members=self.on_members, on_peer_state=self.on_peer_state)
         self._background: set[asyncio.Task] = set()
         # (namespace, digest) of objects held here that every remote home is known to hold
         # too: they may leave this node without being sent. Only objects held here are kept,
@@ -91,6 +91,16 @@ class ClusterLink:
         self._held.clear()
         if self.rehomer is not None:
             self.rehomer.on_members(members)
+
+    def on_peer_state(self, node: str, up: bool) -> None:
+        """A peer was marked down, or answers again. A static member back up may have lost
+        what it held (a restart): "the homes hold it" must be learned again, and the
+        re-homer sends it what it lacks. (etcd membership reports comings and goings itself.)"""
+        if not up or self.config.membership != "static":
+            return
+        self._held.clear()
+        if self.rehomer is not None:
+            self.rehomer.on_peer_back(node)
 
     @contextlib.asynccontextmanager
     async def sending(self, namespace: str, object_id):
@@ -329,20 +339,25 @@ class ClusterLink:
 
     async def _send(self, entry: ObjectEntry) -> bool:
         """Send a host entry to every remote home. True once all of them hold it."""
+        return (await self._send_to_homes(entry))[1]
+
+    async def _send_to_homes(self, entry: ObjectEntry) -> tuple[list[str], bool]:
+        """Send a host entry to every remote home: (the remote homes that hold it now, whether
+        all of them do)."""
         ns = self.manager.namespaces[entry.namespace]
         if ns.objects.get(entry.object_id) is not entry:
-            return False  # deleted or evicted before its turn: its extent may be reused
+            return [], False  # deleted or evicted before its turn: its extent may be reused
         homes = self.remote.remote_homes(entry.object_id)
         async with self.sending(entry.namespace, entry.object_id):
             if ns.objects.get(entry.object_id) is not entry:
-                return False
+                return [], False
             with self.held_view(entry) as view:
                 held = await self.remote.put(entry.namespace, entry.object_id, self.meta(entry), view)
         if held and set(held) >= set(homes):
             if ns.objects.get(entry.object_id) is entry:
                 self._held.add((entry.namespace, entry.object_id.digest))
-            return True
-        return False
+            return held, True
+        return held, False
 
     # --- demotion to tier "remote" -----------------------------------------------------------
 
@@ -400,14 +415,17 @@ class ClusterLink:
         it (the reply then says tier "host": nothing is lost, and nothing pretends)."""
         self.counters["num_remote_puts"] += 1
         homes = self.remote.homes(entry.object_id)
-        sent = not self.remote.remote_homes(entry.object_id) or await self._send(entry)
+        held, sent = [], True
+        if self.remote.remote_homes(entry.object_id):
+            held, sent = await self._send_to_homes(entry)
         ns = self.manager.namespaces[entry.namespace]
         if not sent:
             self.counters["num_remote_put_fallbacks"] += 1
             log.warning("event=remote_put_fallback namespace=%s id=%s homes=%s", entry.namespace, entry.object_id,
                         ",".join(homes))
+            # Every home that holds it: this node (it keeps its copy) and those the send reached.
             return {"exists": False, "tier": "host", "durability": "memory",
-                    "homes": [n for n in homes if n == self.node.node_id]}
+                    "homes": [n for n in homes if n == self.node.node_id or n in held]}
         if self.node.node_id not in homes and ns.objects.get(entry.object_id) is entry:
             self.manager.drop(ns, entry)  # forgets it here too
             return {"exists": False, "tier": "remote", "durability": "memory", "homes": homes}

@@ -12,6 +12,9 @@
       -> sends that failed (target down again) are retried after a backoff while the
          target is still a home of the object
 
+A static peer list never changes, but a member marked down that answers again may lack what
+it is home to: `on_peer_back` plans for it as for a node that just joined.
+
 A clean stop (SIGTERM) first hands over: the same plan against the member list without
 this node, so what it was home to is on its successors before it leaves (bounded by
 cluster.handover_s; membership "etcd" only, a static list never drops a node).
@@ -88,6 +91,16 @@ class Rehomer:
             return
         self._members = names
         self._seen.add(names)
+        self._schedule(self.delay_s)
+
+    def on_peer_back(self, node: str) -> None:
+        """A member of a static peer list answers again after it was marked down. The list
+        never changed, yet the node may lack what it is home to (puts that fell back while
+        it was down, demotions that failed, its memory if it restarted): the next pass plans
+        as if it had just joined (the list without it was seen), so it gets what it lacks."""
+        if self._members is None or node not in self._members:
+            return
+        self._seen.add(self._members - {node})
         self._schedule(self.delay_s)
 
     def _schedule(self, delay_s: float) -> None:
