@@ -162,7 +162,7 @@ def register(sub) -> None:
     ls.set_defaults(func=cmd_ls)
     for verb, func, text in (("show", cmd_show, "one object's metadata (JSON)"),
                              ("rm", cmd_rm, "delete an object"),
-                             ("pin", cmd_pin, "pin an object resident (or --unpin)")):
+                             ("pin", cmd_pin, "pin an object resident (or --unpin); one only on NVMe is promoted first")):
         p = verbs.add_parser(verb, help=text)
         _common(p, json_flag=False)
         p.add_argument("id", help="object id (64 hex characters)")
