@@ -106,3 +106,16 @@ def test_a_wrong_secret_is_a_warning_on_both_sides_and_counted(daemon_factory, c
     assert any("level=warning" in line and "side=client" in line and f"127.0.0.1:{port_a}" in line
                for line in lines), err[-2000:]
     assert all(re.search(r"wrong secret from \S+:\d+", line) for line in lines)
+
+
+def test_a_put_that_reached_one_of_its_homes_names_it(daemon_factory):
+    """Two replicas, homes B and C, C down: the tier="remote" put stays on A too (not every
+    home took it), and `homes` names B, which holds it, not ()."""
+    a, b, c = static_cluster(daemon_factory, {"a": "16MiB", "b": "16MiB", "c": "16MiB"}, replicas=2)
+    oids = ids_homed("partial", "abc", ("b", "c"), 2, replicas=2)
+    c.stop(signal.SIGKILL)
+    with a.client() as ca:
+        for oid in oids:
+            result = ca.put(oid, payload(oid, SIZE), tier="remote")
+            assert (result.tier, result.homes) == ("host", ("b",))
+    assert local_tiers(b, oids) == ("host", "host")
