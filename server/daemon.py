@@ -16,6 +16,8 @@ import numpy as np
 from kvstore.config import ServerConfig
 from kvstore.errors import KVStoreError, PermissionDenied
 from kvstore.protocol import MAX_BATCH
+from server.data_dir import DataDirLock, hold_data_dir
+from server.host_memory import check_host_tier, host_memory
 from server.local_service import SERVER_VERSION, LocalConnection
 from server.tier_manager import TierManager
 
@@ -55,6 +57,9 @@ class Daemon:
         self.admin = None  # server.admin.AdminServer when admin.enabled
         self.ready = False  # True once recovery is done and the socket serves (GET /readyz)
         self.recovery: dict = {}
+        self._data_dir: DataDirLock | None = None
+        self._mover_open = False
+        self._cluster_started = False
         if config.nvme.enabled:
             from server.movement import TierMover
             self.manager.mover = TierMover(self.manager, config)
@@ -63,21 +68,36 @@ class Daemon:
             self.manager.cluster = ClusterLink(self.manager, config)
 
     async def start(self) -> None:
+        """Check what needs checking, then take the data directory, then start serving.
+
+        A stop asked for meanwhile (SIGTERM: `request_stop`) interrupts it between steps and
+        within an arena's prefault: DaemonError, after which `stop()` undoes what started.
+        """
+        check_host_tier(self.config.host, host_memory())  # before anything is made
+        self._data_dir = hold_data_dir(self.config.data_dir)  # before anything is made there
         path = self.config.socket_path
-        os.makedirs(os.path.dirname(path) or ".", mode=0o700, exist_ok=True)
-        _private_dir(self.config.data_dir)
+        try:
+            os.makedirs(os.path.dirname(path) or ".", mode=0o700, exist_ok=True)
+        except OSError as exc:
+            raise DaemonError(f"cannot make the socket's directory for {path}: {exc.strerror}; "
+                              "set socket_path in the config or --socket") from None
         _claim_socket_path(path)
         if self.config.admin.enabled:  # first, so /readyz can say "recovering"
             from server.admin import AdminServer
             self.admin = AdminServer(self)
             await self.admin.start()
         self.manager.host_bandwidth_bytes_s = measure_copy_bandwidth()
+        self._check_not_stopping()
         if self.manager.mover is not None:
             self.recovery = await self.manager.mover.open()
+            self._mover_open = True
+            self._check_not_stopping()
         for name in self.config.host.namespaces:  # pre-open: no client waits for their arenas
             await self.manager.open_namespace(name)
+            self._check_not_stopping()
         if self.manager.cluster is not None:  # serve peers and join membership
             await self.manager.cluster.start()
+            self._cluster_started = True
         umask = os.umask(0o077)  # no window in which other users may connect to the new socket
         try:
             self._server = await asyncio.get_running_loop().create_unix_server(
@@ -92,16 +112,32 @@ class Daemon:
                  path, self.config.host.arena_bytes, self.config.host.policy,
                  self.config.nvme_path if self.config.nvme.enabled else "off", os.getpid(), SERVER_VERSION)
 
+    def request_stop(self) -> None:
+        """SIGTERM / SIGINT: stop serving, or give up starting (an arena's prefault included)."""
+        self.manager.stopping.set()
+        self._stopped.set()
+
+    def _check_not_stopping(self) -> None:
+        if self._stopped.is_set():
+            raise DaemonError("start-up interrupted: asked to stop")
+
     async def serve_forever(self) -> None:
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, self._stopped.set)
-        await self.start()
+        for sig in (signal.SIGTERM, signal.SIGINT):  # before start: a stop during start-up works too
+            loop.add_signal_handler(sig, self.request_stop)
+        try:
+            await self.start()
+        except Exception as exc:
+            if not self._stopped.is_set():
+                raise
+            log.info("event=start_interrupted step=%r", getattr(exc, "message", str(exc)))
         await self._stopped.wait()
         await self.stop()
 
     async def stop(self) -> None:
+        """Undo what start() did, also when it did not finish (interrupted or failed)."""
         log.info("event=stopping clients=%d", len(self.connections))
+        self.manager.stopping.set()
         for task in self._tasks:
             task.cancel()
         if self.admin is not None:
@@ -111,19 +147,21 @@ class Daemon:
         for conn in list(self.connections.values()):
             conn.transport.close()
         await asyncio.sleep(0)
-        if self._server is not None:
+        if self._server is not None:  # never another daemon's socket: ours only once we served
             await self._server.wait_closed()
-        try:
-            os.unlink(self.config.socket_path)
-        except FileNotFoundError:
-            pass
-        if self.manager.cluster is not None:  # leave membership before we stop serving
+            try:
+                os.unlink(self.config.socket_path)
+            except FileNotFoundError:
+                pass
+        if self._cluster_started:  # leave membership before we stop serving
             await self.manager.cluster.stop()
-        if self.manager.mover is not None:
+        if self._mover_open:
             if self.config.nvme.flush_on_shutdown:
                 await self.manager.mover.flush_host()
             await self.manager.mover.close()
         self.manager.close()
+        if self._data_dir is not None:  # last: a successor may start once we are done with it
+            self._data_dir.release()
         log.info("event=stopped")
 
     async def _housekeeping(self) -> None:
@@ -192,16 +230,6 @@ class Daemon:
             "recovery": self.recovery,
             **self.manager.stats(),
         }
-
-
-def _private_dir(path: str) -> None:
-    """Make the data directory, or narrow an existing one to 0700: it holds the admin token
-    and the NVMe index, which names every tenant's objects."""
-    os.makedirs(path, mode=0o700, exist_ok=True)
-    mode = stat.S_IMODE(os.stat(path).st_mode)
-    if mode & 0o077:
-        log.warning("event=data_dir_narrowed path=%s mode=%o new_mode=700", path, mode)
-        os.chmod(path, 0o700)
 
 
 def _claim_socket_path(path: str) -> None:

@@ -8,8 +8,10 @@ and an extent is never freed or reused while a lease covers it.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import math
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -20,6 +22,7 @@ from kvstore.errors import CapacityError, ChecksumError, InvalidArgument, LimitE
 from kvstore.identity import ObjectId, descriptor_differences
 from kvstore.messages import Reserve
 from kvstore.policy import make_policy
+from server.host_memory import check_new_arena, host_memory
 from server.index_ops import IndexOps
 from server.objects import ObjectEntry, PendingPut, check_same_object
 from server.tier_report import TierReport
@@ -71,6 +74,7 @@ class TierManager(IndexOps, TierReport):
         self.cluster = None  # server.cluster.ClusterLink when cluster.enabled
         self._num_holds = 0  # readers the daemon itself holds (copies to NVMe in flight)
         self.host_bandwidth_bytes_s = 8e9  # replaced by a measurement at start
+        self.stopping = threading.Event()  # set by the daemon's stop: an arena's prefault gives up
 
     # --- namespaces -------------------------------------------------------------
 
@@ -95,6 +99,7 @@ class TierManager(IndexOps, TierReport):
             host = self.config.host
             if len(self.namespaces) + len(self._creating) >= host.max_namespaces:
                 raise CapacityError(f"namespace limit reached ({host.max_namespaces}); raise host.max_namespaces")
+            check_new_arena(host, host_memory(), name)  # a CapacityError here, not an OOM kill elsewhere
             creating = asyncio.ensure_future(self._create_namespace(name))
             self._creating[name] = creating
         # Every opener gets the namespace from the creating task itself: a dict lookup after the
@@ -106,7 +111,7 @@ class TierManager(IndexOps, TierReport):
         host = self.config.host
         try:
             arena = await asyncio.get_running_loop().run_in_executor(
-                None, HostArena, name, host.arena_bytes, host.prefault)
+                None, functools.partial(HostArena, name, host.arena_bytes, host.prefault, cancel=self.stopping))
         finally:
             del self._creating[name]
         ns = Namespace(name, arena, make_policy(host.policy, host.arena_bytes))
@@ -132,17 +137,17 @@ class TierManager(IndexOps, TierReport):
         existing = ns.objects.get(msg.object_id)
         if existing is not None and existing.expires_at > now:
             # Content-addressed and immutable: the same id is the same state. Skip the copy.
+            check_same_object(msg.object_id, existing.size, existing.descriptor, msg.size, msg.descriptor)
             ns.counters.num_dedup_puts += 1
             return {"exists": True}
-        self._check_lease_quota(owner)
-        self._check_inflight(owner, msg.size)
-            check_same_object(msg.object_id, existing.size, existing.descriptor, msg.size, msg.descriptor)
-        if (self.mover is not None or self.cluster is not None) and not ns.arena.can_alloc(msg.size):
-            return self._reserve_after_demotion(owner, ns, msg)
         if existing is None and self.mover is not None and self.mover.holds(msg.namespace, msg.object_id):
             held = self.mover.remote_meta(msg.namespace, msg.object_id)
             if held is not None:
                 check_same_object(msg.object_id, held.size, held.descriptor, msg.size, msg.descriptor)
+        self._check_lease_quota(owner)
+        self._check_inflight(owner, msg.size)
+        if (self.mover is not None or self.cluster is not None) and not ns.arena.can_alloc(msg.size):
+            return self._reserve_after_demotion(owner, ns, msg)
         return self._grant_write(owner, ns, msg, self._alloc(ns, msg.size, now))
 
     async def _reserve_after_demotion(self, owner, ns: Namespace, msg: Reserve) -> dict:
@@ -314,11 +319,11 @@ class TierManager(IndexOps, TierReport):
         if old is not None:
             if old.expires_at > now:  # a concurrent put of the same id won the race
                 ns.arena.free(put.extent)
+                check_same_object(put.object_id, old.size, old.descriptor, put.size, put.descriptor)
                 ns.counters.num_dedup_puts += 1
                 return {"exists": True}
             self._remove(ns, old, reason="expire")
         entry = ObjectEntry(
-                check_same_object(put.object_id, old.size, old.descriptor, put.size, put.descriptor)
             put.object_id, put.namespace, put.extent, put.size, checksum, put.descriptor, put.hints,
             created_at=time.time(),
             expires_at=now + put.hints.ttl_s if put.hints.ttl_s is not None else math.inf,
@@ -372,13 +377,13 @@ class TierManager(IndexOps, TierReport):
         if accept is not None and entry.descriptor.dtype not in accept:
             ns.counters.num_misses += 1
             return {"hit": False, "reason": f"stored as {entry.descriptor.dtype.value}, not in accept list"}
+        if expect is not None and entry.descriptor != expect:
+            ns.counters.num_misses += 1
+            return {"hit": False, "reason": f"stored as {descriptor_differences(entry.descriptor, expect)}"}
         self._check_ranges(ns, ranges, entry.size)  # leased whole, but the same error wherever it is
         self._check_lease_quota(owner)
         lease = self.leases.grant(owner, oid, entry.extent, "read", self.config.limits.lease_ttl_s, now)
         self._reading[lease.lease_id] = entry
-        if expect is not None and entry.descriptor != expect:
-            ns.counters.num_misses += 1
-            return {"hit": False, "reason": f"stored as {descriptor_differences(entry.descriptor, expect)}"}
         entry.readers += 1
         entry.num_hits += 1
         ns.policy.on_access(oid)

@@ -1,0 +1,86 @@
+"""The data directory: made private, and held by one daemon at a time.
+
+It holds the admin token, admin.addr and the NVMe index, which names every tenant's
+objects. Two daemons on one directory would overwrite each other's admin.addr (and, with
+NVMe, fight over one RocksDB), so the daemon takes an exclusive flock on `daemon.lock`
+before it creates anything else there, and holds it until it has stopped. The lock file
+keeps the holder's pid, so a refused daemon can say who holds it. The kernel drops a
+flock when its holder dies, however it dies: a stale lock file never blocks a restart.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import logging
+import os
+import stat
+
+from kvstore.errors import ServiceError
+
+log = logging.getLogger("kvstore.daemon")
+LOCK_FILE = "daemon.lock"
+
+
+class DataDirError(ServiceError):
+    """The data directory cannot be used: not a directory, not writable, or another daemon's."""
+
+    code = "data_dir"
+
+
+class DataDirLock:
+    """The exclusive hold of one data directory; `release()` (idempotent) gives it up."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self._fd = _lock(os.path.join(path, LOCK_FILE), path)
+
+    def release(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)  # the flock goes with the last fd; the file stays for the next daemon
+            self._fd = -1
+
+
+def hold_data_dir(path: str) -> DataDirLock:
+    """Make `path` (mode 0700) and lock it for this daemon. DataDirError, one line, if not."""
+    try:
+        _private_dir(path)
+        return DataDirLock(path)
+    except OSError as exc:
+        raise DataDirError(f"cannot use data directory {path}: {_why(exc)}; "
+                           "set data_dir in the config or --data-dir") from None
+
+
+def _private_dir(path: str) -> None:
+    """Make the data directory, or narrow an existing one to 0700."""
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    st = os.stat(path)
+    if not stat.S_ISDIR(st.st_mode):
+        raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), path)
+    mode = stat.S_IMODE(st.st_mode)
+    if mode & 0o077:
+        log.warning("event=data_dir_narrowed path=%s mode=%o new_mode=700", path, mode)
+        os.chmod(path, 0o700)
+
+
+def _lock(lock_path: str, data_dir: str) -> int:
+    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        raise DataDirError(f"data directory {data_dir} is in use by another kvstore daemon (pid {holder}); "
+                           "stop that one, or give this one its own data_dir / --data-dir") from None
+    except BaseException:
+        os.close(fd)
+        raise
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
+
+
+def _why(exc: OSError) -> str:
+    if isinstance(exc, FileExistsError | NotADirectoryError):
+        return "it (or a parent) is not a directory"
+    return exc.strerror or str(exc)

@@ -1,0 +1,131 @@
+"""Start-up of a real daemon process: what it refuses (one line, non-zero exit, nothing made)
+and what stops it (SIGTERM during a long prefault)."""
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+import pytest
+
+from conftest import DaemonProcess  # tests/conftest.py: writes a config file for a daemon
+
+SERVE = [sys.executable, "-m", "server.cli", "serve"]
+# Not a timing threshold: only how long a test waits before calling the daemon hung.
+HANG_S = 120
+
+
+@pytest.fixture
+def root():
+    path = tempfile.mkdtemp(prefix="kvs-")
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def serve(*args, timeout=HANG_S) -> subprocess.CompletedProcess:
+    """`kvstore serve` that is expected to refuse: it must exit by itself."""
+    proc = subprocess.Popen([*SERVE, "--admin-port", "0", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        pytest.fail("the daemon started instead of refusing")
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def assert_one_line_refusal(result, *words):
+    assert result.returncode != 0
+    assert "Traceback" not in result.stderr, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    for word in words:
+        assert word in lines[0], lines[0]
+
+
+def test_second_daemon_on_the_same_data_dir_is_refused_and_the_first_keeps_its_admin_addr(daemon):
+    addr_path = os.path.join(daemon.data_dir, "admin.addr")
+    with open(addr_path) as f:
+        addr = f.read()
+    other_socket = os.path.join(daemon.root, "other.sock")
+    result = serve("--config", daemon.config_path, "--socket", other_socket, "--arena-bytes", "1MiB")
+    assert_one_line_refusal(result, daemon.data_dir, f"pid {daemon.proc.pid}")
+    with open(addr_path) as f:
+        assert f.read() == addr
+    assert not os.path.exists(other_socket)
+    with daemon.client() as c:
+        c.stats()
+
+
+def test_the_data_dir_lock_goes_with_its_daemon(daemon):
+    """A daemon killed with SIGKILL leaves the lock file; the next one starts all the same."""
+    daemon.stop(signal.SIGKILL)
+    assert os.path.exists(os.path.join(daemon.data_dir, "daemon.lock"))
+    daemon.start()
+    with daemon.client() as c:
+        c.stats()
+
+
+@pytest.mark.parametrize("where", ["file", "under_file", "proc"])
+def test_unusable_data_dir_is_one_line_not_a_traceback(root, where):
+    a_file = os.path.join(root, "a_file")
+    open(a_file, "w").close()
+    data_dir = {"file": a_file, "under_file": os.path.join(a_file, "data"), "proc": "/proc/kvstore-test"}[where]
+    result = serve("--data-dir", data_dir, "--socket", os.path.join(root, "s"), "--arena-bytes", "1MiB")
+    assert_one_line_refusal(result, data_dir)
+    assert not os.path.exists(os.path.join(root, "s"))
+
+
+def test_arena_beyond_the_machines_memory_is_refused_naming_the_key(root):
+    result = serve("--data-dir", os.path.join(root, "data"), "--socket", os.path.join(root, "s"),
+                   "--arena-bytes", "64TiB")
+    assert_one_line_refusal(result, "host.arena_bytes", "memory")
+    assert not os.path.exists(os.path.join(root, "data"))  # refused before anything was made
+
+
+def test_prefaulted_namespaces_beyond_available_memory_are_refused(root):
+    """Each arena fits, but host.namespaces of them prefaulted at start would not."""
+    total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    arena = (total // 2) // 4096 * 4096
+    d = DaemonProcess(root, {"host": {"arena_bytes": arena, "namespaces": ["a", "b", "c"]}})
+    result = serve("--config", d.config_path, "--socket", d.socket)
+    assert_one_line_refusal(result, "host.arena_bytes", "host.namespaces", "available")
+
+
+def test_bad_config_is_refused_before_the_admin_api_starts(root):
+    d = DaemonProcess(root, {"host": {"policy": "lfu"}})
+    result = serve("--config", d.config_path, "--socket", d.socket)
+    assert_one_line_refusal(result, "host.policy", "lfu")
+    assert not os.path.exists(os.path.join(d.data_dir, "admin.addr"))
+    assert not os.path.exists(os.path.join(d.data_dir, "admin.token"))
+
+
+def test_sigterm_during_a_long_prefault_stops_the_daemon(root):
+    """It used to prefault the whole arena first (2 s per GiB here, and more than RAM took the
+    OOM killer to others first), then stop. Now SIGTERM interrupts the prefault."""
+    d = DaemonProcess(root, {"host": {"arena_bytes": "2GiB", "prefault": True}})
+    log_path = os.path.join(root, "daemon.log")
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([*SERVE, "--config", d.config_path, "--socket", d.socket, "--log-level", "info"],
+                                stdin=subprocess.DEVNULL, stdout=log, stderr=log)
+    try:
+        addr = os.path.join(d.data_dir, "admin.addr")
+        deadline = time.monotonic() + HANG_S
+        while not os.path.exists(addr) and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)  # the admin API starts before the arenas are made
+        assert os.path.exists(addr) and proc.poll() is None, open(log_path).read()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(HANG_S) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    text = open(log_path).read()
+    assert "event=start_interrupted" in text and "event=ready" not in text, text
+    assert "Traceback" not in text
+    assert not os.path.exists(d.socket)
+    assert not os.path.exists(addr)
