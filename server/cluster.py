@@ -30,7 +30,7 @@ import time
 
 import numpy as np
 
-from kvstore.errors import CapacityError, ChecksumError
+from kvstore.errors import CapacityError, ChecksumError, Conflict
 from kvstore.peer_messages import RemoteMeta
 from kvstore.ranges import check_within, encode as ranges_encode, total as ranges_total
 from server.objects import ObjectEntry, check_same_object
@@ -166,7 +166,7 @@ class ClusterLink:
         held = self._live(ns, object_id)
         if held is None and self.manager.mover is not None and self.manager.mover.holds(namespace, object_id):
             held = self.manager.mover.remote_meta(namespace, object_id)
-        if held is not None:  # the same state, or a Conflict the sender logs and counts
+        if held is not None:  # the same state, or a Conflict (raised to a tier="remote" put)
             check_same_object(object_id, held.size, held.descriptor, meta.size, meta.descriptor)
             return None
         if ns is not None and object_id in ns.objects:
@@ -341,9 +341,9 @@ class ClusterLink:
         """Send a host entry to every remote home. True once all of them hold it."""
         return (await self._send_to_homes(entry))[1]
 
-    async def _send_to_homes(self, entry: ObjectEntry) -> tuple[list[str], bool]:
+    async def _send_to_homes(self, entry: ObjectEntry, raising: bool = False) -> tuple[list[str], bool]:
         """Send a host entry to every remote home: (the remote homes that hold it now, whether
-        all of them do)."""
+        all of them do). raising: a home's Conflict is raised (tiers.remote.RemoteTier.put)."""
         ns = self.manager.namespaces[entry.namespace]
         if ns.objects.get(entry.object_id) is not entry:
             return [], False  # deleted or evicted before its turn: its extent may be reused
@@ -352,7 +352,7 @@ class ClusterLink:
             if ns.objects.get(entry.object_id) is not entry:
                 return [], False
             with self.held_view(entry) as view:
-                held = await self.remote.put(entry.namespace, entry.object_id, self.meta(entry), view)
+                held = await self.remote.put(entry.namespace, entry.object_id, self.meta(entry), view, raising)
         if held and set(held) >= set(homes):
             if ns.objects.get(entry.object_id) is entry:
                 self._held.add((entry.namespace, entry.object_id.digest))
@@ -416,9 +416,14 @@ class ClusterLink:
         self.counters["num_remote_puts"] += 1
         homes = self.remote.homes(entry.object_id)
         held, sent = [], True
-        if self.remote.remote_homes(entry.object_id):
-            held, sent = await self._send_to_homes(entry)
         ns = self.manager.namespaces[entry.namespace]
+        if self.remote.remote_homes(entry.object_id):
+            try:
+                held, sent = await self._send_to_homes(entry, raising=True)
+            except Conflict:  # a home holds this id as another state: the put is refused here too
+                if ns.objects.get(entry.object_id) is entry:
+                    self.manager.drop(ns, entry)
+                raise
         if not sent:
             self.counters["num_remote_put_fallbacks"] += 1
             log.warning("event=remote_put_fallback namespace=%s id=%s homes=%s", entry.namespace, entry.object_id,

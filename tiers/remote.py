@@ -33,7 +33,7 @@ from typing import Any, Awaitable, Callable, Mapping, Protocol
 
 import xxhash
 
-from kvstore.errors import KVStoreError, PermissionDenied, ProtocolError, RangeError, ServiceError
+from kvstore.errors import Conflict, KVStoreError, PermissionDenied, ProtocolError, RangeError, ServiceError
 from kvstore.identity import ObjectId
 from kvstore.ownership import home_nodes
 from kvstore.peer_messages import PeerDelete, PeerGet, PeerLookup, PeerPin, PeerPut, RemoteMeta
@@ -195,19 +195,30 @@ class RemoteTier:
         self.counters.num_misses += 1
         return None
 
-    async def put(self, namespace: str, object_id: ObjectId, meta: RemoteMeta, buffer) -> list[str]:
+    async def put(self, namespace: str, object_id: ObjectId, meta: RemoteMeta, buffer,
+                  raising: bool = False) -> list[str]:
         """Send to every home node but this one, in parallel; returns the nodes that now hold
-        it (stored or already had it). Failures are counted and logged, not raised."""
+        it (stored or already had it). Failures are counted and logged, not raised; with
+        `raising`, a home holding the id with another size or descriptor raises Conflict
+        (once every send has ended: none reads `buffer` any more)."""
         nodes = self.remote_homes(object_id)
-        calls = [self.put_to(n, namespace, object_id, meta, buffer) for n in nodes]
-        results = [await calls[0]] if len(calls) == 1 else await asyncio.gather(*calls)
+        calls = [self.put_to(n, namespace, object_id, meta, buffer, raising) for n in nodes]
+        if len(calls) == 1:
+            results = [await calls[0]]
+        else:
+            results = await asyncio.gather(*calls, return_exceptions=True)
+            for result in results:
+                if isinstance(result, BaseException):
+                    raise result
         return [n for n, held in zip(nodes, results) if held]
 
-    async def put_to(self, node: str, namespace: str, object_id: ObjectId, meta: RemoteMeta, buffer) -> bool:
-        """Send to one node (a home, or a new home while re-homing). True once it holds it."""
+    async def put_to(self, node: str, namespace: str, object_id: ObjectId, meta: RemoteMeta, buffer,
+                     raising: bool = False) -> bool:
+        """Send to one node (a home, or a new home while re-homing). True once it holds it.
+        raising: the node's Conflict (it holds the id as another state) is raised."""
         self.counters.num_puts += 1
         args = PeerPut(namespace, object_id, meta.size, meta.checksum, meta.descriptor, meta.hints).to_args()
-        result = await self._call(node, PeerPut.op, args, payload=buffer)
+        result = await self._call(node, PeerPut.op, args, payload=buffer, raising=raising)
         if result is None:
             return False
         if result.get("stored"):
@@ -315,8 +326,9 @@ class RemoteTier:
     async def _call(self, node: str, op: str, args: dict, payload=None, into=None,
                     raising: bool = False) -> dict | None:
         """One call to `node`; None when it failed (counted, logged when the peer goes down).
-        raising: a RangeError (the caller's ranges do not fit the object) is raised; any other
-        error is the peer's (an old version, a bad reply) and makes this call fail."""
+        raising: a RangeError (the caller's ranges do not fit the object) or a Conflict (the
+        peer holds the id as another state) is raised; any other error is the peer's (an old
+        version, a bad reply) and makes this call fail."""
         down = self._down_until.get(node)
         if down is not None and down > self.clock():
             self.counters.num_peer_skips += 1
@@ -331,7 +343,7 @@ class RemoteTier:
             self._mark_down(node, address, op, exc)
             return None
         except KVStoreError as exc:  # the peer answered with an error: it is up
-            if raising and isinstance(exc, RangeError):
+            if raising and isinstance(exc, (RangeError, Conflict)):
                 self.mark_up(node)
                 raise
             log.info("event=peer_error node=%s op=%s code=%s error=%r", node, op, exc.code, exc.message)

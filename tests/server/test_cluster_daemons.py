@@ -10,7 +10,7 @@ import pytest
 
 from kvstore import Hints
 from kvstore.dtypes import DType
-from kvstore.errors import InvalidArgument, RangeError
+from kvstore.errors import Conflict, InvalidArgument, RangeError
 from kvstore.identity import ObjectId
 from kvstore.ownership import home_nodes
 
@@ -226,12 +226,12 @@ def test_a_home_refuses_a_put_of_its_id_with_another_size(pair):
     key = homed_only_on_b()
     with a.client() as ca, b.client() as cb:
         assert ca.put(key, payload(8192, 1), tier="remote").tier == "remote"  # held by b alone
-        again = ca.put(key, payload(4096, 2), tier="remote")
-        assert again.tier == "host" and again.homes == ()  # b said Conflict: a keeps its copy
-        with cb.get(key) as lease:  # b kept the state it had
-            assert np.array_equal(lease.numpy(), payload(8192, 1))
-        with ca.get(key) as lease:
-            assert lease.size == 4096
+        with pytest.raises(Conflict, match="already stored with 8192 bytes, not 4096"):
+            ca.put(key, payload(4096, 2), tier="remote")  # a holds no copy: b's answer is the client's
+        assert ca.stats()["tiers"]["host"]["objects"] == 0  # nor does a keep the refused one
+        with ca.get(key) as lease, cb.get(key) as on_b:  # b kept the state it had
+            assert np.array_equal(lease.numpy(), payload(8192, 1)) and on_b.size == 8192
+        ca.check_integrity()
 
 
 def test_a_reader_expecting_another_descriptor_misses_what_a_home_holds(pair):
