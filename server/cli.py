@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import tomllib
 from dataclasses import replace
@@ -52,13 +53,20 @@ def cmd_smoke(args) -> int:
     return run_smoke(args.socket, args.chunks)
 
 
+def _positive_int(text: str) -> int:
+    if not (text.isascii() and text.isdigit()) or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
+    return int(text)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="kvstore", description="tiered KV/state store for LLM inference")
     sub = parser.add_subparsers(dest="cmd", required=True)
 
     serve = sub.add_parser("serve", help="run the daemon in the foreground (SIGTERM stops it cleanly)")
     serve.add_argument("--config", help="TOML config file (every key optional)")
-    serve.add_argument("--socket", help="Unix socket path (default: $KVSTORE_SOCKET or /tmp/kvstore-<uid>/kvstore.sock)")
+    serve.add_argument("--socket", help="Unix socket path (default: $KVSTORE_SOCKET if set, else "
+                       "$XDG_RUNTIME_DIR/kvstore/kvstore.sock if XDG_RUNTIME_DIR is set, else /tmp/kvstore-<uid>/kvstore.sock)")
     serve.add_argument("--data-dir", help="data directory")
     serve.add_argument("--arena-bytes", help="host arena size per namespace, e.g. 1GiB")
     serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
@@ -71,17 +79,35 @@ def main(argv=None) -> int:
 
     smoke = sub.add_parser("smoke", help="start a daemon (or use --socket) and run a built-in smoke workload")
     smoke.add_argument("--socket", help="use a running daemon instead of starting one")
-    smoke.add_argument("--chunks", type=int, default=16, help="256-token chunks per state kind")
+    smoke.add_argument("--chunks", type=_positive_int, default=16, help="256-token chunks per state kind")
     smoke.set_defaults(func=cmd_smoke)
 
     demo.register(sub)  # the agent-like workload on the real model
 
-    args = parser.parse_args(argv)
     try:
-        return args.func(args)
+        args = parser.parse_args(argv)
+        status = args.func(args)
+        sys.stdout.flush()  # here, not at exit: a reader gone away is then caught below
+        return status
     except KVStoreError as exc:
         print(f"kvstore: {exc.message}", file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        return _stdout_closed()
+
+
+# 128 + SIGPIPE: what a shell reports for a command whose reader went away (`... | head`).
+EXIT_BROKEN_PIPE = 141
+
+
+def _stdout_closed() -> int:
+    """The reader of our stdout left (`kvstore objects ls | head`): stop quietly. Python's
+    advice (signal docs, "Note on SIGPIPE"): point stdout at devnull, so the flush at exit
+    does not raise a second BrokenPipeError."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return EXIT_BROKEN_PIPE
 
 
 if __name__ == "__main__":

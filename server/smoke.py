@@ -17,6 +17,13 @@ import numpy as np
 import xxhash
 
 from kvstore import StateDescriptor, chunk_keys
+from kvstore.errors import ServiceError
+
+
+class SmokeFailed(ServiceError):
+    """The smoke workload did not get back what it stored, or its daemon did not start."""
+
+    code = "smoke"
 
 
 def start_daemon(socket_path: str, arena_bytes: str = "256MiB", extra=()) -> subprocess.Popen:
@@ -41,14 +48,14 @@ def start_daemon(socket_path: str, arena_bytes: str = "256MiB", extra=()) -> sub
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"daemon exited with code {proc.returncode} during start")
+            raise SmokeFailed(f"daemon exited with code {proc.returncode} during start (its error is above)")
         try:
             Client.connect(socket_path, timeout_s=5).close()
             return proc
         except DaemonUnavailable:
             time.sleep(0.05)
     proc.kill()
-    raise RuntimeError("daemon did not become ready within 30 s")
+    raise SmokeFailed("daemon did not become ready within 30 s")
 
 
 def _workload(client, num_chunks: int) -> list[tuple[str, int, int, float, float]]:
@@ -71,20 +78,32 @@ def _workload(client, num_chunks: int) -> list[tuple[str, int, int, float, float
         put_s = time.perf_counter() - start
         failed = [r.error for r in results if r.error]
         if failed:
-            raise RuntimeError(f"{name}: {len(failed)} puts failed, first: {failed[0]}")
+            raise SmokeFailed(f"{name}: {len(failed)} puts failed, first: {failed[0]}")
         found = client.lookup(keys, namespace="smoke")
         if found.hits != len(keys):
-            raise RuntimeError(f"{name}: lookup found {found.hits} of {len(keys)} chunks")
+            raise SmokeFailed(f"{name}: lookup found {found.hits} of {len(keys)} chunks just stored; "
+                              f"{_too_small(client, len(keys) * desc.object_bytes)}")
         out = np.empty(desc.object_bytes, dtype=np.uint8)
         start = time.perf_counter()
         for key, payload in zip(keys, payloads):
             if client.get_into(key, out, namespace="smoke") != desc.object_bytes:
-                raise RuntimeError(f"{name}: chunk {key.index} missing")
+                raise SmokeFailed(f"{name}: chunk {key.index} missing; {_too_small(client, len(keys) * desc.object_bytes)}")
             if xxhash.xxh3_128_digest(out) != xxhash.xxh3_128_digest(payload):
-                raise RuntimeError(f"{name}: chunk {key.index} came back different")
+                raise SmokeFailed(f"{name}: chunk {key.index} came back different")
         get_s = time.perf_counter() - start
         rows.append((name, len(keys), desc.object_bytes, put_s, get_s))
     return rows
+
+
+def _too_small(client, needed_bytes: int) -> str:
+    """Why chunks just stored can be gone: the arena evicted them to make room for the next."""
+    ns = client.stats().get("namespaces", {}).get("smoke", {})
+    capacity = ns.get("capacity_bytes")
+    if capacity is not None and capacity < needed_bytes:
+        return (f"the daemon's arena for namespace 'smoke' ({capacity / 2**20:.0f} MiB) is smaller than the "
+                f"{needed_bytes / 2**20:.0f} MiB stored, so it evicted some ({ns.get('num_evictions', '?')} evictions); "
+                "run it against a daemon with a larger host.arena_bytes, or with fewer --chunks")
+    return f"evictions in namespace 'smoke': {ns.get('num_evictions', '?')}"
 
 
 def run_smoke(socket_path: str | None, num_chunks: int) -> int:

@@ -1,0 +1,39 @@
+"""The `kvstore` command line as a user meets it: errors are one line, never a traceback."""
+
+import subprocess
+import sys
+
+KVSTORE = [sys.executable, "-m", "server.cli"]
+
+
+def run(*args, timeout=120) -> subprocess.CompletedProcess:
+    return subprocess.run([*KVSTORE, *args], capture_output=True, text=True, timeout=timeout,
+                          stdin=subprocess.DEVNULL)
+
+
+def test_smoke_against_a_small_arena_is_one_line_naming_the_arena(daemon):
+    """It raised `RuntimeError: kv bf16: lookup found 0 of 16 chunks` with a traceback."""
+    result = run("smoke", "--socket", daemon.socket)
+    assert result.returncode != 0
+    assert "Traceback" not in result.stderr, result.stderr
+    last = result.stderr.strip().splitlines()
+    assert len(last) == 1 and "host.arena_bytes" in last[0] and "--chunks" in last[0], result.stderr
+
+
+def test_a_reader_that_goes_away_is_no_traceback(daemon):
+    """`kvstore objects ls | head` raised BrokenPipeError."""
+    with daemon.client() as c:
+        c.put(bytes(32), b"x" * 100)
+    proc = subprocess.Popen([*KVSTORE, "status", "--data-dir", daemon.data_dir],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
+    proc.stdout.close()  # the reader is gone before the command writes a line
+    err = proc.stderr.read().decode()
+    assert proc.wait(60) == 141, err
+    assert err == ""
+
+
+def test_serve_help_gives_the_socket_resolution_order():
+    help_text = " ".join(run("serve", "--help").stdout.split())
+    assert ("$KVSTORE_SOCKET if set, else $XDG_RUNTIME_DIR/kvstore/kvstore.sock if XDG_RUNTIME_DIR is set, "
+            "else /tmp/kvstore-<uid>/kvstore.sock") in help_text
+
