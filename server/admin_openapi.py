@@ -115,9 +115,12 @@ SCHEMAS = {
     "Cluster": _obj({"self": STR, "nodes": {"type": "array", "items": _ref("Node")},
                      "members": {"type": "array", "items": _obj(
                          {"node_id": STR, "peer_address": STR, "self": BOOL, "down": BOOL}, extra=True)},
-                     "replicas": INT, "remote_write": STR, "rehome": _nullable({"type": "object"})},
+                     "replicas": INT, "remote_write": STR, "rehome": _nullable({"type": "object"}),
+                     "auth_failures": _obj({"client": INT, "server": INT}, extra=True,
+                                           description="peer handshakes that failed for a wrong cluster secret")},
                     required=["self", "nodes"], extra=True,
-                    description="members, replicas, remote_write and rehome are there when cluster.enabled"),
+                    description="members, replicas, remote_write, rehome and auth_failures are there when "
+                                "cluster.enabled"),
 }
 
 _ERRORS = {400: "invalid request", 401: "missing or wrong bearer token", 404: "no such object or namespace",

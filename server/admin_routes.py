@@ -176,7 +176,7 @@ async def cluster(request: web.Request) -> web.Response:
                for n, a in sorted(stats["members"].items())]
     return json_response({"self": node["node_id"], "nodes": [node], "members": members,
                           "replicas": link.config.replicas, "remote_write": link.config.remote_write,
-                          "rehome": stats.get("rehome")})
+                          "rehome": stats.get("rehome"), "auth_failures": stats.get("auth_failures")})
 
 
 async def metrics(request: web.Request) -> web.Response:

@@ -390,14 +390,18 @@ class RemoteTier:
     async def probe(self, node: str) -> bool:
         """Open a fresh authenticated link to `node` (kept in its pool, replacing idle links
         that may date from before a restart), whatever its down mark says; marks it up when
-        the handshake succeeds. Returns whether it did. A failure leaves the mark as it was."""
+        the handshake succeeds. Returns whether it did. A wrong secret marks it down; any
+        other failure leaves the mark as it was."""
         address = self.members().get(node)
         if address is None:
             return False
         await self._drop_idle(address)
         try:
             link, _ = await self._acquire(address, fresh=True)
-        except (PeerUnavailable, PermissionDenied):
+        except PermissionDenied as exc:  # it answers, with another secret: unusable, so down
+            self._mark_down(node, address, "handshake", exc)
+            return False
+        except PeerUnavailable:
             return False
         self._release(address, link)
         self.mark_up(node)

@@ -100,6 +100,9 @@ def test_a_wrong_secret_is_a_warning_on_both_sides_and_counted(daemon_factory, c
     assert wait_for(lambda: failures(a, "server") >= 1 and failures(b, "client") >= 1, 60)  # bound: not a hang
     with b.client() as cb:
         assert cb.get(ObjectId(b"\x01" * 32)) is None
+    cluster = AdminClient.from_data_dir(b.data_dir).get("/v1/cluster")
+    assert cluster["auth_failures"]["client"] >= 1
+    assert [(m["node_id"], m["down"]) for m in cluster["members"]] == [("a", True), ("b", False)]
     err = capfd.readouterr().err  # both daemons log to the test's stderr
     lines = [line for line in err.splitlines() if "wrong secret from" in line]
     assert any("level=warning" in line and "side=server" in line for line in lines), err[-2000:]
