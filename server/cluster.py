@@ -31,6 +31,7 @@ import time
 import numpy as np
 
 from kvstore.errors import CapacityError, ChecksumError, Conflict
+from kvstore.identity import descriptor_differences
 from kvstore.peer_messages import RemoteMeta
 from kvstore.ranges import check_within, encode as ranges_encode, total as ranges_total
 from server.objects import ObjectEntry, check_same_object
@@ -270,7 +271,7 @@ class ClusterLink:
         self._held.add((namespace, object_id.digest))  # a home had it
         return self.manager.publish(ns, object_id, extent, meta.size, meta.checksum, meta.descriptor, meta.hints)
 
-    async def get_ranges(self, owner, namespace: str, object_id, accept, ranges: tuple) -> dict:
+    async def get_ranges(self, owner, namespace: str, object_id, accept, ranges: tuple, expect=None) -> dict:
         """A local miss of a reader that needs only `ranges` (kvstore.ranges): fetch just those
         bytes from a home and lease them; nothing is published here. As in `fetch`, room is
         taken only once a home has answered: free room at once, else the bytes are staged and
@@ -282,8 +283,11 @@ class ClusterLink:
         def alloc(meta: RemoteMeta):
             check_within(ranges, meta.size)  # a home that did not check must not make us allocate
             if accept is not None and meta.descriptor.dtype not in accept:
-                landed["refused"] = meta.descriptor.dtype
+                landed["refused"] = f"stored as {meta.descriptor.dtype.value}, not in accept list"
                 return None  # the bytes are drained, not kept
+            if expect is not None and meta.descriptor != expect:
+                landed["refused"] = f"stored as {descriptor_differences(meta.descriptor, expect)}"
+                return None
             if "extent" not in landed:  # a second home reuses the first one's landing place
                 extent = ns.arena.alloc(size)
                 if extent is None:
@@ -316,7 +320,7 @@ class ClusterLink:
                     ns.arena.free(extent)
         if lease_id is None:
             if "refused" in landed:
-                return {"hit": False, "reason": f"stored as {landed['refused'].value}, not in accept list"}
+                return {"hit": False, "reason": landed["refused"]}
             return {"hit": False}
         meta, checksum = got
         ns.counters.num_hits += 1

@@ -370,7 +370,7 @@ class TierManager(IndexOps, TierReport):
             if self.cluster is not None:
                 if ranges is not None:  # a sparse reader: only those bytes cross the network
                     self._check_lease_quota(owner)
-                    return self.cluster.get_ranges(owner, namespace, oid, accept, ranges)
+                    return self.cluster.get_ranges(owner, namespace, oid, accept, ranges, expect)
                 return self._get_from_peers(owner, namespace, oid, accept, expect)
             ns.counters.num_misses += 1
             return {"hit": False}

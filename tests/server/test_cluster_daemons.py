@@ -244,7 +244,9 @@ def test_a_reader_expecting_another_descriptor_misses_what_a_home_holds(pair):
         other = stored.with_(model="another-model")
         assert ca.lookup([key], expect=stored).tiers == ("remote",)
         assert ca.lookup([key], expect=other).tiers == (None,)  # the home's answer is checked too
+        hits = ca.stats()["namespaces"]["default"]["num_hits"]
         assert ca.get(key, ranges=[(0, 16)], expect=other) is None  # only those bytes would travel
+        assert ca.stats()["namespaces"]["default"]["num_hits"] == hits  # a miss here, no lease
         assert ca.get(key, expect=other) is None
         with ca.get(key, expect=stored) as lease:
             assert np.array_equal(lease.numpy(), payload(8192, 1))
