@@ -100,6 +100,13 @@ async def nvme_metas(manager, keys) -> list:
         nvme.executor, lambda: [nvme.meta(name, ObjectId(digest)) for name, digest in keys])
 
 
+def _in_order(items: list):
+    """The items in order, sorted lazily: a page takes a few of a million NVMe keys."""
+    heapq.heapify(items)
+    while items:
+        yield heapq.heappop(items)
+
+
 async def list_page(manager, namespace: str | None, flt, after, limit: int, tier: str | None = None):
     """Up to `limit` live objects after key `after` (views: host entries or NVMe metas), and
     the key to continue from (None: done). tier: only objects with a copy in that tier."""
@@ -125,10 +132,10 @@ async def list_page(manager, namespace: str | None, flt, after, limit: int, tier
     host = heapq.nsmallest(limit + 1, host_candidates(), key=lambda item: item[0])
     nvme_only = []
     if mover is not None and tier in (None, "nvme"):
-        nvme_only = sorted((key, None) for key in list(mover.sizes)
-                           if wanted(key[0]) and (after is None or key > after)
-                           and _live_entry(manager, key[0], ObjectId(key[1]), now) is None)
-    merged = heapq.merge(host, nvme_only, key=lambda item: item[0])
+        nvme_only = [(key, None) for key in list(mover.sizes)
+                     if wanted(key[0]) and (after is None or key > after)
+                     and _live_entry(manager, key[0], ObjectId(key[1]), now) is None]
+    merged = heapq.merge(host, _in_order(nvme_only), key=lambda item: item[0])
     page: list = []
     while len(page) <= limit:
         batch = list(itertools.islice(merged, limit + 1 - len(page)))
