@@ -128,7 +128,7 @@ async def lookup(request: web.Request) -> web.Response:
     keys = chunk_keys(tokens, desc, extra_keys=_extra_keys(body.get("extra_keys")))
     manager = _admin(request).daemon.manager
     if desc.namespace in manager.namespaces and keys:  # never open a namespace for a lookup
-        found = manager.lookup(desc.namespace, [k.object_id for k in keys])
+        found = manager.lookup(desc.namespace, [k.object_id for k in keys], [desc] * len(keys))  # desc's only
         if inspect.isawaitable(found):  # misses are asked of peers
             found = await found
     else:

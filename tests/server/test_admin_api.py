@@ -198,3 +198,13 @@ def test_errors_are_json_with_status(daemon):
     assert err.message
     fails(lambda: daemon.api.request("PUT", "/v1/stats"), 405, "method_not_allowed")
     fails(lambda: daemon.api.request("POST", "/v1/lookup"), 400, "invalid_argument")
+
+
+def test_lookup_counts_no_other_models_state(daemon):
+    desc = StateDescriptor("look", "model-b", "r1", chunk_tokens=16)
+    tokens = list(range(100, 132))
+    keys = chunk_keys(tokens, desc)
+    with daemon.client("look") as client:  # another model's state under model B's ids
+        client.put_many([(k.object_id, PAYLOAD) for k in keys], desc.with_(model="model-a"))
+    found = daemon.api.post("/v1/lookup", {"tokens": tokens, "descriptor": desc.to_wire()})
+    assert found["hits"] == 0 and found["tiers"] == [None, None]
