@@ -34,5 +34,15 @@ rm -rf "$env_dir"
 # kvstore's own runtime dependencies and the test runner, beside the engine.
 "$uv" pip install --python "$env_dir/bin/python" "$spec" msgpack xxhash aiohttp prometheus-client \
     'rocksdict>=0.3.29' numpy uvloop pytest >&2
+if [ "$engine" = vllm ]; then
+    # vLLM's connector test utilities (create_vllm_config, create_scheduler, create_request)
+    # ship only in its sdist: keep its tests/ beside the environment.
+    version=$("$env_dir/bin/python" -c "import importlib.metadata as m; print(m.version('vllm'))")
+    tmp=$(mktemp -d)
+    python3 -m pip download -q --disable-pip-version-check --no-binary :all: --no-deps "vllm==$version" -d "$tmp" >&2
+    mkdir -p "$env_dir/src"
+    tar -xzf "$tmp"/vllm-*.tar.gz -C "$env_dir/src" --strip-components=1 "vllm-$version/tests"
+    rm -rf "$tmp"
+fi
 touch "$stamp"
 echo "$env_dir/bin/python"

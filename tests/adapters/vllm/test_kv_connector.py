@@ -1,0 +1,225 @@
+"""KVStoreConnector inside vLLM's real scheduler, against a real daemon (issue 12, vLLM).
+
+vLLM's factory creates the connector from `kv_connector_module_path`; its scheduler calls
+the scheduler role; the test plays the model runner: it binds the step's metadata to a
+worker-role connector over CPU paged caches, runs start_load_kv, writes the KV a model would
+compute for the scheduled tokens, runs wait_for_save and reports back to the scheduler.
+The "model" is deterministic: the KV of position p depends on every token up to p, the
+layer, K or V, the head and the dim, so a wrong, shifted or stale block is seen.
+"""
+
+import copy
+import signal
+
+import pytest
+import torch
+
+from tests.v1.kv_connector.unit.utils import create_request, create_scheduler, create_vllm_config
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.utils.hashing import sha256
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+from vllm.v1.request import Request
+
+pytestmark = pytest.mark.engines
+
+BLOCK, LAYERS, HEADS, DIM, NUM_BLOCKS, CHUNK = 16, 3, 2, 8, 64, 32
+
+
+@pytest.fixture(scope="module")
+def base_config():
+    return create_vllm_config(kv_connector="KVStoreConnector", kv_connector_module_path="adapters.vllm",
+                              kv_role="kv_both", kv_load_failure_policy="recompute", block_size=BLOCK,
+                              max_num_batched_tokens=64, kv_connector_extra_config={"chunk_tokens": CHUNK})
+
+
+def kv_cache_config():
+    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=HEADS, head_size=DIM, dtype=torch.float16)
+    return KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[],
+                         kv_cache_groups=[KVCacheGroupSpec([f"model.layers.{i}.attn" for i in range(LAYERS)], spec)])
+
+
+class Engine:
+    """One vLLM scheduler (its connector made by vLLM) and one worker connector over CPU caches."""
+
+    def __init__(self, base, socket_path):
+        config = copy.deepcopy(base)
+        config.kv_transfer_config.kv_connector_extra_config["socket_path"] = socket_path
+        config.kv_transfer_config.kv_connector_extra_config["retry_after_s"] = 0.05
+        self.scheduler = create_scheduler(config, num_blocks=NUM_BLOCKS, kv_cache_config=kv_cache_config())
+        self.connector = self.scheduler.connector
+        self.worker = KVConnectorFactory.create_connector(config, KVConnectorRole.WORKER, kv_cache_config())
+        self.caches = {f"model.layers.{i}.attn": torch.zeros(2, NUM_BLOCKS, BLOCK, HEADS, DIM, dtype=torch.float16)
+                       for i in range(LAYERS)}
+        self.worker.register_kv_caches(self.caches)
+        self.requests = {}
+        self.blocks = {}
+        self.load_errors = set()
+
+    def add(self, request):
+        self.requests[request.request_id] = request
+        self.scheduler.add_request(request)
+
+    def step(self):
+        out = self.scheduler.schedule()
+        self.worker.bind_connector_metadata(out.kv_connector_metadata)
+        self.worker.start_load_kv(None)
+        loaded = {rid: [self.block_kv(b) for b in blocks] for rid, blocks in self.blocks.items()}
+        for new in out.scheduled_new_reqs:
+            self.blocks[new.req_id] = list(new.block_ids[0])
+            self.forward(new.req_id, new.num_computed_tokens, out.num_scheduled_tokens[new.req_id])
+        cached = out.scheduled_cached_reqs
+        for i, rid in enumerate(cached.req_ids):
+            if cached.new_block_ids[i] is not None:
+                if rid in cached.resumed_req_ids:
+                    self.blocks[rid] = list(cached.new_block_ids[i][0])
+                else:
+                    self.blocks[rid] += cached.new_block_ids[i][0]
+            self.forward(rid, cached.num_computed_tokens[i], out.num_scheduled_tokens[rid])
+        self.worker.wait_for_save()
+        self.worker.clear_connector_metadata()
+        errors = self.worker.get_block_ids_with_load_errors()
+        self.load_errors |= errors
+        self.scheduler.update_from_output(out, self.runner_output(out, errors))
+        return out, loaded
+
+    def runner_output(self, out, errors):
+        """What a model runner reports: a sampled token only for requests whose prompt is done."""
+        ids = list(out.num_scheduled_tokens)
+        computed = {new.req_id: new.num_computed_tokens for new in out.scheduled_new_reqs}
+        computed.update(zip(out.scheduled_cached_reqs.req_ids, out.scheduled_cached_reqs.num_computed_tokens))
+        sampled = [[0] if computed[r] + out.num_scheduled_tokens[r] >= self.requests[r].num_prompt_tokens else []
+                   for r in ids]
+        return ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
+                                 sampled_token_ids=sampled, logprobs=None, prompt_logprobs_dict={},
+                                 pooler_output=None,
+                                 kv_connector_output=KVConnectorOutput(invalid_block_ids=errors) if errors else None)
+
+    def forward(self, rid, start, count):
+        tokens = self.requests[rid].all_token_ids
+        for pos in range(start, start + count):
+            block, slot = self.blocks[rid][pos // BLOCK], pos % BLOCK
+            for layer, cache in enumerate(self.caches.values()):
+                cache[:, block, slot] = expected_kv(tokens, pos, layer)
+
+    def block_kv(self, block):
+        return torch.stack([cache[:, block] for cache in self.caches.values()]).clone()
+
+    def run_to_end(self):
+        outs = []
+        while self.scheduler.has_unfinished_requests():
+            outs.append(self.step()[0])
+        return outs
+
+
+def expected_kv(tokens, pos, layer) -> torch.Tensor:
+    h = 0
+    for t in tokens[:pos + 1]:
+        h = (h * 31 + t + 7) % 65521
+    base = torch.arange(2 * HEADS * DIM, dtype=torch.float32).reshape(2, HEADS, DIM)
+    return (((base + h + 13 * layer) % 251) / 8).to(torch.float16)
+
+
+def tokens_of(n, seed):
+    return [(seed * 7919 + i * 104729) % 50000 + 3 for i in range(n)]
+
+
+def make_request(number, tokens, cache_salt=None):
+    """A vLLM Request as create_request makes it, with these tokens (and cache salt)."""
+    template = create_request(request_id=number, num_tokens=len(tokens), max_tokens=1, block_size=BLOCK)
+    return Request(request_id=template.request_id, prompt_token_ids=list(tokens),
+                   sampling_params=template.sampling_params, pooling_params=None, cache_salt=cache_salt,
+                   block_hasher=get_request_block_hasher(BLOCK, sha256))
+
+
+def expected_blocks(tokens, count):
+    return [torch.stack([torch.stack([expected_kv(tokens, index * BLOCK + s, layer) for s in range(BLOCK)], dim=1)
+                         for layer in range(LAYERS)]) for index in range(count)]
+
+
+def test_vllm_loads_a_prefix_saved_by_another_engine_bit_exact(base_config, daemon):
+    tokens = tokens_of(100, 1)
+    a = Engine(base_config, daemon.socket)
+    a.add(make_request(1, tokens))
+    a.run_to_end()
+    assert a.worker.num_saved_chunks == 3  # 100 prompt tokens: three whole 32-token chunks
+    # A fresh engine, as after a restart: its scheduler finds the prefix in the store.
+    b = Engine(base_config, daemon.socket)
+    again = make_request(2, tokens)
+    b.add(again)
+    out, _ = b.step()
+    # 96 tokens came from the store; vLLM computes only the last 4.
+    assert out.num_scheduled_tokens[again.request_id] == 4
+    assert b.worker.num_loaded_chunks == 3
+    blocks = b.blocks[again.request_id]
+    for index, want in enumerate(expected_blocks(tokens, 6)):
+        assert torch.equal(b.block_kv(blocks[index]), want), f"block {index} differs from what the model computed"
+    assert not b.load_errors
+    b.run_to_end()
+
+
+def test_a_dead_daemon_means_recompute_and_no_error_reaches_vllm(base_config, daemon):
+    tokens = tokens_of(80, 3)
+    a = Engine(base_config, daemon.socket)
+    a.add(make_request(3, tokens))
+    a.run_to_end()
+    assert a.worker.num_saved_chunks == 2
+    daemon.stop(signal.SIGKILL)
+    b = Engine(base_config, daemon.socket)
+    request = make_request(4, tokens)
+    b.add(request)
+    out, _ = b.step()
+    assert out.num_scheduled_tokens[request.request_id] == 64  # all from scratch (token budget 64)
+    b.run_to_end()
+    assert b.connector.store.num_failures >= 1 and b.worker.store.num_failures >= 1
+    assert b.worker.num_loaded_chunks == 0
+
+
+def test_a_chunk_lost_between_lookup_and_load_is_recomputed(base_config, daemon):
+    tokens = tokens_of(70, 5)
+    a = Engine(base_config, daemon.socket)
+    a.add(make_request(5, tokens))
+    a.run_to_end()
+    b = Engine(base_config, daemon.socket)
+    again = make_request(6, tokens)
+    b.add(again)
+    # The scheduler's lookup hits; then both chunks vanish before the worker loads them.
+    lost = []
+    real_build = b.connector.build_connector_meta
+
+    def build_then_delete(scheduler_output):
+        meta = real_build(scheduler_output)
+        lost.extend(spec.object_id for spec in meta.loads)
+        with daemon.client() as c:
+            c.delete(lost)
+        return meta
+
+    b.connector.build_connector_meta = build_then_delete
+    out, _ = b.step()
+    b.connector.build_connector_meta = real_build
+    assert len(lost) == 2 and out.num_scheduled_tokens[again.request_id] == 6
+    assert len(b.load_errors) == 4  # the four blocks of the two chunks
+    b.run_to_end()
+    # vLLM recomputed the failed blocks (recompute policy): they hold what the model computes.
+    blocks = b.blocks[again.request_id]
+    for index, want in enumerate(expected_blocks(tokens, 4)):
+        assert torch.equal(b.block_kv(blocks[index]), want), f"block {index} was not recomputed"
+
+
+def test_cache_salt_and_model_revision_keep_requests_apart(base_config, daemon):
+    tokens = tokens_of(70, 7)
+    a = Engine(base_config, daemon.socket)
+    a.add(make_request(7, tokens, cache_salt="tenant-a"))
+    a.run_to_end()
+    b = Engine(base_config, daemon.socket)
+    assert b.connector.get_num_new_matched_tokens(make_request(8, tokens), 0) == (0, False)
+    salted = make_request(9, tokens, cache_salt="tenant-a")
+    assert b.connector.get_num_new_matched_tokens(salted, 0) == (64, False)
+    # vLLM's local prefix cache already holds 32 tokens: only the rest is ours to load.
+    assert b.connector.get_num_new_matched_tokens(make_request(10, tokens, cache_salt="tenant-a"), 32) == (32, False)
+    other = copy.deepcopy(base_config)
+    other.kv_transfer_config.kv_connector_extra_config.update(socket_path=daemon.socket, model_revision="v2")
+    c = create_scheduler(other, num_blocks=NUM_BLOCKS, kv_cache_config=kv_cache_config())
+    assert c.connector.get_num_new_matched_tokens(make_request(11, tokens, cache_salt="tenant-a"), 0) == (0, False)
