@@ -268,6 +268,7 @@ class ClientCore:
         self.codec = FrameCodec()
         self.fds: deque[int] = deque()  # arrived with SCM_RIGHTS, in order
         self.arenas: dict[str, np.ndarray] = {}
+        self._unmapped: set[str] = set()  # opened to read, but no arena there yet
         self._maps: list[mmap.mmap] = []
         self._ids = itertools.count(1)
         self._release_cb = release
@@ -293,6 +294,7 @@ class ClientCore:
             os.close(self.fds.popleft())
         # Mappings stay valid for leases still in the caller's hands; the GC unmaps them.
         self.arenas.clear()
+        self._unmapped.clear()
 
     # --- ops ----------------------------------------------------------------------
 
@@ -303,11 +305,17 @@ class ClientCore:
         self.lease_ttl_s = info.get("limits", {}).get("lease_ttl_s")
         return info
 
-    def op_open(self, namespace: str):
-        if namespace in self.arenas:
+    def op_open(self, namespace: str, create: bool = True):
+        """Map the namespace's arena. Reads open with create False: a namespace nobody put
+        into has no arena (the daemon makes none for a read), and its reads are misses."""
+        if namespace in self.arenas or (not create and namespace in self._unmapped):
             return
-        (reply,) = yield [self.request(m.OpenNamespace(namespace, self.token))]
+        (reply,) = yield [self.request(m.OpenNamespace(namespace, self.token, create))]
         size = self.result(reply)["arena_bytes"]
+        if size == 0:  # no arena there yet: nothing to map
+            self._unmapped.add(namespace)
+            return
+        self._unmapped.discard(namespace)
         if not self.fds:
             raise ProtocolError("open succeeded but no arena fd arrived with the reply")
         fd = self.fds.popleft()
@@ -401,7 +409,7 @@ class ClientCore:
     def op_get(self, key, namespace: str | None, accept, ranges=None, expect: StateDescriptor | None = None):
         expect = _expectation(key, expect)
         namespace = namespace or self.namespace
-        yield from self.op_open(namespace)
+        yield from self.op_open(namespace, create=False)
         accept = tuple(accept) if accept else None
         oid = to_object_id(key)
         if ranges is not None:
@@ -410,6 +418,8 @@ class ClientCore:
         r = self.result(reply)
         if not r["hit"]:
             return None
+        if namespace not in self.arenas:  # made since we opened (a put, or a promotion for this get)
+            yield from self.op_open(namespace)
         array = self.arenas[namespace][r["offset"]:r["offset"] + r["size"]]
         held = None if r.get("ranges") is None else decode_ranges(r["ranges"])
         lease = ReadLease(self._release_cb, r["lease"], oid, r["size"], r["checksum"], r["descriptor"], r["tier"],
@@ -438,7 +448,7 @@ class ClientCore:
         else:
             wanted = [_expectation(None, expect)] * len(keys)
         namespace = namespace or self.namespace
-        yield from self.op_open(namespace)
+        yield from self.op_open(namespace, create=False)
         ids = [to_object_id(k) for k in keys]
         if not ids:
             return LookupResult(0, (), 0, 0.0)
@@ -461,7 +471,7 @@ class ClientCore:
     def op_batch(self, cls, keys, namespace: str | None, field: str, **extra):
         """delete / pin / unpin / prefetch over any number of keys; returns the summed count."""
         namespace = namespace or self.namespace
-        yield from self.op_open(namespace)
+        yield from self.op_open(namespace, create=False)
         ids = [to_object_id(k) for k in keys]
         if not ids:
             return 0

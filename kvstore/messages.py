@@ -46,6 +46,12 @@ def _float(v):
     return float(v)
 
 
+def _bool_dec(v):
+    if not isinstance(v, bool):
+        raise InvalidArgument(f"must be true or false, got {v!r}"[:200])
+    return v
+
+
 def _str_dec(v):
     if not isinstance(v, str) or len(v) > MAX_STR_CHARS:
         raise InvalidArgument(f"must be a string of at most {MAX_STR_CHARS} characters")
@@ -123,6 +129,7 @@ def _pin_ttl(v):
 
 PIN_TTL = (_pin_ttl, lambda v: v)
 STR = (_str_dec, lambda v: v)
+BOOL = (_bool_dec, lambda v: v)
 OPT_STR = (_opt_str_dec, lambda v: v)
 CHECKSUM = (_checksum_dec, lambda v: v)
 DESCRIPTOR = (StateDescriptor.from_wire, lambda v: v.to_wire())
@@ -198,12 +205,17 @@ class Hello(Message):
 
 @dataclass(frozen=True, slots=True)
 class OpenNamespace(Message):
-    """Ask for a namespace's host arena; the reply carries its fd (SCM_RIGHTS)."""
+    """Ask for a namespace's host arena; the reply carries its fd (SCM_RIGHTS).
+
+    create False (a reader): a namespace with no arena yet stays without one, and the reply
+    says arena_bytes 0 with no fd; the connection may still look up and get there (misses).
+    Only a writer's open (create True, the default) makes the arena."""
     namespace: str
     token: str | None = None
+    create: bool = True
     op: ClassVar[str] = "open"
-    _codecs: ClassVar = {"namespace": NAMESPACE, "token": OPT_STR}
-    _defaults: ClassVar = {"token": None}
+    _codecs: ClassVar = {"namespace": NAMESPACE, "token": OPT_STR, "create": BOOL}
+    _defaults: ClassVar = {"token": None, "create": True}
 
 
 @dataclass(frozen=True, slots=True)

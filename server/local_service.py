@@ -151,8 +151,10 @@ class LocalConnection(asyncio.Protocol):
         fd = None
         try:
             result = await pending
-            if isinstance(result, _Retry):  # the wait made it possible to answer directly
+            while isinstance(result, _Retry):  # the wait made it possible to answer now
                 result, fd = self._dispatch(result.msg)
+                if inspect.isawaitable(result):  # or to start the I/O it needs (a promotion)
+                    result = await result
         except Exception as exc:
             self._reply(request, None, None, exc)
         else:
@@ -194,6 +196,8 @@ class LocalConnection(asyncio.Protocol):
         mgr, owner = self.manager, self.conn_id
         match msg:
             case m.Get():
+                if self._ns(msg.namespace) not in mgr.namespaces and (mgr.mover is not None or mgr.cluster is not None):
+                    return self._arena_for_read(msg), None
                 return mgr.get(owner, self._ns(msg.namespace), msg.object_id, msg.accept, msg.ranges, msg.expect), None
             case m.Release():
                 mgr.release(owner, msg.lease)
@@ -219,6 +223,9 @@ class LocalConnection(asyncio.Protocol):
             case m.OpenNamespace():
                 self.daemon.authorize(msg.namespace, msg.token, self.peer)
                 ns = mgr.namespaces.get(msg.namespace)
+                if ns is None and not msg.create:  # a reader: nothing to map, and nothing is made
+                    self.opened.add(msg.namespace)
+                    return {"namespace": msg.namespace, "arena_bytes": 0}, None
                 if ns is None:  # first open: the arena is made off the loop, then we retry
                     return self._open_later(msg), None
                 self.opened.add(msg.namespace)
@@ -235,6 +242,17 @@ class LocalConnection(asyncio.Protocol):
         raise ProtocolError(f"op {msg.op} not served on the local socket")
 
     async def _open_later(self, msg: m.OpenNamespace):
+        await self.manager.open_namespace(msg.namespace)
+        return _Retry(msg)
+
+    async def _arena_for_read(self, msg: m.Get):
+        """A get in a namespace with no arena here: the object may still be on NVMe or at a
+        peer, and its bytes need an arena to land in. Make one only if it is found there."""
+        found = self.manager.lookup(msg.namespace, (msg.object_id,))
+        if inspect.isawaitable(found):
+            found = await found
+        if found["tiers"][0] is None:
+            return {"hit": False}
         await self.manager.open_namespace(msg.namespace)
         return _Retry(msg)
 

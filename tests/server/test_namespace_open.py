@@ -1,0 +1,62 @@
+"""Reads create nothing: only a put makes a namespace's arena (a get or lookup in an unknown
+namespace used to make and prefault a whole arena for it)."""
+
+import signal
+
+import numpy as np
+
+from kvstore.identity import ObjectId
+
+MiB = 1 << 20
+
+
+def ids(n, seed=0):
+    rng = np.random.default_rng(seed)
+    return [ObjectId(rng.bytes(32)) for _ in range(n)]
+
+
+def arenas(client) -> set[str]:
+    return set(client.stats()["namespaces"])
+
+
+def test_reads_in_an_unknown_namespace_make_no_arena(daemon):
+    keys = ids(3)
+    with daemon.client(namespace="ghost") as c:
+        before = arenas(c)
+        assert "ghost" not in before
+        assert c.get(keys[0]) is None
+        assert c.get_into(keys[0], np.empty(10, np.uint8)) is None
+        assert c.lookup(keys).hits == 0
+        assert c.delete(keys) == 0 and c.pin(keys) == 0 and c.unpin(keys) == 0
+        assert arenas(c) == before
+        c.put(keys[0], b"now it exists")  # a put makes (and maps) the arena
+        assert "ghost" in arenas(c)
+        with c.get(keys[0]) as lease:
+            assert bytes(lease.buffer) == b"now it exists"
+
+
+def test_a_reader_sees_a_namespace_another_client_made_after_it_looked(daemon):
+    key = ids(1, seed=1)[0]
+    with daemon.client(namespace="late") as reader, daemon.client(namespace="late") as writer:
+        assert reader.get(key) is None  # opened to read: no arena there yet
+        writer.put(key, b"written later")
+        with reader.get(key) as lease:  # the reader maps the arena now
+            assert bytes(lease.buffer) == b"written later"
+        assert reader.lookup([key]).hits == 1
+
+
+def test_a_get_of_an_nvme_object_makes_the_arena_it_lands_in(daemon_factory):
+    d = daemon_factory("16MiB", config={"nvme": {"enabled": True, "capacity_bytes": "64MiB", "file_bytes": "16MiB"}})
+    keys = ids(2, seed=2)
+    data = np.random.default_rng(3).integers(0, 256, MiB, dtype=np.uint8)
+    with d.client(namespace="cold") as c:
+        c.put(keys[0], data)
+    assert d.stop(signal.SIGTERM) == 0  # flushed to NVMe; after the restart "cold" has no arena
+    d.start("16MiB")
+    with d.client(namespace="cold") as c:
+        assert "cold" not in arenas(c)
+        assert c.lookup(keys).tiers == ("nvme", None)
+        assert c.get(keys[1]) is None and "cold" not in arenas(c)  # a miss still makes nothing
+        out = np.empty(MiB, np.uint8)
+        assert c.get_into(keys[0], out) == MiB and np.array_equal(out, data)
+        assert "cold" in arenas(c)
