@@ -22,6 +22,7 @@ import time
 from collections import Counter
 
 from aiohttp import web
+from aiohttp.http_exceptions import LineTooLong
 
 from kvstore.errors import KVStoreError, ServiceError
 from server.admin_http import (
@@ -38,6 +39,8 @@ from server.metrics import OpsMeter, make_registry, total_ops
 
 log = logging.getLogger("kvstore.admin")
 OPS_SAMPLE_INTERVAL_S = 1.0
+# aiohttp's limit on a request line or header (its default): every query here is far shorter.
+MAX_LINE_BYTES = 8190
 _request_ids = itertools.count(1)
 _CLIENT_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,64}")
 
@@ -99,6 +102,7 @@ class AdminServer:
         self.registry = make_registry(daemon, self)
         self._token = b""
         self._runner: web.AppRunner | None = None
+        self._listener: asyncio.AbstractServer | None = None
         self._sampler: asyncio.Task | None = None
 
     def ready(self) -> bool:
@@ -107,14 +111,18 @@ class AdminServer:
 
     async def start(self) -> None:
         self._token = load_or_create_token(self.token_path).encode()
-        # aiohttp's own complaints (a malformed request line or header) go to our logger,
-        # so they come out as one structured line like every other admin error.
-        self._runner = web.AppRunner(make_app(self), access_log=None, handle_signals=False,
-                                     logger=log.getChild("http"))
+        self._runner = web.AppRunner(make_app(self), handle_signals=False)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self.config.host, self.config.port)
+        loop = asyncio.get_running_loop()
+        # Our own listener instead of web.TCPSite: each connection gets a _JsonErrorsHandler,
+        # so what aiohttp refuses before the app sees it (a request line or header over its
+        # 8190-byte limits, a malformed request) is JSON and one log line too.
+        server = self._runner.server
         try:
-            await site.start()
+            self._listener = await loop.create_server(
+                lambda: _JsonErrorsHandler(server, self, loop=loop, access_log=None, logger=log.getChild("http"),
+                                           max_line_size=MAX_LINE_BYTES, max_field_size=MAX_LINE_BYTES),
+                self.config.host, self.config.port)
         except OSError as exc:
             await self._runner.cleanup()
             self._runner = None
@@ -122,7 +130,7 @@ class AdminServer:
                 f"admin API cannot listen on {self.config.host}:{self.config.port} ({exc.strerror or exc}); "
                 "set admin.port in the config or --admin-port (0 picks a free port), or admin.enabled = false"
             ) from None
-        host, port = self._runner.addresses[0][:2]
+        host, port = self._listener.sockets[0].getsockname()[:2]
         self.url = f"http://{_reachable_host(host)}:{port}"
         _write_atomic(self.addr_path, self.url + "\n")
         self._sampler = asyncio.create_task(self._sample_ops())
@@ -131,6 +139,9 @@ class AdminServer:
     async def stop(self) -> None:
         if self._sampler is not None:
             self._sampler.cancel()
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
@@ -155,6 +166,31 @@ class AdminServer:
             raise Unauthorized(f"send `Authorization: Bearer <token>`; the token is in {self.token_path}")
         if not hmac.compare_digest(given.strip().encode("utf-8", "replace"), self._token):
             raise Unauthorized(f"wrong admin token; the current one is in {self.token_path}")
+
+
+class _JsonErrorsHandler(web.RequestHandler):
+    """aiohttp's connection handler, answering the requests it refuses itself (before any
+    route or middleware runs) as the API answers every other error: JSON, one log line."""
+
+    def __init__(self, server, admin: AdminServer, **kwargs):
+        super().__init__(server, **kwargs)
+        self._admin = admin
+
+    def handle_error(self, request, status: int = 500, exc=None, message=None) -> web.StreamResponse:
+        if status >= 500 or request.writer.output_size > 0:  # not a client's mistake: aiohttp's way
+            return super().handle_error(request, status, exc, message)
+        code = HTTP_CODES.get(status, "http_error")
+        if isinstance(exc, LineTooLong):
+            text = (f"the request line or a header is longer than {MAX_LINE_BYTES} bytes; "
+                    "send long inputs (token lists, many ids) in a JSON body")
+        else:
+            text = (message or getattr(exc, "message", None) or str(exc) or "bad request").splitlines()[0][:200]
+        self._admin.num_errors[code] += 1
+        log.warning("event=admin_error request_id=- remote=%s status=%d code=%s message=%s",
+                    request.remote, status, code, json.dumps(text))
+        response = error_response(status, code, text)
+        response.force_close()
+        return response
 
 
 @web.middleware

@@ -8,7 +8,7 @@ import stat
 import pytest
 
 from kvstore import ObjectId, StateDescriptor, chunk_keys
-from server.admin_client import AdminRequestFailed
+from server.admin_client import AdminClient, AdminRequestFailed
 from server.admin_routes import ROUTES
 from test_admin_support import PAYLOAD, admin_daemon, put_objects
 
@@ -208,3 +208,16 @@ def test_lookup_counts_no_other_models_state(daemon):
         client.put_many([(k.object_id, PAYLOAD) for k in keys], desc.with_(model="model-a"))
     found = daemon.api.post("/v1/lookup", {"tokens": tokens, "descriptor": desc.to_wire()})
     assert found["hits"] == 0 and found["tiers"] == [None, None]
+
+
+@pytest.mark.parametrize("where", ["query", "header"])
+def test_a_request_over_aiohttps_line_limit_gets_a_json_400(daemon, where):
+    """A query over 8190 bytes got aiohttp's plain-text 400 (and a traceback in the log)."""
+    long = "a" * 9000
+    if where == "query":
+        call = lambda: daemon.api.get("/v1/objects", model=long)  # noqa: E731
+    else:
+        call = lambda: AdminClient(daemon.api.url, daemon.api.token + "x" * 9000).get("/v1/stats")  # noqa: E731
+    err = fails(call, 400, "bad_request")
+    assert "longer than 8190 bytes" in err.message
+    assert daemon.api.get("/healthz") == {"status": "ok"}  # and the API still serves

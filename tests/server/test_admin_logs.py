@@ -62,3 +62,39 @@ def test_one_line_per_admin_error(tmp_path):
     assert "request_id=req-42" in errors[0] and "status=401" in errors[0] and "code=unauthorized" in errors[0]
     assert f"request_id={ids['bad_id']}" in errors[1] and "status=400" in errors[1]
     assert not any("/v1/stats" in line and "status=200" in line for line in handler.lines)
+
+
+async def _long_lines(config: ServerConfig) -> list[int]:
+    daemon = Daemon(config)
+    await daemon.start()
+    try:
+        statuses = []
+        async with aiohttp.ClientSession() as session:
+            for path, headers in [("/v1/objects?model=" + "a" * 9000, {}), ("/healthz", {"X-Big": "b" * 9000})]:
+                async with session.get(daemon.admin.url + path, headers=headers) as resp:
+                    assert resp.content_type == "application/json"
+                    statuses.append(resp.status)
+        return statuses
+    finally:
+        await daemon.stop()
+
+
+def test_a_request_line_over_the_limit_logs_one_line_and_no_traceback(tmp_path):
+    """aiohttp refused it before our middleware ran and logged a stack trace."""
+    sock_dir = tempfile.mkdtemp(prefix="kvs")
+    config = ServerConfig(data_dir=str(tmp_path), socket_path=os.path.join(sock_dir, "s"),
+                          admin=AdminConfig(port=0))
+    handler, logger = _Lines(), logging.getLogger("kvstore.admin")
+    records: list[logging.LogRecord] = []
+    handler.filter = lambda record: records.append(record) or True
+    logger.addHandler(handler)
+    old_level, logger.level = logger.level, logging.INFO
+    try:
+        assert asyncio.run(_long_lines(config)) == [400, 400]
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(old_level)
+        os.rmdir(sock_dir)
+    errors = [line for line in handler.lines if "event=admin_error" in line]
+    assert len(errors) == 2 and all("status=400" in line and "\n" not in line for line in errors), handler.lines
+    assert not [r for r in records if r.exc_info], [r.getMessage() for r in records]
