@@ -19,8 +19,10 @@ class _Lines(logging.Handler):
         super().__init__(logging.DEBUG)
         self.setFormatter(_KeyValueFormatter())
         self.lines: list[str] = []
+        self.records: list[logging.LogRecord] = []
 
     def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
         self.lines.append(self.format(record))
 
 
@@ -43,7 +45,8 @@ async def _scenario(config: ServerConfig) -> dict:
         await daemon.stop()
 
 
-def test_one_line_per_admin_error(tmp_path):
+def _run_logged(tmp_path, scenario):
+    """Run `scenario(config)` against an in-process daemon; (its result, the admin log lines)."""
     sock_dir = tempfile.mkdtemp(prefix="kvs")
     config = ServerConfig(data_dir=str(tmp_path), socket_path=os.path.join(sock_dir, "s"),
                           admin=AdminConfig(port=0))
@@ -51,11 +54,15 @@ def test_one_line_per_admin_error(tmp_path):
     logger.addHandler(handler)
     old_level, logger.level = logger.level, logging.INFO
     try:
-        ids = asyncio.run(_scenario(config))
+        return asyncio.run(scenario(config)), handler
     finally:
         logger.removeHandler(handler)
         logger.setLevel(old_level)
         os.rmdir(sock_dir)
+
+
+def test_one_line_per_admin_error(tmp_path):
+    ids, handler = _run_logged(tmp_path, _scenario)
     errors = [line for line in handler.lines if "event=admin_error" in line]
     assert len(errors) == 2, handler.lines
     assert all("\n" not in line for line in errors)
@@ -81,20 +88,8 @@ async def _long_lines(config: ServerConfig) -> list[int]:
 
 def test_a_request_line_over_the_limit_logs_one_line_and_no_traceback(tmp_path):
     """aiohttp refused it before our middleware ran and logged a stack trace."""
-    sock_dir = tempfile.mkdtemp(prefix="kvs")
-    config = ServerConfig(data_dir=str(tmp_path), socket_path=os.path.join(sock_dir, "s"),
-                          admin=AdminConfig(port=0))
-    handler, logger = _Lines(), logging.getLogger("kvstore.admin")
-    records: list[logging.LogRecord] = []
-    handler.filter = lambda record: records.append(record) or True
-    logger.addHandler(handler)
-    old_level, logger.level = logger.level, logging.INFO
-    try:
-        assert asyncio.run(_long_lines(config)) == [400, 400]
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(old_level)
-        os.rmdir(sock_dir)
+    statuses, handler = _run_logged(tmp_path, _long_lines)
+    assert statuses == [400, 400]
     errors = [line for line in handler.lines if "event=admin_error" in line]
     assert len(errors) == 2 and all("status=400" in line and "\n" not in line for line in errors), handler.lines
-    assert not [r for r in records if r.exc_info], [r.getMessage() for r in records]
+    assert not [r for r in handler.records if r.exc_info], handler.lines
