@@ -16,7 +16,7 @@ import numpy as np
 from kvstore.config import ServerConfig
 from kvstore.errors import KVStoreError, PermissionDenied
 from kvstore.protocol import MAX_BATCH
-from server.data_dir import DataDirLock, hold_data_dir
+from server.data_dir import DataDirLock, ensure_dir, hold_data_dir
 from server.host_memory import check_host_tier, host_memory
 from server.local_service import SERVER_VERSION, LocalConnection
 from server.tier_manager import TierManager
@@ -73,8 +73,15 @@ class Daemon:
         A stop asked for meanwhile (SIGTERM: `request_stop`) interrupts it between steps and
         within an arena's prefault: DaemonError, after which `stop()` undoes what started.
         """
-        check_host_tier(self.config.host, host_memory())  # before anything is made
+        memory, host = host_memory(), self.config.host
+        check_host_tier(host, memory)  # before anything is made
+        if host.arena_bytes * host.max_namespaces > memory.total_bytes:  # arenas past the first are lazy
+            log.info("event=arenas_may_exceed_memory arena_bytes=%d max_namespaces=%d memory_bytes=%d "
+                     "note=\"a namespace whose arena does not fit in the memory available then is refused\"",
+                     host.arena_bytes, host.max_namespaces, memory.total_bytes)
         self._data_dir = hold_data_dir(self.config.data_dir)  # before anything is made there
+        if self.config.nvme.enabled:
+            ensure_dir(self.config.nvme_path, "nvme.path")
         path = self.config.socket_path
         try:
             os.makedirs(os.path.dirname(path) or ".", mode=0o700, exist_ok=True)

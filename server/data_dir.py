@@ -51,6 +51,16 @@ def hold_data_dir(path: str) -> DataDirLock:
                            "set data_dir in the config or --data-dir") from None
 
 
+def ensure_dir(path: str, key: str) -> None:
+    """Make the directory config key `key` names (nvme.path), or DataDirError naming the key."""
+    try:
+        os.makedirs(path, mode=0o700, exist_ok=True)
+        if not os.path.isdir(path):
+            raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), path)
+    except OSError as exc:
+        raise DataDirError(f"cannot use {key} {path}: {_why(exc)}") from None
+
+
 def _private_dir(path: str) -> None:
     """Make the data directory, or narrow an existing one to 0700."""
     os.makedirs(path, mode=0o700, exist_ok=True)

@@ -129,3 +129,11 @@ def test_sigterm_during_a_long_prefault_stops_the_daemon(root):
     assert "Traceback" not in text
     assert not os.path.exists(d.socket)
     assert not os.path.exists(addr)
+
+
+def test_nvme_path_that_is_a_file_is_one_line(root):
+    a_file = os.path.join(root, "a_file")
+    open(a_file, "w").close()
+    d = DaemonProcess(root, {"nvme": {"enabled": True, "path": a_file, "capacity_bytes": "16MiB", "file_bytes": "16MiB"}})
+    result = serve("--config", d.config_path, "--socket", d.socket, "--arena-bytes", "1MiB")
+    assert_one_line_refusal(result, "nvme.path", a_file)
