@@ -15,6 +15,7 @@ scheduler, worker and I/O threads.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ import numpy as np
 from kvstore.identity import ObjectId, StateDescriptor, chain_hash, namespace_salt, object_id, root_hash
 from client.connector_link import StoreLink
 
+log = logging.getLogger("kvstore.adapters")
 # One lookup request carries at most this many ids (the daemon's batch limit is 4,096).
 LOOKUP_BATCH = 4096
 
@@ -118,7 +120,11 @@ class SafeStore:
             return []
 
         def op(client):
-            return [r.error is None for r in client.put_many(items, desc)]
+            results = client.put_many(items, desc)
+            refused = [r.error for r in results if r.error is not None]
+            if refused:  # the store is up but turned these away (full, wrong size...): say why
+                log.warning("kvstore refused %d of %d puts: %s", len(refused), len(results), refused[0])
+            return [r.error is None for r in results]
 
         stored = self._call(op, [False] * len(items))
         self.num_stored += sum(stored)
