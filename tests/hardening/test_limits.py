@@ -30,7 +30,7 @@ from kvstore.protocol import FrameCodec, Reply, Request
 
 @pytest.mark.parametrize("limits, match", [
     ({"max_inflight_bytes_per_client": 0}, "max_inflight_bytes_per_client"),
-    ({"max_inflight_bytes_per_client": "lots"}, "cannot parse size"),
+    ({"max_inflight_bytes_per_client": "lots"}, r"limits\.max_inflight_bytes_per_client must be a size"),
     ({"max_frame_bytes": "1KiB"}, "max_frame_bytes"),
     ({"max_frame_bytes": "1GiB"}, "max_frame_bytes"),
     ({"max_clients": 0}, "max_clients"),
