@@ -1,0 +1,197 @@
+"""kvstore as SGLang's HiCache storage backend (SGLang 0.5.23), loaded by SGLang's own factory
+(`StorageBackendFactory`, backend "dynamic"):
+
+    python -m sglang.launch_server --model-path ... --enable-hierarchical-cache \\
+        --hicache-storage-backend dynamic \\
+        --hicache-storage-backend-extra-config '{"backend_name": "kvstore",
+            "module_path": "adapters.sglang", "class_name": "KVStoreHiCacheStorage",
+            "interface_v1": 1, "socket_path": "/run/kvstore/kvstore.sock"}'
+
+With `interface_v1` SGLang calls `batch_set_v1` / `batch_get_v1` with page hashes and host
+pool indices: each page's parts move straight between the host pool's memory and the store
+(see adapters.sglang_pages). `batch_exists` is one lookup of every part of every page and
+answers how many leading pages are held whole. Without `interface_v1` SGLang copies each page
+into a flat tensor and calls the older `batch_set` / `batch_get` / `set` / `get` / `exists`;
+those store one object per flat page, apart from the v1 parts (the two modes share nothing).
+
+No connection is made in the constructor, and no data-path call raises: a daemon that is
+down, restarted, slow or full is a miss or a failed write (`adapters.common.SafeStore`), so
+SGLang recomputes. Extra config keys besides SGLang's own: `socket_path` (default
+$KVSTORE_SOCKET, then the daemon's default), `namespace`, `timeout_s`, `retry_after_s`,
+`model_revision` (default "main"), `model` (only when SGLang passes no model name),
+`kv_cache_dtype` (only for pools that keep fp8 as bytes).
+
+SGLang (and torch) are imported only when SGLang's factory asks this module for
+`KVStoreHiCacheStorage`. Not supported: the v2 interface (hybrid models' extra pools:
+Mamba, SWA, DeepSeek V4), heterogeneous-TP head splitting (`tp_lcm_size`).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from adapters.common import SafeStore, StoreConfig
+from adapters.sglang_pages import PagePlan, base_descriptor, host_view
+
+log = logging.getLogger("kvstore.adapters.sglang")
+
+
+def __getattr__(name: str):
+    """SGLang's factory does getattr(module, "KVStoreHiCacheStorage"): build the class then."""
+    if name == "KVStoreHiCacheStorage":
+        cls = _build_class()
+        globals()[name] = cls
+        return cls
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def plan_for(pool, storage_config, namespace: str, extra: dict) -> PagePlan:
+    """The page plan of a registered host pool: its parts from one page's buffer metadata."""
+    import torch
+
+    base = base_descriptor(storage_config, str(pool.dtype), pool.logical_page_size, namespace, extra)
+    _, part_bytes = pool.get_page_buffer_meta(torch.arange(pool.logical_page_size))
+    page = pool.get_dummy_flat_data_page()
+    return PagePlan.build(base, pool.layout, part_bytes, page.numel() * page.element_size())
+
+
+def _build_class():
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
+
+    class KVStoreHiCacheStorage(HiCacheStorage):
+        """See the module docstring. SGLang calls it from its prefetch and backup threads at
+        once: the store handle is thread-safe, and nothing else here changes after
+        `register_mem_pool_host`."""
+
+        def __init__(self, storage_config, kwargs=None):
+            extra = dict(storage_config.extra_config or {})
+            if storage_config.should_split_heads:
+                raise ValueError("kvstore: heterogeneous-TP head splitting (tp_lcm_size) is not supported")
+            self.storage_config = storage_config
+            self.extra = extra
+            self.store = SafeStore(StoreConfig.from_mapping(extra))
+            self.interface_v1 = bool(extra.get("interface_v1", 0))
+            self.mem_pool_host = None
+            self.plan: PagePlan | None = None
+            self.num_errors = 0
+            if not self.interface_v1:
+                log.warning('kvstore: "interface_v1" is not set: SGLang copies every page through a flat '
+                            'tensor; add "interface_v1": 1 to the extra config for direct page moves')
+
+        def register_mem_pool_host(self, mem_pool_host):
+            """Raises ValueError when the pool cannot be described (the attach then fails)."""
+            super().register_mem_pool_host(mem_pool_host)
+            self.plan = plan_for(mem_pool_host, self.storage_config, self.store.config.namespace, self.extra)
+            log.info("kvstore HiCache backend: %s, %d part(s) per page of %d tokens (%s)", self.plan.engine,
+                     self.plan.num_parts, self.plan.page_tokens, self.plan.part_descs[0])
+
+        # --- v1: pages straight from and into the host pool ---------------------------------
+
+        def batch_set_v1(self, keys, host_indices, extra_info=None) -> list[bool]:
+            """Store each page's parts; per page, True when the store holds all of them."""
+            return self._guard("batch_set_v1", [False] * len(keys), self._set_pages, keys, host_indices)
+
+        def batch_get_v1(self, keys, host_indices, extra_info=None) -> list[bool]:
+            """Load pages into the host pool; SGLang uses the leading run of True, so the
+            first page that misses ends the batch (later pages report False)."""
+            return self._guard("batch_get_v1", [False] * len(keys), self._get_pages, keys, host_indices)
+
+        def batch_exists(self, keys, extra_info=None) -> int:
+            """How many leading pages the store holds whole, from one lookup."""
+            return self._guard("batch_exists", 0, self._leading_pages, keys)
+
+        def _parts(self, keys, host_indices):
+            """Per page: (object ids, views of the pool's memory) of its parts."""
+            ptrs, sizes = self.mem_pool_host.get_page_buffer_meta(host_indices)
+            part_bytes, parts = self.plan.part_bytes, self.plan.num_parts
+            if len(ptrs) != len(keys) * parts or tuple(sizes) != part_bytes * len(keys):
+                raise ValueError(f"{len(keys)} keys but {len(ptrs)} page parts of sizes {sorted(set(sizes))} "
+                                 f"(expected {parts} per page of sizes {part_bytes})")
+            return [(self.plan.part_ids(key), [host_view(ptrs[i * parts + j], n) for j, n in enumerate(part_bytes)])
+                    for i, key in enumerate(keys)]
+
+        def _set_pages(self, keys, host_indices):
+            pages = self._parts(keys, host_indices)
+            held = [True] * len(pages)
+            for desc, part_indices in self.plan.groups:
+                items = [(ids[j], views[j]) for ids, views in pages for j in part_indices]
+                stored = self.store.put_many(items, desc)
+                for k, ok in enumerate(stored):
+                    held[k // len(part_indices)] &= ok
+            return held
+
+        def _get_pages(self, keys, host_indices):
+            loaded = [False] * len(keys)
+            for i, (ids, views) in enumerate(self._parts(keys, host_indices)):
+                if not all(self.store.get_into(oid, view) for oid, view in zip(ids, views)):
+                    break
+                loaded[i] = True
+            return loaded
+
+        def _leading_pages(self, keys):
+            if self.interface_v1:
+                ids = [oid for key in keys for oid in self.plan.part_ids(key)]
+                return self.plan.leading_pages(self.store.contains(ids), self.plan.num_parts)
+            return self.plan.leading_pages(self.store.contains([self.plan.page_id(k) for k in keys]), 1)
+
+        # --- the older interface: whole flat pages, copied by SGLang ------------------------
+
+        def get(self, key, target_location=None, target_sizes=None):
+            """The page read into `target_location` (a flat page tensor; a new one if None),
+            or None on a miss."""
+            return self._guard("get", None, self._get_flat, key, target_location)
+
+        def batch_get(self, keys, target_locations=None, target_sizes=None):
+            """Pages or None, as `get`; after the first miss the rest are None (SGLang stops there)."""
+            locations = list(target_locations or [None] * len(keys))
+            pages = [None] * len(keys)
+            for i, (key, location) in enumerate(zip(keys, locations)):
+                pages[i] = self.get(key, location)
+                if pages[i] is None:
+                    break
+            return pages
+
+        def set(self, key, value=None, target_location=None, target_sizes=None) -> bool:
+            return self.batch_set([key], [value])
+
+        def batch_set(self, keys, values=None, target_locations=None, target_sizes=None) -> bool:
+            """Store flat pages (CPU tensors); True when the store holds all of them."""
+            return self._guard("batch_set", False, self._set_flat, keys, values)
+
+        def exists(self, key) -> bool:
+            return self.batch_exists([key]) == 1
+
+        def _get_flat(self, key, target_location):
+            out = self.mem_pool_host.get_dummy_flat_data_page() if target_location is None else target_location
+            return out if self.store.get_into(self.plan.page_id(key), out) else None
+
+        def _set_flat(self, keys, values):
+            if values is None or len(values) != len(keys) or any(v is None for v in values):
+                return False
+            items = [(self.plan.page_id(key), value) for key, value in zip(keys, values)]
+            return all(self.store.put_many(items, self.plan.page_desc))
+
+        # --- the rest ---------------------------------------------------------------------
+
+        def _guard(self, op: str, on_error, fn, *args):
+            """fn(*args), or `on_error` if it raised: nothing reaches SGLang's threads. The
+            store's own failures never raise (SafeStore); this catches what is left, such as
+            a pool answering with other page sizes than at registration."""
+            if self.plan is None:
+                return on_error
+            try:
+                return fn(*args)
+            except Exception as exc:  # noqa: BLE001 - the data path must not raise
+                self.num_errors += 1
+                log.warning("kvstore %s failed, answering a miss: %s: %s", op, type(exc).__name__, exc,
+                            exc_info=self.num_errors == 1)
+                return on_error
+
+        def stats(self) -> dict:
+            return {**self.store.stats(), "num_errors": self.num_errors}
+
+        def close(self) -> None:
+            self.store.close()
+
+    KVStoreHiCacheStorage.__qualname__ = "KVStoreHiCacheStorage"
+    return KVStoreHiCacheStorage

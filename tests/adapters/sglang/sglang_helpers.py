@@ -1,0 +1,84 @@
+"""SGLang's real host pools, built on CPU, and our backend made by SGLang's own factory (the
+SGLang environment only: conftest.py skips this folder elsewhere)."""
+
+import zlib
+
+import torch
+from sglang.srt.mem_cache.device_pool_info import KVBufferLayout, KVBuffers, MHABufferInfo, MLABufferInfo
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
+from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
+from sglang.srt.mem_cache.storage import StorageBackendFactory
+from sglang.srt.mem_cache.utils import get_hash_str
+
+LAYERS, PAGE, HEADS, HEAD_DIM, LORA_RANK, ROPE_DIM = 2, 4, 2, 8, 8, 4
+DEVICE_TOKENS = 64  # the host pool gets 2x this (host_to_device_ratio) plus a padding page
+CPU = torch.device("cpu")
+
+
+def _pointers(tensors):
+    return torch.tensor([t.data_ptr() for t in tensors], dtype=torch.uint64)
+
+
+def make_pool(kind: str, layout: str, dtype=torch.bfloat16):
+    """SGLang's MHATokenToKVPoolHost ("mha") or MLATokenToKVPoolHost ("mla") on CPU, its
+    bytes random (a seed per kind and layout)."""
+    if kind == "mha":
+        k = tuple(torch.zeros(DEVICE_TOKENS, HEADS, HEAD_DIM, dtype=dtype) for _ in range(LAYERS))
+        v = tuple(torch.zeros(DEVICE_TOKENS, HEADS, HEAD_DIM, dtype=dtype) for _ in range(LAYERS))
+        info = MHABufferInfo(buffers=KVBuffers(k=k, v=v, k_data_ptrs=_pointers(k), v_data_ptrs=_pointers(v),
+                                               layout=KVBufferLayout.NHD),
+                             page_size=PAGE, head_num=HEADS, head_dim=HEAD_DIM, v_head_dim=HEAD_DIM,
+                             dtype=dtype, device=CPU)
+        pool = MHATokenToKVPoolHost(info, 2.0, 0, PAGE, layout, pin_memory=False, device="cpu",
+                                    device_capacity_tokens=DEVICE_TOKENS, start_layer=0, end_layer=LAYERS)
+    else:
+        rows = tuple(torch.zeros(DEVICE_TOKENS, 1, LORA_RANK + ROPE_DIM, dtype=dtype) for _ in range(LAYERS))
+        info = MLABufferInfo(buffers=rows, data_ptrs=_pointers(rows), layer_indices=tuple(range(LAYERS)),
+                             device_layer_num=LAYERS, page_size=PAGE, kv_lora_rank=LORA_RANK,
+                             qk_rope_head_dim=ROPE_DIM, kv_cache_dim=LORA_RANK + ROPE_DIM, dtype=dtype, device=CPU)
+        pool = MLATokenToKVPoolHost(info, 2.0, 0, PAGE, layout, pin_memory=False, device="cpu",
+                                    device_capacity_tokens=DEVICE_TOKENS, start_layer=0, end_layer=LAYERS,
+                                    target_layer_num=LAYERS)
+    generator = torch.Generator().manual_seed(zlib.crc32(f"{kind}/{layout}".encode()))
+    raw = pool.kv_buffer.view(-1).view(torch.uint8)
+    raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=generator))
+    return pool
+
+
+def storage_config(kind: str, layout: str, extra: dict, *, tp=(0, 1), pp=(0, 1), model="test-org/test-model"):
+    """The HiCacheStorageConfig SGLang's cache controller builds for one rank."""
+    return HiCacheStorageConfig(tp_rank=tp[0], tp_size=tp[1], pp_rank=pp[0], pp_size=pp[1], attn_cp_rank=0,
+                                attn_cp_size=1, is_mla_model=kind == "mla", enable_storage_metrics=False,
+                                is_page_first_layout=layout == "page_first", model_name=model,
+                                extra_config=dict(extra))
+
+
+BACKEND = {"backend_name": "kvstore", "module_path": "adapters.sglang", "class_name": "KVStoreHiCacheStorage"}
+
+
+def create_backend(pool, kind: str, socket_path: str | None, *, interface_v1=True, tp=(0, 1), pp=(0, 1), **extra):
+    """As SGLang's cache controller attaches a storage backend: the factory's "dynamic"
+    backend from the extra config, then register_mem_pool_host."""
+    extra = {**BACKEND, "interface_v1": int(interface_v1), "timeout_s": 2, "retry_after_s": 0.05, **extra}
+    if socket_path is not None:
+        extra["socket_path"] = socket_path
+    config = storage_config(kind, pool.layout, extra, tp=tp, pp=pp)
+    backend = StorageBackendFactory.create_backend("dynamic", config, pool)
+    backend.register_mem_pool_host(pool)
+    return backend
+
+
+def page_keys(num_pages: int, seed: int = 0) -> list[str]:
+    """SGLang's own page hashes (a chained SHA-256 per page) of random tokens."""
+    tokens = torch.randint(0, 32000, (num_pages * PAGE,), generator=torch.Generator().manual_seed(seed)).tolist()
+    return get_hash_str(tokens, None, page_size=PAGE)
+
+
+def token_indices(pages) -> torch.Tensor:
+    """Host pool token indices of whole pages, as SGLang passes them (page by page)."""
+    return torch.cat([torch.arange(p * PAGE, (p + 1) * PAGE) for p in pages])
+
+
+def page_bytes(pool, page: int) -> torch.Tensor:
+    return pool.get_data_page(page * PAGE, flat=True).contiguous().view(torch.uint8)

@@ -1,0 +1,152 @@
+"""adapters.sglang through SGLang's own factory, over SGLang's real host pools on CPU, against a
+real daemon: bit-exact page round trips, leading-prefix hits, a dead daemon, every method there."""
+
+import inspect
+import signal
+
+import pytest
+import torch
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
+from sglang_helpers import PAGE, create_backend, make_pool, page_bytes, page_keys, token_indices
+
+pytestmark = pytest.mark.engines
+
+POOLS = [("mha", "page_first"), ("mha", "layer_first"), ("mha", "page_first_direct"),
+         ("mla", "page_first"), ("mla", "layer_first")]
+SOURCE, TARGET = [1, 2, 3], [9, 5, 7]  # host pool pages: stored from SOURCE, loaded into TARGET
+
+
+@pytest.mark.parametrize("kind, layout", POOLS)
+def test_pages_round_trip_bit_exact_into_other_slots_and_nowhere_else(daemon, kind, layout):
+    pool = make_pool(kind, layout)
+    keys = page_keys(len(SOURCE))
+    writer = create_backend(pool, kind, daemon.socket)
+    assert writer.batch_set_v1(keys, token_indices(SOURCE)) == [True] * 3
+    for page in TARGET:
+        pool.set_from_flat_data_page(page * PAGE, torch.zeros_like(pool.get_dummy_flat_data_page()))
+    before = pool.kv_buffer.clone()
+
+    reader = create_backend(pool, kind, daemon.socket)  # another instance, as after a restart
+    assert reader.batch_exists(keys) == 3
+    assert reader.batch_get_v1(keys, token_indices(TARGET)) == [True] * 3
+
+    for source, target in zip(SOURCE, TARGET):
+        assert torch.equal(page_bytes(pool, target), page_bytes(pool, source)), (source, target)
+        pool.set_from_flat_data_page(target * PAGE, torch.zeros_like(pool.get_dummy_flat_data_page()))
+    assert torch.equal(pool.kv_buffer.view(-1).view(torch.uint8), before.view(-1).view(torch.uint8))
+    assert reader.stats()["num_failures"] == 0 and reader.num_errors == 0
+
+
+def test_batch_exists_counts_only_the_leading_pages_held_whole(daemon):
+    pool = make_pool("mha", "page_first")
+    keys = page_keys(5)
+    backend = create_backend(pool, "mha", daemon.socket)
+    assert backend.batch_set_v1([keys[0], keys[1], keys[3]], token_indices([1, 2, 4])) == [True] * 3
+    assert backend.batch_exists(keys) == 2
+    assert backend.batch_exists(keys[3:]) == 1
+    assert backend.exists(keys[1]) and not backend.exists(keys[2])
+
+    got = backend.batch_get_v1(keys, token_indices([10, 11, 12, 13, 14]))
+    assert got == [True, True, False, False, False]  # SGLang uses the leading run
+    assert torch.equal(page_bytes(pool, 11), page_bytes(pool, 2))
+
+    # A page whose V half is gone is not held: K alone must not count as a hit.
+    k_id, v_id = backend.plan.part_ids(keys[1])
+    assert backend.store.delete([v_id]) == 1
+    assert backend.batch_exists(keys) == 1
+    assert backend.batch_get_v1(keys[:2], token_indices([10, 11])) == [True, False]
+
+
+def test_mla_pages_are_shared_across_tp_ranks_mha_pages_and_pipeline_stages_are_not(daemon):
+    keys = page_keys(2)
+    for kind in ("mla", "mha"):
+        pool = make_pool(kind, "page_first")
+        rank0 = create_backend(pool, kind, daemon.socket, tp=(0, 2))
+        assert rank0.batch_set_v1(keys, token_indices([1, 2])) == [True, True]
+        rank1 = create_backend(pool, kind, daemon.socket, tp=(1, 2))
+        assert rank1.batch_exists(keys) == (2 if kind == "mla" else 0), kind
+        stage1 = create_backend(pool, kind, daemon.socket, tp=(0, 2), pp=(1, 2))
+        assert stage1.batch_exists(keys) == 0, kind
+
+
+def test_a_killed_daemon_is_a_miss_and_a_failed_write_never_an_exception(daemon):
+    pool = make_pool("mha", "page_first")
+    keys = page_keys(3)
+    backend = create_backend(pool, "mha", daemon.socket)
+    flat = create_backend(pool, "mha", daemon.socket, interface_v1=False)
+    assert backend.batch_set_v1(keys, token_indices([1, 2, 3])) == [True] * 3
+    assert flat.set(keys[0], pool.get_data_page(PAGE))
+    daemon.stop(signal.SIGKILL)
+
+    assert backend.batch_exists(keys) == 0
+    assert backend.batch_get_v1(keys, token_indices([4, 5, 6])) == [False] * 3
+    assert backend.batch_set_v1(keys, token_indices([1, 2, 3])) == [False] * 3
+    assert not backend.exists(keys[0])
+    assert flat.get(keys[0], pool.get_dummy_flat_data_page()) is None
+    assert flat.batch_get(keys, None) == [None] * 3
+    assert not flat.set(keys[1], pool.get_data_page(2 * PAGE))
+    assert not flat.batch_set(keys, [pool.get_data_page(p * PAGE) for p in (1, 2, 3)])
+    assert backend.stats()["num_failures"] >= 3 and backend.num_errors == 0
+
+
+def test_older_interface_round_trips_flat_pages_as_sglang_copies_them(daemon):
+    """SGLang's _generic_page_set / _generic_page_get, used without interface_v1."""
+    pool = make_pool("mla", "page_first")
+    keys = page_keys(3)
+    backend = create_backend(pool, "mla", daemon.socket, interface_v1=False)
+    pages = [pool.get_data_page(p * PAGE) for p in (1, 2)]
+    assert backend.batch_set(keys[:2], pages)
+    assert backend.set(keys[2], pool.get_data_page(3 * PAGE))
+    assert backend.batch_exists(keys) == 3 and backend.exists(keys[2])
+
+    got = backend.batch_get(keys, [pool.get_dummy_flat_data_page() for _ in keys])
+    assert all(torch.equal(g.view(torch.uint8), p.view(torch.uint8)) for g, p in zip(got, pages))
+    assert backend.get(page_keys(1, seed=9)[0], pool.get_dummy_flat_data_page()) is None
+    assert backend.batch_get([page_keys(1, seed=9)[0], keys[0]], None) == [None, None]
+    # v1 parts and flat pages are distinct objects: neither mode reads the other's.
+    assert create_backend(pool, "mla", daemon.socket).batch_exists(keys) == 0
+
+
+def test_the_factory_makes_a_complete_backend_that_connects_only_on_the_data_path(tmp_path):
+    pool = make_pool("mha", "page_first")
+    backend = create_backend(pool, "mha", str(tmp_path / "no-daemon.sock"))
+    assert isinstance(backend, HiCacheStorage) and not inspect.isabstract(type(backend))
+    # SGLang's base class gives batch_get_v1 / batch_set_v1 bodies that return None, and a
+    # batch_exists that asks exists() key by key: each must be ours.
+    for name in ("get", "set", "batch_get", "batch_set", "exists", "batch_exists", "batch_get_v1",
+                 "batch_set_v1", "register_mem_pool_host"):
+        assert getattr(type(backend), name) is not getattr(HiCacheStorage, name), name
+    assert backend.store.stats()["num_failures"] == 0  # nothing tried yet
+    assert backend.batch_exists(page_keys(1)) == 0
+    assert backend.store.stats()["num_failures"] == 1
+
+
+def test_socket_from_environment_and_namespace_from_extra_config(daemon, monkeypatch):
+    monkeypatch.setenv("KVSTORE_SOCKET", daemon.socket)
+    pool = make_pool("mha", "layer_first")
+    keys = page_keys(2)
+    tenant_a = create_backend(pool, "mha", None, namespace="tenant-a")
+    assert tenant_a.batch_set_v1(keys, token_indices([1, 2])) == [True, True]
+    assert create_backend(pool, "mha", None, namespace="tenant-a").batch_exists(keys) == 2
+    assert create_backend(pool, "mha", None, namespace="tenant-b").batch_exists(keys) == 0
+
+
+def test_byte_pools_need_the_fp8_kind_named_and_then_round_trip(daemon):
+    pool = make_pool("mha", "page_first", dtype=torch.uint8)
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        create_backend(pool, "mha", daemon.socket)
+    keys = page_keys(2)
+    e4m3 = create_backend(pool, "mha", daemon.socket, kv_cache_dtype="fp8_e4m3")
+    assert e4m3.batch_set_v1(keys, token_indices([1, 2])) == [True, True]
+    assert create_backend(pool, "mha", daemon.socket, kv_cache_dtype="fp8_e5m2").batch_exists(keys) == 0
+    assert e4m3.batch_get_v1(keys, token_indices([3, 4])) == [True, True]
+    assert torch.equal(page_bytes(pool, 3), page_bytes(pool, 1))
+
+
+def test_indices_that_do_not_match_the_keys_are_a_miss_not_an_exception(daemon):
+    pool = make_pool("mha", "page_first")
+    keys = page_keys(2)
+    backend = create_backend(pool, "mha", daemon.socket)
+    assert backend.batch_set_v1(keys, token_indices([1, 2, 3])) == [False, False]
+    assert backend.batch_get_v1(keys, token_indices([1])) == [False, False]
+    assert backend.num_errors == 2 and backend.batch_exists(keys) == 0
