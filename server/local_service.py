@@ -248,7 +248,7 @@ class LocalConnection(asyncio.Protocol):
     async def _arena_for_read(self, msg: m.Get):
         """A get in a namespace with no arena here: the object may still be on NVMe or at a
         peer, and its bytes need an arena to land in. Make one only if it is found there."""
-        found = self.manager.lookup(msg.namespace, (msg.object_id,))
+        found = self.manager.lookup(msg.namespace, (msg.object_id.digest,))  # as a Lookup carries ids
         if inspect.isawaitable(found):
             found = await found
         if found["tiers"][0] is None:

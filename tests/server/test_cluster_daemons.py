@@ -250,3 +250,17 @@ def test_a_reader_expecting_another_descriptor_misses_what_a_home_holds(pair):
         assert ca.get(key, expect=other) is None
         with ca.get(key, expect=stored) as lease:
             assert np.array_equal(lease.numpy(), payload(8192, 1))
+
+
+def test_a_read_on_a_node_without_the_namespace_fetches_it_and_a_miss_makes_no_arena(pair):
+    """Reads create no arena (only puts do), except where a peer's object needs one to land in."""
+    a, b = pair
+    key, absent = ObjectId(b"\x07" * 32), ObjectId(b"\x08" * 32)
+    with a.client(namespace="only-a") as ca, b.client(namespace="only-a") as cb:
+        ca.put(key, payload(200_000, 7))
+        assert cb.get(absent) is None
+        assert "only-a" not in cb.stats()["namespaces"]
+        out = np.empty(200_000, np.uint8)
+        assert wait_for(lambda: cb.get_into(key, out) == out.size)
+        assert np.array_equal(out, payload(200_000, 7))
+        assert "only-a" in cb.stats()["namespaces"]
