@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvstore.errors import InvalidArgument
 from kvstore.identity import ObjectId, StateDescriptor, chain_hash, namespace_salt, object_id, root_hash
 from client.connector_link import StoreLink
 
@@ -62,6 +63,13 @@ class StoreConfig:
                    pick("timeout_s", 5.0, float), pick("retry_after_s", 2.0, float))
 
 
+class _Refused:
+    __slots__ = ("error",)
+
+    def __init__(self, error):
+        self.error = error
+
+
 class SafeStore:
     """A thread-safe, never-raising handle on the daemon (see the module docstring)."""
 
@@ -70,18 +78,31 @@ class SafeStore:
         self._link = StoreLink(config.socket_path, config.namespace, config.timeout_s, config.retry_after_s)
         self._lock = threading.Lock()
         self.num_failures = 0  # calls answered as a miss because the store failed
+        self.num_refused = 0  # calls the store refused as invalid (answered as a miss)
         self.num_hits = 0
         self.num_misses = 0
         self.num_stored = 0
 
     def _call(self, op, on_failure):
         """op(client) never returns None; None from the link means the store failed or is
-        being skipped after a failure."""
+        being skipped after a failure. A request the store refuses as wrong (InvalidArgument:
+        a bad buffer, a size that does not match) is a miss too, but not an outage: the link
+        stays up for the next call."""
+        def guarded(client):
+            try:
+                return op(client)
+            except InvalidArgument as exc:
+                return _Refused(exc)
+
         with self._lock:
-            result = self._link.call(op)
+            result = self._link.call(guarded)
             if result is None:
                 self.num_failures += 1
                 return on_failure
+        if isinstance(result, _Refused):
+            self.num_refused += 1
+            log.warning("kvstore refused a request: %s", result.error)
+            return on_failure
         return result
 
     def contains(self, ids: list[ObjectId]) -> list[bool]:
@@ -135,7 +156,8 @@ class SafeStore:
 
     def stats(self) -> dict:
         return {"num_hits": self.num_hits, "num_misses": self.num_misses, "num_stored": self.num_stored,
-                "num_failures": self.num_failures, "last_error": self._link.last_error}
+                "num_failures": self.num_failures, "num_refused": self.num_refused,
+                "last_error": self._link.last_error}
 
     def close(self) -> None:
         with self._lock:

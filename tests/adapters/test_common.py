@@ -51,3 +51,14 @@ def test_safe_store_round_trip_then_a_dead_daemon_is_a_counted_miss(daemon):
         assert time.monotonic() < deadline, store.stats()
         time.sleep(0.1)
     assert store.contains(ids[3:]) == [True]
+
+
+def test_a_request_the_store_refuses_is_a_miss_not_an_outage(daemon):
+    store = SafeStore(StoreConfig(socket_path=daemon.socket, timeout_s=2, retry_after_s=60))
+    oid = engine_object_id(DESC, "test", 1)
+    assert store.put_many([(oid, np.zeros(DESC.object_bytes, np.uint8))], DESC) == [True]
+    too_small = np.zeros(8, np.uint8)
+    assert not store.get_into(oid, too_small)  # InvalidArgument: the buffer is too small
+    assert store.num_refused == 1 and store.num_failures == 0
+    out = np.empty(DESC.object_bytes, np.uint8)
+    assert store.get_into(oid, out)  # the link stayed up (retry_after_s is a minute)
