@@ -74,5 +74,20 @@ def daemon_factory():
 
 
 @pytest.fixture
+def unstarted_daemon():
+    """make(config) -> a DaemonProcess whose config file is written but which is not started
+    (tests of start-up run `kvstore serve --config d.config_path` themselves)."""
+    made = []
+
+    def make(config: dict | None = None) -> DaemonProcess:
+        made.append(DaemonProcess(tempfile.mkdtemp(prefix="kvs-"), config))
+        return made[-1]
+
+    yield make
+    for d in made:
+        shutil.rmtree(d.root, ignore_errors=True)
+
+
+@pytest.fixture
 def daemon(daemon_factory) -> DaemonProcess:
     return daemon_factory()

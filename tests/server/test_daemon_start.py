@@ -11,7 +11,6 @@ import time
 
 import pytest
 
-from conftest import DaemonProcess  # tests/conftest.py: writes a config file for a daemon
 
 SERVE = [sys.executable, "-m", "server.cli", "serve"]
 # Not a timing threshold: only how long a test waits before calling the daemon hung.
@@ -87,28 +86,28 @@ def test_arena_beyond_the_machines_memory_is_refused_naming_the_key(root):
     assert not os.path.exists(os.path.join(root, "data"))  # refused before anything was made
 
 
-def test_prefaulted_namespaces_beyond_available_memory_are_refused(root):
+def test_prefaulted_namespaces_beyond_available_memory_are_refused(unstarted_daemon):
     """Each arena fits, but host.namespaces of them prefaulted at start would not."""
     total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     arena = (total // 2) // 4096 * 4096
-    d = DaemonProcess(root, {"host": {"arena_bytes": arena, "namespaces": ["a", "b", "c"]}})
+    d = unstarted_daemon({"host": {"arena_bytes": arena, "namespaces": ["a", "b", "c"]}})
     result = serve("--config", d.config_path, "--socket", d.socket)
     assert_one_line_refusal(result, "host.arena_bytes", "host.namespaces", "available")
 
 
-def test_bad_config_is_refused_before_the_admin_api_starts(root):
-    d = DaemonProcess(root, {"host": {"policy": "lfu"}})
+def test_bad_config_is_refused_before_the_admin_api_starts(unstarted_daemon):
+    d = unstarted_daemon({"host": {"policy": "lfu"}})
     result = serve("--config", d.config_path, "--socket", d.socket)
     assert_one_line_refusal(result, "host.policy", "lfu")
     assert not os.path.exists(os.path.join(d.data_dir, "admin.addr"))
     assert not os.path.exists(os.path.join(d.data_dir, "admin.token"))
 
 
-def test_sigterm_during_a_long_prefault_stops_the_daemon(root):
+def test_sigterm_during_a_long_prefault_stops_the_daemon(unstarted_daemon):
     """It used to prefault the whole arena first (2 s per GiB here, and more than RAM took the
     OOM killer to others first), then stop. Now SIGTERM interrupts the prefault."""
-    d = DaemonProcess(root, {"host": {"arena_bytes": "2GiB", "prefault": True}})
-    log_path = os.path.join(root, "daemon.log")
+    d = unstarted_daemon({"host": {"arena_bytes": "2GiB", "prefault": True}})
+    log_path = os.path.join(d.root, "daemon.log")
     with open(log_path, "w") as log:
         proc = subprocess.Popen([*SERVE, "--config", d.config_path, "--socket", d.socket, "--log-level", "info"],
                                 stdin=subprocess.DEVNULL, stdout=log, stderr=log)
@@ -131,9 +130,9 @@ def test_sigterm_during_a_long_prefault_stops_the_daemon(root):
     assert not os.path.exists(addr)
 
 
-def test_nvme_path_that_is_a_file_is_one_line(root):
+def test_nvme_path_that_is_a_file_is_one_line(unstarted_daemon, root):
     a_file = os.path.join(root, "a_file")
     open(a_file, "w").close()
-    d = DaemonProcess(root, {"nvme": {"enabled": True, "path": a_file, "capacity_bytes": "16MiB", "file_bytes": "16MiB"}})
+    d = unstarted_daemon({"nvme": {"enabled": True, "path": a_file, "capacity_bytes": "16MiB", "file_bytes": "16MiB"}})
     result = serve("--config", d.config_path, "--socket", d.socket, "--arena-bytes", "1MiB")
     assert_one_line_refusal(result, "nvme.path", a_file)
