@@ -82,6 +82,18 @@ class Tiers:
         return rows
 
 
+def stored(socket_path, numbers, seed):
+    """Keys, payloads and the Tiers that cascaded them into the store (request finished)."""
+    keys = keys_of(*numbers)
+    payloads = payloads_for(keys, seed)
+    tiers = Tiers(socket_path)
+    ctx = ReqContext(req_id=f"store-{seed}")
+    tiers.manager.on_new_request(ctx)
+    tiers.store(keys, ctx, payloads)
+    tiers.manager.on_request_finished(ctx)
+    return keys, payloads, tiers
+
+
 def keys_of(*numbers):
     return [make_offload_key(f"block-{n}".encode().ljust(32, b"."), 0) for n in numbers]
 
@@ -100,13 +112,7 @@ def test_the_factory_loads_the_tier_and_it_is_complete(daemon):
 
 
 def test_chunks_cascade_into_the_store_and_a_fresh_manager_promotes_them_bit_exact(daemon):
-    keys = keys_of(1, 2, 3)
-    payloads = payloads_for(keys, 1)
-    a = Tiers(daemon.socket)
-    ctx = ReqContext(req_id="r1")
-    a.manager.on_new_request(ctx)
-    a.store(keys, ctx, payloads)
-    a.manager.on_request_finished(ctx)
+    keys, payloads, a = stored(daemon.socket, (1, 2, 3), 1)
     with daemon.client() as c:
         ids = [engine_object_id(a.tier.desc, "vllm-offload", k) for k in keys]
         assert c.lookup(ids).hits == 3
@@ -135,12 +141,7 @@ def test_a_dead_daemon_is_a_miss_and_a_failed_store_never_an_exception(daemon):
 
 
 def test_lookups_are_batched_and_a_chunk_lost_before_its_promotion_fails_alone(daemon):
-    keys = keys_of(6, 7, 8)
-    payloads = payloads_for(keys, 3)
-    a = Tiers(daemon.socket)
-    ctx = ReqContext(req_id="r1")
-    a.manager.on_new_request(ctx)
-    a.store(keys, ctx, payloads)
+    keys, payloads, _ = stored(daemon.socket, (6, 7, 8), 3)
     b = Tiers(daemon.socket)
     calls = []
     real_contains = b.tier.store.contains
