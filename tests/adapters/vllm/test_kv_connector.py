@@ -44,15 +44,15 @@ def kv_cache_config():
 class Engine:
     """One vLLM scheduler (its connector made by vLLM) and one worker connector over CPU caches."""
 
-    def __init__(self, base, socket_path):
+    def __init__(self, base, socket_path, device="cpu"):
         config = copy.deepcopy(base)
         config.kv_transfer_config.kv_connector_extra_config["socket_path"] = socket_path
         config.kv_transfer_config.kv_connector_extra_config["retry_after_s"] = 0.05
         self.scheduler = create_scheduler(config, num_blocks=NUM_BLOCKS, kv_cache_config=kv_cache_config())
         self.connector = self.scheduler.connector
         self.worker = KVConnectorFactory.create_connector(config, KVConnectorRole.WORKER, kv_cache_config())
-        self.caches = {f"model.layers.{i}.attn": torch.zeros(2, NUM_BLOCKS, BLOCK, HEADS, DIM, dtype=torch.float16)
-                       for i in range(LAYERS)}
+        self.caches = {f"model.layers.{i}.attn": torch.zeros(2, NUM_BLOCKS, BLOCK, HEADS, DIM, dtype=torch.float16,
+                                                             device=device) for i in range(LAYERS)}
         self.worker.register_kv_caches(self.caches)
         self.requests = {}
         self.blocks = {}
@@ -102,10 +102,10 @@ class Engine:
         for pos in range(start, start + count):
             block, slot = self.blocks[rid][pos // BLOCK], pos % BLOCK
             for layer, cache in enumerate(self.caches.values()):
-                cache[:, block, slot] = expected_kv(tokens, pos, layer)
+                cache[:, block, slot] = expected_kv(tokens, pos, layer).to(cache.device)
 
     def block_kv(self, block):
-        return torch.stack([cache[:, block] for cache in self.caches.values()]).clone()
+        return torch.stack([cache[:, block].cpu() for cache in self.caches.values()])
 
     def run_to_end(self):
         outs = []
@@ -139,14 +139,17 @@ def expected_blocks(tokens, count):
                          for layer in range(LAYERS)]) for index in range(count)]
 
 
-def test_vllm_loads_a_prefix_saved_by_another_engine_bit_exact(base_config, daemon):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_vllm_loads_a_prefix_saved_by_another_engine_bit_exact(base_config, daemon, device):
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA (the paged caches on the GPU)")
     tokens = tokens_of(100, 1)
-    a = Engine(base_config, daemon.socket)
+    a = Engine(base_config, daemon.socket, device)
     a.add(make_request(1, tokens))
     a.run_to_end()
     assert a.worker.num_saved_chunks == 3  # 100 prompt tokens: three whole 32-token chunks
     # A fresh engine, as after a restart: its scheduler finds the prefix in the store.
-    b = Engine(base_config, daemon.socket)
+    b = Engine(base_config, daemon.socket, device)
     again = make_request(2, tokens)
     b.add(again)
     out, _ = b.step()
