@@ -96,8 +96,10 @@ def mixed(socket_path: str, seed: int, seconds: float, n: int, result: str, name
                 lease = c.get(keys[0])
                 if lease is not None:
                     held.append(lease)
-            else:  # a reservation left uncommitted a while (what a killed writer leaves behind)
-                r = c._run(c.core.op_simple(m.Reserve(namespace, keys[0], 64 * 1024, desc)))
+            else:  # a reservation left uncommitted a while (what a killed writer leaves behind);
+                # at the id's own size: an id is one state, another size is a Conflict
+                size = size_of(keys[0], 4096, SOAK_MAX_BYTES)
+                r = c._run(c.core.op_simple(m.Reserve(namespace, keys[0], size, desc)))
                 if "lease" in r:
                     dangling.append(r["lease"])
             while len(held) > 3 or (held and rng.random() < 0.3):
