@@ -13,8 +13,8 @@ their rows as JSON and this driver reports them together (bench/results/engines.
                      of the chunk bytes (what any copy into or out of a store must do)
     vllm tier        submit_store / submit_load (+ drain_jobs) of 2 MiB primary-tier chunks
                      baseline: memcpy of the same chunks
-    sglang, lmcache  their adapters' parts, when present (adapters.sglang_bench and
-                     adapters.lmcache_bench are not required: a missing part is a skip line)
+    sglang, lmcache  their parts live in bench/engines_<engine>.py (`bench(socket_path, quick,
+                     suite) -> list[Row]`); a missing part is a skip line
 
 Ratios are adapter time / baseline time per block (higher is slower); the absolute rates
 vary +-30% between runs on this shared 2-core machine.
@@ -203,7 +203,7 @@ def run_part(engine: str, quick: bool) -> list[dict]:
             if engine == "vllm":
                 rows = bench_vllm(sock, quick)
             else:
-                module = __import__(f"adapters.{engine}_bench", fromlist=["bench"])
+                module = __import__(f"bench.engines_{engine}", fromlist=["bench"])
                 rows = module.bench(sock, quick, SUITE)
         finally:
             proc.terminate()
@@ -222,8 +222,8 @@ def main() -> None:
         return
     rows, skipped = [], {}
     for engine in [e for e in args.engines.split(",") if e]:
-        if engine != "vllm" and not os.path.exists(os.path.join(ROOT, "adapters", f"{engine}_bench.py")):
-            skipped[engine] = f"no adapters/{engine}_bench.py yet"
+        if engine != "vllm" and not os.path.exists(os.path.join(ROOT, "bench", f"engines_{engine}.py")):
+            skipped[engine] = f"no bench/engines_{engine}.py yet"
             continue
         print(f"engines: {engine} (its environment: scripts/engine_env.sh {engine})", flush=True)
         python = subprocess.run([os.path.join(ROOT, "scripts", "engine_env.sh"), engine], check=True,
