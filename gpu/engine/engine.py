@@ -39,8 +39,9 @@ class EngineConfig:
     page_tokens: int = 16
     max_num_seqs: int = 16            # sequences holding pages at once
     max_prefill_tokens: int = 1024    # per prefill step; longer prompts are chunked
-    # > 0: a prefill segment never crosses a multiple of this (a store's chunk size), so a
-    # chunk is always computed in the same piece and a loaded one is bit-identical to it
+    # > 0: a prefill segment never crosses a multiple of this (a store's chunk size), and each
+    # segment of a prefill step is its own forward: a chunk is always computed in the same
+    # piece, alone, and a loaded one is bit-identical to it (see `chunked`)
     prefill_align: int = 0
 
     def __post_init__(self) -> None:
@@ -201,7 +202,13 @@ class Engine:
         if not segments:
             return []
         started = time.perf_counter()
-        logits = self.model.forward(build_batch(segments, self.cache), self.cache)
+        if prefill and self.config.prefill_align:
+            # Batch-invariant: each piece is its own forward, so a chunk's bytes do not depend
+            # on what else was scheduled in the step (`chunked`, the one chunk computation).
+            logits = torch.cat([self.model.forward(build_batch([seg], self.cache), self.cache)
+                                for seg in segments])
+        else:
+            logits = self.model.forward(build_batch(segments, self.cache), self.cache)
         outputs = []
         for row, seg in enumerate(segments):
             seq = self._seqs[seg.seq_id]

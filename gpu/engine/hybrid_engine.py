@@ -4,7 +4,13 @@ It keeps, per sequence, pages of attention KV (a `PagedKVCache` with one layer p
 layer), the fp32 recurrent state, and a snapshot of that state at every chunk boundary it
 passed. `generate(prompt, n, connector)` asks the connector how much of the prompt the store
 holds (KV chunks plus the snapshot at the hit boundary, see `hybrid_codecs`), loads it,
-computes the rest and greedy-decodes, then saves the chunks and snapshots it computed.
+computes the rest and greedy-decodes, then saves the chunks and snapshots of its prompt.
+
+Like the Llama engine (`chunked`), it computes a prompt in chunk-aligned pieces, one forward
+per piece, so a chunk's KV and the snapshot after it depend only on the tokens before and in
+it: a reader that loads them gets the bytes it would have computed. Chunks completed while
+decoding were computed a token at a time and would differ in the last bits; they are not
+saved.
 
 Store hooks (what `gpu.engine.store_codecs` calls):
     export_kv / import_kv              KV of attention layers [layers, 2, tokens, kv_heads, head_dim]
@@ -24,6 +30,7 @@ from kvstore.errors import InvalidArgument
 from kvstore.identity import DEFAULT_CHUNK_TOKENS, StateDescriptor
 from kvstore.layout import Layout
 
+from .chunked import pieces
 from .hybrid import HybridConfig, HybridModel
 from .kv_cache import CacheConfig, PagedKVCache
 from .store_codecs import PagedKVCodec, RecurrentCodec, paged_layout
@@ -110,13 +117,14 @@ class HybridEngine:
     # -- compute --------------------------------------------------------------------------
 
     def _compute(self, seq: HybridSequence) -> int:
-        """Compute every token not computed yet; returns the greedy next token."""
-        start, end = seq.num_computed, len(seq.token_ids)
-        boundaries = range(self.chunk_tokens * (start // self.chunk_tokens + 1), end + 1, self.chunk_tokens)
-        logits, seq.state, snaps = self.model.forward(seq.token_ids[start:end], start, self.cache,
-                                                      seq.seq_id, seq.state, boundaries)
-        seq.snapshots.update(snaps)
-        seq.num_computed = seq.kv_tokens = end
+        """Compute every token not computed yet, one forward per chunk-aligned piece; returns
+        the greedy next token."""
+        for lo, hi in pieces(seq.num_computed, len(seq.token_ids), self.chunk_tokens):
+            boundaries = (hi,) if hi % self.chunk_tokens == 0 else ()
+            logits, seq.state, snaps = self.model.forward(seq.token_ids[lo:hi], lo, self.cache,
+                                                          seq.seq_id, seq.state, boundaries)
+            seq.snapshots.update(snaps)
+            seq.num_computed = seq.kv_tokens = hi
         return int(logits.argmax())
 
     def run(self, seq_id: int) -> list[int]:
@@ -139,8 +147,8 @@ class HybridEngine:
             seq.token_ids.append(self._compute(seq))
             ttft = time.perf_counter() - started
             tokens = self.run(seq_id)
-            if connector is not None:
-                connector.request_finished(seq_id, seq.token_ids, seq.num_computed)
+            if connector is not None:  # the prompt's full chunks: computed in one piece each
+                connector.request_finished(seq_id, seq.token_ids, seq.num_prompt_tokens)
             return HybridResult(tokens, ttft, loaded)
         finally:
             self.release(seq_id)

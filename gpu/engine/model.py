@@ -51,11 +51,16 @@ class LlamaModel:
     # -- entry points -------------------------------------------------------------------
 
     @torch.inference_mode()
-    def forward(self, batch: StepBatch, cache: PagedKVCache) -> torch.Tensor:
+    def forward(self, batch: StepBatch, cache: PagedKVCache,
+                queries: list | None = None) -> torch.Tensor:
         """Compute the batch's tokens against the cache; returns logits [B, vocab] (float32)
-        of each segment's last token. Writes the new tokens' K/V into the cache."""
+        of each segment's last token. Writes the new tokens' K/V into the cache. With
+        `queries`, appends each layer's query of each segment's last token ([B, heads, dim],
+        RoPE applied)."""
 
         def paged_attention(layer, q, k, v):
+            if queries is not None:
+                queries.append(q[batch.last_index])
             k_flat, v_flat = cache.layer(layer)
             k_flat[batch.write_slots] = k
             v_flat[batch.write_slots] = v

@@ -2,9 +2,11 @@
 
 DESIGN.md section 6, on one request:
 
-1. Dense prefill of the prompt (the model's own layers with a causal attention that also keeps
-   each layer's K/V and the last token's query). Its full chunks go to the store; the
-   simulated device then forgets them. The first token comes from the dense logits.
+1. Dense prefill of the prompt, in chunk-aligned pieces (`chunked.prefill`, the one chunk
+   computation every path of the engine shares, so chunks stored by `StoreEngine` are the
+   bytes this prefill computes), keeping each layer's K/V and the last token's query. Its
+   full chunks go to the store; the simulated device then forgets them. The first token
+   comes from the dense logits.
 2. Each decode step, each layer: every full page is scored against its min/max key summary and
    the top-k pages are selected (`gpu.sparse`); attention covers those pages plus the current
    partial page. A selected page of a stored chunk must be resident on the device (an LRU of
@@ -35,6 +37,7 @@ from gpu.sparse import score_pages, select_top_k
 from kvstore.errors import InvalidArgument
 from kvstore.identity import DEFAULT_CHUNK_TOKENS
 
+from . import chunked
 from .model import LlamaModel
 from .sparse_pages import ResidentPages
 
@@ -79,19 +82,9 @@ class SparseDecoder:
         self.model, self.config = model, config
         self.page_tokens, self.chunk_tokens = page_tokens, chunk_tokens
 
-    @torch.inference_mode()
     def prefill(self, prompt: list[int]) -> Prefill:
-        keys, values, queries = [], [], []
-
-        def causal(layer, q, k, v):
-            keys.append(k), values.append(v), queries.append(q[-1])
-            return F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                                  is_causal=True, enable_gqa=True).transpose(0, 1)
-
-        hidden = self.model._layers(torch.tensor(prompt, device=self.model.device),
-                                    torch.arange(len(prompt), device=self.model.device), causal)
-        kv = torch.stack([torch.stack(keys), torch.stack(values)], dim=1)
-        return Prefill(kv, torch.stack(queries), int(self.model.logits(hidden[-1]).argmax()))
+        done = chunked.prefill(self.model, prompt, self.chunk_tokens, self.page_tokens)
+        return Prefill(done.kv, done.last_q, int(done.logits.argmax()))
 
     @torch.inference_mode()
     def decode(self, prompt: list[int], prefill: Prefill, source, max_new_tokens: int) -> SparseRun:

@@ -9,6 +9,13 @@ tokens are those of a plain `Engine`.
 Object identity: model `HuggingFaceTB/SmolLM2-135M-Instruct` (or the GGUF's name), revision a
 digest of the GGUF file, and the engine's compute dtype as a chain extra key: KV computed in
 float32 and in bfloat16 differ, and a reader that wants identical tokens must not mix them.
+
+Every chunk it stores is the one chunk computation of `chunked` (the chunk's tokens in one
+forward, alone, after the chunks before it): prompt chunks come so from the chunk-aligned,
+batch-invariant prefill; a chunk completed while decoding (its KV was computed a token at a
+time) is recomputed so before it is saved (`export_kv`), which costs one chunk of prefill per
+chunk decoded. The sparse decoder and every other reader of these objects compute the same
+bytes themselves, so a hit never changes a token.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ from client.connector import ConnectorConfig, KVConnector, MatchResult
 from kvstore.errors import InvalidArgument
 from kvstore.identity import DEFAULT_CHUNK_TOKENS, StateDescriptor
 
+from . import chunked
 from .engine import Engine, EngineConfig
 from .gguf_loader import DEFAULT_MODEL_FILE, ModelConfig, default_model_path, load_gguf
 from .model import LlamaModel
@@ -71,8 +79,8 @@ class StoreConfig:
     model_path: str | None = None  # the GGUF the weights came from (None: the default)
     prefill_tokens_per_s: float | None = None  # None: measured by the engine
     # Save chunks completed while decoding. Their KV was computed one token at a time, which
-    # differs in the last bits from the prefill that recomputes them in a later turn: in
-    # bf16 a reuse can then change a near-tie token. False keeps reuse bit-identical.
+    # differs in the last bits from a prefill of the chunk, so each is recomputed as one
+    # chunk (`chunked.prefill`) before it is saved: one chunk of prefill per chunk decoded.
     save_decode: bool = True
     connector: ConnectorConfig = ConnectorConfig()
 
@@ -90,14 +98,17 @@ class StoreEngine(Engine):
             config = replace(config, prefill_align=store.chunk_tokens,
                              max_prefill_tokens=max(config.max_prefill_tokens, store.chunk_tokens))
         super().__init__(store.model_path, dtype, device, config, model=model, tokenizer=tokenizer)
-        if store.chunk_tokens % config.page_tokens or store.chunk_tokens % config.prefill_align:
+        if store.chunk_tokens % config.page_tokens or store.chunk_tokens != config.prefill_align:
             raise InvalidArgument(f"chunk_tokens {store.chunk_tokens} must be a multiple of the "
-                                  f"page size {config.page_tokens} and of prefill_align")
+                                  f"page size {config.page_tokens} and equal prefill_align "
+                                  f"({config.prefill_align}): a chunk is computed in one piece")
         self.store = store
         self.descriptor = kv_descriptor(self.model_config, config.page_tokens, store)
         self.codec = PagedKVCodec(self, self.descriptor, self.model.dtype)
         self.connector = make_connector(store, [self.codec], self.model.dtype, self.estimate_prefill_s)
         self.matches: dict[int, MatchResult] = {}  # seq_id -> what its lookup decided (kept)
+        self.num_decode_recomputed = 0  # chunks completed while decoding, recomputed to save
+        self._recomputed: dict[int, torch.Tensor] = {}  # seq_id -> KV of those chunks, in order
 
     def estimate_prefill_s(self, num_tokens: int) -> float:
         rate = self.store.prefill_tokens_per_s
@@ -126,8 +137,33 @@ class StoreEngine(Engine):
 
     def release(self, seq_id: int):
         seq = self.sequence(seq_id)
-        self.connector.request_finished(seq_id, seq.token_ids, self._savable(seq))
+        try:
+            self.connector.request_finished(seq_id, seq.token_ids, self._savable(seq))
+        finally:
+            self._recomputed.pop(seq_id, None)
         return super().release(seq_id)
+
+    def export_kv(self, seq_id: int, start_token: int, end_token: int) -> torch.Tensor:
+        """Engine.export_kv, except that a chunk past the prompt's full chunks (completed
+        while decoding) comes as the one chunk computation gives it, not as decoded."""
+        seq = self.sequence(seq_id)
+        C = self.store.chunk_tokens
+        prompt_end = seq.num_prompt_tokens // C * C  # full prompt chunks: prefilled canonically
+        if end_token <= prompt_end or start_token % C or end_token - start_token != C \
+                or end_token > seq.num_computed:
+            return super().export_kv(seq_id, start_token, end_token)
+        done = self._recomputed.get(seq_id)
+        have = prompt_end + (0 if done is None else done.shape[2])
+        if have < end_token:
+            context = self.cache.read(seq_id, 0, prompt_end)
+            if done is not None:
+                context = torch.cat([context, done], dim=2)
+            more = chunked.prefill(self.model, seq.token_ids[:end_token], C,
+                                   self.config.page_tokens, context).kv
+            self.num_decode_recomputed += more.shape[2] // C
+            done = more if done is None else torch.cat([done, more], dim=2)
+            self._recomputed[seq_id] = done
+        return done[:, :, start_token - prompt_end:end_token - prompt_end].clone()
 
     def _savable(self, seq) -> int:
         return seq.num_computed if self.store.save_decode else min(seq.num_computed, seq.num_prompt_tokens)
