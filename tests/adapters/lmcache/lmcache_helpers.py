@@ -17,13 +17,15 @@ CHUNK_TOKENS = 16
 KV_SHAPE = (2, 2, CHUNK_TOKENS, 2, 16)
 
 
-def engine_config(socket_path: str = "", **settings) -> LMCacheEngineConfig:
-    """LMCache's config with the kvstore plug-in; `settings` become its extra_config keys."""
+def engine_config(socket_path: str = "", *, chunk_tokens: int = CHUNK_TOKENS, cpu_gb: float = 0.01,
+                  **settings) -> LMCacheEngineConfig:
+    """LMCache's config with the kvstore plug-in; `settings` become its extra_config keys.
+    (bench/engines_lmcache.py passes larger chunks and CPU memory.)"""
     prefix = f"remote_storage_plugin.{PLUGIN}."
     extra = {"module_path": "adapters.lmcache", "class_name": "KVStoreConnector", "socket_path": socket_path,
              "timeout_s": 2, "retry_after_s": 0.05, **settings}
     return LMCacheEngineConfig.from_defaults(
-        chunk_size=CHUNK_TOKENS, max_local_cpu_size=0.01, remote_serde="naive", remote_storage_plugins=[PLUGIN],
+        chunk_size=chunk_tokens, max_local_cpu_size=cpu_gb, remote_serde="naive", remote_storage_plugins=[PLUGIN],
         extra_config={prefix + k: v for k, v in extra.items()})
 
 
@@ -41,9 +43,10 @@ extra_config:
 """
 
 
-def engine_metadata() -> LMCacheMetadata:
+def engine_metadata(kv_shape=KV_SHAPE) -> LMCacheMetadata:
+    """LMCache's metadata of a model whose chunks have `kv_shape` (its third entry is the chunk size)."""
     return LMCacheMetadata(model_name=MODEL, world_size=1, local_world_size=1, worker_id=0, local_worker_id=0,
-                           kv_dtype=torch.bfloat16, kv_shape=KV_SHAPE, chunk_size=CHUNK_TOKENS)
+                           kv_dtype=torch.bfloat16, kv_shape=kv_shape, chunk_size=kv_shape[2])
 
 
 def connect(daemon, loop, backend, **settings):

@@ -20,26 +20,28 @@ def _pointers(tensors):
     return torch.tensor([t.data_ptr() for t in tensors], dtype=torch.uint64)
 
 
-def make_pool(kind: str, layout: str, dtype=torch.bfloat16):
+def make_pool(kind: str, layout: str, dtype=torch.bfloat16, *, layers=LAYERS, page=PAGE, heads=HEADS,
+              head_dim=HEAD_DIM, device_tokens=DEVICE_TOKENS):
     """SGLang's MHATokenToKVPoolHost ("mha") or MLATokenToKVPoolHost ("mla") on CPU, its
-    bytes random (a seed per kind and layout)."""
+    bytes random (a seed per kind and layout). The tests' pool is tiny; bench/engines_sglang.py
+    passes a model's geometry."""
     if kind == "mha":
-        k = tuple(torch.zeros(DEVICE_TOKENS, HEADS, HEAD_DIM, dtype=dtype) for _ in range(LAYERS))
-        v = tuple(torch.zeros(DEVICE_TOKENS, HEADS, HEAD_DIM, dtype=dtype) for _ in range(LAYERS))
+        k = tuple(torch.zeros(device_tokens, heads, head_dim, dtype=dtype) for _ in range(layers))
+        v = tuple(torch.zeros(device_tokens, heads, head_dim, dtype=dtype) for _ in range(layers))
         info = MHABufferInfo(buffers=KVBuffers(k=k, v=v, k_data_ptrs=_pointers(k), v_data_ptrs=_pointers(v),
                                                layout=KVBufferLayout.NHD),
-                             page_size=PAGE, head_num=HEADS, head_dim=HEAD_DIM, v_head_dim=HEAD_DIM,
+                             page_size=page, head_num=heads, head_dim=head_dim, v_head_dim=head_dim,
                              dtype=dtype, device=CPU)
-        pool = MHATokenToKVPoolHost(info, 2.0, 0, PAGE, layout, pin_memory=False, device="cpu",
-                                    device_capacity_tokens=DEVICE_TOKENS, start_layer=0, end_layer=LAYERS)
+        pool = MHATokenToKVPoolHost(info, 2.0, 0, page, layout, pin_memory=False, device="cpu",
+                                    device_capacity_tokens=device_tokens, start_layer=0, end_layer=layers)
     else:
-        rows = tuple(torch.zeros(DEVICE_TOKENS, 1, LORA_RANK + ROPE_DIM, dtype=dtype) for _ in range(LAYERS))
-        info = MLABufferInfo(buffers=rows, data_ptrs=_pointers(rows), layer_indices=tuple(range(LAYERS)),
-                             device_layer_num=LAYERS, page_size=PAGE, kv_lora_rank=LORA_RANK,
+        rows = tuple(torch.zeros(device_tokens, 1, LORA_RANK + ROPE_DIM, dtype=dtype) for _ in range(layers))
+        info = MLABufferInfo(buffers=rows, data_ptrs=_pointers(rows), layer_indices=tuple(range(layers)),
+                             device_layer_num=layers, page_size=page, kv_lora_rank=LORA_RANK,
                              qk_rope_head_dim=ROPE_DIM, kv_cache_dim=LORA_RANK + ROPE_DIM, dtype=dtype, device=CPU)
-        pool = MLATokenToKVPoolHost(info, 2.0, 0, PAGE, layout, pin_memory=False, device="cpu",
-                                    device_capacity_tokens=DEVICE_TOKENS, start_layer=0, end_layer=LAYERS,
-                                    target_layer_num=LAYERS)
+        pool = MLATokenToKVPoolHost(info, 2.0, 0, page, layout, pin_memory=False, device="cpu",
+                                    device_capacity_tokens=device_tokens, start_layer=0, end_layer=layers,
+                                    target_layer_num=layers)
     generator = torch.Generator().manual_seed(zlib.crc32(f"{kind}/{layout}".encode()))
     raw = pool.kv_buffer.view(-1).view(torch.uint8)
     raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=generator))
@@ -75,10 +77,10 @@ def page_keys(num_pages: int, seed: int = 0) -> list[str]:
     return get_hash_str(tokens, None, page_size=PAGE)
 
 
-def token_indices(pages) -> torch.Tensor:
+def token_indices(pages, page_tokens: int = PAGE) -> torch.Tensor:
     """Host pool token indices of whole pages, as SGLang passes them (page by page)."""
-    return torch.cat([torch.arange(p * PAGE, (p + 1) * PAGE) for p in pages])
+    return torch.cat([torch.arange(p * page_tokens, (p + 1) * page_tokens) for p in pages])
 
 
 def page_bytes(pool, page: int) -> torch.Tensor:
-    return pool.get_data_page(page * PAGE, flat=True).contiguous().view(torch.uint8)
+    return pool.get_data_page(page * pool.page_size, flat=True).contiguous().view(torch.uint8)
