@@ -134,6 +134,15 @@ class SafeStore:
         got = self._call(lambda client: client.get_into(oid, out, verify=False) or 0, 0)
         return bool(got)
 
+    def get_many_into(self, pairs: list[tuple[ObjectId, object]]) -> list[bool]:
+        """Copy each (id, out) object into its buffer, pipelined (about one round trip per
+        1,024); which ones were copied. A miss or any failure is False for that item (a
+        store failure: for all of them); a False item's buffer may be partly written."""
+        if not pairs:
+            return []
+        return self._call(lambda client: [size is not None for size in client.get_many_into(pairs)],
+                          [False] * len(pairs))
+
     def put_many(self, items: list[tuple[ObjectId, object]], desc: StateDescriptor) -> list[bool]:
         """Store (id, bytes-like / numpy / CPU tensor) pairs; which ones the store now holds.
         The data is only read during the call."""

@@ -121,12 +121,11 @@ def _build_class():
             return held
 
         def _get_pages(self, keys, host_indices):
-            loaded = [False] * len(keys)
-            for i, (ids, views) in enumerate(self._parts(keys, host_indices)):
-                if not all(self.store.get_into(oid, view) for oid, view in zip(ids, views)):
-                    break
-                loaded[i] = True
-            return loaded
+            """Every part of every page in one pipelined call; the leading run of whole pages."""
+            pages = self._parts(keys, host_indices)
+            got = self.store.get_many_into([(oid, view) for ids, views in pages for oid, view in zip(ids, views)])
+            whole = self.plan.leading_pages(got, self.plan.num_parts)
+            return [i < whole for i in range(len(keys))]
 
         def _leading_pages(self, keys):
             if self.interface_v1:

@@ -204,26 +204,29 @@ def _build_classes() -> dict:
             return torch.empty((len(self._layers), nblocks, *block_shape), dtype=first.dtype)
 
         def start_load_kv(self, forward_context, **kwargs):
-            meta = self._get_connector_metadata()
-            for spec in meta.loads:
+            """Every chunk of the step in one pipelined get, then each into its blocks."""
+            loads = self._get_connector_metadata().loads
+            if not loads:
+                return
+            chunks = [self._chunk_tensor(self.chunk_tokens // self.block_size) for _ in loads]
+            got = self.store.get_many_into([(spec.object_id, chunk.view(-1).view(torch.uint8).numpy())
+                                            for spec, chunk in zip(loads, chunks)])
+            for spec, chunk, ok in zip(loads, chunks, got):
                 try:
-                    if not self._load(spec):
-                        self._load_errors.update(block for _, block in spec.blocks)
+                    if ok:
+                        self._scatter(spec, chunk)
+                        continue
                 except Exception:
                     log.exception("kvstore: loading chunk %s failed; vLLM recomputes it", spec.object_id)
-                    self._load_errors.update(block for _, block in spec.blocks)
+                self._load_errors.update(block for _, block in spec.blocks)
 
-        def _load(self, spec: LoadSpec) -> bool:
-            chunk = self._chunk_tensor(self.chunk_tokens // self.block_size)
-            if not self.store.get_into(spec.object_id, chunk.view(-1).view(torch.uint8).numpy()):
-                return False
+        def _scatter(self, spec: LoadSpec, chunk) -> None:
             inside = torch.tensor([i for i, _ in spec.blocks])
             dest = torch.tensor([b for _, b in spec.blocks])
             for layer, cache in enumerate(self._layers):
                 picked = chunk[layer].index_select(0, inside).to(cache.device)
                 cache.index_copy_(self._block_dim, dest.to(cache.device), picked.movedim(0, self._block_dim))
             self.num_loaded_chunks += 1
-            return True
 
         def wait_for_layer_load(self, layer_name: str):
             return  # loads are synchronous: complete when start_load_kv returns

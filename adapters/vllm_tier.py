@@ -176,8 +176,9 @@ def _build_tier_class():
 
         def _load_job(self, job):
             keys = list(job.keys)
-            loaded = [key for key, oid, chunk in zip(keys, self._ids(keys), job.chunk_ids)
-                      if self.store.get_into(oid, self._chunks[int(chunk)])]
+            got = self.store.get_many_into([(oid, self._chunks[int(chunk)])
+                                            for oid, chunk in zip(self._ids(keys), job.chunk_ids)])
+            loaded = [key for key, ok in zip(keys, got) if ok]
             if len(loaded) == len(keys):
                 return JobResult(job_id=job.job_id, success=True,
                                  transfer_bytes=len(keys) * self.block_size_bytes)

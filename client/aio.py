@@ -199,6 +199,11 @@ class AsyncClient:
                        expect: StateDescriptor | None = None) -> int | None:
         return await self._run(self.core.op_get_into(key, out, namespace, verify, expect))
 
+    async def get_many_into(self, items, namespace: str | None = None,
+                            expect: StateDescriptor | None = None) -> list[int | None]:
+        """As Client.get_many_into."""
+        return await self._run(self.core.op_get_many_into(list(items), namespace, expect))
+
     async def lookup(self, keys, namespace: str | None = None,
                      expect: StateDescriptor | None = None) -> LookupResult:
         return await self._run(self.core.op_lookup(list(keys), namespace, expect))

@@ -224,6 +224,12 @@ def to_object_id(key) -> ObjectId:
     raise InvalidArgument(f"a key is an ObjectId, ChunkKey, 32 bytes or 64 hex chars, not {type(key).__name__}")
 
 
+# Gets one get_many_into sends before it reads their replies: far below the daemon's lease
+# quota per client (limits.max_leases_per_client, 4,096 by default), with room for the leases
+# an engine holds at the same time.
+GET_MANY_BATCH = 1024
+
+
 def _expectation(key, expect: StateDescriptor | None) -> StateDescriptor | None:
     """What a read of `key` expects: `expect`, else the descriptor a ChunkKey carries."""
     if expect is not None and not isinstance(expect, StateDescriptor):
@@ -420,6 +426,10 @@ class ClientCore:
             return None
         if namespace not in self.arenas:  # made since we opened (a put, or a promotion for this get)
             yield from self.op_open(namespace)
+        return self._lease(r, namespace, oid, ranges, expect)
+
+    def _lease(self, r: dict, namespace: str, oid: ObjectId, ranges, expect) -> ReadLease | None:
+        """The ReadLease of a get hit `r` (None, released, if it is not the expected state)."""
         array = self.arenas[namespace][r["offset"]:r["offset"] + r["size"]]
         held = None if r.get("ranges") is None else decode_ranges(r["ranges"])
         lease = ReadLease(self._release_cb, r["lease"], oid, r["size"], r["checksum"], r["descriptor"], r["tier"],
@@ -441,6 +451,45 @@ class ClientCore:
             if verify and xxhash.xxh3_128_digest(dst[:lease.size]) != lease.checksum:
                 raise ChecksumError(f"object {lease.object_id.hex}: copied bytes fail their checksum")
         return lease.size
+
+    def op_get_many_into(self, items, namespace: str | None, expect: StateDescriptor | None = None):
+        """Copy many objects into caller buffers: the gets of up to GET_MANY_BATCH items go
+        out pipelined (one round trip), then each hit is copied and its lease released.
+        Returns each item's size, or None on a miss. Every lease is released before an
+        error (a buffer too small, a refused get) is raised for the first item that had one."""
+        namespace = namespace or self.namespace
+        yield from self.op_open(namespace, create=False)
+        prepared = [(to_object_id(key), as_writable_u8(out), _expectation(key, expect)) for key, out in items]
+        sizes: list[int | None] = []
+        first_error = None
+        for start in range(0, len(prepared), GET_MANY_BATCH):
+            batch = prepared[start:start + GET_MANY_BATCH]
+            replies = yield [self.request(m.Get(namespace, oid, None, None, want)) for oid, _, want in batch]
+            if namespace not in self.arenas and any(r.error is None and r.result["hit"] for r in replies):
+                yield from self.op_open(namespace)  # made since we opened
+            for (oid, dst, want), reply in zip(batch, replies):
+                if reply.error is not None:
+                    first_error = first_error or from_wire(reply.error)
+                    sizes.append(None)
+                    continue
+                if not reply.result["hit"]:
+                    sizes.append(None)
+                    continue
+                lease = self._lease(reply.result, namespace, oid, None, want)
+                if lease is None:
+                    sizes.append(None)
+                    continue
+                with lease:
+                    if lease.size > dst.size:
+                        first_error = first_error or InvalidArgument(
+                            f"object {oid.hex} is {lease.size} bytes, its output buffer only {dst.size}")
+                        sizes.append(None)
+                        continue
+                    np.copyto(dst[:lease.size], lease._array)
+                    sizes.append(lease.size)
+        if first_error is not None:
+            raise first_error
+        return sizes
 
     def op_lookup(self, keys, namespace: str | None, expect: StateDescriptor | None = None):
         if expect is None:

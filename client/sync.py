@@ -224,6 +224,14 @@ class Client:
         """Copy the object into `out`; returns its size, or None on a miss (as `get`)."""
         return self._run(self.core.op_get_into(key, out, namespace, verify, expect))
 
+    def get_many_into(self, items, namespace: str | None = None,
+                      expect: StateDescriptor | None = None) -> list[int | None]:
+        """Copy many objects into their buffers: `items` is (key, out) pairs; returns each
+        one's size, or None on a miss. The gets go out pipelined, 1,024 per round trip, so
+        many small objects cost about one round trip, not one each. A buffer too small (or
+        a refused get) raises after every other item was copied and every lease released."""
+        return self._run(self.core.op_get_many_into(list(items), namespace, expect))
+
     def lookup(self, keys, namespace: str | None = None, expect: StateDescriptor | None = None) -> LookupResult:
         """How many leading keys hit, each key's tier, and the estimated load time (one round trip per 4096 keys).
         expect: the descriptor every key must be stored under (ChunkKeys expect their own);

@@ -62,3 +62,16 @@ def test_a_request_the_store_refuses_is_a_miss_not_an_outage(daemon):
     assert store.num_refused == 1 and store.num_failures == 0
     out = np.empty(DESC.object_bytes, np.uint8)
     assert store.get_into(oid, out)  # the link stayed up (retry_after_s is a minute)
+
+
+def test_get_many_into_copies_hits_and_answers_false_for_misses_and_a_dead_store(daemon):
+    store = SafeStore(StoreConfig(socket_path=daemon.socket, timeout_s=2, retry_after_s=0.05))
+    ids = [engine_object_id(DESC, "test", i) for i in range(3)]
+    store.put_many([(ids[0], np.full(DESC.object_bytes, 7, np.uint8)), (ids[2], np.full(DESC.object_bytes, 9, np.uint8))],
+                   DESC)
+    outs = [np.zeros(DESC.object_bytes, np.uint8) for _ in ids]
+    assert store.get_many_into(list(zip(ids, outs))) == [True, False, True]
+    assert (outs[0] == 7).all() and (outs[1] == 0).all() and (outs[2] == 9).all()
+    daemon.stop(signal.SIGKILL)
+    assert store.get_many_into(list(zip(ids, outs))) == [False] * 3
+    assert store.num_failures == 1
