@@ -68,7 +68,12 @@ def describe(vllm_config, kv_cache_config, chunk_tokens: int, namespace: str, re
         layout = (f"paged(order=layer_first,layers={layers},block={spec.block_size},"
                   f"kv_heads={spec.num_kv_heads},head_dim={spec.head_size})")
         kind = "kv"
-    shard = f"{parallel.rank % max(parallel.tensor_parallel_size, 1)}/{max(parallel.tensor_parallel_size, 1)}"
+    # One model replica's ranks (TP x PP x prefill-context): each holds other heads or other
+    # layers, so each stores its own shard. (Data-parallel replicas share state.) The
+    # scheduler, rank 0, looks up shard 0; a rank whose shard is missing reports load errors.
+    replica = max(1, parallel.tensor_parallel_size * parallel.pipeline_parallel_size
+                  * getattr(parallel, "prefill_context_parallel_size", 1))
+    shard = f"{parallel.rank % replica}/{replica}"
     desc = StateDescriptor(namespace, model.model, revision or model.revision or "main", kind=kind, dtype=dtype,
                            layout=layout, shard=shard, chunk_tokens=chunk_tokens)
     inner = getattr(vllm_config.cache_config, "kv_cache_layout", None) or "default"

@@ -85,7 +85,7 @@ def bench_vllm(socket_path: str, quick: bool) -> list[Row]:
             kv_connector_extra_config={"socket_path": socket_path, "chunk_tokens": chunk}, is_kv_producer=True),
         cache_config=types.SimpleNamespace(block_size=block, kv_cache_layout="NHD"),
         model_config=types.SimpleNamespace(model="bench/model", revision="main", use_mla=False),
-        parallel_config=types.SimpleNamespace(rank=0, tensor_parallel_size=1))
+        parallel_config=types.SimpleNamespace(rank=0, tensor_parallel_size=1, pipeline_parallel_size=1))
     worker = connector_module.KVStoreConnector(vllm_config, KVConnectorRole.WORKER, kv_config)
     caches = {f"l{i}": torch.randn(2, num_blocks, block, heads, dim).to(torch.float16) for i in range(layers)}
     worker.register_kv_caches(caches)
