@@ -29,8 +29,10 @@ Identity (issue 17): each writer path (paged prefill, a prefill batched with ano
 the sparse decoder, chunks completed while decoding) stores the two chunks of its own prefix
 of the corpus; then each reader path (paged, batched, sparse) reads them for a prompt that
 goes on past them, and its greedy tokens must equal its own recompute without the store
-(row `identity W->R`, 1 or 0; `identity all` is their minimum, target 1). A reader that did
-not load every stored chunk counts as 0.
+(row `identity W->R` tokens, 1 or 0), and the stored chunks must be bit for bit what the
+reader path computes itself (row `identity W->R` bytes: a last-bit difference need not flip
+a token in 8, but flips near-ties elsewhere). `identity all` is the minimum over both, target
+1. A reader that did not load every stored chunk counts as 0.
 """
 
 from __future__ import annotations
@@ -131,15 +133,38 @@ def sparse_rows(socket: str, model, tokenizer, steps: int) -> list[Row]:
     ]
 
 
-def _batched(engine: Engine, prompt: list[int], other: list[int], max_new_tokens: int):
-    """`prompt` arrives while `other` is one chunk into its prefill: they share prefill steps."""
-    first = engine.add_request(other, 1, ignore_eos=True)
-    engine.step()
+def _batched(engine: Engine, prompt: list[int], other: list[int] | None, max_new_tokens: int):
+    """(completion, KV of the prompt's first two chunks); `prompt` arrives while `other` is
+    one chunk into its prefill, so they share prefill steps (None: `prompt` alone)."""
+    first = None if other is None else engine.add_request(other, 1, ignore_eos=True)
+    if other is not None:
+        engine.step()
     seq = engine.add_request(prompt, max_new_tokens, ignore_eos=True)
     while engine.has_unfinished():
         engine.step()
-    engine.release(first)
-    return engine.release(seq)
+    kv = engine.export_kv(seq, 0, 2 * CHUNK)
+    if first is not None:
+        engine.release(first)
+    return engine.release(seq), kv
+
+
+def _stored_kv(model, socket: str, prompt: list[int]) -> torch.Tensor:
+    """The KV of the prompt's first two chunks as the store holds them (None: not all there)."""
+    from gpu.engine.sparse_pages import StorePages
+
+    def missing():
+        raise LookupError("not stored")
+
+    connector, codec = connect(model, StoreConfig(socket_path=socket))
+    pages = StorePages(connector, codec, "bytes", prompt, missing)
+    try:
+        layers = [pages.fetch(layer, list(range(2 * CHUNK // 16))) for layer in range(model.config.num_layers)]
+    except LookupError:
+        return None
+    finally:
+        connector.request_finished("bytes", prompt, 0)
+        connector.close()
+    return torch.stack(layers).transpose(1, 2).flatten(2, 3)  # [layers, 2, tokens, heads, dim]
 
 
 def identity_rows(socket: str, model, tokenizer) -> list[Row]:
@@ -167,6 +192,7 @@ def identity_rows(socket: str, model, tokenizer) -> list[Row]:
         else:
             store.generate([base[:2 * CHUNK + 20]], 1, ignore_eos=True)
             written = base
+        stored = _stored_kv(model, socket, written)
         for r, reader in enumerate(READERS):
             prompt = written[:2 * CHUNK] + corpus(tokenizer, 24, start=6800 + 40 * r)
             if reader == "sparse":
@@ -174,21 +200,25 @@ def identity_rows(socket: str, model, tokenizer) -> list[Row]:
                 got = decoder.run(prompt, IDENTITY_NEW, connector, codec)
                 connector.close()
                 loaded = got.num_fallbacks == 0 and connector.segments.bytes_read > 0
-                same = loaded and got.token_ids == decoder.run(prompt, IDENTITY_NEW).token_ids
+                tokens, own_kv = got.token_ids, decoder.prefill(prompt).kv[:, :, :2 * CHUNK]
+                own = decoder.run(prompt, IDENTITY_NEW).token_ids
             else:
                 if reader == "batched":
-                    done = _batched(store, prompt, other, IDENTITY_NEW)
+                    done = _batched(store, prompt, other, IDENTITY_NEW)[0]
                 else:
                     [done] = store.generate([prompt], IDENTITY_NEW, ignore_eos=True)
                 loaded = store.matches[done.seq_id].num_tokens == 2 * CHUNK
+                tokens, own_kv = done.token_ids, _batched(plain, prompt, other if reader == "batched" else None, 1)[1]
                 own = plain.generate([prompt], IDENTITY_NEW, ignore_eos=True)[0].token_ids
-                same = loaded and done.token_ids == own
             store.matches.clear()
-            results.append(float(same))
+            same_bytes = stored is not None and torch.equal(stored, own_kv)
+            same = loaded and tokens == own
+            results.append(float(same and same_bytes))
             rows.append(Row(SUITE, f"identity {writer}->{reader}", "tokens", "", float(same)))
-            print(f"  {writer} -> {reader}: {'identical' if same else 'DIFFERENT' if loaded else 'not loaded'}",
-                  flush=True)
-    rows.append(Row(SUITE, "identity all", "tokens", "", min(results)))
+            rows.append(Row(SUITE, f"identity {writer}->{reader}", "bytes", "", float(same_bytes)))
+            print(f"  {writer} -> {reader}: tokens {'identical' if same else 'DIFFERENT' if loaded else 'not loaded'},"
+                  f" stored bytes {'= own' if same_bytes else '!= own'}", flush=True)
+    rows.append(Row(SUITE, "identity all", "tokens+bytes", "", min(results)))
     rows.append(Row(SUITE, "identity decode chunks recomputed", "count", "", float(store.num_decode_recomputed)))
     store.close()
     return rows
@@ -218,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     targets += [Target("sparse k=1/8 recall", "mean", None, ">=", 0.95),
                 Target("sparse k=1/8 bytes/step", "mean", "full prefetch", "<=", 0.2),
                 Target("sparse k=1/8 = resident", "tokens", None, ">=", 1),
-                Target("identity all", "tokens", None, ">=", 1)]
+                Target("identity all", "tokens+bytes", None, ">=", 1)]
     settings = {"model": "SmolLM2-135M-Instruct", "compute": "bfloat16", "storage": "bf16",
                 "threads": args.threads, "reps": reps, "chunk_tokens": 256, "page_tokens": 16,
                 "sparse": {**SPARSE, "steps": steps}, "device": "cpu",
