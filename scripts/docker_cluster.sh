@@ -1,0 +1,173 @@
+#!/usr/bin/env bash
+# The compose cluster (docker/docker-compose.yml: etcd, nodes a, b, c, an engine container),
+# built offline: no image registry and no package index inside containers.
+#
+#   scripts/docker_cluster.sh build   base image, wheelhouse, images (cached: reruns are quick)
+#   scripts/docker_cluster.sh up      build, then start the cluster and wait until it is healthy
+#   scripts/docker_cluster.sh test    pytest tests/docker (which runs up and down itself)
+#   scripts/docker_cluster.sh down    remove the cluster's containers, network and volumes
+#   scripts/docker_cluster.sh engine  start dockerd (as root, when none answers) and return
+#   scripts/docker_cluster.sh id SERVICE   the container id of a service (for docker exec/kill)
+#
+# Offline means: the base image is Debian bookworm made with debootstrap from the Debian
+# mirror (KVSTORE_DEBIAN_MIRROR) and `docker import`; python3 and etcd come from the same
+# mirror (apt-get in `docker build --network host`); kvstore's wheel and its dependencies'
+# wheels (CPython 3.11, manylinux) are prepared on the host with pip and installed in the
+# image with `pip install --no-index --find-links`. Needs root for debootstrap.
+#
+# The Docker engine: a running one, or (as root) `dockerd --storage-driver=vfs` started here,
+# logged to build/docker/dockerd.log and left running. Compose: `docker compose` v2 if the
+# CLI has it, else `docker-compose` (Debian's 1.29: apt-get install docker-compose).
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+WORK="${KVSTORE_DOCKER_WORK:-$ROOT/build/docker}"
+PROJECT="${KVSTORE_COMPOSE_PROJECT:-kvstore}"
+BASE_IMAGE="${KVSTORE_BASE_IMAGE:-kvstore-base:bookworm}"
+export KVSTORE_IMAGE="${KVSTORE_IMAGE:-kvstore:latest}"
+export KVSTORE_ETCD_IMAGE="${KVSTORE_ETCD_IMAGE:-kvstore-etcd:latest}"
+MIRROR="${KVSTORE_DEBIAN_MIRROR:-http://deb.debian.org/debian}"
+COMPOSE_FILE="$ROOT/docker/docker-compose.yml"
+SECRET="$ROOT/docker/cluster-secret"
+UID_IN_IMAGE=10001  # the image's kvstore user (docker/Dockerfile)
+UP_TIMEOUT_S=180
+# The Docker CLI may be newer than the engine and default to BuildKit (buildx); the classic
+# builder is what Debian's engine has.
+export DOCKER_BUILDKIT=0 COMPOSE_DOCKER_CLI_BUILD=0
+
+log() { echo "docker_cluster: $*" >&2; }
+die() { log "$*"; exit 1; }
+
+PY="$ROOT/.venv/bin/python"
+[ -x "$PY" ] || PY="$(command -v python3)"
+
+engine() {
+    docker info >/dev/null 2>&1 && return 0
+    [ "$(id -u)" = 0 ] || die "no Docker engine answers and this is not root (start dockerd, or join the docker group)"
+    command -v dockerd >/dev/null || die "no Docker engine answers and dockerd is missing (Debian: apt-get install -y docker.io)"
+    mkdir -p "$WORK"
+    log "starting dockerd --storage-driver=vfs (log: $WORK/dockerd.log)"
+    # setsid: the engine outlives this script and is not in its process group.
+    setsid dockerd --storage-driver=vfs >"$WORK/dockerd.log" 2>&1 < /dev/null &
+    echo $! > "$WORK/dockerd.pid"
+    for _ in $(seq 1 60); do
+        docker info >/dev/null 2>&1 && return 0
+        sleep 1
+    done
+    die "dockerd did not answer within 60 s; see $WORK/dockerd.log"
+}
+
+compose() {
+    if docker compose version >/dev/null 2>&1; then
+        docker compose -p "$PROJECT" -f "$COMPOSE_FILE" "$@"
+    elif command -v docker-compose >/dev/null; then
+        docker-compose -p "$PROJECT" -f "$COMPOSE_FILE" "$@"
+    else
+        die "neither \`docker compose\` nor docker-compose is installed (Debian: apt-get install -y docker-compose)"
+    fi
+}
+
+base_image() {
+    docker image inspect "$BASE_IMAGE" >/dev/null 2>&1 && return 0
+    command -v debootstrap >/dev/null || die "debootstrap is missing (Debian: apt-get install -y debootstrap)"
+    [ "$(id -u)" = 0 ] || die "debootstrap needs root to make $BASE_IMAGE"
+    local rootfs
+    rootfs="$(mktemp -d "${TMPDIR:-/tmp}/kvstore-rootfs.XXXXXX")"
+    log "debootstrap --variant=minbase bookworm from $MIRROR"
+    if ! debootstrap --variant=minbase bookworm "$rootfs" "$MIRROR" >"$WORK/debootstrap.log" 2>&1; then
+        rm -rf "$rootfs"
+        die "debootstrap failed; see $WORK/debootstrap.log"
+    fi
+    tar -C "$rootfs" -c . | docker import - "$BASE_IMAGE" >/dev/null
+    rm -rf "$rootfs"
+}
+
+# The build context: the sources the Dockerfile copies and docker/wheels, nothing else (the
+# repository holds .venv and build outputs that must not be sent to the engine).
+context() {
+    local ctx="$WORK/context" wheels="$WORK/context/docker/wheels"
+    rm -rf "$ctx"
+    mkdir -p "$ctx"
+    (cd "$ROOT" && tar -c --exclude=__pycache__ --exclude=docker/wheels --exclude=docker/cluster-secret \
+        pyproject.toml README.md kvstore tiers server client gpu adapters docker) | tar -x -C "$ctx"
+    mkdir -p "$wheels"
+    log "wheelhouse: kvstore and its core dependencies for CPython 3.11"
+    "$PY" -m pip wheel -q --no-deps "$ROOT" -w "$wheels" >"$WORK/pip.log" 2>&1 \
+        || die "pip wheel failed; see $WORK/pip.log"
+    "$PY" -m pip download -q --only-binary=:all: --python-version 3.11 --implementation cp \
+        --platform manylinux2014_x86_64 -d "$wheels" "$wheels"/kvstore-*.whl >>"$WORK/pip.log" 2>&1 \
+        || die "pip download failed; see $WORK/pip.log"
+}
+
+secret() {
+    [ -s "$SECRET" ] && return 0
+    "$PY" -c 'import secrets; print(secrets.token_hex(24))' > "$SECRET"
+    if [ "$(id -u)" = 0 ]; then  # readable by the containers' kvstore user only
+        chown "$UID_IN_IMAGE:$UID_IN_IMAGE" "$SECRET"
+        chmod 0600 "$SECRET"
+    else
+        chmod 0644 "$SECRET"
+    fi
+}
+
+build() {
+    engine
+    mkdir -p "$WORK"
+    base_image
+    context
+    log "building $KVSTORE_ETCD_IMAGE and $KVSTORE_IMAGE (log: $WORK/build.log)"
+    {
+        docker build --network host --build-arg BASE="$BASE_IMAGE" -t "$KVSTORE_ETCD_IMAGE" \
+            -f "$WORK/context/docker/Dockerfile.etcd" "$WORK/context/docker" \
+        && docker build --network host --build-arg BASE="$BASE_IMAGE" --build-arg WHEELS=docker/wheels \
+            -t "$KVSTORE_IMAGE" -f "$WORK/context/docker/Dockerfile" "$WORK/context"
+    } >"$WORK/build.log" 2>&1 || die "docker build failed; see $WORK/build.log"
+    secret
+}
+
+healthy() {  # every service but the engine reports healthy, the engine runs
+    local id state
+    for service in etcd node-a node-b node-c engine; do
+        id="$(compose ps -q "$service" 2>/dev/null)"
+        [ -n "$id" ] || return 1
+        state="$(docker inspect -f '{{.State.Status}} {{if .State.Health}}{{.State.Health.Status}}{{end}}' "$id")"
+        case "$state" in
+            "running healthy" | "running ") ;;
+            *) return 1 ;;
+        esac
+    done
+}
+
+up() {
+    build
+    compose up -d --no-build >"$WORK/up.log" 2>&1 || { cat "$WORK/up.log" >&2; die "compose up failed"; }
+    local deadline=$((SECONDS + UP_TIMEOUT_S))
+    until healthy; do
+        if [ $SECONDS -gt $deadline ]; then
+            compose ps >&2 || true
+            compose logs --tail=30 >&2 || true
+            die "the cluster is not healthy within $UP_TIMEOUT_S s"
+        fi
+        sleep 1
+    done
+    log "up: etcd, node-a, node-b, node-c healthy; engine running (project $PROJECT)"
+}
+
+down() {
+    docker info >/dev/null 2>&1 || { log "no Docker engine answers: nothing runs"; return 0; }
+    compose down --volumes --remove-orphans --timeout 30 >"$WORK/down.log" 2>&1 \
+        || { cat "$WORK/down.log" >&2; die "compose down failed"; }
+    local left
+    left="$(docker ps -aq --filter "label=com.docker.compose.project=$PROJECT")"
+    [ -z "$left" ] || die "containers left after down: $left"
+}
+
+case "${1:-}" in
+    engine) engine ;;
+    build) build ;;
+    up) up ;;
+    down) mkdir -p "$WORK"; down ;;
+    id) compose ps -q "${2:?usage: $0 id SERVICE}" ;;
+    test) shift; exec "$PY" -m pytest -q -m docker "$ROOT/tests/docker" "$@" ;;
+    *) die "usage: $0 up|test|down|build|engine|id SERVICE" ;;
+esac
