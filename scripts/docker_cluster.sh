@@ -78,6 +78,7 @@ base_image() {
         rm -rf "$rootfs"
         die "debootstrap failed; see $WORK/debootstrap.log"
     fi
+    chmod 0755 "$rootfs"  # mktemp made it 0700: it becomes the image's /, which every user walks
     tar -C "$rootfs" -c . | docker import - "$BASE_IMAGE" >/dev/null
     rm -rf "$rootfs"
 }
@@ -92,7 +93,9 @@ context() {
         pyproject.toml README.md kvstore tiers server client gpu adapters docker) | tar -x -C "$ctx"
     mkdir -p "$wheels"
     log "wheelhouse: kvstore and its core dependencies for CPython 3.11"
-    "$PY" -m pip wheel -q --no-deps "$ROOT" -w "$wheels" >"$WORK/pip.log" 2>&1 \
+    # A fixed timestamp inside the wheel: unchanged sources give the same bytes, and the
+    # image layers stay cached.
+    SOURCE_DATE_EPOCH=315532800 "$PY" -m pip wheel -q --no-deps "$ROOT" -w "$wheels" >"$WORK/pip.log" 2>&1 \
         || die "pip wheel failed; see $WORK/pip.log"
     "$PY" -m pip download -q --only-binary=:all: --python-version 3.11 --implementation cp \
         --platform manylinux2014_x86_64 -d "$wheels" "$wheels"/kvstore-*.whl >>"$WORK/pip.log" 2>&1 \
