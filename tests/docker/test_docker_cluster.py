@@ -135,7 +135,19 @@ def cluster():
         _run([SCRIPT, "up"], timeout=BUILD_TIMEOUT_S)
         yield Compose()
     finally:
+        save_logs()
         _run([SCRIPT, "down"])
+
+
+def save_logs() -> None:
+    """Each container's log, kept for a failure's post-mortem in build/docker/logs/."""
+    logdir = os.path.join(ROOT, "build", "docker", "logs")
+    os.makedirs(logdir, exist_ok=True)
+    for cid in project_containers():
+        name = _run(["docker", "inspect", "-f", "{{.Name}}", cid]).stdout.strip().lstrip("/")
+        out = _run(["docker", "logs", "--timestamps", cid], check=False)
+        with open(os.path.join(logdir, f"{name}.log"), "w") as f:
+            f.write(out.stdout + out.stderr)
 
 
 def test_put_from_the_engine_container_reads_bit_exact_on_node_c(cluster):
