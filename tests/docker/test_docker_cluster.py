@@ -180,8 +180,9 @@ def test_a_killed_node_loses_no_object_and_gets_its_share_back(cluster):
     assert cluster.health("node-b").startswith("exited")
     for node in ("node-a", "node-c"):  # reads of B's objects fail over to their other home
         cluster.check(node, "kill", "k", 2)
-    wait_until(lambda: cluster.probe("node-c", "members")["members"] == ["node-a", "node-c"], SETTLE_S,
-               "C drops the killed B")
+    for node in ("node-a", "node-c"):  # the list changes on both: re-homing to B waits for that
+        wait_until(lambda node=node: cluster.probe(node, "members")["members"] == ["node-a", "node-c"], SETTLE_S,
+                   f"{node} drops the killed B")
     wait_until(lambda: cluster.held_by_homes("kill", "k", 2, ["node-a", "node-c"]), SETTLE_S,
                "A and C hold everything")
 
