@@ -31,6 +31,20 @@ log = logging.getLogger("kvstore.adapters")
 LOOKUP_BATCH = 4096
 
 
+def lazy_classes(module_globals: dict, build):
+    """A module `__getattr__` for engine-derived classes: an engine's plug-in loader does
+    getattr(module, name); only then does `build()` import the engine (and torch) and return
+    {name: class}, which the module keeps. Importing the module needs neither."""
+    def __getattr__(name: str):
+        built = build(name)
+        if built is None:
+            raise AttributeError(f"module {module_globals['__name__']!r} has no attribute {name!r}")
+        module_globals.update(built)
+        return built[name]
+
+    return __getattr__
+
+
 def engine_object_id(desc: StateDescriptor, engine: str, key: bytes | str | int) -> ObjectId:
     """The object id of engine `engine`'s key `key` under descriptor `desc`."""
     if isinstance(key, int):

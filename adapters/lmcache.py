@@ -43,7 +43,7 @@ import asyncio
 import logging
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from adapters.common import SafeStore, StoreConfig, engine_object_id
+from adapters.common import SafeStore, StoreConfig, engine_object_id, lazy_classes
 from kvstore.errors import InvalidArgument, KVStoreError
 from kvstore.identity import Kind, ObjectId, Shard, StateDescriptor
 from kvstore.layout import Layout
@@ -62,18 +62,17 @@ _DTYPES = {"torch.bfloat16": "bf16", "torch.float16": "fp16", "torch.float32": "
 _OPAQUE = Layout.make("raw")  # bytes=0: any size; partial chunks are shorter than full ones
 
 
-def __getattr__(name: str):
+def _build_classes(name: str) -> dict | None:
     """`KVStoreConnector`, built (LMCache imported) when LMCache's plug-in loader asks for it."""
     if name != CLASS_NAME:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+        return None
     from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 
     class KVStoreConnector(_Connector, RemoteConnector):
         __doc__ = _Connector.__doc__
 
     KVStoreConnector.__qualname__ = CLASS_NAME
-    globals()[name] = KVStoreConnector
-    return KVStoreConnector
+    return {name: KVStoreConnector}
 
 
 class _Connector:
@@ -334,3 +333,6 @@ def _store_config(extra: dict, prefix: str) -> StoreConfig:
             raise InvalidArgument(f"LMCache extra_config {prefix}{name} must be a positive number of seconds, "
                                   f"got {value!r}") from None
     return StoreConfig.from_mapping(extra, prefix)
+
+
+__getattr__ = lazy_classes(globals(), _build_classes)

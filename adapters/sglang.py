@@ -30,19 +30,15 @@ from __future__ import annotations
 
 import logging
 
-from adapters.common import SafeStore, StoreConfig
+from adapters.common import SafeStore, StoreConfig, lazy_classes
 from adapters.sglang_pages import PagePlan, base_descriptor, host_view
 
 log = logging.getLogger("kvstore.adapters.sglang")
 
 
-def __getattr__(name: str):
+def _build_classes(name: str) -> dict | None:
     """SGLang's factory does getattr(module, "KVStoreHiCacheStorage"): build the class then."""
-    if name == "KVStoreHiCacheStorage":
-        cls = _build_class()
-        globals()[name] = cls
-        return cls
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return {name: _build_class()} if name == "KVStoreHiCacheStorage" else None
 
 
 def plan_for(pool, storage_config, namespace: str, extra: dict) -> PagePlan:
@@ -194,3 +190,6 @@ def _build_class():
 
     KVStoreHiCacheStorage.__qualname__ = "KVStoreHiCacheStorage"
     return KVStoreHiCacheStorage
+
+
+__getattr__ = lazy_classes(globals(), _build_classes)

@@ -28,7 +28,7 @@ from __future__ import annotations
 import logging
 
 from kvstore.identity import StateDescriptor
-from adapters.common import SafeStore, StoreConfig
+from adapters.common import SafeStore, StoreConfig, lazy_classes
 from adapters.vllm_plan import LoadSpec, RequestPlan, SaveSpec, plan_request, request_extra_keys
 
 log = logging.getLogger("kvstore.adapters.vllm")
@@ -80,16 +80,10 @@ def describe(vllm_config, kv_cache_config, chunk_tokens: int, namespace: str, re
     return desc, f"vllm-kv-layout:{inner}"
 
 
-def __getattr__(name: str):
+def _build_classes(name: str) -> dict | None:
     """vLLM's factory does getattr(module, "KVStoreConnector"): build the classes then."""
-    if name in ("KVStoreConnector", "KVStoreMetadata"):
-        classes = _build_classes()
-        globals().update(classes)
-        return classes[name]
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def _build_classes() -> dict:
+    if name not in ("KVStoreConnector", "KVStoreMetadata"):
+        return None
     import torch
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata
 
@@ -263,3 +257,6 @@ def _build_classes() -> dict:
             self.store.close()
 
     return {"KVStoreConnector": KVStoreConnector, "KVStoreMetadata": KVStoreMetadata}
+
+
+__getattr__ = lazy_classes(globals(), _build_classes)

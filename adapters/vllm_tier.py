@@ -36,7 +36,7 @@ import numpy as np
 
 from kvstore.dtypes import DType
 from kvstore.identity import StateDescriptor
-from adapters.common import SafeStore, StoreConfig, engine_object_id
+from adapters.common import SafeStore, StoreConfig, engine_object_id, lazy_classes
 
 log = logging.getLogger("kvstore.adapters.vllm_tier")
 
@@ -72,13 +72,9 @@ def chunk_descriptor(offloading_spec, chunk_bytes: int, namespace: str, model=No
                            layout=f"raw(bytes={elements})")
 
 
-def __getattr__(name: str):
+def _build_classes(name: str) -> dict | None:
     """vLLM's tier factory does getattr(module, "KVStoreSecondaryTier"): build it then."""
-    if name == "KVStoreSecondaryTier":
-        cls = _build_tier_class()
-        globals()[name] = cls
-        return cls
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return {name: _build_tier_class()} if name == "KVStoreSecondaryTier" else None
 
 
 def _build_tier_class():
@@ -211,3 +207,6 @@ def _build_tier_class():
             self.store.close()
 
     return KVStoreSecondaryTier
+
+
+__getattr__ = lazy_classes(globals(), _build_classes)
