@@ -91,3 +91,14 @@ def unstarted_daemon():
 @pytest.fixture
 def daemon(daemon_factory) -> DaemonProcess:
     return daemon_factory()
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """torch on one thread for the module: two spinning OpenMP threads on 2 shared cores
+    run the reference engine 3-5x slower. torch is imported only by modules that use this."""
+    import torch
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

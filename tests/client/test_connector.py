@@ -28,12 +28,9 @@ SYSTEM = ("You are a support agent for a bicycle shop. Answer in one short parag
 
 
 @pytest.fixture(scope="module")
-def weights():
+def weights(one_torch_thread):
     from gpu.engine.store_engine import shared_weights
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # two spinning OpenMP threads on 2 shared cores run 3-5x slower
-    yield shared_weights(torch.bfloat16)
-    torch.set_num_threads(threads)
+    return shared_weights(torch.bfloat16)
 
 
 def store_engine(weights, socket, **store):

@@ -39,11 +39,8 @@ READERS = ["paged", "batched", "sparse"]
 
 
 @pytest.fixture(scope="module")
-def weights():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # two spinning OpenMP threads on 2 shared cores run 3-5x slower
-    yield shared_weights(torch.float32)
-    torch.set_num_threads(threads)
+def weights(one_torch_thread):
+    return shared_weights(torch.float32)
 
 
 def store_config(socket, **kw) -> StoreConfig:
