@@ -41,8 +41,9 @@ import xxhash
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import MiB, Row, Target, median, report  # noqa: E402
+from kvstore.config import NvmeTierConfig  # noqa: E402
 from kvstore.identity import ObjectId, StateDescriptor  # noqa: E402
-from tiers.nvme import NvmeConfig, NvmeTier  # noqa: E402
+from tiers.nvme import NvmeTier  # noqa: E402
 from tiers.nvme_index import NvmeIndex, NvmeRecord, object_key  # noqa: E402
 
 SUITE = "disk"
@@ -154,7 +155,7 @@ def fio(directory: str, rw: str, engine: str, size: int, depth: int, *extra: str
 def tier_throughput(path: str, data_bytes: int, depth: int, durability: str, aligned: bool = True):
     """(put GB/s, get GB/s, QD1 get p50 in s) for data_bytes of 4 MiB objects."""
     n = data_bytes // OBJECT_BYTES
-    config = NvmeConfig(path, data_bytes + (depth + 16) * OBJECT_BYTES, file_bytes=256 * MiB, durability=durability, io_threads=depth)
+    config = NvmeTierConfig(path=path, capacity_bytes=data_bytes + (depth + 16) * OBJECT_BYTES, file_bytes=256 * MiB, durability=durability, io_threads=depth)
     sources = [buffer(aligned) for _ in range(depth)]
     for seed, s in enumerate(sources):
         s[:] = np.random.default_rng(seed).integers(0, 256, OBJECT_BYTES, dtype=np.uint8)
@@ -209,7 +210,7 @@ def restart(path: str, n: int) -> tuple[float, float, int]:
     """Index n objects of 1000 bytes (one 4 KiB extent each), reopen, time it."""
     file_bytes = 1 << 30
     capacity = -(-n * 4096 // file_bytes) * file_bytes
-    config = NvmeConfig(path, capacity, file_bytes=file_bytes, durability="group")
+    config = NvmeTierConfig(path=path, capacity_bytes=capacity, file_bytes=file_bytes, durability="group")
     os.makedirs(path)
     for i in range(capacity // file_bytes):  # sparse: the tier only grows files that are short
         with open(os.path.join(path, f"data-{i:05d}.kvs"), "wb") as f:

@@ -36,6 +36,11 @@ def parse_size(value: int | str, key: str = "size") -> int:
     return int(float(match.group(1)) * _UNITS[unit])
 
 
+def _int_in(value, low, high) -> bool:
+    """An int (not a bool) in low..high."""
+    return type(value) is int and low <= value <= high
+
+
 def _positive_number(value) -> bool:
     """A finite number > 0 (not a bool, not nan: `nan <= 0` is False)."""
     return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < math.inf
@@ -90,12 +95,23 @@ class HostTierConfig:
 WRITE_POLICIES = ("write_back", "write_through", "selective")
 
 
+# O_DIRECT needs offsets and lengths aligned to the device's logical block; 4 KiB covers every
+# device in use (tiers/nvme_io.py uses this value). Capacity and file sizes are multiples of it.
+NVME_ALIGN = 4096
+NVME_DURABILITIES = ("sync", "group")
+# Past a few dozen, more I/O threads only queue at the device; 256 bounds a typo's cost.
+MAX_NVME_IO_THREADS = 256
+# A group commit that waits longer than 10 s loses more on a crash than any batching gains.
+MAX_GROUP_COMMIT_MS = 10_000
+
+
 @dataclass(frozen=True, slots=True)
 class NvmeTierConfig:
-    """The durable tier. Off unless enabled: it preallocates capacity_bytes on disk."""
+    """The durable tier, the `[nvme]` table; `tiers.nvme.NvmeTier` takes it as is (with `path`
+    filled in). Off unless enabled: it preallocates capacity_bytes on disk."""
 
     enabled: bool = False
-    path: str = ""  # "" = <data_dir>/nvme
+    path: str = ""  # "" = <data_dir>/nvme (ServerConfig.nvme_path)
     capacity_bytes: int = field(default=8 << 30, metadata=SIZE)
     file_bytes: int = field(default=1 << 30, metadata=SIZE)
     durability: str = "sync"  # sync: fdatasync + synced index per put; group: every group_commit_ms
@@ -113,19 +129,31 @@ class NvmeTierConfig:
     flush_on_shutdown: bool = True
 
     def __post_init__(self) -> None:
+        if not isinstance(self.path, str):
+            raise InvalidArgument(f"nvme.path must be a string, got {self.path!r}")
         for name in ("capacity_bytes", "file_bytes"):
-            object.__setattr__(self, name, parse_size(getattr(self, name), f"nvme.{name}"))
-        if self.durability not in ("sync", "group"):
+            value = parse_size(getattr(self, name), f"nvme.{name}")
+            if value <= 0 or value % NVME_ALIGN:
+                raise InvalidArgument(f"nvme.{name} must be a positive multiple of {NVME_ALIGN} bytes, got {value}")
+            object.__setattr__(self, name, value)
+        if self.durability not in NVME_DURABILITIES:
             raise InvalidArgument(f"nvme.durability must be sync or group, got {self.durability!r}")
         if self.write_policy not in WRITE_POLICIES:
             raise InvalidArgument(f"nvme.write_policy must be one of {WRITE_POLICIES}, got {self.write_policy!r}")
-        for name in ("io_threads", "write_after_hits"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
-                raise InvalidArgument(f"nvme.{name} must be an integer >= 1")
-        if not isinstance(self.admit_min_hits, int) or self.admit_min_hits < 0:
-            raise InvalidArgument("nvme.admit_min_hits must be an integer >= 0")
-        if not _positive_number(self.group_commit_ms):
-            raise InvalidArgument(f"nvme.group_commit_ms must be a number > 0, got {self.group_commit_ms!r}")
+        if not _int_in(self.io_threads, 1, MAX_NVME_IO_THREADS):
+            raise InvalidArgument(f"nvme.io_threads must be an integer in 1..{MAX_NVME_IO_THREADS}, got {self.io_threads!r}")
+        if not _int_in(self.write_after_hits, 1, math.inf):
+            raise InvalidArgument(f"nvme.write_after_hits must be an integer >= 1, got {self.write_after_hits!r}")
+        if not _int_in(self.admit_min_hits, 0, math.inf):
+            raise InvalidArgument(f"nvme.admit_min_hits must be an integer >= 0, got {self.admit_min_hits!r}")
+        if not _positive_number(self.group_commit_ms) or self.group_commit_ms > MAX_GROUP_COMMIT_MS:
+            raise InvalidArgument(f"nvme.group_commit_ms must be a number in (0, {MAX_GROUP_COMMIT_MS}], "
+                                  f"got {self.group_commit_ms!r}")
+
+    def file_sizes(self) -> list[int]:
+        """Sizes of the data files: file_bytes each, the last one holds the remainder."""
+        full, rest = divmod(self.capacity_bytes, self.file_bytes)
+        return [self.file_bytes] * full + ([rest] if rest else [])
 
 
 # Lowest limits.max_frame_bytes: a lookup of MAX_BATCH ids is a ~140 KiB frame. The highest

@@ -10,6 +10,7 @@ import signal
 import socket
 import stat
 import time
+from dataclasses import replace
 
 import numpy as np
 
@@ -48,7 +49,7 @@ class Daemon:
 
     def __init__(self, config: ServerConfig):
         self.config = config
-        self.manager = TierManager(config)
+        self.manager = TierManager(config.host, config.limits, verify_puts=config.verify_puts)
         self.connections: dict[int, LocalConnection] = {}
         self.started_at = time.time()
         self._server: asyncio.AbstractServer | None = None
@@ -62,7 +63,7 @@ class Daemon:
         self._cluster_started = False
         if config.nvme.enabled:
             from server.movement import TierMover
-            self.manager.mover = TierMover(self.manager, config)
+            self.manager.mover = TierMover(self.manager, replace(config.nvme, path=config.nvme_path))
         if config.cluster.enabled:
             from server.cluster import ClusterLink
             self.manager.cluster = ClusterLink(self.manager, config)

@@ -22,13 +22,14 @@ import time
 
 import numpy as np
 
+from kvstore.config import NvmeTierConfig
 from kvstore.errors import CapacityError, ChecksumError, KVStoreError
 from kvstore.identity import ObjectId
 from kvstore.peer_messages import RemoteMeta
 from kvstore.policy import make_policy
 from kvstore.policy.admission import FrequencyAdmission
 from server.objects import ObjectEntry
-from tiers.nvme import NvmeConfig, NvmeTier
+from tiers.nvme import NvmeTier
 
 log = logging.getLogger("kvstore.movement")
 # Until promotions have measured it, assume this NVMe read bandwidth for load estimates.
@@ -38,14 +39,10 @@ ANY_VICTIM = object()
 
 
 class TierMover:
-    def __init__(self, manager, config):
+    def __init__(self, manager, config: NvmeTierConfig):
+        """`config` is the `[nvme]` table with its path filled in (ServerConfig.nvme_path)."""
         self.manager = manager
-        self.config = config.nvme
-        self.nvme_config = NvmeConfig(
-            path=config.nvme_path, capacity_bytes=self.config.capacity_bytes, file_bytes=self.config.file_bytes,
-            durability=self.config.durability, group_commit_ms=self.config.group_commit_ms,
-            io_threads=self.config.io_threads,
-        )
+        self.config = config
         self.nvme: NvmeTier | None = None
         self.sizes: dict[tuple[str, bytes], int] = {}  # what NVMe holds: (namespace, id) -> size
         self.used_bytes = 0
@@ -63,7 +60,7 @@ class TierMover:
         """Open (and recover) the NVMe tier; index what it holds. Returns recovery facts."""
         loop = asyncio.get_running_loop()
         start = time.monotonic()
-        self.nvme = await loop.run_in_executor(None, NvmeTier.open, self.nvme_config)
+        self.nvme = await loop.run_in_executor(None, NvmeTier.open, self.config)
         metas = await loop.run_in_executor(None, lambda: sorted(self.nvme.list(), key=lambda m: m.created_at))
         for meta in metas:
             key = (meta.namespace, meta.object_id.digest)
@@ -72,7 +69,7 @@ class TierMover:
         facts = {"objects": len(metas), "ready_s": time.monotonic() - start,
                  "recovered": report.recovered, "dropped": report.dropped,
                  "dropped_by_reason": dict(report.dropped_by_reason), "sampled": report.sampled}
-        log.info("event=nvme_ready path=%s objects=%d ready_s=%.2f", self.nvme_config.path, len(metas), facts["ready_s"])
+        log.info("event=nvme_ready path=%s objects=%d ready_s=%.2f", self.config.path, len(metas), facts["ready_s"])
         return facts
 
     async def close(self) -> None:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import xxhash
 
-from kvstore.config import ServerConfig
+from kvstore.config import HostTierConfig, LimitsConfig
 from kvstore.errors import CapacityError, ChecksumError, InvalidArgument, LimitExceeded, NotFound
 from kvstore.identity import ObjectId, descriptor_differences
 from kvstore.messages import Reserve
@@ -58,8 +58,13 @@ class Namespace:
 
 
 class TierManager(IndexOps, TierReport):
-    def __init__(self, config: ServerConfig, clock=time.monotonic):
-        self.config = config
+    def __init__(self, host: HostTierConfig, limits: LimitsConfig = LimitsConfig(), *,
+                 verify_puts: bool = False, clock=time.monotonic):
+        """The `[host]` and `[limits]` tables and ServerConfig.verify_puts; the NVMe write
+        policy is the mover's own config (`mover.config`)."""
+        self.host_config = host
+        self.limits_config = limits
+        self.verify_puts = verify_puts
         self.clock = clock
         self.namespaces: dict[str, Namespace] = {}
         self.leases = LeaseTable()
@@ -96,7 +101,7 @@ class TierManager(IndexOps, TierReport):
             return ns
         creating = self._creating.get(name)
         if creating is None:
-            host = self.config.host
+            host = self.host_config
             if len(self.namespaces) + len(self._creating) >= host.max_namespaces:
                 raise CapacityError(f"namespace limit reached ({host.max_namespaces}); raise host.max_namespaces")
             check_new_arena(host, host_memory(), name)  # a CapacityError here, not an OOM kill elsewhere
@@ -108,7 +113,7 @@ class TierManager(IndexOps, TierReport):
         return await asyncio.shield(creating)
 
     async def _create_namespace(self, name: str) -> Namespace:
-        host = self.config.host
+        host = self.host_config
         try:
             arena = await asyncio.get_running_loop().run_in_executor(
                 None, functools.partial(HostArena, name, host.arena_bytes, host.prefault, cancel=self.stopping))
@@ -154,7 +159,7 @@ class TierManager(IndexOps, TierReport):
         return self._grant_write(owner, ns, msg, await self.allocate(ns, msg.size))
 
     def _grant_write(self, owner, ns: Namespace, msg: Reserve, extent) -> dict:
-        lease = self.leases.grant(owner, None, extent, "write", self.config.limits.lease_ttl_s, self.clock())
+        lease = self.leases.grant(owner, None, extent, "write", self.limits_config.lease_ttl_s, self.clock())
         self._pending[lease.lease_id] = PendingPut(
             msg.namespace, msg.object_id, msg.size, msg.descriptor, msg.hints, extent, msg.tier
         )
@@ -304,7 +309,7 @@ class TierManager(IndexOps, TierReport):
         self._settle_inflight(owner, put.size)
         self.leases.release(lease_id)
         ns = self.namespaces[put.namespace]
-        if self.config.verify_puts:
+        if self.verify_puts:
             actual = xxhash.xxh3_128_digest(ns.arena.view(put.extent)[:put.size])
             if actual != checksum:
                 ns.arena.free(put.extent)
@@ -336,7 +341,7 @@ class TierManager(IndexOps, TierReport):
             return self.cluster.put_remote(entry)
         if self.cluster is not None:
             self.cluster.on_commit(entry)
-        if self.mover is not None and self.config.nvme.write_policy == "write_through":
+        if self.mover is not None and self.mover.config.write_policy == "write_through":
             return self._write_through(entry)
         return {"exists": False, "tier": "host", "durability": "memory"}
 
@@ -382,7 +387,7 @@ class TierManager(IndexOps, TierReport):
             return {"hit": False, "reason": f"stored as {descriptor_differences(entry.descriptor, expect)}"}
         self._check_ranges(ns, ranges, entry.size)  # leased whole, but the same error wherever it is
         self._check_lease_quota(owner)
-        lease = self.leases.grant(owner, oid, entry.extent, "read", self.config.limits.lease_ttl_s, now)
+        lease = self.leases.grant(owner, oid, entry.extent, "read", self.limits_config.lease_ttl_s, now)
         self._reading[lease.lease_id] = entry
         entry.readers += 1
         entry.num_hits += 1
@@ -391,8 +396,8 @@ class TierManager(IndexOps, TierReport):
         ns.counters.bytes_out += entry.size
         if self.mover is not None:
             self.mover.record_access(namespace, oid)
-            if (not entry.on_nvme and self.config.nvme.write_policy == "selective"
-                    and entry.num_hits == self.config.nvme.write_after_hits):
+            if (not entry.on_nvme and self.mover.config.write_policy == "selective"
+                    and entry.num_hits == self.mover.config.write_after_hits):
                 self.mover.write_in_background(entry)
         return entry.get_reply(lease.lease_id)
 
@@ -420,7 +425,7 @@ class TierManager(IndexOps, TierReport):
         """A read lease on an extent holding some ranges of `oid` (transient, never indexed);
         it is freed when the lease ends."""
         self._check_lease_quota(owner)
-        lease = self.leases.grant(owner, oid, extent, "read", self.config.limits.lease_ttl_s, self.clock())
+        lease = self.leases.grant(owner, oid, extent, "read", self.limits_config.lease_ttl_s, self.clock())
         self._ranged[lease.lease_id] = (ns, extent)
         return lease.lease_id
 
@@ -452,7 +457,7 @@ class TierManager(IndexOps, TierReport):
         self._drop_reader(self._reading.pop(lease.lease_id))
 
     def _check_inflight(self, owner, size: int) -> None:
-        limit = self.config.limits.max_inflight_bytes_per_client
+        limit = self.limits_config.max_inflight_bytes_per_client
         held = self._inflight_bytes.get(owner, 0)
         if held + size > limit:
             raise LimitExceeded(
@@ -466,7 +471,7 @@ class TierManager(IndexOps, TierReport):
             self._inflight_bytes[owner] = left
 
     def _check_lease_quota(self, owner) -> None:
-        limit = self.config.limits.max_leases_per_client
+        limit = self.limits_config.max_leases_per_client
         if self.leases.count(owner) >= limit:
             raise LimitExceeded(
                 f"this client holds {limit} leases (limits.max_leases_per_client); release some first"

@@ -46,6 +46,7 @@ from typing import Iterator
 
 import numpy as np
 
+from kvstore.config import NvmeTierConfig
 from kvstore.errors import CapacityError, ChecksumError, InvalidArgument, ServiceError
 from kvstore.hints import Hints
 from kvstore.identity import ObjectId, StateDescriptor
@@ -58,7 +59,7 @@ from tiers.nvme_io import (
     round_up, write_object,
 )
 from tiers.nvme_recovery import RecoveryReport, recover
-from tiers.nvme_types import CHECKSUM_BYTES, NvmeConfig, NvmeMeta, NvmePut
+from tiers.nvme_types import CHECKSUM_BYTES, NvmeMeta, NvmePut
 
 _log = logging.getLogger("kvstore.tiers.nvme")
 
@@ -68,10 +69,12 @@ class NvmeTier:
     (the same thing): both create what is missing and recover what is there; `recovery`
     says what was found."""
 
-    def __init__(self, config: NvmeConfig):
+    def __init__(self, config: NvmeTierConfig):
         started = time.monotonic()
-        if not isinstance(config, NvmeConfig):
-            raise InvalidArgument(f"NvmeTier needs an NvmeConfig, got {type(config).__name__}")
+        if not isinstance(config, NvmeTierConfig):
+            raise InvalidArgument(f"NvmeTier needs an NvmeTierConfig, got {type(config).__name__}")
+        if not config.path:
+            raise InvalidArgument("NvmeTier needs nvme.path set (the daemon sets <data_dir>/nvme when it is empty)")
         self.config = config
         self._group = config.durability == "group"
         os.makedirs(config.path, mode=0o700, exist_ok=True)  # the index names every tenant's objects
@@ -105,7 +108,7 @@ class NvmeTier:
         )
 
     @classmethod
-    def open(cls, config: NvmeConfig) -> NvmeTier:
+    def open(cls, config: NvmeTierConfig) -> NvmeTier:
         return cls(config)
 
     # -- writes -------------------------------------------------------------------------------

@@ -30,9 +30,10 @@ from dataclasses import dataclass
 import numpy as np
 import xxhash
 
+from kvstore.config import NVME_ALIGN
 from kvstore.errors import CapacityError, InvalidArgument, ServiceError
 
-ALIGN = 4096
+ALIGN = NVME_ALIGN  # 4096: the config checks capacity and file sizes against the same value
 # Ranged reads verify whole blocks of this size. A paged layout's page of one layer is
 # 16-64 KiB, so smaller blocks would save little read-around while inflating every index
 # entry (8 bytes per block) and the per-put hashing loop.

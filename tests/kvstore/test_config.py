@@ -116,3 +116,33 @@ def test_well_typed_values_pass():
         "cluster": {"enabled": False, "lease_ttl_s": 2.5, "peers": ["a=127.0.0.1:9000"]},
     })
     assert config.host.namespaces == ("a", "b") and config.limits.max_frame_bytes == 1 << 20
+
+
+# The one NVMe config (kvstore.config.NvmeTierConfig) carries the tier's strict checks: they
+# used to live in a twin (tiers/nvme_types.NvmeConfig) that the TOML never reached, so
+# `io_threads = 1000` passed the config and failed only when the daemon built the tier.
+@pytest.mark.parametrize("table, message", [
+    ("io_threads = 1000", "nvme.io_threads must be an integer in 1..256, got 1000"),
+    ("io_threads = 0", "nvme.io_threads must be an integer in 1..256, got 0"),
+    ("capacity_bytes = 1000", "nvme.capacity_bytes must be a positive multiple of 4096 bytes, got 1000"),
+    ('file_bytes = "0B"', "nvme.file_bytes must be a positive multiple of 4096 bytes, got 0"),
+    ("group_commit_ms = 20000", r"nvme.group_commit_ms must be a number in (0, 10000], got 20000"),
+    ("group_commit_ms = 0", r"nvme.group_commit_ms must be a number in (0, 10000], got 0"),
+    ('durability = "async"', "nvme.durability must be sync or group, got 'async'"),
+    ("write_after_hits = 0", "nvme.write_after_hits must be an integer >= 1, got 0"),
+    ("admit_min_hits = -1", "nvme.admit_min_hits must be an integer >= 0, got -1"),
+])
+def test_nvme_values_out_of_range_in_the_toml_are_refused_naming_key_and_range(table, message):
+    import re
+    import tomllib
+    with pytest.raises(InvalidArgument, match=re.escape(message)):
+        ServerConfig.from_dict(tomllib.loads(f"[nvme]\nenabled = true\n{table}\n"))
+
+
+def test_nvme_edges_of_the_ranges_pass_and_sizes_are_parsed():
+    import tomllib
+    config = ServerConfig.from_dict(tomllib.loads(
+        '[nvme]\nio_threads = 256\ncapacity_bytes = "64MiB"\nfile_bytes = 4096\ngroup_commit_ms = 10000\n'))
+    nvme = config.nvme
+    assert (nvme.io_threads, nvme.capacity_bytes, nvme.file_bytes, nvme.group_commit_ms) == (256, 64 << 20, 4096, 10000)
+    assert nvme.file_sizes() == [4096] * (16 << 10)

@@ -37,3 +37,13 @@ def test_serve_help_gives_the_socket_resolution_order():
     assert ("$KVSTORE_SOCKET if set, else $XDG_RUNTIME_DIR/kvstore/kvstore.sock if XDG_RUNTIME_DIR is set, "
             "else /tmp/kvstore-<uid>/kvstore.sock") in help_text
 
+
+
+def test_serve_refuses_an_nvme_io_threads_out_of_range_in_one_line(tmp_path):
+    """It used to pass the config (one of two NVMe configs) and fail later, in the other."""
+    config = tmp_path / "kvstore.toml"
+    config.write_text(f'data_dir = "{tmp_path / "data"}"\n[nvme]\nenabled = true\nio_threads = 1000\n')
+    result = run("serve", "--config", str(config), "--socket", str(tmp_path / "s.sock"))
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.strip() == "kvstore: nvme.io_threads must be an integer in 1..256, got 1000"
+    assert not (tmp_path / "data").exists()  # refused before anything was made

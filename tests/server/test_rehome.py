@@ -10,7 +10,7 @@ import contextlib
 import pytest
 
 import server.rehome as rehome
-from kvstore.config import ClusterConfig, HostTierConfig, ServerConfig
+from kvstore.config import ClusterConfig, HostTierConfig
 from kvstore.hints import Hints
 from kvstore.identity import ObjectId, StateDescriptor
 from kvstore.ownership import home_nodes
@@ -66,7 +66,7 @@ def objects(n):
 
 @contextlib.asynccontextmanager
 async def rehomer_holding(ids, members, delay_s=0.01):
-    manager = TierManager(ServerConfig(host=HostTierConfig(arena_bytes=4 << 20, prefault=False)))
+    manager = TierManager(HostTierConfig(arena_bytes=4 << 20, prefault=False))
     ns = await manager.open_namespace("t")
     for oid in ids:
         extent = await manager.allocate(ns, 1000)

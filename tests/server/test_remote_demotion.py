@@ -8,7 +8,7 @@ import asyncio
 
 import pytest
 
-from kvstore.config import HostTierConfig, ServerConfig
+from kvstore.config import HostTierConfig
 from kvstore.errors import CapacityError
 from kvstore.hints import Hints
 from kvstore.identity import ObjectId, StateDescriptor
@@ -36,8 +36,7 @@ class StandInLink:
 
 
 def manager_with(behaviour, objects=6):
-    config = ServerConfig(host=HostTierConfig(arena_bytes=8 * MiB, prefault=False))
-    manager = TierManager(config)
+    manager = TierManager(HostTierConfig(arena_bytes=8 * MiB, prefault=False))
     manager.cluster = StandInLink(behaviour)
 
     async def fill():

@@ -12,10 +12,11 @@ import numpy as np
 import pytest
 import xxhash
 
+from kvstore.config import NvmeTierConfig
 from kvstore.errors import CapacityError, ChecksumError, InvalidArgument, ServiceError
 from kvstore.hints import Hints
 from kvstore.identity import ObjectId, StateDescriptor
-from tiers.nvme import NvmeConfig, NvmeTier
+from tiers.nvme import NvmeTier
 from tiers.nvme_io import VERIFY_BLOCK_BYTES
 
 NS = "tenant-a"
@@ -38,7 +39,7 @@ def put(tier, i, size, **kw):
 
 def config(tmp_path, **kw):
     kw = {"capacity_bytes": 8 * MIB, "file_bytes": 2 * MIB, **kw}
-    return NvmeConfig(str(tmp_path / "nvme"), **kw)
+    return NvmeTierConfig(path=str(tmp_path / "nvme"), **kw)
 
 
 @pytest.fixture
@@ -113,11 +114,17 @@ def test_put_whose_bytes_do_not_match_the_checksum_stores_nothing(tier):
 @pytest.mark.parametrize(
     "bad",
     [dict(capacity_bytes=1000), dict(file_bytes=0), dict(durability="async"), dict(group_commit_ms=0),
-     dict(io_threads=0), dict(capacity_bytes=True)],
+     dict(io_threads=0), dict(io_threads=1000), dict(capacity_bytes=True)],
 )
 def test_config_rejects_bad_values(tmp_path, bad):
     with pytest.raises(InvalidArgument):
         config(tmp_path, **bad)
+
+
+def test_tier_without_a_path_is_refused():
+    """The `[nvme]` table's empty path means <data_dir>/nvme: the daemon fills it in, the tier never guesses."""
+    with pytest.raises(InvalidArgument, match="nvme.path"):
+        NvmeTier(NvmeTierConfig())
 
 
 def test_reopen_with_another_file_size_is_refused(tmp_path):

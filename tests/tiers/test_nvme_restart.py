@@ -13,9 +13,10 @@ import numpy as np
 import pytest
 import xxhash
 
+from kvstore.config import NvmeTierConfig
 from kvstore.errors import CapacityError
 from kvstore.identity import ObjectId, StateDescriptor
-from tiers.nvme import NvmeConfig, NvmeTier
+from tiers.nvme import NvmeTier
 
 NS = "tenant-a"
 DESC = StateDescriptor(NS, "model", "rev1")
@@ -38,7 +39,7 @@ def put(tier, i):
 
 
 def storm_config(path, durability="sync"):
-    return NvmeConfig(str(path), 24 * MIB, file_bytes=4 * MIB, durability=durability, group_commit_ms=3)
+    return NvmeTierConfig(path=str(path), capacity_bytes=24 * MIB, file_bytes=4 * MIB, durability=durability, group_commit_ms=3)
 
 
 def reads_back(tier, i) -> bool | None:
@@ -196,7 +197,7 @@ def test_missing_data_file_drops_its_objects_at_open(tmp_path):
 
 def test_lower_capacity_drops_objects_in_files_it_no_longer_has(tmp_path):
     files = fill(tmp_path, 12)
-    smaller = NvmeConfig(str(tmp_path), 8 * MIB, file_bytes=4 * MIB)
+    smaller = NvmeTierConfig(path=str(tmp_path), capacity_bytes=8 * MIB, file_bytes=4 * MIB)
     with NvmeTier.open(smaller) as tier:
         assert tier.recovery.dropped == sum(f >= 2 for f in files.values()) == 4
         assert tier.recovery.recovered == 8
@@ -248,12 +249,12 @@ def small_fs(tmp_path):
 
 def test_preallocating_more_than_the_file_system_holds_is_a_capacity_error(small_fs):
     with pytest.raises(CapacityError, match=f"{small_fs}/nvme/data-0000.\\.kvs to 4194304 bytes: no space"):
-        NvmeTier(NvmeConfig(str(small_fs / "nvme"), 16 * MIB, file_bytes=4 * MIB))
+        NvmeTier(NvmeTierConfig(path=str(small_fs / "nvme"), capacity_bytes=16 * MIB, file_bytes=4 * MIB))
     assert not [n for n in os.listdir(small_fs / "nvme") if n.startswith("data-")]  # nothing left behind
 
 
 def test_full_file_system_fails_the_put_cleanly_and_the_tier_keeps_serving(small_fs):
-    cfg = NvmeConfig(str(small_fs / "nvme"), 4 * MIB, file_bytes=2 * MIB)
+    cfg = NvmeTierConfig(path=str(small_fs / "nvme"), capacity_bytes=4 * MIB, file_bytes=2 * MIB)
     with NvmeTier(cfg) as tier:
         acked = [i for i in range(5) if put(tier, i)]
         with open(small_fs / "filler", "wb") as filler:
