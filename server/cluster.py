@@ -94,10 +94,12 @@ class ClusterLink:
             self.rehomer.on_members(members)
 
     def on_peer_state(self, node: str, up: bool) -> None:
-        """A peer was marked down, or answers again. A static member back up may have lost
-        what it held (a restart): "the homes hold it" must be learned again, and the
-        re-homer sends it what it lacks. (etcd membership reports comings and goings itself.)"""
-        if not up or self.config.membership != "static":
+        """A peer was marked down, or answers again. A member back up may lack what it is
+        home to (copies that failed while it was down, its memory if it restarted), and the
+        member list need not have changed (a static list; etcd when it was back within its
+        lease): "the homes hold it" must be learned again, and the re-homer sends it what
+        it lacks."""
+        if not up:
             return
         self._held.clear()
         if self.rehomer is not None:

@@ -10,6 +10,12 @@ off stops renewing; etcd drops its key when the lease runs out (at most ttl_s af
 last renewal), and the watch on the prefix tells every other node at once. A full re-read
 every RESYNC_S covers a broken watch. If our own lease was lost (etcd restarted, a long
 pause), the next renewal notices and registers again.
+
+A daemon restarted faster than its old lease runs out puts its key again, so the set of
+members never changes; yet it came back empty. Each registration carries the daemon
+process's `incarnation` (random at start, kept when a lost lease is registered again): a
+member seen under a new one is reported as having left and joined again (two on_change
+calls), so the others re-home to it as to any node that joined.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import asyncio
 import base64
 import json
 import logging
+import secrets
 from typing import Callable, Mapping
 
 import aiohttp
@@ -67,7 +74,12 @@ class EtcdMembership:
         self.prefix = prefix.encode()
         self.ttl_s, self.timeout_s, self.on_change = ttl_s, timeout_s, on_change
         self.lease_id: str | None = None
+        self.incarnation = secrets.token_hex(8)  # this process; see the module docstring
         self._members: dict[str, str] = {node_id: address}
+        self._incarnations: dict[str, str] = {}  # other members' last seen, by node id
+        # The watch and the periodic re-read both re-read the list: one at a time, or an
+        # older reply applied last would undo a change (or fake a restart).
+        self._resyncing = asyncio.Lock()
         self._session: aiohttp.ClientSession | None = None
         self._tasks: list[asyncio.Task] = []
 
@@ -117,7 +129,7 @@ class EtcdMembership:
         if "ID" not in grant:
             raise ServiceError(f"etcd refused a lease: {grant}")
         self.lease_id = grant["ID"]
-        value = json.dumps({"node_id": self.node_id, "address": self.address})
+        value = json.dumps({"node_id": self.node_id, "address": self.address, "incarnation": self.incarnation})
         await self._post("/v3/kv/put", {"key": _b64(self.prefix + self.node_id.encode()), "value": _b64(value),
                                         "lease": self.lease_id})
         log.info("event=member_registered node=%s address=%s lease=%s ttl_s=%g",
@@ -125,15 +137,31 @@ class EtcdMembership:
 
     async def resync(self) -> None:
         """Read the whole member list and report a change."""
-        reply = await self._post("/v3/kv/range", {"key": _b64(self.prefix), "range_end": _b64(_prefix_end(self.prefix))})
-        members = {}
+        async with self._resyncing:
+            reply = await self._post("/v3/kv/range", {"key": _b64(self.prefix),
+                                                      "range_end": _b64(_prefix_end(self.prefix))})
+            self._apply(reply)
+
+    def _apply(self, reply: dict) -> None:
+        members, incarnations = {}, {}
         for kv in reply.get("kvs", []):
             try:
                 doc = json.loads(base64.b64decode(kv["value"]))
                 members[str(doc["node_id"])] = str(doc["address"])
+                if doc.get("incarnation") is not None:  # absent from older daemons' entries
+                    incarnations[str(doc["node_id"])] = str(doc["incarnation"])
             except (KeyError, ValueError, TypeError):
                 log.warning("event=member_entry_bad key=%r", kv.get("key"))
         members[self.node_id] = self.address
+        incarnations.pop(self.node_id, None)
+        restarted = {n for n, inc in incarnations.items()
+                     if n in self._members and self._incarnations.get(n, inc) != inc}
+        self._incarnations = incarnations
+        if restarted:
+            log.info("event=members_restarted nodes=%s", ",".join(sorted(restarted)))
+            self._members = {n: a for n, a in self._members.items() if n not in restarted}
+            if self.on_change is not None:  # gone (its old incarnation), then back below
+                self.on_change(self.members())
         if members != self._members:
             left, joined = set(self._members) - set(members), set(members) - set(self._members)
             log.info("event=members_changed members=%s joined=%s left=%s",

@@ -191,10 +191,10 @@ def etcd(tmp_path):
         yield url
 
 
-def etcd_node(daemon_factory, etcd, name, arena="32MiB", replicas=1, prefix="/rehome/", extra=None):
+def etcd_node(daemon_factory, etcd, name, arena="32MiB", replicas=1, prefix="/rehome/", extra=None, ttl_s=TTL_S):
     return daemon_factory(arena, config={"cluster": {
         "enabled": True, "node_id": name, "listen": f"127.0.0.1:{free_port()}", "secret": SECRET,
-        "membership": "etcd", "etcd_endpoint": etcd, "etcd_prefix": prefix, "lease_ttl_s": TTL_S,
+        "membership": "etcd", "etcd_endpoint": etcd, "etcd_prefix": prefix, "lease_ttl_s": ttl_s,
         "replicas": replicas, "peer_timeout_s": 1.0, "rehome_delay_s": 0.2}, **(extra or {})})
 
 

@@ -53,8 +53,8 @@ async def _wait_for(predicate, timeout_s: float) -> float:
     return time.monotonic() - start
 
 
-def _spawn_member(etcd, node_id, address):
-    proc = subprocess.Popen([sys.executable, "-c", _MEMBER, etcd, node_id, address, str(TTL_S)],
+def _spawn_member(etcd, node_id, address, ttl_s=TTL_S):
+    proc = subprocess.Popen([sys.executable, "-c", _MEMBER, etcd, node_id, address, str(ttl_s)],
                             stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": "."})
     assert proc.stdout.readline().strip() == "registered"
     return proc
@@ -81,6 +81,33 @@ def test_members_see_each_other_and_a_killed_node_leaves_within_the_ttl(etcd):
     noticed = run(scenario())
     assert noticed <= TTL_S + NOTICE_MARGIN_S
     assert changes[-1] == {"a": "10.0.0.1:1"} and any("b" in c for c in changes)
+
+
+def test_a_member_restarted_within_its_lease_is_reported_gone_and_back(etcd):
+    """b killed and started again long before its lease runs out: its key never goes away,
+    yet a must see it leave and join (b came back empty; re-homing keys off that)."""
+    ttl_s = 30.0  # far longer than the restart: the key is never dropped
+    changes = []
+
+    async def scenario():
+        a = EtcdMembership(etcd, "/t/", "a", "10.0.0.1:1", ttl_s=ttl_s, on_change=changes.append)
+        await a.start()
+        procs = [await asyncio.to_thread(_spawn_member, etcd, "b", "10.0.0.2:1", ttl_s)]
+        try:
+            await _wait_for(lambda: "b" in a.members(), 10.0)
+            procs[0].send_signal(signal.SIGKILL)
+            del changes[:]
+            procs.append(await asyncio.to_thread(_spawn_member, etcd, "b", "10.0.0.2:1", ttl_s))
+            await _wait_for(lambda: len(changes) >= 2, 10.0)
+        finally:
+            for proc in procs:
+                proc.kill()
+                proc.wait()
+            await a.stop()
+
+    run(scenario(), timeout_s=60)
+    both = {"a": "10.0.0.1:1", "b": "10.0.0.2:1"}
+    assert changes == [{"a": "10.0.0.1:1"}, both]
 
 
 def test_graceful_stop_leaves_at_once(etcd):
