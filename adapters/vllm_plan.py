@@ -2,18 +2,25 @@
 
 The scheduler side of `adapters.vllm.KVStoreConnector` owns one `RequestPlan` per running
 request. Objects are chunks of `chunk_tokens` prompt tokens (a multiple of vLLM's block
-size); each holds every layer's K and V of its blocks (`paged` layout, layer first). Keys
-follow kvstore-key-v1 over the token ids, so any vLLM instance, any process, any restart
-computes the same ids (vLLM's own block hashes use a per-process seed unless
+size), one per KV cache group (a hybrid model has several: full attention, sliding window);
+each holds every layer of its group, K and V, for the chunk's blocks (`paged` layout, layer
+first). Keys follow kvstore-key-v1 over the token ids, so any vLLM instance, any process,
+any restart computes the same ids (vLLM's own block hashes use a per-process seed unless
 PYTHONHASHSEED is fixed). `cache_salt`, the LoRA name and the multimodal identifiers are
 folded into the chain, so a salted or LoRA request never shares state with another.
 
-    lookup   -> prefix hits (chunks)  -> tokens to load beyond vLLM's local prefix cache,
-                leaving at least one prompt token to compute
+    lookup   -> prefix hits (chunks every group holds) -> tokens to load beyond vLLM's
+                local prefix cache, leaving at least one prompt token to compute
     alloc    -> remember how many tokens to load
-    step     -> loads: (object id, [(block index in chunk, vLLM block id)])
-                saves: (object id, [vLLM block ids of the chunk]) for chunks whose tokens are
-                all computed after this step and that the store does not hold yet
+    step     -> loads: (group, object id, [(block index in chunk, vLLM block id)]), the
+                null block (a sliding window's out-of-window blocks) left out
+                saves: (group, object id, [vLLM block ids of the chunk]) for chunks whose
+                tokens are all computed after this step and that the store does not hold
+
+Sliding windows: vLLM frees a sliding-window group's blocks once they leave the window and
+reuses them, without telling the connector. A block id this plan still holds for a chunk not
+yet saved is stale once vLLM hands the same id out again (`forget_reused`, every step), and
+a chunk with a stale or null block is never saved: it would hold another request's KV.
 """
 
 from __future__ import annotations
@@ -22,17 +29,21 @@ from dataclasses import dataclass, field
 
 from kvstore.identity import ObjectId, StateDescriptor, chunk_keys
 
+NULL_BLOCK = 0  # vLLM's block pool hands out its first block as the shared null block
+
 
 @dataclass(frozen=True, slots=True)
 class LoadSpec:
     object_id: ObjectId
     blocks: tuple[tuple[int, int], ...]  # (block index inside the chunk, vLLM block id)
+    group: int = 0  # the KV cache group
 
 
 @dataclass(frozen=True, slots=True)
 class SaveSpec:
     object_id: ObjectId
     block_ids: tuple[int, ...]  # the chunk's vLLM block ids, in token order
+    group: int = 0
 
 
 @dataclass(slots=True)
@@ -41,18 +52,34 @@ class RequestPlan:
 
     request_id: str
     num_prompt_tokens: int
-    ids: list[ObjectId]  # one per full prompt chunk
+    ids: list[list[ObjectId]]  # per group, one per full prompt chunk
     chunk_tokens: int
     block_size: int
     num_stored_chunks: int = 0  # leading chunks the store holds (loaded, or saved by us)
     num_local_tokens: int = 0  # vLLM's own prefix-cache hit when we looked up
     num_load_tokens: int = 0  # tokens vLLM agreed to let us load
     load_pending: bool = False
-    block_ids: list[int] = field(default_factory=list)
+    num_unsaved_chunks: int = 0  # computed chunks not saved: a sliding window moved past their blocks
+    block_ids: list[list[int]] = field(default_factory=list)  # per group, vLLM's block table
 
     @property
     def blocks_per_chunk(self) -> int:
         return self.chunk_tokens // self.block_size
+
+    @property
+    def lookup_ids(self) -> list[ObjectId]:
+        """Every group's chunk ids, group after group (one batched lookup)."""
+        return [oid for group in self.ids for oid in group]
+
+    def hits_of(self, found: list[bool]) -> int:
+        """Leading chunks that every group holds, from `found` in `lookup_ids` order."""
+        hits, start = None, 0
+        for group in self.ids:
+            mine = found[start:start + len(group)]
+            start += len(group)
+            held = next((i for i, ok in enumerate(mine) if not ok), len(mine))
+            hits = held if hits is None else min(hits, held)
+        return hits or 0
 
     def matched_tokens(self, hits: int, num_computed_tokens: int) -> int:
         """Tokens to load beyond `num_computed_tokens` given `hits` leading stored chunks."""
@@ -60,6 +87,24 @@ class RequestPlan:
         self.num_local_tokens = num_computed_tokens
         matched = min(hits * self.chunk_tokens, self.num_prompt_tokens - 1)  # compute >= 1 token
         return max(0, matched - num_computed_tokens)
+
+    def set_blocks(self, groups, replace: bool) -> None:
+        """vLLM's new block ids, one list per group (all of them when `replace`)."""
+        if replace or not self.block_ids:
+            self.block_ids = [list(ids) for ids in groups]
+        else:
+            for mine, new in zip(self.block_ids, groups):
+                mine += new
+
+    def forget_reused(self, reused: set[int], groups) -> None:
+        """Null the not yet saved blocks of `groups` whose ids vLLM handed out again (call
+        before `set_blocks` adds this step's own new ids)."""
+        start = self.num_stored_chunks * self.blocks_per_chunk
+        for g in groups:
+            table = self.block_ids[g] if g < len(self.block_ids) else []
+            for i in range(start, len(table)):
+                if table[i] in reused:
+                    table[i] = NULL_BLOCK
 
     def loads(self) -> list[LoadSpec]:
         """The blocks [local end, local end + load tokens) come from their chunks."""
@@ -69,22 +114,30 @@ class RequestPlan:
         first = self.num_local_tokens // self.block_size
         end_token = self.num_local_tokens + self.num_load_tokens
         last = -(-end_token // self.block_size)  # exclusive, rounded up: a partial block loads whole
-        per_chunk: dict[int, list[tuple[int, int]]] = {}
-        for block in range(first, min(last, len(self.block_ids))):
-            chunk, inside = divmod(block, self.blocks_per_chunk)
-            per_chunk.setdefault(chunk, []).append((inside, self.block_ids[block]))
-        return [LoadSpec(self.ids[c], tuple(blocks)) for c, blocks in sorted(per_chunk.items())]
+        specs = []
+        for g, table in enumerate(self.block_ids):
+            per_chunk: dict[int, list[tuple[int, int]]] = {}
+            for block in range(first, min(last, len(table))):
+                if table[block] == NULL_BLOCK:
+                    continue  # outside a sliding window: vLLM does not want it
+                chunk, inside = divmod(block, self.blocks_per_chunk)
+                per_chunk.setdefault(chunk, []).append((inside, table[block]))
+            specs += [LoadSpec(self.ids[g][c], tuple(blocks), g) for c, blocks in sorted(per_chunk.items())]
+        return specs
 
     def saves(self, num_computed_after_step: int) -> list[SaveSpec]:
-        """Chunks fully computed once this step has run, that the store lacks."""
+        """Chunks fully computed once this step has run, that the store lacks. A chunk whose
+        blocks are not all held (a sliding window moved past them) ends the saving for this
+        request: later chunks could never be reached by a prefix lookup."""
         done = min(num_computed_after_step, self.num_prompt_tokens) // self.chunk_tokens
         specs = []
         for chunk in range(self.num_stored_chunks, done):
             start = chunk * self.blocks_per_chunk
-            blocks = self.block_ids[start:start + self.blocks_per_chunk]
-            if len(blocks) < self.blocks_per_chunk:
-                break  # not allocated yet (cannot happen for computed tokens; be safe)
-            specs.append(SaveSpec(self.ids[chunk], tuple(blocks)))
+            tables = [table[start:start + self.blocks_per_chunk] for table in self.block_ids]
+            if any(len(blocks) < self.blocks_per_chunk or NULL_BLOCK in blocks for blocks in tables):
+                self.num_unsaved_chunks += done - chunk
+                break
+            specs += [SaveSpec(self.ids[g][chunk], tuple(blocks), g) for g, blocks in enumerate(tables)]
         self.num_stored_chunks = max(self.num_stored_chunks, done)
         return specs
 
@@ -109,8 +162,11 @@ def multimodal_chunk_keys(features, chunk_tokens: int) -> dict[int, list[str]]:
     return keyed
 
 
-def plan_request(request_id: str, token_ids, desc: StateDescriptor, block_size: int, extra_keys=(),
-                 mm_features=()) -> RequestPlan:
-    keys = chunk_keys(token_ids, desc, extra_keys=extra_keys,
-                      chunk_extra_keys=multimodal_chunk_keys(mm_features, desc.chunk_tokens))
-    return RequestPlan(request_id, len(token_ids), [k.object_id for k in keys], desc.chunk_tokens, block_size)
+def plan_request(request_id: str, token_ids, groups: list[tuple[StateDescriptor, list[str]]], block_size: int,
+                 extra_keys=(), mm_features=()) -> RequestPlan:
+    """`groups`: each KV cache group's descriptor and its own extra keys."""
+    chunk_tokens = groups[0][0].chunk_tokens
+    mm = multimodal_chunk_keys(mm_features, chunk_tokens)
+    ids = [[k.object_id for k in chunk_keys(token_ids, desc, extra_keys=[*extra_keys, *own], chunk_extra_keys=mm)]
+           for desc, own in groups]
+    return RequestPlan(request_id, len(token_ids), ids, chunk_tokens, block_size)

@@ -103,7 +103,7 @@ def bench_vllm(socket_path: str, quick: bool) -> list[Row]:
         worker.clear_connector_metadata()
         return ids
 
-    chunk_bytes = worker.desc.object_bytes
+    chunk_bytes = worker.groups[0][0].object_bytes
     staging = np.empty(chunk_bytes, np.uint8)
 
     def plain_save():

@@ -19,7 +19,7 @@ from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
 
@@ -35,28 +35,38 @@ def base_config():
                               max_num_batched_tokens=64, kv_connector_extra_config={"chunk_tokens": CHUNK})
 
 
-def kv_cache_config():
+LAYER_NAMES = [f"model.layers.{i}.attn" for i in range(LAYERS)]
+
+
+def kv_cache_config(num_blocks=NUM_BLOCKS):
     spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=HEADS, head_size=DIM, dtype=torch.float16)
-    return KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[],
-                         kv_cache_groups=[KVCacheGroupSpec([f"model.layers.{i}.attn" for i in range(LAYERS)], spec)])
+    return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(LAYER_NAMES, spec)])
 
 
 class Engine:
-    """One vLLM scheduler (its connector made by vLLM) and one worker connector over CPU caches."""
+    """One vLLM scheduler (its connector made by vLLM) and one worker connector over CPU caches.
+    `make_kv_config` gives the KV cache groups (one, or a hybrid model's several)."""
 
-    def __init__(self, base, socket_path, device="cpu"):
+    def __init__(self, base, socket_path, device="cpu", make_kv_config=kv_cache_config, num_blocks=NUM_BLOCKS):
         config = copy.deepcopy(base)
         config.kv_transfer_config.kv_connector_extra_config["socket_path"] = socket_path
         config.kv_transfer_config.kv_connector_extra_config["retry_after_s"] = 0.05
-        self.scheduler = create_scheduler(config, num_blocks=NUM_BLOCKS, kv_cache_config=kv_cache_config())
+        kv_config = make_kv_config(num_blocks)
+        self.scheduler = create_scheduler(config, num_blocks=num_blocks, kv_cache_config=kv_config)
         self.connector = self.scheduler.connector
-        self.worker = KVConnectorFactory.create_connector(config, KVConnectorRole.WORKER, kv_cache_config())
-        self.caches = {f"model.layers.{i}.attn": torch.zeros(2, NUM_BLOCKS, BLOCK, HEADS, DIM, dtype=torch.float16,
-                                                             device=device) for i in range(LAYERS)}
+        self.worker = KVConnectorFactory.create_connector(config, KVConnectorRole.WORKER, make_kv_config(num_blocks))
+        self.groups = [list(group.layer_names) for group in kv_config.kv_cache_groups]
+        self.caches = {name: torch.zeros(2, num_blocks, BLOCK, HEADS, DIM, dtype=torch.float16, device=device)
+                       for name in LAYER_NAMES}
         self.worker.register_kv_caches(self.caches)
         self.requests = {}
-        self.blocks = {}
+        self.group_blocks = {}  # request id -> per group, its block table
         self.load_errors = set()
+
+    @property
+    def blocks(self):
+        """request id -> the first group's block table."""
+        return {rid: tables[0] for rid, tables in self.group_blocks.items()}
 
     def add(self, request):
         self.requests[request.request_id] = request
@@ -66,24 +76,24 @@ class Engine:
         out = self.scheduler.schedule()
         self.worker.bind_connector_metadata(out.kv_connector_metadata)
         self.worker.start_load_kv(None)
-        loaded = {rid: [self.block_kv(b) for b in blocks] for rid, blocks in self.blocks.items()}
         for new in out.scheduled_new_reqs:
-            self.blocks[new.req_id] = list(new.block_ids[0])
+            self.group_blocks[new.req_id] = [list(ids) for ids in new.block_ids]
             self.forward(new.req_id, new.num_computed_tokens, out.num_scheduled_tokens[new.req_id])
         cached = out.scheduled_cached_reqs
         for i, rid in enumerate(cached.req_ids):
             if cached.new_block_ids[i] is not None:
                 if rid in cached.resumed_req_ids:
-                    self.blocks[rid] = list(cached.new_block_ids[i][0])
+                    self.group_blocks[rid] = [list(ids) for ids in cached.new_block_ids[i]]
                 else:
-                    self.blocks[rid] += cached.new_block_ids[i][0]
+                    for table, ids in zip(self.group_blocks[rid], cached.new_block_ids[i]):
+                        table += ids
             self.forward(rid, cached.num_computed_tokens[i], out.num_scheduled_tokens[rid])
         self.worker.wait_for_save()
         self.worker.clear_connector_metadata()
         errors = self.worker.get_block_ids_with_load_errors()
         self.load_errors |= errors
         self.scheduler.update_from_output(out, self.runner_output(out, errors))
-        return out, loaded
+        return out
 
     def runner_output(self, out, errors):
         """What a model runner reports: a sampled token only for requests whose prompt is done."""
@@ -98,19 +108,24 @@ class Engine:
                                  kv_connector_output=KVConnectorOutput(invalid_block_ids=errors) if errors else None)
 
     def forward(self, rid, start, count):
+        """Write the KV the model computes for positions [start, start + count), every group."""
         tokens = self.requests[rid].all_token_ids
         for pos in range(start, start + count):
-            block, slot = self.blocks[rid][pos // BLOCK], pos % BLOCK
-            for layer, cache in enumerate(self.caches.values()):
-                cache[:, block, slot] = expected_kv(tokens, pos, layer).to(cache.device)
+            for names, table in zip(self.groups, self.group_blocks[rid]):
+                block, slot = table[pos // BLOCK], pos % BLOCK
+                assert block != 0, f"vLLM gave the null block for computed position {pos}"
+                for name in names:
+                    cache = self.caches[name]
+                    cache[:, block, slot] = expected_kv(tokens, pos, LAYER_NAMES.index(name)).to(cache.device)
 
-    def block_kv(self, block):
-        return torch.stack([cache[:, block].cpu() for cache in self.caches.values()])
+    def block_kv(self, block, names=LAYER_NAMES):
+        return torch.stack([self.caches[name][:, block].cpu() for name in names])
 
-    def run_to_end(self):
+    def run_to_end(self, max_steps=500):
         outs = []
         while self.scheduler.has_unfinished_requests():
-            outs.append(self.step()[0])
+            assert len(outs) < max_steps, "vLLM's scheduler made no progress"
+            outs.append(self.step())
         return outs
 
 
@@ -152,7 +167,7 @@ def test_vllm_loads_a_prefix_saved_by_another_engine_bit_exact(base_config, daem
     b = Engine(base_config, daemon.socket, device)
     again = make_request(2, tokens)
     b.add(again)
-    out, _ = b.step()
+    out = b.step()
     # 96 tokens came from the store; vLLM computes only the last 4.
     assert out.num_scheduled_tokens[again.request_id] == 4
     assert b.worker.num_loaded_chunks == 3
@@ -173,7 +188,7 @@ def test_a_dead_daemon_means_recompute_and_no_error_reaches_vllm(base_config, da
     b = Engine(base_config, daemon.socket)
     request = make_request(4, tokens)
     b.add(request)
-    out, _ = b.step()
+    out = b.step()
     assert out.num_scheduled_tokens[request.request_id] == 64  # all from scratch (token budget 64)
     b.run_to_end()
     assert b.connector.store.num_failures >= 1 and b.worker.store.num_failures >= 1
@@ -200,7 +215,7 @@ def test_a_chunk_lost_between_lookup_and_load_is_recomputed(base_config, daemon)
         return meta
 
     b.connector.build_connector_meta = build_then_delete
-    out, _ = b.step()
+    out = b.step()
     b.connector.build_connector_meta = real_build
     assert len(lost) == 2 and out.num_scheduled_tokens[again.request_id] == 6
     assert len(b.load_errors) == 4  # the four blocks of the two chunks
@@ -226,3 +241,101 @@ def test_cache_salt_and_model_revision_keep_requests_apart(base_config, daemon):
     other.kv_transfer_config.kv_connector_extra_config.update(socket_path=daemon.socket, model_revision="v2")
     c = create_scheduler(other, num_blocks=NUM_BLOCKS, kv_cache_config=kv_cache_config())
     assert c.connector.get_num_new_matched_tokens(make_request(11, tokens, cache_salt="tenant-a"), 0) == (0, False)
+
+
+# --- hybrid models (SupportsHMA) ---------------------------------------------------------------
+
+WINDOW = 2 * BLOCK  # the sliding-window group's window, in tokens
+
+
+def hybrid_kv_cache_config(num_blocks=NUM_BLOCKS, window=WINDOW):
+    """A hybrid model: layers 0 and 2 full attention, layer 1 a sliding window."""
+    full = FullAttentionSpec(block_size=BLOCK, num_kv_heads=HEADS, head_size=DIM, dtype=torch.float16)
+    sliding = SlidingWindowSpec(block_size=BLOCK, num_kv_heads=HEADS, head_size=DIM, dtype=torch.float16,
+                                sliding_window=window)
+    return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[
+        KVCacheGroupSpec([LAYER_NAMES[0], LAYER_NAMES[2]], full), KVCacheGroupSpec([LAYER_NAMES[1]], sliding)])
+
+
+def test_a_hybrid_model_keeps_vllm_hybrid_manager_and_loads_each_group_bit_exact(base_config, daemon):
+    assert base_config.scheduler_config.disable_hybrid_kv_cache_manager is False  # SupportsHMA: vLLM keeps it on
+    tokens = tokens_of(100, 11)
+    a = Engine(base_config, daemon.socket, make_kv_config=hybrid_kv_cache_config)
+    a.add(make_request(21, tokens))
+    a.run_to_end()
+    assert a.worker.num_saved_chunks == 6  # three whole chunks, each group its own object
+    b = Engine(base_config, daemon.socket, make_kv_config=hybrid_kv_cache_config)
+    again = make_request(22, tokens)
+    b.add(again)
+    out = b.step()
+    assert out.num_scheduled_tokens[again.request_id] == 4  # 96 tokens from the store
+    assert not b.load_errors
+    full, sliding = b.group_blocks[again.request_id]
+    want = expected_blocks(tokens, 6)
+    for index in range(6):
+        assert torch.equal(b.block_kv(full[index], [LAYER_NAMES[0], LAYER_NAMES[2]]), want[index][[0, 2]]), \
+            f"full-attention block {index} differs"
+    held = [index for index in range(6) if sliding[index] != 0]
+    assert 0 < len(held) < 6, f"the sliding-window group should hold only its window, holds blocks {held}"
+    for index in held:
+        assert torch.equal(b.block_kv(sliding[index], [LAYER_NAMES[1]]), want[index][[1]]), \
+            f"sliding-window block {index} differs"
+    b.run_to_end()
+
+
+def test_a_hybrid_prefix_missing_in_one_group_is_no_hit(base_config, daemon):
+    tokens = tokens_of(70, 13)
+    a = Engine(base_config, daemon.socket, make_kv_config=hybrid_kv_cache_config)
+    a.add(make_request(23, tokens))
+    a.run_to_end()
+    b = Engine(base_config, daemon.socket, make_kv_config=hybrid_kv_cache_config)
+    plan_ids = b.connector._plan(make_request(24, tokens)).ids
+    assert len(plan_ids) == 2 and plan_ids[0] != plan_ids[1]  # the groups never share an id
+    with daemon.client() as c:
+        c.delete([plan_ids[1][1]])  # the sliding-window group's second chunk
+    assert b.connector.get_num_new_matched_tokens(make_request(25, tokens), 0) == (32, False)
+
+
+def test_a_mamba_group_is_refused_with_a_pointer_to_the_secondary_tier(base_config, daemon):
+    from tests.v1.kv_connector.unit.utils import make_kv_cache_config
+    config = copy.deepcopy(base_config)
+    config.kv_transfer_config.kv_connector_extra_config["socket_path"] = daemon.socket
+    with pytest.raises(ValueError, match="secondary offloading tier"):
+        KVConnectorFactory.create_connector(config, KVConnectorRole.WORKER,
+                                            make_kv_cache_config(BLOCK, mamba_enabled=True))
+
+
+def test_a_window_that_moves_while_a_chunk_is_computed_loads_back_bit_exact(base_config, daemon):
+    """Small steps (24 tokens), 64-token chunks, a one-block window and a small block pool:
+    vLLM frees the window's old blocks while a chunk is still being computed and hands freed
+    blocks out again. Whatever the connector saved must load back bit-exact. (Which blocks
+    vLLM reuses when is its allocator's business: tests/adapters/test_vllm_plan.py pins the
+    plan's side, a reused id never saved as part of a chunk.)"""
+    small_steps = copy.deepcopy(base_config)
+    small_steps.scheduler_config.max_num_batched_tokens = 24
+    small_steps.kv_transfer_config.kv_connector_extra_config["chunk_tokens"] = 64
+    tokens = tokens_of(200, 17)
+
+    def tight(num_blocks):
+        return hybrid_kv_cache_config(num_blocks, window=BLOCK)
+
+    a = Engine(small_steps, daemon.socket, make_kv_config=tight, num_blocks=20)
+    a.add(make_request(26, tokens))
+    a.run_to_end()
+    assert a.worker.num_saved_chunks > 0
+    b = Engine(small_steps, daemon.socket, make_kv_config=tight)
+    again = make_request(27, tokens)
+    b.add(again)
+    out = b.step()
+    assert not b.load_errors
+    from_store = out.scheduled_new_reqs[0].num_computed_tokens  # a fresh engine: nothing local
+    assert from_store > 0 and from_store % 64 == 0
+    want = expected_blocks(tokens, 200 // BLOCK)
+    full, sliding = b.group_blocks[again.request_id]
+    loaded = from_store // 64
+    for index in range(from_store // BLOCK):
+        assert torch.equal(b.block_kv(full[index], [LAYER_NAMES[0], LAYER_NAMES[2]]), want[index][[0, 2]]), \
+            f"full-attention block {index} differs ({loaded} chunks loaded)"
+        if sliding[index] != 0:
+            assert torch.equal(b.block_kv(sliding[index], [LAYER_NAMES[1]]), want[index][[1]]), \
+                f"sliding-window block {index} differs ({loaded} chunks loaded)"
