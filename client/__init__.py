@@ -1,6 +1,7 @@
 """Thin in-process client for the kvstore daemon (sync and asyncio)."""
 
-from client.core import LookupResult, PutResult, ReadLease
+from client.core import LookupResult, PutResult
+from client.lease import ReadLease
 from client.aio import AsyncClient
 from client.sync import Client
 from kvstore.errors import DaemonUnavailable

@@ -15,7 +15,9 @@ from kvstore.errors import DaemonUnavailable, from_wire
 from kvstore.hints import Hints
 from kvstore.identity import StateDescriptor
 from kvstore.protocol import NEED_DATA, BadFrame, Fatal, Reply
-from client.core import ClientCore, LookupResult, PutResult, ReadLease
+from kvstore.replies import HelloReply
+from client.core import ClientCore, LookupResult, PutResult
+from client.lease import ReadLease
 from client.sync import _ANCILLARY, RECV_BYTES, _recv_fds, parting_words
 
 
@@ -33,7 +35,7 @@ class AsyncClient:
         self._waiting: dict[int, asyncio.Future] = {}
         self._outbox = bytearray()
         self._lock = asyncio.Lock()
-        self.server_info: dict = {}
+        self.server_info: HelloReply | None = None  # the daemon's hello: version, limits
 
     @classmethod
     async def connect(cls, socket_path: str | None = None, namespace: str = "default", token: str | None = None,
@@ -209,22 +211,22 @@ class AsyncClient:
         return await self._run(self.core.op_lookup(list(keys), namespace, expect))
 
     async def delete(self, keys, namespace: str | None = None, scope: str = "cluster") -> int:
-        return await self._run(self.core.op_batch(m.Delete, list(keys), namespace, "deleted", scope=scope))
+        return await self._run(self.core.op_batch(m.Delete, list(keys), namespace, scope=scope))
 
     async def pin(self, keys, ttl_s: float | None = None, namespace: str | None = None,
                   scope: str = "cluster") -> int:
-        return await self._run(self.core.op_batch(m.Pin, list(keys), namespace, "pinned", ttl_s=ttl_s, scope=scope))
+        return await self._run(self.core.op_batch(m.Pin, list(keys), namespace, ttl_s=ttl_s, scope=scope))
 
     async def unpin(self, keys, namespace: str | None = None, scope: str = "cluster") -> int:
-        return await self._run(self.core.op_batch(m.Unpin, list(keys), namespace, "unpinned", scope=scope))
+        return await self._run(self.core.op_batch(m.Unpin, list(keys), namespace, scope=scope))
 
     async def prefetch(self, keys, tier: str = "host", policy: str = "best_effort",
                        timeout_s: float | None = None, namespace: str | None = None) -> int:
-        return await self._run(self.core.op_batch(m.Prefetch, list(keys), namespace, "resident",
+        return await self._run(self.core.op_batch(m.Prefetch, list(keys), namespace,
                                                   tier=tier, policy=policy, timeout_s=timeout_s))
 
     async def stats(self) -> dict:
-        return await self._run(self.core.op_simple(m.Stats()))
+        return (await self._run(self.core.op_simple(m.Stats()))).document
 
     async def check_integrity(self) -> None:
         await self._run(self.core.op_simple(m.Check()))

@@ -8,12 +8,9 @@ asyncio clients identical in behaviour.
 
 from __future__ import annotations
 
-import bisect
 import itertools
-import math
 import mmap
 import os
-import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -21,19 +18,19 @@ import numpy as np
 import xxhash
 
 from kvstore import messages as m
-from kvstore.errors import ChecksumError, DaemonUnavailable, InvalidArgument, KVStoreError, ProtocolError, from_wire
+from kvstore import replies as r
+from kvstore.errors import ChecksumError, InvalidArgument, KVStoreError, ProtocolError, from_wire
 from kvstore.hints import Hints
 from kvstore.identity import ChunkKey, ObjectId, StateDescriptor, descriptor_differences
 from kvstore.protocol import MAX_BATCH, FrameCodec, Reply, Request
-from kvstore.ranges import decode as decode_ranges, normalize as normalize_ranges, starts
+from kvstore.ranges import normalize as normalize_ranges
 from client.buffers import as_u8, as_writable_u8
+from client.lease import ReadLease
 
 # Bytes of reserved-but-uncommitted puts one put_many keeps in flight.
 PUT_WINDOW_BYTES = 64 << 20
 # Copy-and-hash granularity: fits in L2 with room to spare.
 HASH_BLOCK_BYTES = 256 << 10
-# A read lease counts as ended (ReadLease.closed) after this share of the daemon's lease TTL.
-LEASE_TTL_MARGIN = 0.8
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,147 +49,6 @@ class LookupResult:
     tiers: tuple  # per key: "host", ... or None for a miss
     hit_bytes: int  # bytes of the leading hits
     est_load_s: float  # estimated time to load the leading hits
-
-
-class ReadLease:
-    """A read lease on a committed object, viewed in place in the shared arena.
-
-    The daemon neither moves nor evicts the object until `release()` (or the end of the
-    `with` / `async with` block); release is idempotent. Views: `numpy()`, `buffer` and
-    `read()` are zero-copy and read-only; `tensor()` is a copy (torch has no read-only
-    tensors, and a writable view would change what every later reader of the object gets).
-    After release each of them raises DaemonUnavailable. `buffer` memoryviews go dead at
-    release; a numpy array taken earlier cannot be revoked: it then shows whatever the daemon
-    puts in that memory later, so copy (`.copy()`, or `tensor()`) what you keep past the lease.
-
-    A lease got with `ranges=` is read with `read(offset, length)` only: it holds the whole
-    object when the object is on this node and just the packed ranges when a home node sent
-    them (`ranges` set), so `numpy()`, `tensor()` and `buffer` refuse on it rather than mean
-    two different things.
-    """
-
-    __slots__ = ("lease_id", "object_id", "size", "checksum", "_descriptor", "tier", "_array", "_release", "_done",
-                 "ranges", "_starts", "_core", "_stale_at", "_asked_ranges", "_views")
-
-    def __init__(self, release, lease_id, object_id, size, checksum, descriptor_wire, tier, array, ranges=None,
-                 core=None, asked_ranges: bool = False):
-        self.lease_id = lease_id
-        self.object_id = object_id
-        self.size = size
-        self.checksum = checksum
-        self._descriptor = descriptor_wire
-        self.tier = tier
-        self._array = array
-        self._release = release
-        self._done = False
-        # None: the lease covers the whole object. Else the (offset, length) ranges of the
-        # object it holds, packed in order (`size` and `checksum` are then of the packed bytes).
-        self.ranges = ranges
-        self._starts = None if ranges is None else sorted(zip(ranges, starts(ranges)))  # by object offset
-        self._core = core  # the connection it came from: the daemon ends the lease when that closes
-        # The daemon also takes a lease back after limits.lease_ttl_s; treat it as gone at 80%.
-        ttl = getattr(core, "lease_ttl_s", None)
-        self._stale_at = math.inf if ttl is None else time.monotonic() + LEASE_TTL_MARGIN * ttl
-        self._asked_ranges = asked_ranges  # got with ranges=: read() only
-        self._views: list[memoryview] = []  # handed out by `buffer`, released with the lease
-
-    @property
-    def closed(self) -> bool:
-        """Released, its connection to the daemon closed, or near the daemon's lease TTL:
-        the daemon takes such a lease back, and its bytes may then hold another object."""
-        return (self._done or (self._core is not None and self._core.closed)
-                or time.monotonic() >= self._stale_at)
-
-    @property
-    def descriptor(self) -> StateDescriptor:
-        """What the object is (parsed on first use: most readers already know)."""
-        if isinstance(self._descriptor, dict):
-            self._descriptor = StateDescriptor.from_wire(self._descriptor)
-        return self._descriptor
-
-    def _whole(self, what: str) -> np.ndarray:
-        """The leased bytes, for a view of the whole object: refused once the lease has
-        ended, and on a ranged lease."""
-        if self.closed:
-            raise DaemonUnavailable(f"the lease on {self.object_id.hex} has ended (released, or its connection "
-                                    f"closed); {what} is no longer valid: get the object again")
-        if self._asked_ranges:
-            raise InvalidArgument(f"{what} of a lease got with ranges=: read its bytes with read(offset, length) "
-                                  "(the lease holds the whole object or only the ranges, depending on where it was)")
-        return self._array
-
-    @property
-    def buffer(self) -> memoryview:
-        """A read-only memoryview of the object; it is released (unusable) with the lease."""
-        view = memoryview(self._whole("buffer")).toreadonly()
-        self._views.append(view)
-        return view
-
-    def numpy(self, dtype=np.uint8) -> np.ndarray:
-        """A read-only zero-copy array of the object's bytes as `dtype`, valid until release."""
-        view = self._whole("numpy()").view(dtype)
-        view.flags.writeable = False
-        return view
-
-    def tensor(self, dtype=None):
-        """A CPU torch tensor holding a copy of the object's bytes (torch.uint8 unless
-        `dtype`). The copy is the caller's and outlives the lease; for zero copies, read
-        through `numpy()` (read-only) within the lease."""
-        import torch
-        return torch.from_numpy(self._whole("tensor()").copy()).view(dtype or torch.uint8)
-
-    def read(self, offset: int, length: int) -> np.ndarray:
-        """A read-only uint8 view of the object's bytes [offset, offset + length). On a ranged
-        lease they must lie inside one of its ranges."""
-        if self.closed:
-            raise DaemonUnavailable(f"the lease on {self.object_id.hex} has ended (released, or its connection "
-                                    "closed); get the object again")
-        if self.ranges is None:
-            if offset < 0 or length < 0 or offset + length > self.size:
-                raise InvalidArgument(f"bytes [{offset}, {offset + length}) are outside the object's {self.size}")
-            at = offset
-        else:
-            i = bisect.bisect_right(self._starts, offset, key=lambda item: item[0][0]) - 1
-            while i >= 0 and sum(self._starts[i][0]) < offset + length:
-                i -= 1  # an earlier, longer range may still cover them
-            if i < 0 or length < 0:
-                raise InvalidArgument(f"bytes [{offset}, {offset + length}) are not in this lease's ranges")
-            (start, _), packed_at = self._starts[i]
-            at = packed_at + offset - start
-        view = self._array[at:at + length]
-        view.flags.writeable = False
-        return view
-
-    def verify(self) -> bool:
-        """Recompute the xxh3-128 of the bytes and compare it with the put's checksum (on a
-        ranged lease: the checksum the home computed over the ranges it sent)."""
-        return xxhash.xxh3_128_digest(self._array) == self.checksum
-
-    def release(self) -> None:
-        if not self._done:
-            self._done = True
-            for view in self._views:
-                try:
-                    view.release()
-                except BufferError:
-                    pass  # something (a numpy array) still exports it: it stays readable
-            self._views.clear()
-            self._release(self.lease_id)
-
-    def __enter__(self) -> ReadLease:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.release()
-
-    async def __aenter__(self) -> ReadLease:
-        return self
-
-    async def __aexit__(self, *exc) -> None:
-        self.release()
-
-    def __repr__(self) -> str:
-        return f"ReadLease({self.object_id!r}, {self.size} B, tier={self.tier})"
 
 
 def copy_and_hash(dst: np.ndarray, src: np.ndarray) -> bytes:
@@ -286,10 +142,11 @@ class ClientCore:
         return Request(next(self._ids), msg.op, msg.to_args(), no_reply)
 
     @staticmethod
-    def result(reply: Reply):
+    def result(reply: Reply, kind: type[r.ReplyMessage]):
+        """The typed reply of `kind`, or the daemon's error raised."""
         if reply.error is not None:
             raise from_wire(reply.error)
-        return reply.result
+        return kind.from_wire(reply.result)
 
     def release_request(self, lease_id: int) -> Request:
         return self.request(m.Release(lease_id), no_reply=True)
@@ -306,9 +163,9 @@ class ClientCore:
 
     def op_hello(self, name: str):
         (reply,) = yield [self.request(m.Hello(name, os.getpid()))]
-        info = self.result(reply)
-        self.max_inflight_bytes = info.get("limits", {}).get("max_inflight_bytes") or PUT_WINDOW_BYTES
-        self.lease_ttl_s = info.get("limits", {}).get("lease_ttl_s")
+        info = self.result(reply, r.HelloReply)
+        self.max_inflight_bytes = info.limits.max_inflight_bytes or PUT_WINDOW_BYTES
+        self.lease_ttl_s = info.limits.lease_ttl_s
         return info
 
     def op_open(self, namespace: str, create: bool = True):
@@ -317,7 +174,7 @@ class ClientCore:
         if namespace in self.arenas or (not create and namespace in self._unmapped):
             return
         (reply,) = yield [self.request(m.OpenNamespace(namespace, self.token, create))]
-        size = self.result(reply)["arena_bytes"]
+        size = self.result(reply, r.OpenReply).arena_bytes
         if size == 0:  # no arena there yet: nothing to map
             self._unmapped.add(namespace)
             return
@@ -388,22 +245,21 @@ class ClientCore:
             if reply.error is not None:
                 results[i] = PutResult(oid, False, error=from_wire(reply.error))
                 continue
-            r = reply.result
-            if r.get("exists"):
+            reserved = r.ReserveReply.from_wire(reply.result)
+            if reserved.exists:
                 results[i] = PutResult(oid, True)
                 continue
             arena = self.arenas[d.namespace]
-            checksum = copy_and_hash(arena[r["offset"]:r["offset"] + src.size], src)
-            commits.append(self.request(m.Commit(r["lease"], checksum)))
+            checksum = copy_and_hash(arena[reserved.offset:reserved.offset + src.size], src)
+            commits.append(self.request(m.Commit(reserved.lease, checksum)))
             committed.append((i, oid))
         replies = (yield commits) if commits else []
         for (i, oid), reply in zip(committed, replies):
             if reply.error is not None:
                 results[i] = PutResult(oid, False, error=from_wire(reply.error))
             else:
-                r = reply.result
-                results[i] = PutResult(oid, r.get("exists", False), r.get("tier"), r.get("durability"),
-                                       homes=tuple(r.get("homes", ())))
+                put = r.CommitReply.from_wire(reply.result)
+                results[i] = PutResult(oid, put.exists, put.tier, put.durability, homes=put.homes or ())
 
     def op_put(self, key, data, desc, hints, tier: str = "host"):
         oid, d, src = self._put_item(key, data, desc)  # the caller's mistakes raise here
@@ -421,19 +277,18 @@ class ClientCore:
         if ranges is not None:
             ranges = normalize_ranges(ranges)  # InvalidArgument before anything is sent
         (reply,) = yield [self.request(m.Get(namespace, oid, accept, ranges, expect))]
-        r = self.result(reply)
-        if not r["hit"]:
+        got = self.result(reply, r.GetReply)
+        if not got.hit:
             return None
         if namespace not in self.arenas:  # made since we opened (a put, or a promotion for this get)
             yield from self.op_open(namespace)
-        return self._lease(r, namespace, oid, ranges, expect)
+        return self._lease(got, namespace, oid, ranges, expect)
 
-    def _lease(self, r: dict, namespace: str, oid: ObjectId, ranges, expect) -> ReadLease | None:
-        """The ReadLease of a get hit `r` (None, released, if it is not the expected state)."""
-        array = self.arenas[namespace][r["offset"]:r["offset"] + r["size"]]
-        held = None if r.get("ranges") is None else decode_ranges(r["ranges"])
-        lease = ReadLease(self._release_cb, r["lease"], oid, r["size"], r["checksum"], r["descriptor"], r["tier"],
-                          array, held, self, asked_ranges=ranges is not None)
+    def _lease(self, got: r.GetReply, namespace: str, oid: ObjectId, ranges, expect) -> ReadLease | None:
+        """The ReadLease of a get hit (None, released, if it is not the expected state)."""
+        array = self.arenas[namespace][got.offset:got.offset + got.size]
+        lease = ReadLease(self._release_cb, got.lease, oid, got.size, got.checksum, got.descriptor, got.tier,
+                          array, got.ranges, self, asked_ranges=ranges is not None)
         if expect is not None and lease.descriptor != expect:  # a daemon that answered for another one
             lease.release()
             return None
@@ -465,17 +320,18 @@ class ClientCore:
         for start in range(0, len(prepared), GET_MANY_BATCH):
             batch = prepared[start:start + GET_MANY_BATCH]
             replies = yield [self.request(m.Get(namespace, oid, None, None, want)) for oid, _, want in batch]
-            if namespace not in self.arenas and any(r.error is None and r.result["hit"] for r in replies):
+            gots = [None if reply.error is not None else r.GetReply.from_wire(reply.result) for reply in replies]
+            if namespace not in self.arenas and any(got is not None and got.hit for got in gots):
                 yield from self.op_open(namespace)  # made since we opened
-            for (oid, dst, want), reply in zip(batch, replies):
-                if reply.error is not None:
+            for (oid, dst, want), reply, got in zip(batch, replies, gots):
+                if got is None:
                     first_error = first_error or from_wire(reply.error)
                     sizes.append(None)
                     continue
-                if not reply.result["hit"]:
+                if not got.hit:
                     sizes.append(None)
                     continue
-                lease = self._lease(reply.result, namespace, oid, None, want)
+                lease = self._lease(got, namespace, oid, None, want)
                 if lease is None:
                     sizes.append(None)
                     continue
@@ -508,25 +364,31 @@ class ClientCore:
         replies = yield requests
         tiers, hit_bytes, est, leading = [], 0, 0.0, True
         for reply in replies:
-            r = self.result(reply)
-            tiers.extend(r["tiers"])
+            found = self.result(reply, r.LookupReply)
+            tiers.extend(found.tiers)
             if leading:
-                hit_bytes += r["hit_bytes"]
-                est += r["est_load_s"]
-                leading = r["hits"] == len(r["tiers"])
+                hit_bytes += found.hit_bytes
+                est += found.est_load_s
+                leading = found.hits == len(found.tiers)
         hits = next((i for i, t in enumerate(tiers) if t is None), len(tiers))
         return LookupResult(hits, tuple(tiers), hit_bytes, est)
 
-    def op_batch(self, cls, keys, namespace: str | None, field: str, **extra):
-        """delete / pin / unpin / prefetch over any number of keys; returns the summed count."""
+    def op_batch(self, cls, keys, namespace: str | None, **extra):
+        """delete / pin / unpin / prefetch over any number of keys; returns the summed count
+        (ids deleted, pinned, unpinned; for prefetch, ids resident)."""
         namespace = namespace or self.namespace
         yield from self.op_open(namespace, create=False)
         ids = [to_object_id(k) for k in keys]
         if not ids:
             return 0
         replies = yield [self.request(cls(namespace, tuple(b), **extra)) for b in _batches(ids)]
-        return sum(self.result(r)[field] for r in replies)
+        kind = r.REPLIES[cls.op]
+        return sum(self.result(reply, kind).count for reply in replies)
 
     def op_simple(self, msg: m.Message):
+        """One request; its typed reply (kvstore.replies), or None for an op that answers nothing."""
         (reply,) = yield [self.request(msg)]
-        return self.result(reply)
+        if reply.error is not None:
+            raise from_wire(reply.error)
+        kind = r.REPLIES[msg.op]
+        return None if kind is None else kind.from_wire(reply.result)

@@ -12,7 +12,9 @@ from kvstore.errors import DaemonUnavailable, from_wire
 from kvstore.hints import Hints
 from kvstore.identity import StateDescriptor
 from kvstore.protocol import NEED_DATA, BadFrame, Fatal, Reply
-from client.core import ClientCore, LookupResult, PutResult, ReadLease
+from kvstore.replies import HelloReply
+from client.core import ClientCore, LookupResult, PutResult
+from client.lease import ReadLease
 
 RECV_BYTES = 256 * 1024
 # A round trip's requests go out in groups of at most this many bytes, each group's replies
@@ -64,7 +66,7 @@ class Client:
         self.client_name = client_name
         self._lock = threading.RLock()
         self._sock: socket.socket | None = None
-        self.server_info: dict = {}
+        self.server_info: HelloReply | None = None  # the daemon's hello: version, limits
         self._connect()
 
     @classmethod
@@ -241,30 +243,30 @@ class Client:
     def delete(self, keys, namespace: str | None = None, scope: str = "cluster") -> int:
         """Drop objects from every tier; returns how many ids were found. In a cluster,
         scope="cluster" drops every member's copies, scope="node" only this node's."""
-        return self._run(self.core.op_batch(m.Delete, list(keys), namespace, "deleted", scope=scope))
+        return self._run(self.core.op_batch(m.Delete, list(keys), namespace, scope=scope))
 
     def pin(self, keys, ttl_s: float | None = None, namespace: str | None = None, scope: str = "cluster") -> int:
         """Keep objects resident (never evicted) until unpinned or `ttl_s` passes; returns how
         many were pinned somewhere. A pin never shortens an earlier one's expiry. In a
         cluster, scope="cluster" pins this node's copies and the home nodes' (an object held
         only by its homes stays there), "node" only this node's."""
-        return self._run(self.core.op_batch(m.Pin, list(keys), namespace, "pinned", ttl_s=ttl_s, scope=scope))
+        return self._run(self.core.op_batch(m.Pin, list(keys), namespace, ttl_s=ttl_s, scope=scope))
 
     def unpin(self, keys, namespace: str | None = None, scope: str = "cluster") -> int:
         """Undo pins; returns how many ids were still pinned somewhere. In a cluster,
         scope="cluster" reaches every live member (a pin made from any node may hold a
         copy there), "node" only this node's copies."""
-        return self._run(self.core.op_batch(m.Unpin, list(keys), namespace, "unpinned", scope=scope))
+        return self._run(self.core.op_batch(m.Unpin, list(keys), namespace, scope=scope))
 
     def prefetch(self, keys, tier: str = "host", policy: str = "best_effort",
                  timeout_s: float | None = None, namespace: str | None = None) -> int:
         """Bring objects to `tier`; returns how many are resident there. With the host tier
         as the only tier this moves nothing and reports what is resident."""
-        return self._run(self.core.op_batch(m.Prefetch, list(keys), namespace, "resident",
+        return self._run(self.core.op_batch(m.Prefetch, list(keys), namespace,
                                             tier=tier, policy=policy, timeout_s=timeout_s))
 
     def stats(self) -> dict:
-        return self._run(self.core.op_simple(m.Stats()))
+        return self._run(self.core.op_simple(m.Stats())).document
 
     def check_integrity(self) -> None:
         """Ask the daemon to verify its allocators, index, leases and policies now."""

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import base64
 import binascii
-import inspect
 import json
 from dataclasses import dataclass
 
@@ -31,6 +30,7 @@ from server.admin_http import (
     query_str,
 )
 from server.admin_listing import check_tier, doc, find_object, list_page
+from server.later import resolve
 from server.objects import ObjectEntry
 
 DEFAULT_PAGE = 100
@@ -120,9 +120,8 @@ async def show_object(request: web.Request) -> web.Response:
 
 async def delete_object(request: web.Request) -> web.Response:
     manager, view = await _target(request)
-    deleted = manager.delete(view.namespace, [view.object_id], scope="node")  # this node's admin: its copies
-    if inspect.isawaitable(deleted):  # NVMe copies are deleted in the I/O pool
-        await deleted
+    # this node's admin: its copies (NVMe ones are deleted in the I/O pool)
+    await resolve(manager.delete(view.namespace, [view.object_id], scope="node"))
     return json_response({"deleted": True, "namespace": view.namespace, "object_id": view.object_id.hex})
 
 

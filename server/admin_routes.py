@@ -6,7 +6,6 @@ route here must be described in server/admin_openapi.py; a test holds the two to
 
 from __future__ import annotations
 
-import inspect
 import os
 import socket
 
@@ -14,9 +13,11 @@ from aiohttp import web
 
 from kvstore.errors import InvalidArgument
 from kvstore.identity import StateDescriptor, chunk_keys
+from kvstore.replies import LookupReply
 from server import admin_objects as objects
 from server.admin_http import ADMIN, json_body, json_response
 from server.admin_openapi import TIER_KEYS, openapi_document
+from server.later import resolve
 from tiers.arena import PAGE_BYTES
 from tiers.nvme_io import ALIGN as NVME_ALIGN
 
@@ -128,24 +129,23 @@ async def lookup(request: web.Request) -> web.Response:
     keys = chunk_keys(tokens, desc, extra_keys=_extra_keys(body.get("extra_keys")))
     manager = _admin(request).daemon.manager
     if desc.namespace in manager.namespaces and keys:  # never open a namespace for a lookup
-        found = manager.lookup(desc.namespace, [k.object_id for k in keys], [desc] * len(keys))  # desc's only
-        if inspect.isawaitable(found):  # misses are asked of peers
-            found = await found
+        # desc's only; misses are asked of peers
+        found = await resolve(manager.lookup(desc.namespace, [k.object_id for k in keys], [desc] * len(keys)))
     else:
-        found = {"hits": 0, "tiers": [None] * len(keys), "hit_bytes": 0, "est_load_s": 0.0}
+        found = LookupReply.nothing(len(keys))
     per_tier: dict[str, int] = {}
-    for tier in found["tiers"][:found["hits"]]:
+    for tier in found.tiers[:found.hits]:
         per_tier[tier] = per_tier.get(tier, 0) + 1
     return json_response({
         "namespace": desc.namespace,
         "num_chunks": len(keys),
         "chunk_tokens": desc.chunk_tokens,
-        "hits": found["hits"],
-        "hit_tokens": found["hits"] * desc.chunk_tokens,
-        "hit_bytes": found["hit_bytes"],
-        "est_load_s": found["est_load_s"],
+        "hits": found.hits,
+        "hit_tokens": found.hits * desc.chunk_tokens,
+        "hit_bytes": found.hit_bytes,
+        "est_load_s": found.est_load_s,
         "hit_chunks_per_tier": per_tier,
-        "tiers": found["tiers"],
+        "tiers": list(found.tiers),
         "object_ids": [k.object_id.hex for k in keys],
     })
 

@@ -17,6 +17,7 @@ import numpy as np
 from kvstore.config import ServerConfig
 from kvstore.errors import KVStoreError, PermissionDenied
 from kvstore.protocol import MAX_BATCH
+from kvstore.replies import ClientLimits
 from server.data_dir import DataDirLock, ensure_dir, hold_data_dir
 from server.host_memory import check_host_tier, host_memory
 from server.local_service import SERVER_VERSION, LocalConnection
@@ -221,11 +222,10 @@ class Daemon:
                 "leases": self.manager.leases.count(owner),
                 "namespaces": {k: v for k, v in stats["namespaces"].items() if k in opened}}
 
-    def limits_for_clients(self) -> dict:
+    def limits_for_clients(self) -> ClientLimits:
         limits = self.config.limits
-        return {"max_frame_bytes": limits.max_frame_bytes, "max_batch": MAX_BATCH,
-                "max_leases": limits.max_leases_per_client,
-                "max_inflight_bytes": limits.max_inflight_bytes_per_client, "lease_ttl_s": limits.lease_ttl_s}
+        return ClientLimits(limits.max_frame_bytes, MAX_BATCH, limits.max_leases_per_client,
+                            limits.max_inflight_bytes_per_client, limits.lease_ttl_s)
 
     def stats(self) -> dict:
         return {

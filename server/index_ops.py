@@ -2,7 +2,7 @@
 
 A mixin of `server.tier_manager.TierManager` (it uses the manager's namespaces, mover,
 cluster and _remove). Like the rest of the manager it runs on the event loop; a call that
-needs NVMe or peer I/O returns an awaitable instead of its result.
+needs NVMe or peer I/O returns an awaitable instead of its result (server/later.py).
 """
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ import math
 from kvstore.errors import NotFound, RangeError
 from kvstore.identity import ObjectId
 from kvstore.ranges import check_within
+from kvstore.replies import LookupReply, PrefetchReply
+from server.later import MaybeAwaitable, then
 from server.objects import ObjectEntry
 
 log = logging.getLogger("kvstore.tiers")
@@ -22,17 +24,13 @@ log = logging.getLogger("kvstore.tiers")
 PER_OBJECT_LOAD_S = 20e-6
 
 
-async def _count(found) -> int:
-    return sum(await found)
-
-
 def _log_failure(task: asyncio.Task) -> None:
     if not task.cancelled() and task.exception() is not None:
         log.warning("event=promotion_failed error=%r", task.exception())
 
 
 class IndexOps:
-    def lookup(self, namespace: str, ids, expect: list | None = None) -> dict:
+    def lookup(self, namespace: str, ids, expect: list | None = None) -> MaybeAwaitable[LookupReply]:
         """Per key its tier ("host", "nvme" or None), the leading hits, their bytes, and the
         estimated time to load them at each tier's measured bandwidth (DESIGN.md section 7).
         expect: per key the descriptor the reader can use, or None; an object stored under
@@ -68,7 +66,7 @@ class IndexOps:
         est = hits * PER_OBJECT_LOAD_S + host_bytes / self.host_bandwidth_bytes_s
         if nvme_bytes:
             est += nvme_bytes / mover.bandwidth_bytes_s
-        result = {"hits": hits, "tiers": tiers, "hit_bytes": host_bytes + nvme_bytes, "est_load_s": est}
+        result = LookupReply(hits, tuple(tiers), host_bytes + nvme_bytes, est)
         if self.cluster is not None and hits < len(ids):
             return self._lookup_peers(namespace, ids, result, sizes, expect)
         return result
@@ -82,37 +80,37 @@ class IndexOps:
         meta = self.mover.remote_meta(namespace, ObjectId(bytes(oid)))
         return meta is not None and meta.descriptor == wanted
 
-    async def _lookup_peers(self, namespace: str, ids, result: dict, sizes: list, expect=None) -> dict:
+    async def _lookup_peers(self, namespace: str, ids, result: LookupReply, sizes: list, expect=None) -> LookupReply:
         """Ask the home nodes about the local misses (one round trip per home) and merge."""
-        misses = [i for i, tier in enumerate(result["tiers"]) if tier is None]
+        misses = [i for i, tier in enumerate(result.tiers) if tier is None]
         metas = await self.cluster.lookup_remote(namespace, [ObjectId(bytes(ids[i])) for i in misses])
-        tiers = list(result["tiers"])
+        tiers = list(result.tiers)
         for i, meta in zip(misses, metas):
             if meta is not None and (expect is None or expect[i] is None or meta.descriptor == expect[i]):
                 tiers[i] = "remote"
         hits = next((i for i, t in enumerate(tiers) if t is None), len(tiers))
         remote_bytes = sum(meta.size for i, meta in zip(misses, metas) if meta is not None and i < hits)
         # Local hits behind the first local miss lead now too: their bytes count as well.
-        later = [(result["tiers"][i], sizes[i]) for i in range(result["hits"], hits) if result["tiers"][i] is not None]
+        later = [(result.tiers[i], sizes[i]) for i in range(result.hits, hits) if result.tiers[i] is not None]
         host_bytes = sum(size for tier, size in later if tier == "host")
         nvme_bytes = sum(size for tier, size in later if tier == "nvme")
-        est = result["est_load_s"] + (hits - result["hits"]) * PER_OBJECT_LOAD_S
+        est = result.est_load_s + (hits - result.hits) * PER_OBJECT_LOAD_S
         est += remote_bytes / self.cluster.bandwidth_bytes_s if remote_bytes else 0.0
         est += host_bytes / self.host_bandwidth_bytes_s
         est += nvme_bytes / self.mover.bandwidth_bytes_s if nvme_bytes else 0.0
-        hit_bytes = result["hit_bytes"] + remote_bytes + host_bytes + nvme_bytes
-        return {"hits": hits, "tiers": tiers, "hit_bytes": hit_bytes, "est_load_s": est}
+        hit_bytes = result.hit_bytes + remote_bytes + host_bytes + nvme_bytes
+        return LookupReply(hits, tuple(tiers), hit_bytes, est)
 
-    def delete(self, namespace: str, ids, scope: str = "cluster"):
+    def delete(self, namespace: str, ids, scope: str = "cluster") -> MaybeAwaitable[int]:
         """Delete from every tier of this node and, in a cluster with scope "cluster", of
         every live member. Returns how many ids were found anywhere, or an awaitable of that
         count when NVMe copies or peers are involved."""
         found = self.delete_here(namespace, ids)
         if scope == "cluster" and self.cluster is not None and self.cluster.remote is not None:
             return self.cluster.delete_everywhere(namespace, ids, found)
-        return sum(found) if isinstance(found, list) else _count(found)
+        return then(found, sum)
 
-    def delete_here(self, namespace: str, ids):
+    def delete_here(self, namespace: str, ids) -> MaybeAwaitable[list[bool]]:
         """Delete from this node's tiers only (what a peer's delete asks). Per id whether it
         was held, or an awaitable of that when NVMe copies must be deleted too."""
         ns = self.namespaces.get(namespace)
@@ -134,31 +132,32 @@ class IndexOps:
         gone = set(on_nvme)
         return [f or oid in gone for f, oid in zip(found, ids)]
 
-    def prefetch(self, namespace: str, ids, tier: str, policy: str, timeout_s: float | None):
+    def prefetch(self, namespace: str, ids, tier: str, policy: str,
+                 timeout_s: float | None) -> MaybeAwaitable[PrefetchReply]:
         """Bring objects into the host tier. best_effort starts promotions and answers at
         once; wait answers when all are resident; timeout answers after timeout_s at most.
-        Returns {"resident": n, "requested": m} (or an awaitable of it)."""
+        Returns how many of them are resident."""
         ns = self.namespaces.get(namespace)
         objects = ns.objects if ns is not None else {}
         missing = [oid for oid in ids if oid not in objects and self.mover is not None and self.mover.holds(namespace, oid)]
         resident = sum(1 for oid in ids if oid in objects)
         if tier != "host" or not missing:
-            return {"resident": resident, "requested": len(ids)}
+            return PrefetchReply(resident, len(ids))
         tasks = [asyncio.ensure_future(self.mover.promote(namespace, oid)) for oid in missing]
         if policy == "best_effort":
             for task in tasks:
                 task.add_done_callback(_log_failure)
-            return {"resident": resident, "requested": len(ids), "started": len(tasks)}
+            return PrefetchReply(resident, len(ids), len(tasks))
         return self._prefetch_wait(namespace, ids, tasks, None if policy == "wait" else (timeout_s or 1.0))
 
-    async def _prefetch_wait(self, namespace: str, ids, tasks, timeout_s: float | None) -> dict:
+    async def _prefetch_wait(self, namespace: str, ids, tasks, timeout_s: float | None) -> PrefetchReply:
         done, pending = await asyncio.wait(tasks, timeout=timeout_s)
         for task in pending:
             task.add_done_callback(_log_failure)  # keeps running; its result lands in the host tier
         for task in done:
             _log_failure(task)
         objects = self.namespaces[namespace].objects if namespace in self.namespaces else {}
-        return {"resident": sum(1 for oid in ids if oid in objects), "requested": len(ids)}
+        return PrefetchReply(sum(1 for oid in ids if oid in objects), len(ids))
 
     @staticmethod
     def _check_ranges(ns, ranges, size: int) -> None:
@@ -170,15 +169,15 @@ class IndexOps:
                 ns.counters.num_misses += 1
                 raise
 
-    def pin(self, namespace: str, ids, ttl_s: float | None, scope: str = "cluster"):
+    def pin(self, namespace: str, ids, ttl_s: float | None, scope: str = "cluster") -> MaybeAwaitable[int]:
         """Pin this node's host copies and, in a cluster with scope "cluster", the homes'.
         Returns how many ids were pinned somewhere, or an awaitable of that count."""
         return self._pin_scoped(namespace, ids, ttl_s, scope, unpin=False)
 
-    def unpin(self, namespace: str, ids, scope: str = "cluster"):
+    def unpin(self, namespace: str, ids, scope: str = "cluster") -> MaybeAwaitable[int]:
         return self._pin_scoped(namespace, ids, None, scope, unpin=True)
 
-    def _pin_scoped(self, namespace: str, ids, ttl_s, scope: str, unpin: bool):
+    def _pin_scoped(self, namespace: str, ids, ttl_s, scope: str, unpin: bool) -> MaybeAwaitable[int]:
         flags = self.pin_here(namespace, ids, ttl_s, unpin)
         if scope == "cluster" and self.cluster is not None and self.cluster.remote is not None:
             return self.cluster.pin_everywhere(namespace, ids, ttl_s, unpin, flags)

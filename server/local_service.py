@@ -11,7 +11,6 @@ from __future__ import annotations
 import array
 import asyncio
 import collections
-import inspect
 import itertools
 import logging
 import os
@@ -19,8 +18,10 @@ import socket
 import struct
 
 from kvstore import messages as m
+from kvstore import replies as r
 from kvstore.errors import KVStoreError, LimitExceeded, PermissionDenied, ProtocolError
 from kvstore.protocol import NEED_DATA, BadFrame, Fatal, FrameCodec, Reply, Request
+from server.later import is_ready, resolve, then
 
 log = logging.getLogger("kvstore.local")
 _conn_ids = itertools.count(1)
@@ -30,15 +31,6 @@ SERVER_VERSION = "0.1.0"
 # daemon buffer replies without bound. Far above what the clients keep in flight (the sync
 # client sends in groups of 64 KiB of requests and reads their replies before the next).
 REPLY_BUFFER_HIGH_BYTES = 4 * 1024 * 1024
-
-
-def _keyed(key: str, value):
-    """{key: value}, also when value is still an awaitable."""
-    if inspect.isawaitable(value):
-        async def wrap():
-            return {key: await value}
-        return wrap()
-    return {key: value}
 
 
 class _Retry:
@@ -141,7 +133,7 @@ class LocalConnection(asyncio.Protocol):
             except Exception as exc:
                 self._reply(request, None, None, exc)
                 continue
-            if inspect.isawaitable(result):
+            if not is_ready(result):
                 self._busy = True
                 asyncio.get_running_loop().create_task(self._finish(request, result))
                 return
@@ -153,8 +145,7 @@ class LocalConnection(asyncio.Protocol):
             result = await pending
             while isinstance(result, _Retry):  # the wait made it possible to answer now
                 result, fd = self._dispatch(result.msg)
-                if inspect.isawaitable(result):  # or to start the I/O it needs (a promotion)
-                    result = await result
+                result = await resolve(result)  # or to start the I/O it needs (a promotion)
         except Exception as exc:
             self._reply(request, None, None, exc)
         else:
@@ -171,7 +162,7 @@ class LocalConnection(asyncio.Protocol):
         try:
             if error is not None:
                 raise error
-            reply = Reply(request.id, result)
+            reply = Reply(request.id, None if result is None else result.to_wire())
         except KVStoreError as exc:
             log.info("event=request_error conn=%d op=%s code=%s error=%r",
                      self.conn_id, request.op[:32], exc.code, exc.message)
@@ -193,6 +184,9 @@ class LocalConnection(asyncio.Protocol):
         return name
 
     def _dispatch(self, msg: m.Message):
+        """(reply, fd): the request's typed reply (kvstore.replies), None for release and
+        abort, or an awaitable of either (server/later.py: answered after I/O); fd is an
+        arena's, sent with the reply (SCM_RIGHTS), or None."""
         mgr, owner = self.manager, self.conn_id
         match msg:
             case m.Get():
@@ -213,11 +207,11 @@ class LocalConnection(asyncio.Protocol):
             case m.Lookup():
                 return mgr.lookup(self._ns(msg.namespace), msg.ids, msg.expectations()), None
             case m.Delete():
-                return _keyed("deleted", mgr.delete(self._ns(msg.namespace), msg.ids, msg.scope)), None
+                return then(mgr.delete(self._ns(msg.namespace), msg.ids, msg.scope), r.DeleteReply), None
             case m.Pin():
-                return _keyed("pinned", mgr.pin(self._ns(msg.namespace), msg.ids, msg.ttl_s, msg.scope)), None
+                return then(mgr.pin(self._ns(msg.namespace), msg.ids, msg.ttl_s, msg.scope), r.PinReply), None
             case m.Unpin():
-                return _keyed("unpinned", mgr.unpin(self._ns(msg.namespace), msg.ids, msg.scope)), None
+                return then(mgr.unpin(self._ns(msg.namespace), msg.ids, msg.scope), r.UnpinReply), None
             case m.Prefetch():
                 return mgr.prefetch(self._ns(msg.namespace), msg.ids, msg.tier, msg.policy, msg.timeout_s), None
             case m.OpenNamespace():
@@ -225,20 +219,19 @@ class LocalConnection(asyncio.Protocol):
                 ns = mgr.namespaces.get(msg.namespace)
                 if ns is None and not msg.create:  # a reader: nothing to map, and nothing is made
                     self.opened.add(msg.namespace)
-                    return {"namespace": msg.namespace, "arena_bytes": 0}, None
+                    return r.OpenReply(msg.namespace, 0), None
                 if ns is None:  # first open: the arena is made off the loop, then we retry
                     return self._open_later(msg), None
                 self.opened.add(msg.namespace)
-                return {"namespace": msg.namespace, "arena_bytes": ns.arena.capacity_bytes}, ns.arena.fd
+                return r.OpenReply(msg.namespace, ns.arena.capacity_bytes), ns.arena.fd
             case m.Hello():
                 self.client_name = msg.client
-                return {"server": SERVER_VERSION, "protocol": 1, "conn": self.conn_id,
-                        "limits": self.daemon.limits_for_clients()}, None
+                return r.HelloReply(SERVER_VERSION, 1, self.conn_id, self.daemon.limits_for_clients()), None
             case m.Stats():
-                return self.daemon.client_stats(owner, self.opened), None
+                return r.StatsReply(self.daemon.client_stats(owner, self.opened)), None
             case m.Check():
                 self.manager.check_integrity()
-                return {"ok": True}, None
+                return r.CheckReply(True), None
         raise ProtocolError(f"op {msg.op} not served on the local socket")
 
     async def _open_later(self, msg: m.OpenNamespace):
@@ -248,11 +241,9 @@ class LocalConnection(asyncio.Protocol):
     async def _arena_for_read(self, msg: m.Get):
         """A get in a namespace with no arena here: the object may still be on NVMe or at a
         peer, and its bytes need an arena to land in. Make one only if it is found there."""
-        found = self.manager.lookup(msg.namespace, (msg.object_id.digest,))  # as a Lookup carries ids
-        if inspect.isawaitable(found):
-            found = await found
-        if found["tiers"][0] is None:
-            return {"hit": False}
+        found = await resolve(self.manager.lookup(msg.namespace, (msg.object_id.digest,)))  # as a Lookup carries ids
+        if found.tiers[0] is None:
+            return r.MISS
         await self.manager.open_namespace(msg.namespace)
         return _Retry(msg)
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from kvstore.errors import Conflict
 from kvstore.hints import Hints
 from kvstore.identity import ObjectId, StateDescriptor, descriptor_differences
+from kvstore.replies import GetReply
 
 
 _SERIALS = itertools.count(1)
@@ -35,12 +36,12 @@ class ObjectEntry:
     descriptor_wire: dict | None = None  # descriptor.to_wire(), built once: every get sends it
     serial: int = field(default_factory=lambda: next(_SERIALS))  # this copy, never reused
 
-    def get_reply(self, lease_id: int, tier: str = "host") -> dict:
+    def get_reply(self, lease_id: int, tier: str = "host") -> GetReply:
         """What a get hit sends: where to read, how to check it, and what it is."""
         if self.descriptor_wire is None:
             self.descriptor_wire = self.descriptor.to_wire()
-        return {"hit": True, "lease": lease_id, "offset": self.extent.offset, "size": self.size,
-                "checksum": self.checksum, "tier": tier, "descriptor": self.descriptor_wire}
+        return GetReply(True, lease=lease_id, offset=self.extent.offset, size=self.size, checksum=self.checksum,
+                        tier=tier, descriptor=self.descriptor_wire)
 
     def is_pinned(self, now: float) -> bool:
         return self.pinned_until > now

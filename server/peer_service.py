@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
-import inspect
 import logging
 import os
 import signal
@@ -32,6 +31,7 @@ from kvstore import ranges
 from kvstore.errors import ChecksumError, KVStoreError, PermissionDenied, ProtocolError
 from kvstore.identity import ObjectId
 from kvstore.protocol import Reply, Request
+from server.later import resolve
 from server.peer_auth import authenticate_server
 from server.peer_transport import Channel, make_transport, nbytes_of, payload_bytes
 from kvstore.peer_messages import PEER_OPS, PeerDelete, PeerGet, PeerPin, PeerPut, RemoteMeta
@@ -121,10 +121,6 @@ class ServiceCounters:
     bytes_out: int = 0
 
 
-async def _maybe(value):
-    return await value if inspect.isawaitable(value) else value
-
-
 class PeerService:
     def __init__(self, backend: PeerBackend, transport, secret: bytes, node_id: str, timeout_s: float = 1.0,
                  digest: Callable[[Any], bytes] = host_digest, recheck_s: float = RANGED_RECHECK_S,
@@ -199,11 +195,11 @@ class PeerService:
                 pending, nbytes = 0, pending
                 result = await self._put(channel, msg, nbytes)
             elif isinstance(msg, PeerDelete):
-                result = {"found": list(await _maybe(self.backend.delete(msg.namespace, msg.ids)))}
+                result = {"found": list(await resolve(self.backend.delete(msg.namespace, msg.ids)))}
             elif isinstance(msg, PeerPin):
-                result = {"pinned": list(await _maybe(self.backend.pin(msg.namespace, msg.ids, msg.ttl_s, msg.unpin)))}
+                result = {"pinned": list(await resolve(self.backend.pin(msg.namespace, msg.ids, msg.ttl_s, msg.unpin)))}
             else:  # PeerLookup
-                metas = await _maybe(self.backend.lookup(msg.namespace, msg.ids))
+                metas = await resolve(self.backend.lookup(msg.namespace, msg.ids))
                 result = {"metas": [None if m is None else m.to_wire() for m in metas]}
         except KVStoreError as exc:
             self.counters.num_errors += 1
@@ -215,7 +211,7 @@ class PeerService:
         await channel.send(Reply(request.id, result))
 
     async def _get(self, channel: Channel, rid: int, msg: PeerGet) -> None:
-        read = await _maybe(self.backend.read(msg.namespace, msg.object_id))
+        read = await resolve(self.backend.read(msg.namespace, msg.object_id))
         if read is None:
             await channel.send(Reply(rid, {"meta": None}))
             return
@@ -269,7 +265,7 @@ class PeerService:
                 raise ProtocolError(f"peer_put: payload_bytes {nbytes} != size {msg.size}" if nbytes != msg.size
                                     else "peer_put: descriptor.namespace differs from the request's namespace")
             try:
-                write = await _maybe(self.backend.reserve(msg.namespace, msg.object_id, msg.meta))
+                write = await resolve(self.backend.reserve(msg.namespace, msg.object_id, msg.meta))
             except KVStoreError:
                 await channel.discard(nbytes)
                 raise

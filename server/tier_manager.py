@@ -21,9 +21,11 @@ from kvstore.config import HostTierConfig, LimitsConfig
 from kvstore.errors import CapacityError, ChecksumError, InvalidArgument, LimitExceeded, NotFound
 from kvstore.identity import ObjectId, descriptor_differences
 from kvstore.messages import Reserve
+from kvstore.replies import IN_MEMORY, MISS, CommitReply, GetReply, ReserveReply
 from kvstore.policy import make_policy
 from server.host_memory import check_new_arena, host_memory
 from server.index_ops import IndexOps
+from server.later import MaybeAwaitable, resolve, then
 from server.objects import ObjectEntry, PendingPut, check_same_object
 from server.tier_report import TierReport
 from tiers.arena import HostArena
@@ -126,7 +128,7 @@ class TierManager(IndexOps, TierReport):
 
     # --- put --------------------------------------------------------------------
 
-    def reserve(self, owner, msg: Reserve) -> dict:
+    def reserve(self, owner, msg: Reserve) -> MaybeAwaitable[ReserveReply]:
         ns = self.namespace(msg.namespace)
         expected = msg.descriptor.object_bytes
         if expected and msg.size != expected:
@@ -144,7 +146,7 @@ class TierManager(IndexOps, TierReport):
             # Content-addressed and immutable: the same id is the same state. Skip the copy.
             check_same_object(msg.object_id, existing.size, existing.descriptor, msg.size, msg.descriptor)
             ns.counters.num_dedup_puts += 1
-            return {"exists": True}
+            return ReserveReply(exists=True)
         if existing is None and self.mover is not None and self.mover.holds(msg.namespace, msg.object_id):
             held = self.mover.remote_meta(msg.namespace, msg.object_id)
             if held is not None:
@@ -155,16 +157,16 @@ class TierManager(IndexOps, TierReport):
             return self._reserve_after_demotion(owner, ns, msg)
         return self._grant_write(owner, ns, msg, self._alloc(ns, msg.size, now))
 
-    async def _reserve_after_demotion(self, owner, ns: Namespace, msg: Reserve) -> dict:
+    async def _reserve_after_demotion(self, owner, ns: Namespace, msg: Reserve) -> ReserveReply:
         return self._grant_write(owner, ns, msg, await self.allocate(ns, msg.size))
 
-    def _grant_write(self, owner, ns: Namespace, msg: Reserve, extent) -> dict:
+    def _grant_write(self, owner, ns: Namespace, msg: Reserve, extent) -> ReserveReply:
         lease = self.leases.grant(owner, None, extent, "write", self.limits_config.lease_ttl_s, self.clock())
         self._pending[lease.lease_id] = PendingPut(
             msg.namespace, msg.object_id, msg.size, msg.descriptor, msg.hints, extent, msg.tier
         )
         self._inflight_bytes[owner] = self._inflight_bytes.get(owner, 0) + msg.size
-        return {"lease": lease.lease_id, "offset": extent.offset}
+        return ReserveReply(lease=lease.lease_id, offset=extent.offset)
 
     def _check_size(self, ns: Namespace, size: int) -> None:
         if size > ns.arena.capacity_bytes:
@@ -303,7 +305,7 @@ class TierManager(IndexOps, TierReport):
         else:
             del self._transient[id(extent)]
 
-    def commit(self, owner, lease_id: int, checksum: bytes) -> dict:
+    def commit(self, owner, lease_id: int, checksum: bytes) -> MaybeAwaitable[CommitReply]:
         self._own_lease(owner, lease_id, "write")
         put = self._pending.pop(lease_id)
         self._settle_inflight(owner, put.size)
@@ -326,7 +328,7 @@ class TierManager(IndexOps, TierReport):
                 ns.arena.free(put.extent)
                 check_same_object(put.object_id, old.size, old.descriptor, put.size, put.descriptor)
                 ns.counters.num_dedup_puts += 1
-                return {"exists": True}
+                return CommitReply(exists=True)
             self._remove(ns, old, reason="expire")
         entry = ObjectEntry(
             put.object_id, put.namespace, put.extent, put.size, checksum, put.descriptor, put.hints,
@@ -338,18 +340,16 @@ class TierManager(IndexOps, TierReport):
         ns.counters.num_puts += 1
         ns.counters.bytes_in += put.size
         if put.tier == "remote":
-            return self.cluster.put_remote(entry)
+            return then(self.cluster.put_remote(entry), CommitReply.from_wire)
         if self.cluster is not None:
             self.cluster.on_commit(entry)
         if self.mover is not None and self.mover.config.write_policy == "write_through":
             return self._write_through(entry)
-        return {"exists": False, "tier": "host", "durability": "memory"}
+        return IN_MEMORY
 
-    async def _write_through(self, entry: ObjectEntry) -> dict:
+    async def _write_through(self, entry: ObjectEntry) -> CommitReply:
         durability = await self.mover.write(entry)
-        if durability is None:
-            return {"exists": False, "tier": "host", "durability": "memory"}
-        return {"exists": False, "tier": "host", "durability": durability}
+        return IN_MEMORY if durability is None else CommitReply(False, "host", durability)
 
     def abort(self, owner, lease_id: int) -> None:
         self._own_lease(owner, lease_id, "write")
@@ -357,11 +357,12 @@ class TierManager(IndexOps, TierReport):
 
     # --- get --------------------------------------------------------------------
 
-    def get(self, owner, namespace: str, oid: ObjectId, accept=None, ranges=None, expect=None) -> dict:
+    def get(self, owner, namespace: str, oid: ObjectId, accept=None, ranges=None,
+            expect=None) -> MaybeAwaitable[GetReply]:
         """A read lease, or a miss. expect: the descriptor the reader can use (any other is a miss)."""
         ns = self.namespaces.get(namespace)
         if ns is None:
-            return {"hit": False}
+            return MISS
         ns.counters.num_gets += 1
         now = self.clock()
         entry = ns.objects.get(oid)
@@ -375,16 +376,17 @@ class TierManager(IndexOps, TierReport):
             if self.cluster is not None:
                 if ranges is not None:  # a sparse reader: only those bytes cross the network
                     self._check_lease_quota(owner)
-                    return self.cluster.get_ranges(owner, namespace, oid, accept, ranges, expect)
+                    return then(self.cluster.get_ranges(owner, namespace, oid, accept, ranges, expect),
+                                GetReply.from_wire)
                 return self._get_from_peers(owner, namespace, oid, accept, expect)
             ns.counters.num_misses += 1
-            return {"hit": False}
+            return MISS
         if accept is not None and entry.descriptor.dtype not in accept:
             ns.counters.num_misses += 1
-            return {"hit": False, "reason": f"stored as {entry.descriptor.dtype.value}, not in accept list"}
+            return GetReply(False, f"stored as {entry.descriptor.dtype.value}, not in accept list")
         if expect is not None and entry.descriptor != expect:
             ns.counters.num_misses += 1
-            return {"hit": False, "reason": f"stored as {descriptor_differences(entry.descriptor, expect)}"}
+            return GetReply(False, f"stored as {descriptor_differences(entry.descriptor, expect)}")
         self._check_ranges(ns, ranges, entry.size)  # leased whole, but the same error wherever it is
         self._check_lease_quota(owner)
         lease = self.leases.grant(owner, oid, entry.extent, "read", self.limits_config.lease_ttl_s, now)
@@ -401,25 +403,24 @@ class TierManager(IndexOps, TierReport):
                 self.mover.write_in_background(entry)
         return entry.get_reply(lease.lease_id)
 
-    async def _get_from_peers(self, owner, namespace: str, oid: ObjectId, accept, expect=None) -> dict:
+    async def _get_from_peers(self, owner, namespace: str, oid: ObjectId, accept, expect=None) -> GetReply:
         return await self._get_after(self.cluster.fetch(namespace, oid), owner, namespace, oid, accept, None, expect)
 
     async def _get_after_promotion(self, owner, namespace: str, oid: ObjectId, accept, ranges=None,
-                                   expect=None) -> dict:
+                                   expect=None) -> GetReply:
         return await self._get_after(self.mover.promote(namespace, oid), owner, namespace, oid, accept, ranges,
                                      expect)
 
     async def _get_after(self, bring, owner, namespace: str, oid: ObjectId, accept, ranges=None,
-                         expect=None) -> dict:
+                         expect=None) -> GetReply:
         """Await what brings the object into the host tier, then serve it from there."""
         entry = await bring
         ns = self.namespaces[namespace]
         if entry is None:
             ns.counters.num_misses += 1  # num_gets was counted when the request came in
-            return {"hit": False}
+            return MISS
         ns.counters.num_gets -= 1  # the get below counts this same request again
-        reply = self.get(owner, namespace, oid, accept, ranges, expect)  # resident now: the sync path
-        return reply if not hasattr(reply, "__await__") else await reply
+        return await resolve(self.get(owner, namespace, oid, accept, ranges, expect))  # resident now
 
     def grant_ranged(self, owner, ns: Namespace, oid: ObjectId, extent) -> int:
         """A read lease on an extent holding some ranges of `oid` (transient, never indexed);

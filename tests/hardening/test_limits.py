@@ -66,15 +66,15 @@ def test_inflight_bytes_per_client_are_capped_with_a_clear_error(make_daemon):
     d = make_daemon({"limits": {"max_inflight_bytes_per_client": "2MiB"}})
     desc = StateDescriptor("default", "m", "r")
     with d.client() as c:
-        assert c.server_info["limits"]["max_inflight_bytes"] == 2 * MiB
+        assert c.server_info.limits.max_inflight_bytes == 2 * MiB
         c._run(c.core.op_open("default"))
         reserve = lambda i, size: c._run(c.core.op_simple(m.Reserve("default", key("inflight", i), size, desc)))  # noqa: E731
         first = reserve(0, 1536 * 1024)
         with pytest.raises(LimitExceeded, match=r"limits.max_inflight_bytes_per_client \(2097152\)"):
             reserve(1, MiB)
-        c._run(c.core.op_simple(m.Abort(first["lease"])))
+        c._run(c.core.op_simple(m.Abort(first.lease)))
         second = reserve(1, MiB)  # aborting gave the bytes back
-        c._run(c.core.op_simple(m.Commit(second["lease"], b"\0" * 16)))
+        c._run(c.core.op_simple(m.Commit(second.lease, b"\0" * 16)))
         reserve(2, 2 * MiB)  # and so did committing
         with pytest.raises(LimitExceeded, match="max_inflight_bytes_per_client"):
             c.put(key("inflight", 3), np.zeros(3 * MiB, np.uint8))  # more than the limit alone
@@ -117,7 +117,7 @@ def test_a_hoarding_client_cannot_starve_another(make_daemon):
 def test_frame_limit_is_configurable_and_named_when_hit(make_daemon):
     d = make_daemon({"limits": {"max_frame_bytes": "256KiB"}})
     with d.client() as c:
-        assert c.server_info["limits"]["max_frame_bytes"] == 256 * 1024
+        assert c.server_info.limits.max_frame_bytes == 256 * 1024
         keys = [key("frame", i) for i in range(4096)]
         assert c.lookup(keys).hits == 0  # the largest batch (~140 KiB) still fits
         raw = socket.socket(socket.AF_UNIX)

@@ -100,8 +100,8 @@ def mixed(socket_path: str, seed: int, seconds: float, n: int, result: str, name
                 # at the id's own size: an id is one state, another size is a Conflict
                 size = size_of(keys[0], 4096, SOAK_MAX_BYTES)
                 r = c._run(c.core.op_simple(m.Reserve(namespace, keys[0], size, desc)))
-                if "lease" in r:
-                    dangling.append(r["lease"])
+                if r.lease is not None:
+                    dangling.append(r.lease)
             while len(held) > 3 or (held and rng.random() < 0.3):
                 held.pop(0).release()
             while len(dangling) > 3 or (dangling and rng.random() < 0.2):

@@ -257,9 +257,9 @@ def test_commit_with_wrong_checksum_stores_nothing(daemon_factory):
         key = ids(1)[0]
         c._run(c.core.op_open("default"))
         r = c._run(c.core.op_simple(m.Reserve("default", key, 100, StateDescriptor("default", "m", "r"))))
-        c.core.arenas["default"][r["offset"]:r["offset"] + 100] = 7
+        c.core.arenas["default"][r.offset:r.offset + 100] = 7
         with pytest.raises(ChecksumError, match="do not match"):
-            c._run(c.core.op_simple(m.Commit(r["lease"], b"\x00" * 16)))
+            c._run(c.core.op_simple(m.Commit(r.lease, b"\x00" * 16)))
         assert c.get(key) is None
         assert c.stats()["namespaces"]["default"]["num_checksum_failures"] == 1
         c.check_integrity()

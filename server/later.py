@@ -1,0 +1,43 @@
+"""Answer now, or after I/O: the one way the daemon says which.
+
+A tier-manager call that may need NVMe or peer I/O (a reserve that must demote first, a
+get that must promote or fetch, a lookup that asks peers, a delete of NVMe copies)
+returns `MaybeAwaitable[T]`: the reply itself when it is ready, or an awaitable of it.
+Callers never inspect it themselves:
+
+    reply = await resolve(manager.get(...))          # a coroutine: wait if needed
+    counted = then(manager.delete(...), DeleteReply)  # map over either form
+    if is_ready(result): answer now, else run it as a task   # the local service's fast path
+
+This module is the only place that tells the two forms apart.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Awaitable, Callable, TypeVar, Union
+
+T = TypeVar("T")
+U = TypeVar("U")
+
+MaybeAwaitable = Union[T, Awaitable[T]]
+
+
+def is_ready(value: MaybeAwaitable[T]) -> bool:
+    """True when `value` is the answer itself; False when it is still to be awaited."""
+    return not inspect.isawaitable(value)
+
+
+async def resolve(value: MaybeAwaitable[T]) -> T:
+    """The answer: `value` itself, or what awaiting it gives."""
+    return value if is_ready(value) else await value
+
+
+def then(value: MaybeAwaitable[T], fn: Callable[[T], U]) -> MaybeAwaitable[U]:
+    """fn(answer), now if `value` is ready, else as an awaitable of it."""
+    if is_ready(value):
+        return fn(value)
+
+    async def later() -> U:
+        return fn(await value)
+    return later()
