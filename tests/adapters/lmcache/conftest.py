@@ -1,7 +1,8 @@
 """Fixtures for the LMCache plug-in tests: LMCache's storage loop and its CPU backend."""
 
 import pytest
-pytest.importorskip("lmcache", reason="runs in the lmcache environment: scripts/test_engines.sh lmcache")
+# A submodule: in another environment, `import lmcache` can find this very folder (a namespace package).
+pytest.importorskip("lmcache.v1", reason="runs in the lmcache environment: scripts/test_engines.sh lmcache")
 
 import asyncio  # noqa: E402
 import threading  # noqa: E402

@@ -14,7 +14,8 @@ import tempfile
 
 import pytest
 
-pytest.importorskip("vllm", reason="runs in the vllm environment: scripts/test_engines.sh vllm")
+# A submodule: in another environment, `import vllm` can find this very folder (a namespace package).
+pytest.importorskip("vllm.v1.kv_cache_interface", reason="runs in the vllm environment: scripts/test_engines.sh vllm")
 
 OPT_125M = {"architectures": ["OPTForCausalLM"], "model_type": "opt", "hidden_size": 768,
             "num_attention_heads": 12, "num_hidden_layers": 12, "ffn_dim": 3072,
