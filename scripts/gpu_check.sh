@@ -4,7 +4,7 @@
 #   2. run the gpu-marked tests, then the small kernel tests on the device,
 #   3. run the kernel benchmark,
 # and leave logs and JSON under $OUT (default ./gpu-out):
-#   env.txt  nvidia-smi.txt  pytest-gpu.{log,xml}  pytest-kernels.{log,xml}  bench.log
+#   env.txt  nvidia-smi.txt  pytest-gpu.{log,xml}  pytest-kernels.{log,xml}  pytest-vllm-gpu.log  bench.log
 #   kernels.json  summary.json
 # Exit status: 0 when every step passed. Each step has its own time limit so a hang in one
 # still leaves the others' results. With CUDA torch, triton and pytest already on the machine
@@ -51,7 +51,7 @@ fi
 cat "$OUT/env.txt"
 nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1 || echo "nvidia-smi not available" > "$OUT/nvidia-smi.txt"
 
-rc_gpu=127; rc_kernels=127; rc_bench=127
+rc_gpu=127; rc_kernels=127; rc_bench=127; rc_vllm=127
 if [ -n "$PY" ]; then
   # 2. the gpu-marked tests (real shapes), then the interpreter-sized tests on the device
   timeout 210 "$PY" -m pytest -m gpu tests/gpu -q -rA -p no:cacheprovider \
@@ -62,6 +62,19 @@ if [ -n "$PY" ]; then
     --junitxml="$OUT/pytest-kernels.xml" > "$OUT/pytest-kernels.log" 2>&1
   rc_kernels=$?
   tail -n 5 "$OUT/pytest-kernels.log"
+  # 2b. the vLLM connector over CUDA paged caches (pinned staging), where a Python with vLLM
+  #     is on the machine ($VLLM_PYTHON or scripts/engine_env.sh's cached environment; the
+  #     device machines reach no package index, so it cannot be installed there)
+  VPY="${VLLM_PYTHON:-$HOME/.cache/kvstore-engines/vllm/bin/python}"
+  if [ -x "$VPY" ] && "$VPY" -c 'import vllm, torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
+    HF_HUB_OFFLINE=1 timeout 150 "$VPY" -m pytest -m "engines and gpu" tests/adapters/vllm -q -rA \
+      -p no:cacheprovider > "$OUT/pytest-vllm-gpu.log" 2>&1
+    rc_vllm=$?
+    tail -n 5 "$OUT/pytest-vllm-gpu.log"
+  else
+    rc_vllm=0
+    echo "not run: no Python with vLLM and CUDA torch on this machine ($VPY)" | tee "$OUT/pytest-vllm-gpu.log"
+  fi
   # 3. kernel bandwidth against a device-to-device copy
   timeout 150 "$PY" bench/kernels.py --out "$OUT/kernels.json" > "$OUT/bench.log" 2>&1
   rc_bench=$?
@@ -70,7 +83,7 @@ fi
 
 elapsed=$(( $(date +%s) - started ))
 cat > "$OUT/summary.json" <<EOF
-{"python": "${PY:-none}", "pytest_gpu_rc": $rc_gpu, "pytest_kernels_rc": $rc_kernels, "bench_rc": $rc_bench, "seconds": $elapsed}
+{"python": "${PY:-none}", "pytest_gpu_rc": $rc_gpu, "pytest_kernels_rc": $rc_kernels, "bench_rc": $rc_bench, "vllm_gpu_rc": $rc_vllm, "seconds": $elapsed}
 EOF
 cat "$OUT/summary.json"
-[ "$rc_gpu" -eq 0 ] && [ "$rc_kernels" -eq 0 ] && [ "$rc_bench" -eq 0 ]
+[ "$rc_gpu" -eq 0 ] && [ "$rc_kernels" -eq 0 ] && [ "$rc_bench" -eq 0 ] && [ "$rc_vllm" -eq 0 ]
