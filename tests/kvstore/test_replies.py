@@ -86,3 +86,14 @@ def test_counts_read_the_same_way_for_every_batch_op():
 def test_every_op_has_its_reply_kind():
     from kvstore.messages import OPS
     assert set(r.REPLIES) == set(OPS)
+
+
+def test_replies_are_frozen_slotted_dataclasses_with_the_written_out_init():
+    import dataclasses
+    got = r.GetReply(True, lease=1, offset=0, size=4)
+    assert got == r.GetReply(True, None, 1, 0, 4) and dataclasses.replace(got, size=8).size == 8
+    assert dataclasses.fields(got)[0].name == "hit" and not hasattr(got, "__dict__")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        got.hit = False
+    with pytest.raises(TypeError):
+        r.GetReply()  # hit is required
