@@ -187,6 +187,31 @@ class LimitsConfig:
             raise InvalidArgument(f"limits.lease_ttl_s must be a number > 0, got {self.lease_ttl_s!r}")
 
 
+# cudaMalloc aligns to 256 bytes; the GPU tier's extents keep that (tiers/gpu.py)
+GPU_ALIGNMENT_BYTES = 256
+
+
+@dataclass(frozen=True, slots=True)
+class GpuConfig:
+    """The `[gpu]` table: the GPU tier, one device buffer shared with local engines by CUDA
+    IPC (`tiers.gpu.GpuTier` takes it as is). The daemon probes CUDA at start either way and
+    reports what it found (startup log, `kvstore status`, `/v1/stats`). Off unless enabled:
+    enabled, the daemon makes a device buffer of capacity_bytes at start, and refuses to
+    start, naming the reason, where CUDA cannot run."""
+
+    enabled: bool = False
+    capacity_bytes: int = field(default=1 << 30, metadata=SIZE)
+    device: int = 0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "capacity_bytes", parse_size(self.capacity_bytes, "gpu.capacity_bytes"))
+        if self.capacity_bytes <= 0 or self.capacity_bytes % GPU_ALIGNMENT_BYTES:
+            raise InvalidArgument(f"gpu.capacity_bytes must be a positive multiple of {GPU_ALIGNMENT_BYTES}, "
+                                  f"got {self.capacity_bytes!r}")
+        if not _int_in(self.device, 0, 1023):
+            raise InvalidArgument(f"gpu.device must be a device index >= 0, got {self.device!r}")
+
+
 @dataclass(frozen=True, slots=True)
 class AdminConfig:
     enabled: bool = True
@@ -301,6 +326,7 @@ class ServerConfig:
     limits: LimitsConfig = LimitsConfig()
     admin: AdminConfig = AdminConfig()
     nvme: NvmeTierConfig = NvmeTierConfig()
+    gpu: GpuConfig = GpuConfig()
     cluster: ClusterConfig = ClusterConfig()
     auth: AuthConfig = AuthConfig()
 

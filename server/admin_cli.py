@@ -83,7 +83,19 @@ def cmd_status(args) -> int:
           f"{'ready' if stats['ready'] else 'NOT READY'}  clients {stats['clients']}  leases {stats['leases']}  "
           f"ops/s {stats['ops_per_s']:.1f}  socket {stats['socket']}")
     print("\n".join(status_rows(stats)))
+    print(gpu_line(stats.get("gpu")))
     return 0
+
+
+def gpu_line(gpu: dict | None) -> str:
+    """One line on the GPU tier: on (and its size), or off and what the probe found."""
+    if gpu is None:
+        return "gpu tier: (this daemon does not report it)"
+    if "capacity_bytes" in gpu:
+        return (f"gpu tier: on, cuda:{gpu['device']}, {human_bytes(gpu['used_bytes'])} of "
+                f"{human_bytes(gpu['capacity_bytes'])} used ({gpu['reason']})")
+    state = "off ([gpu] enabled = false)" if not gpu["enabled"] else "off"
+    return f"gpu tier: {state}; CUDA {'present' if gpu['available'] else 'absent'}: {gpu['reason']}"
 
 
 def cmd_ls(args) -> int:

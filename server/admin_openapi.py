@@ -51,6 +51,9 @@ SCHEMAS = {
     "Stats": _obj({
         "version": STR, "pid": INT, "uptime_s": NUM, "ready": BOOL, "clients": INT, "leases": INT,
         "ops_per_s": {"type": "number", "minimum": 0}, "socket": STR, "host_bandwidth_bytes_s": NUM,
+        "gpu": _obj({"enabled": BOOL, "available": BOOL, "reason": STR, "device": INT}, extra=INT,
+                    description="the GPU tier: what the start-up probe found (CUDA present, or why not); "
+                                "capacity_bytes and used_bytes when [gpu] enabled"),
         "tiers": {"type": "object", "additionalProperties": _ref("TierStats")},
         "namespaces": {"type": "object", "additionalProperties": _obj(
             {"tiers": {"type": "object", "additionalProperties": _ref("TierStats")}})},

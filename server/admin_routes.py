@@ -63,6 +63,7 @@ def stats_document(admin) -> dict:
         "ops_per_s": admin.ops_per_s(),
         "socket": stats["socket"],
         "host_bandwidth_bytes_s": stats["host_bandwidth_bytes_s"],
+        "gpu": stats["gpu"],
         "tiers": {"host": total, **({"nvme": _nvme_tier(stats["tiers"]["nvme"])} if "nvme" in stats.get("tiers", {}) else {})},
         "namespaces": per_ns,
     }

@@ -22,6 +22,7 @@ from server.data_dir import DataDirLock, ensure_dir, hold_data_dir
 from server.host_memory import check_host_tier, host_memory
 from server.local_service import SERVER_VERSION, LocalConnection
 from server.tier_manager import TierManager
+from tiers.gpu import Availability, GpuTier
 
 log = logging.getLogger("kvstore.daemon")
 HOUSEKEEPING_INTERVAL_S = 1.0
@@ -62,6 +63,8 @@ class Daemon:
         self._data_dir: DataDirLock | None = None
         self._mover_open = False
         self._cluster_started = False
+        self.gpu_availability: Availability | None = None  # probed at start
+        self.gpu: GpuTier | None = None  # when [gpu] enabled
         if config.nvme.enabled:
             from server.movement import TierMover
             self.manager.mover = TierMover(self.manager, replace(config.nvme, path=config.nvme_path))
@@ -82,6 +85,7 @@ class Daemon:
                      "note=\"a namespace whose arena does not fit in the memory available then is refused\"",
                      host.arena_bytes, host.max_namespaces, memory.total_bytes)
         self._data_dir = hold_data_dir(self.config.data_dir)  # before anything is made there
+        self._start_gpu()
         if self.config.nvme.enabled:
             ensure_dir(self.config.nvme_path, "nvme.path")
         path = self.config.socket_path
@@ -117,9 +121,32 @@ class Daemon:
         os.chmod(path, self.config.socket_mode)
         self._tasks.append(asyncio.create_task(self._housekeeping()))
         self.ready = True
-        log.info("event=ready socket=%s arena_bytes=%d policy=%s nvme=%s pid=%d version=%s",
+        log.info("event=ready socket=%s arena_bytes=%d policy=%s nvme=%s gpu=%s cuda=%r pid=%d version=%s",
                  path, self.config.host.arena_bytes, self.config.host.policy,
-                 self.config.nvme_path if self.config.nvme.enabled else "off", os.getpid(), SERVER_VERSION)
+                 self.config.nvme_path if self.config.nvme.enabled else "off",
+                 "on" if self.gpu is not None else "off", self.gpu_availability.reason, os.getpid(), SERVER_VERSION)
+
+    def _start_gpu(self) -> None:
+        """Probe CUDA (reported either way); with [gpu] enabled, make the tier's device buffer
+        or refuse to start, saying why."""
+        gpu = self.config.gpu
+        self.gpu_availability = GpuTier.probe()  # logged with event=ready
+        if not gpu.enabled:
+            return
+        if not self.gpu_availability.available:
+            raise DaemonError(f"[gpu] enabled = true, but the GPU tier cannot run here: "
+                              f"{self.gpu_availability.reason}. Set [gpu] enabled = false, or fix that")
+        self.gpu = GpuTier(gpu)
+        log.info("event=gpu_tier device=%d capacity_bytes=%d", gpu.device, gpu.capacity_bytes)
+
+    def gpu_stats(self) -> dict:
+        """What /v1/stats and `kvstore status` say of the GPU tier."""
+        found = self.gpu_availability
+        doc = {"enabled": self.config.gpu.enabled, "available": bool(found and found.available),
+               "reason": found.reason if found else "not probed yet", "device": self.config.gpu.device}
+        if self.gpu is not None:
+            doc.update(capacity_bytes=self.gpu.capacity_bytes, used_bytes=self.gpu.allocator.used_bytes)
+        return doc
 
     def request_stop(self) -> None:
         """SIGTERM / SIGINT: stop serving, or give up starting (an arena's prefault included)."""
@@ -169,6 +196,8 @@ class Daemon:
                 await self.manager.mover.flush_host()
             await self.manager.mover.close()
         self.manager.close()
+        if self.gpu is not None:
+            self.gpu.close()
         if self._data_dir is not None:  # last: a successor may start once we are done with it
             self._data_dir.release()
         log.info("event=stopped")
@@ -236,6 +265,7 @@ class Daemon:
             "socket": self.config.socket_path,
             "host_bandwidth_bytes_s": self.manager.host_bandwidth_bytes_s,
             "recovery": self.recovery,
+            "gpu": self.gpu_stats(),
             **self.manager.stats(),
         }
 

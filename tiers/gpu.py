@@ -16,13 +16,12 @@ marked `gpu`).
 
 from __future__ import annotations
 
+import glob
 from dataclasses import dataclass
 
+from kvstore.config import GPU_ALIGNMENT_BYTES, GpuConfig
 from kvstore.errors import InvalidArgument, ServiceError
 from tiers.allocator import Extent, ExtentAllocator
-
-# cudaMalloc aligns to 256 bytes; extents keep that so vectorised kernels can use them
-GPU_ALIGNMENT_BYTES = 256
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,22 +29,6 @@ class Availability:
     available: bool
     reason: str  # what was found, or why the tier cannot run and what would fix it
     num_devices: int = 0
-
-
-@dataclass(frozen=True, slots=True)
-class GpuTierConfig:
-    capacity_bytes: int
-    device: int = 0
-
-    def __post_init__(self) -> None:
-        capacity = self.capacity_bytes
-        if type(capacity) is not int or capacity <= 0 or capacity % GPU_ALIGNMENT_BYTES:
-            raise InvalidArgument(
-                f"gpu tier capacity_bytes must be a positive multiple of {GPU_ALIGNMENT_BYTES}, "
-                f"got {capacity!r}"
-            )
-        if not isinstance(self.device, int) or self.device < 0:
-            raise InvalidArgument(f"gpu tier device must be an index >= 0, got {self.device!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +46,11 @@ class CudaIpcHandle:
     ref_counter_offset: int
     event_handle: bytes | None
     event_sync_required: bool
+
+
+def _device_nodes() -> list[str]:
+    """The device files a CUDA driver exposes (WSL 2: /dev/dxg)."""
+    return glob.glob("/dev/nvidia[0-9]*") + glob.glob("/dev/dxg")
 
 
 def _driver_note() -> str:
@@ -92,7 +80,10 @@ class GpuTier:
 
     @staticmethod
     def probe() -> Availability:
-        """Can this machine run the tier? Cheap, idempotent, never raises."""
+        """Can this machine run the tier? Cheap, idempotent, never raises. Without an NVIDIA
+        device node it answers without importing torch (a daemon start stays fast and small)."""
+        if not _device_nodes():
+            return Availability(False, "no NVIDIA device on this machine (no /dev/nvidia<N>, no WSL /dev/dxg)")
         try:
             import torch
         except Exception as exc:
@@ -111,13 +102,13 @@ class GpuTier:
             cause = f"torch.cuda failed ({type(exc).__name__}: {exc})"
         return Availability(False, f"{cause}; {_driver_note()}")
 
-    def __init__(self, config: GpuTierConfig):
+    def __init__(self, config: GpuConfig):
         availability = self.probe()
         if not availability.available:
             raise ServiceError(f"gpu tier unavailable: {availability.reason}")
         if config.device >= availability.num_devices:
             raise InvalidArgument(
-                f"gpu tier device {config.device} but only {availability.num_devices} present"
+                f"gpu.device = {config.device} but only {availability.num_devices} CUDA device(s) present"
             )
         import torch
 

@@ -13,25 +13,37 @@ from pathlib import Path
 import pytest
 import torch
 
+import tiers.gpu
+from kvstore.config import GpuConfig
 from kvstore.errors import InvalidArgument, ServiceError
 from tiers.allocator import Extent
-from tiers.gpu import CudaIpcHandle, GpuTier, GpuTierConfig
+from tiers.gpu import CudaIpcHandle, GpuTier
 
 ROOT = Path(__file__).resolve().parents[2]
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machine without CUDA")
 
 
 @no_cuda
-def test_probe_reports_why_the_tier_is_absent():
+def test_probe_reports_why_the_tier_is_absent(monkeypatch):
+    monkeypatch.setattr(tiers.gpu, "_device_nodes", lambda: ["/dev/nvidia0"])  # past the quick check
     availability = GpuTier.probe()
     assert availability.available is False and availability.num_devices == 0
     assert "CPU-only" in availability.reason or "no CUDA device" in availability.reason
 
 
 @no_cuda
+def test_probe_without_a_device_node_answers_without_torch(monkeypatch):
+    monkeypatch.setattr(tiers.gpu, "_device_nodes", lambda: [])
+    monkeypatch.setitem(sys.modules, "torch", None)  # importing torch would now fail
+    availability = GpuTier.probe()
+    assert not availability.available and "no NVIDIA device" in availability.reason
+
+
+@no_cuda
 def test_opening_without_cuda_raises_service_error_with_the_reason():
-    with pytest.raises(ServiceError, match="gpu tier unavailable: .*torch"):
-        GpuTier(GpuTierConfig(capacity_bytes=1 << 20))
+    with pytest.raises(ServiceError, match="gpu tier unavailable: ") as raised:
+        GpuTier(GpuConfig(enabled=True, capacity_bytes=1 << 20))
+    assert GpuTier.probe().reason in str(raised.value)
 
 
 def test_probe_survives_driver_bindings_that_raise(monkeypatch):
@@ -45,17 +57,19 @@ def test_probe_survives_driver_bindings_that_raise(monkeypatch):
     monkeypatch.setitem(sys.modules, "cuda", types.ModuleType("cuda"))
     monkeypatch.setitem(sys.modules, "cuda.bindings", bindings)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(tiers.gpu, "_device_nodes", lambda: ["/dev/nvidia0"])
     availability = GpuTier.probe()
     assert not availability.available and "no usable driver" in availability.reason
 
 
 def test_config_rejects_nonsense():
     with pytest.raises(InvalidArgument):
-        GpuTierConfig(capacity_bytes=0)
+        GpuConfig(capacity_bytes=0)
     with pytest.raises(InvalidArgument, match="multiple of 256"):
-        GpuTierConfig(capacity_bytes=1000)
-    with pytest.raises(InvalidArgument):
-        GpuTierConfig(capacity_bytes=1, device=-1)
+        GpuConfig(capacity_bytes=1000)
+    with pytest.raises(InvalidArgument, match="gpu.device"):
+        GpuConfig(device=-1)
+    assert GpuConfig(capacity_bytes="64MiB").capacity_bytes == 64 << 20
 
 
 _READER = """
@@ -71,7 +85,7 @@ import torch; torch.cuda.synchronize()
 
 @pytest.mark.gpu
 def test_engine_maps_the_tier_buffer_by_cuda_ipc():
-    tier = GpuTier(GpuTierConfig(capacity_bytes=1 << 20))
+    tier = GpuTier(GpuConfig(enabled=True, capacity_bytes=1 << 20))
     first, second = tier.alloc(4096), tier.alloc(4096)
     assert (first.offset, second.offset) == (0, 4096)
     tier.view(first).fill_(1)

@@ -37,6 +37,27 @@ def serve(*args, timeout=HANG_S) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
+def serve_until_then_stop(d, started) -> str:
+    """`kvstore serve` logging to a file until `started(log text)`, then SIGTERM: it must exit 0.
+    The log file's path."""
+    log_path = os.path.join(d.root, "daemon.log")
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([*SERVE, "--config", d.config_path, "--socket", d.socket, "--log-level", "info"],
+                                stdin=subprocess.DEVNULL, stdout=log, stderr=log)
+    try:
+        deadline = time.monotonic() + HANG_S
+        while not started(open(log_path).read()) and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert started(open(log_path).read()) and proc.poll() is None, open(log_path).read()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(HANG_S) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    return log_path
+
+
 def assert_one_line_refusal(result, *words):
     assert result.returncode != 0
     assert "Traceback" not in result.stderr, result.stderr
@@ -107,22 +128,9 @@ def test_sigterm_during_a_long_prefault_stops_the_daemon(unstarted_daemon):
     """It used to prefault the whole arena first (2 s per GiB here, and more than RAM took the
     OOM killer to others first), then stop. Now SIGTERM interrupts the prefault."""
     d = unstarted_daemon({"host": {"arena_bytes": "2GiB", "prefault": True}})
-    log_path = os.path.join(d.root, "daemon.log")
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen([*SERVE, "--config", d.config_path, "--socket", d.socket, "--log-level", "info"],
-                                stdin=subprocess.DEVNULL, stdout=log, stderr=log)
-    try:
-        addr = os.path.join(d.data_dir, "admin.addr")
-        deadline = time.monotonic() + HANG_S
-        while not os.path.exists(addr) and proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.05)  # the admin API starts before the arenas are made
-        assert os.path.exists(addr) and proc.poll() is None, open(log_path).read()
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(HANG_S) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    addr = os.path.join(d.data_dir, "admin.addr")
+    # the admin API starts before the arenas are made
+    log_path = serve_until_then_stop(d, lambda text: os.path.exists(addr))
     text = open(log_path).read()
     assert "event=start_interrupted" in text and "event=ready" not in text, text
     assert "Traceback" not in text
@@ -136,3 +144,27 @@ def test_nvme_path_that_is_a_file_is_one_line(unstarted_daemon, root):
     d = unstarted_daemon({"nvme": {"enabled": True, "path": a_file, "capacity_bytes": "16MiB", "file_bytes": "16MiB"}})
     result = serve("--config", d.config_path, "--socket", d.socket, "--arena-bytes", "1MiB")
     assert_one_line_refusal(result, "nvme.path", a_file)
+
+
+def test_gpu_tier_enabled_where_cuda_cannot_run_is_refused_with_the_probes_reason(unstarted_daemon):
+    from tiers.gpu import GpuTier
+    if GpuTier.probe().available:
+        pytest.skip("this machine has CUDA: the refusal is for machines without it")
+    d = unstarted_daemon({"gpu": {"enabled": True, "capacity_bytes": "64MiB"}})
+    result = serve("--config", d.config_path, "--socket", d.socket, "--arena-bytes", "1MiB")
+    assert_one_line_refusal(result, "[gpu] enabled = true", GpuTier.probe().reason, "enabled = false")
+    assert not os.path.exists(d.socket)
+
+
+def test_a_gpu_capacity_that_is_no_multiple_of_256_is_refused_naming_the_key(unstarted_daemon):
+    d = unstarted_daemon({"gpu": {"enabled": True, "capacity_bytes": 1000}})
+    result = serve("--config", d.config_path, "--socket", d.socket)
+    assert_one_line_refusal(result, "gpu.capacity_bytes", "256")
+
+
+def test_the_ready_line_says_what_the_gpu_probe_found(unstarted_daemon):
+    from tiers.gpu import GpuTier
+    d = unstarted_daemon({"host": {"arena_bytes": "1MiB"}})
+    log_path = serve_until_then_stop(d, lambda text: "event=ready" in text)
+    ready = next(line for line in open(log_path).read().splitlines() if "event=ready" in line)
+    assert "gpu=off" in ready and repr(GpuTier.probe().reason) in ready, ready
