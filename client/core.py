@@ -26,6 +26,7 @@ from kvstore.protocol import MAX_BATCH, FrameCodec, Reply, Request
 from kvstore.ranges import normalize as normalize_ranges
 from client.buffers import as_u8, as_writable_u8
 from client.lease import ReadLease
+from client.pinning import pin_for_cuda
 
 # Bytes of reserved-but-uncommitted puts one put_many keeps in flight.
 PUT_WINDOW_BYTES = 64 << 20
@@ -132,6 +133,7 @@ class ClientCore:
         self.arenas: dict[str, np.ndarray] = {}
         self._unmapped: set[str] = set()  # opened to read, but no arena there yet
         self._maps: list[mmap.mmap] = []
+        self.pinned: dict[str, str] = {}  # namespace -> whether its arena is pinned for CUDA, and why not
         self._ids = itertools.count(1)
         self._release_cb = release
         self.max_inflight_bytes = PUT_WINDOW_BYTES  # the daemon's limit, from hello
@@ -187,6 +189,7 @@ class ClientCore:
         finally:
             os.close(fd)
         self._maps.append(mapping)
+        self.pinned[namespace] = pin_for_cuda(mapping)
         self.arenas[namespace] = np.frombuffer(mapping, dtype=np.uint8)
 
     def _descriptor(self, desc: StateDescriptor | None) -> StateDescriptor:
