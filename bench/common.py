@@ -1,5 +1,5 @@
-"""What every bench suite shares: result rows, targets, the table, the JSON file, worker
-processes, and baseline servers (Redis, the Mooncake master) started on 127.0.0.1.
+"""What every bench suite shares: result rows, targets, the table, the JSON file and worker
+processes. The baseline servers (Redis, etcd, the Mooncake master) are in bench/baselines.py.
 
 A suite measures in worker processes (`Worker`), turns the numbers into `Row`s,
 checks them against `Target`s and hands both to `report`, which prints the table and
@@ -15,21 +15,13 @@ import json
 import multiprocessing
 import os
 import platform
-import shutil
-import socket
-import subprocess
-import sys
 import tempfile
-import time
 import traceback
 from dataclasses import asdict, dataclass
-from typing import Iterator
 
 import numpy as np
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
-# Baseline servers get this long to answer before the suite gives up on them.
-SERVER_START_TIMEOUT_S = 20.0
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 
@@ -221,126 +213,6 @@ def _serve(conn, factory, args) -> None:
         close = getattr(obj, "close", None)
         if close is not None:
             close()
-
-
-# --- baseline servers ---------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait_for_port(port: int, proc: subprocess.Popen, name: str, log_path: str) -> None:
-    deadline = time.monotonic() + SERVER_START_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise BaselineUnavailable(f"{name} exited with code {proc.returncode} at start (log: {log_path})")
-        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.5):
-            return
-        time.sleep(0.05)
-    raise BaselineUnavailable(f"{name} did not listen on 127.0.0.1:{port} within {SERVER_START_TIMEOUT_S:g} s")
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    proc.terminate()
-    try:
-        proc.wait(10)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-
-
-@contextlib.contextmanager
-def redis_server(workdir: str) -> Iterator[int]:
-    """A throwaway Redis on 127.0.0.1 (no persistence); yields its port."""
-    exe = shutil.which("redis-server")
-    if exe is None:
-        raise BaselineUnavailable("redis-server is not installed (apt-get install -y redis-server)")
-    try:
-        import redis  # noqa: F401
-    except ImportError:
-        raise BaselineUnavailable("redis-py is missing (pip install redis)") from None
-    port = free_port()
-    log_path = os.path.join(workdir, "redis.log")
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(
-            [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-             "--dir", workdir],
-            stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-        )
-    try:
-        _wait_for_port(port, proc, "redis-server", log_path)
-        yield port
-    finally:
-        _stop(proc)
-
-
-@contextlib.contextmanager
-def etcd_server(workdir: str) -> Iterator[str]:
-    """A throwaway single-member etcd on 127.0.0.1; yields its client URL."""
-    exe = shutil.which("etcd")
-    if exe is None:
-        raise BaselineUnavailable("etcd is not installed (apt-get install -y etcd-server)")
-    client, peer = free_port(), free_port()
-    c_url, p_url = f"http://127.0.0.1:{client}", f"http://127.0.0.1:{peer}"
-    log_path = os.path.join(workdir, "etcd.log")
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(
-            [exe, "--name", "bench", "--data-dir", os.path.join(workdir, "etcd"), "--listen-client-urls", c_url,
-             "--advertise-client-urls", c_url, "--listen-peer-urls", p_url, "--initial-advertise-peer-urls", p_url,
-             "--initial-cluster", f"bench={p_url}", "--log-level", "warn"],
-            stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-        )
-    try:
-        _wait_for_port(client, proc, "etcd", log_path)
-        yield c_url
-    finally:
-        _stop(proc)
-
-
-@contextlib.contextmanager
-def mooncake_master(workdir: str) -> Iterator[tuple[int, int]]:
-    """A Mooncake master with its HTTP metadata server; yields (rpc_port, metadata_port).
-
-    Its metadata port listens on every interface whatever the host flag says.
-    """
-    exe = shutil.which("mooncake_master", path=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
-    if exe is None:
-        raise BaselineUnavailable("mooncake_master not found (pip install mooncake-transfer-engine-non-cuda)")
-    rpc_port, meta_port = free_port(), free_port()
-    log_path = os.path.join(workdir, "mooncake-master.log")
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(
-            [exe, "--rpc_address=127.0.0.1", f"--rpc_port={rpc_port}", "--enable_http_metadata_server=true",
-             "--http_metadata_server_host=127.0.0.1", f"--http_metadata_server_port={meta_port}"],
-            stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-        )
-    try:
-        _wait_for_port(rpc_port, proc, "mooncake_master", log_path)
-        _wait_for_port(meta_port, proc, "mooncake_master (metadata)", log_path)
-        yield rpc_port, meta_port
-    finally:
-        _stop(proc)
-
-
-def mooncake_store(rpc_port: int, meta_port: int, segment_bytes: int, buffer_bytes: int, log_path: str):
-    """A set-up `MooncakeDistributedStore` over TCP. Its native log goes to `log_path`
-    (this process's stderr is redirected there for good)."""
-    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-    os.dup2(fd, 2)
-    os.close(fd)
-    try:
-        from mooncake.store import MooncakeDistributedStore
-    except ImportError as exc:
-        raise BaselineUnavailable(f"mooncake does not import: {exc}") from None
-    store = MooncakeDistributedStore()
-    rc = store.setup("127.0.0.1", f"http://127.0.0.1:{meta_port}/metadata", segment_bytes, buffer_bytes,
-                     "tcp", "", f"127.0.0.1:{rpc_port}")
-    if rc != 0:
-        raise BaselineUnavailable(f"MooncakeDistributedStore.setup returned {rc} (log: {log_path})")
-    return store
 
 
 def scratch_dir(prefix: str) -> tempfile.TemporaryDirectory:

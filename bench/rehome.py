@@ -28,7 +28,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from bench.common import MiB, Row, Worker, etcd_server, free_port, gb_per_s, median, report, scratch_dir, touched  # noqa: E402
+from bench.baselines import etcd_server, free_port  # noqa: E402
+from bench.common import MiB, Row, Worker, gb_per_s, median, report, scratch_dir, touched  # noqa: E402
 from bench.remote import SocketClientSide, SocketServerSide  # noqa: E402
 from kvstore.identity import ObjectId  # noqa: E402
 

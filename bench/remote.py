@@ -10,7 +10,7 @@ the object's 16 KiB pages (a sparse decode step's read), against the whole-objec
 from a home whose whole-copy check is fresh (as within a decode step), once from a second
 home started with --recheck-s 0 (it hashes its whole copy before every ranged read).
 
-Baselines, each a pair of processes in the same run, reps interleaved (bench/common.py):
+Baselines, each a pair of processes in the same run, reps interleaved (bench/baselines.py):
   socket     a blocking client sends 1 byte; the server sendall()s the same 4 MiB, which the
              client recv_into()s a pre-touched buffer: the floor for TCP
   mooncake   Mooncake Store get_into over TCP, the object held by another process
@@ -37,9 +37,9 @@ if ROOT not in sys.path:
 
 import xxhash  # noqa: E402
 
+from bench.baselines import mooncake_master, mooncake_store  # noqa: E402
 from bench.common import (  # noqa: E402
-    MiB, BaselineUnavailable, Row, Target, Worker, gb_per_s, median, mooncake_master, mooncake_store, percentile,
-    report, scratch_dir, touched,
+    MiB, BaselineUnavailable, Row, Target, Worker, gb_per_s, median, percentile, report, scratch_dir, touched,
 )
 from kvstore.identity import ObjectId, StateDescriptor  # noqa: E402
 from kvstore.peer_messages import PeerGet, RemoteMeta  # noqa: E402
