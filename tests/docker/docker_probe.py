@@ -78,11 +78,11 @@ def main(verb: str, *args: str) -> dict:
                 out = np.empty(size, dtype=np.uint8)
                 got = c.get_into(oid, out, verify=True)
                 if got is None:
-                    missing.append(oid.hex())
+                    missing.append(str(oid))
                 elif got == size and np.array_equal(out, payload(oid, size)):
                     exact += 1
                 else:
-                    wrong.append(oid.hex())
+                    wrong.append(str(oid))
             return {"exact": exact, "missing": missing, "wrong": wrong}
         if verb == "tiers":
             return {"tiers": list(c.lookup(keys).tiers)}
