@@ -4,9 +4,11 @@
 #
 #   scripts/docker_cluster.sh build   base image, wheelhouse, images (cached: reruns are quick)
 #   scripts/docker_cluster.sh up      build, then start the cluster and wait until it is healthy
-#   scripts/docker_cluster.sh test    pytest tests/docker (which runs up and down itself)
+#   scripts/docker_cluster.sh test    pytest tests/docker (which runs up and down itself), then
+#                                     down again whatever happened (a test killed midway)
 #   scripts/docker_cluster.sh down    remove the cluster's containers, network and volumes
 #   scripts/docker_cluster.sh engine  start dockerd (as root, when none answers) and return
+#   scripts/docker_cluster.sh stop-engine   stop the dockerd that `engine` started, if it runs
 #   scripts/docker_cluster.sh id SERVICE   the container id of a service (for docker exec/kill)
 #
 # Offline means: the base image is Debian bookworm made with debootstrap from the Debian
@@ -16,7 +18,7 @@
 # image with `pip install --no-index --find-links`. Needs root for debootstrap.
 #
 # The Docker engine: a running one, or (as root) `dockerd --storage-driver=vfs` started here,
-# logged to build/docker/dockerd.log and left running. Compose: `docker compose` v2 if the
+# logged to build/docker/dockerd.log and left running (until `stop-engine`). Compose: `docker compose` v2 if the
 # CLI has it, else `docker-compose` (Debian's 1.29: apt-get install docker-compose).
 set -euo pipefail
 
@@ -49,12 +51,28 @@ engine() {
     log "starting dockerd --storage-driver=vfs (log: $WORK/dockerd.log)"
     # setsid: the engine outlives this script and is not in its process group.
     setsid dockerd --storage-driver=vfs >"$WORK/dockerd.log" 2>&1 < /dev/null &
-    echo $! > "$WORK/dockerd.pid"
+    local pid=$!
+    echo $pid > "$WORK/dockerd.pid"
     for _ in $(seq 1 60); do
         docker info >/dev/null 2>&1 && return 0
+        kill -0 $pid 2>/dev/null || die "dockerd exited: $(tail -n 3 "$WORK/dockerd.log")"
         sleep 1
     done
     die "dockerd did not answer within 60 s; see $WORK/dockerd.log"
+}
+
+stop_engine() {
+    local pid
+    pid="$(cat "$WORK/dockerd.pid" 2>/dev/null)" || { log "no dockerd started here"; return 0; }
+    rm -f "$WORK/dockerd.pid"
+    [ "$(ps -o comm= -p "$pid" 2>/dev/null)" = dockerd ] || return 0  # gone already (or the pid was reused)
+    log "stopping dockerd (pid $pid)"
+    kill -TERM "$pid"
+    for _ in $(seq 1 30); do
+        kill -0 "$pid" 2>/dev/null || return 0
+        sleep 1
+    done
+    die "dockerd (pid $pid) did not stop within 30 s"
 }
 
 compose() {
@@ -156,6 +174,12 @@ up() {
     log "up: etcd, node-a, node-b, node-c healthy; engine running (project $PROJECT)"
 }
 
+leftovers() {  # what of the project exists (none, or no engine: nothing)
+    docker info >/dev/null 2>&1 || return 0
+    local filter="label=com.docker.compose.project=$PROJECT"
+    docker ps -aq --filter "$filter"; docker network ls -q --filter "$filter"; docker volume ls -q --filter "$filter"
+}
+
 down() {
     docker info >/dev/null 2>&1 || { log "no Docker engine answers: nothing runs"; return 0; }
     compose down --volumes --remove-orphans --timeout 30 >"$WORK/down.log" 2>&1 \
@@ -167,10 +191,20 @@ down() {
 
 case "${1:-}" in
     engine) engine ;;
+    stop-engine) stop_engine ;;
     build) build ;;
     up) up ;;
     down) mkdir -p "$WORK"; down ;;
     id) compose ps -q "${2:?usage: $0 id SERVICE}" ;;
-    test) shift; exec "$PY" -m pytest -q -m docker "$ROOT/tests/docker" "$@" ;;
-    *) die "usage: $0 up|test|down|build|engine|id SERVICE" ;;
+    test)
+        shift
+        mkdir -p "$WORK"
+        PROJECT=kvstoretest  # tests/docker/test_docker_cluster.py's
+        # The tests' fixture takes the cluster down; this covers a run cut short (SIGTERM,
+        # Ctrl-C) before the fixture could.
+        trap 'if [ -n "$(leftovers)" ]; then log "taking down what the test run left of $PROJECT"; down; fi' EXIT
+        trap 'exit 143' TERM
+        trap 'exit 130' INT
+        "$PY" -m pytest -q -m docker "$ROOT/tests/docker" "$@" ;;
+    *) die "usage: $0 up|test|down|build|engine|stop-engine|id SERVICE" ;;
 esac

@@ -8,12 +8,16 @@ if [ ! -x .venv/bin/python ]; then
     echo "setup: creating .venv with $($PY --version)"
     "$PY" -m venv .venv
 fi
-# Debian packages the tests use: etcd (membership tests start their own) and iproute2
-# (the network-namespace cluster tests). Only as root; without them those tests skip
-# and say why.
+# Debian packages the tests use: etcd (membership tests start their own), iproute2 (the
+# network-namespace cluster tests), and for the Docker cluster tests the engine, compose
+# (Debian's 1.29, unless the CLI has `docker compose`) and debootstrap (the offline base
+# image). Only as root; without them those tests skip and say why.
 need=()
 command -v etcd >/dev/null || need+=(etcd-server)
 command -v ip >/dev/null || need+=(iproute2)
+command -v dockerd >/dev/null || need+=(docker.io)
+command -v docker-compose >/dev/null || docker compose version >/dev/null 2>&1 || need+=(docker-compose)
+command -v debootstrap >/dev/null || need+=(debootstrap)
 if [ ${#need[@]} -gt 0 ]; then
     if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
         echo "setup: apt-get install ${need[*]}"
