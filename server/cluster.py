@@ -33,7 +33,8 @@ import numpy as np
 from kvstore.errors import CapacityError, ChecksumError, Conflict
 from kvstore.identity import descriptor_differences
 from kvstore.peer_messages import RemoteMeta
-from kvstore.ranges import check_within, encode as ranges_encode, total as ranges_total
+from kvstore.ranges import check_within, total as ranges_total
+from kvstore.replies import MISS, CommitReply, GetReply
 from server.objects import ObjectEntry, check_same_object
 from server.peer_node import PeerNode
 from server.peer_service import PeerRead, PeerWrite
@@ -273,7 +274,7 @@ class ClusterLink:
         self._held.add((namespace, object_id.digest))  # a home had it
         return self.manager.publish(ns, object_id, extent, meta.size, meta.checksum, meta.descriptor, meta.hints)
 
-    async def get_ranges(self, owner, namespace: str, object_id, accept, ranges: tuple, expect=None) -> dict:
+    async def get_ranges(self, owner, namespace: str, object_id, accept, ranges: tuple, expect=None) -> GetReply:
         """A local miss of a reader that needs only `ranges` (kvstore.ranges): fetch just those
         bytes from a home and lease them; nothing is published here. As in `fetch`, room is
         taken only once a home has answered: free room at once, else the bytes are staged and
@@ -322,14 +323,13 @@ class ClusterLink:
                     ns.arena.free(extent)
         if lease_id is None:
             if "refused" in landed:
-                return {"hit": False, "reason": landed["refused"]}
-            return {"hit": False}
+                return GetReply(False, landed["refused"])
+            return MISS
         meta, checksum = got
         ns.counters.num_hits += 1
         ns.counters.bytes_out += size
-        return {"hit": True, "lease": lease_id, "offset": landed["extent"].offset, "size": size,
-                "checksum": checksum, "tier": "remote", "descriptor": meta.descriptor.to_wire(),
-                "ranges": ranges_encode(ranges), "object_size": meta.size}
+        return GetReply(True, lease=lease_id, offset=landed["extent"].offset, size=size, checksum=checksum,
+                        tier="remote", descriptor=meta.descriptor.to_wire(), ranges=ranges, object_size=meta.size)
 
     def on_commit(self, entry: ObjectEntry) -> None:
         """A local put committed: under write_through, copy it to its homes in the background."""
@@ -415,7 +415,7 @@ class ClusterLink:
             log.warning("event=remote_demotion_failed objects=%d first=%s homes=%s total=%d", len(failed), failed[0],
                         ",".join(self.remote.remote_homes(failed[0])), self.counters["num_demotion_failures"])
 
-    async def put_remote(self, entry: ObjectEntry) -> dict:
+    async def put_remote(self, entry: ObjectEntry) -> CommitReply:
         """An explicit put with tier="remote": the reply waits until the homes hold it. The
         local copy stays only where this node is a home itself, or where no home could take
         it (the reply then says tier "host": nothing is lost, and nothing pretends)."""
@@ -435,13 +435,11 @@ class ClusterLink:
             log.warning("event=remote_put_fallback namespace=%s id=%s homes=%s", entry.namespace, entry.object_id,
                         ",".join(homes))
             # Every home that holds it: this node (it keeps its copy) and those the send reached.
-            return {"exists": False, "tier": "host", "durability": "memory",
-                    "homes": [n for n in homes if n == self.node.node_id or n in held]}
+            return CommitReply(False, "host", "memory", tuple(n for n in homes if n == self.node.node_id or n in held))
         if self.node.node_id not in homes and ns.objects.get(entry.object_id) is entry:
             self.manager.drop(ns, entry)  # forgets it here too
-            return {"exists": False, "tier": "remote", "durability": "memory", "homes": homes}
-        return {"exists": False, "tier": "host" if self.node.node_id in homes else "remote",
-                "durability": "memory", "homes": homes}
+            return CommitReply(False, "remote", "memory", tuple(homes))
+        return CommitReply(False, "host" if self.node.node_id in homes else "remote", "memory", tuple(homes))
 
     async def delete_everywhere(self, namespace: str, ids, found) -> int:
         """After this node's delete (`found`: per id, or an awaitable of it), every member's.

@@ -25,7 +25,7 @@ from kvstore.replies import IN_MEMORY, MISS, CommitReply, GetReply, ReserveReply
 from kvstore.policy import make_policy
 from server.host_memory import check_new_arena, host_memory
 from server.index_ops import IndexOps
-from server.later import MaybeAwaitable, resolve, then
+from server.later import MaybeAwaitable, resolve
 from server.objects import ObjectEntry, PendingPut, check_same_object
 from server.tier_report import TierReport
 from tiers.arena import HostArena
@@ -340,7 +340,7 @@ class TierManager(IndexOps, TierReport):
         ns.counters.num_puts += 1
         ns.counters.bytes_in += put.size
         if put.tier == "remote":
-            return then(self.cluster.put_remote(entry), CommitReply.from_wire)
+            return self.cluster.put_remote(entry)
         if self.cluster is not None:
             self.cluster.on_commit(entry)
         if self.mover is not None and self.mover.config.write_policy == "write_through":
@@ -376,8 +376,7 @@ class TierManager(IndexOps, TierReport):
             if self.cluster is not None:
                 if ranges is not None:  # a sparse reader: only those bytes cross the network
                     self._check_lease_quota(owner)
-                    return then(self.cluster.get_ranges(owner, namespace, oid, accept, ranges, expect),
-                                GetReply.from_wire)
+                    return self.cluster.get_ranges(owner, namespace, oid, accept, ranges, expect)
                 return self._get_from_peers(owner, namespace, oid, accept, expect)
             ns.counters.num_misses += 1
             return MISS
