@@ -44,7 +44,7 @@ from bench.common import MiB, Row, Target, median, report  # noqa: E402
 from kvstore.config import NvmeTierConfig  # noqa: E402
 from kvstore.identity import ObjectId, StateDescriptor  # noqa: E402
 from tiers.nvme import NvmeTier  # noqa: E402
-from tiers.nvme_index import NvmeIndex, NvmeRecord, object_key  # noqa: E402
+from tiers.nvme.index import NvmeIndex, NvmeRecord, object_key  # noqa: E402
 
 SUITE = "disk"
 OBJECT_BYTES = 4 * MiB

@@ -59,7 +59,7 @@ def object_doc(manager, entry, now: float) -> dict:
 
 
 def nvme_doc(meta) -> dict:
-    """An object only on NVMe (tiers.nvme_types.NvmeMeta). It has no hits, readers or pin
+    """An object only on NVMe (tiers.nvme.NvmeMeta). It has no hits, readers or pin
     here, and no expiry yet: a ttl counts from its promotion into host memory."""
     return {
         "object_id": meta.object_id.hex,

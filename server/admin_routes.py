@@ -19,7 +19,7 @@ from server.admin_http import ADMIN, json_body, json_response
 from server.admin_openapi import TIER_KEYS, openapi_document
 from server.later import resolve
 from tiers.arena import PAGE_BYTES
-from tiers.nvme_io import ALIGN as NVME_ALIGN
+from tiers.nvme import ALIGN as NVME_ALIGN
 
 # Router calls per lookup stay bounded: 1M tokens is 4096 chunks of 256.
 MAX_LOOKUP_TOKENS = 1 << 20

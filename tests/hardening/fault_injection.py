@@ -2,7 +2,7 @@
 
 The daemon is the real one (server.daemon.Daemon, real socket, real RocksDB and data
 files) on its own event loop in a thread, so a test can replace the `os` module that
-tiers/nvme_io.py uses (monkeypatch) and have the daemon's own I/O threads fail: EIO or
+tiers/nvme/files.py uses (monkeypatch) and have the daemon's own I/O threads fail: EIO or
 ENOSPC from pwritev/preadv/fdatasync, or writes and reads that move only part of what
 was asked (legal for both calls; the tier must loop). Nothing here is in the product.
 """
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from kvstore.config import ServerConfig
 from server.daemon import Daemon
-from tiers.nvme_io import ALIGN
+from tiers.nvme import ALIGN
 
 
 @dataclass
@@ -32,7 +32,7 @@ class Rates:
 
 
 class FaultyOs:
-    """Stands in for `os` inside tiers.nvme_io; everything but the three calls is the real os."""
+    """Stands in for `os` inside tiers.nvme.files; everything but the three calls is the real os."""
 
     def __init__(self, rates: Rates, seed: int = 0):
         self.rates = rates

@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-import tiers.nvme_io as nvme_io
+import tiers.nvme.files as nvme_files
 from fault_injection import FaultyOs, InProcessDaemon, Rates
 from hardening_support import CHILD_ENV, HERE, assert_clean, content, key, nvme, read_state, size_of, wait_for
 from kvstore.config import ServerConfig
@@ -61,7 +61,7 @@ def nvme_stats(c) -> dict:
 def faulty_os(monkeypatch):
     def install(rates: Rates) -> FaultyOs:
         fake = FaultyOs(rates, seed=1)
-        monkeypatch.setattr(nvme_io, "os", fake)  # only the tier's own I/O calls see it
+        monkeypatch.setattr(nvme_files, "os", fake)  # only the tier's own I/O calls see it
         return fake
     return install
 

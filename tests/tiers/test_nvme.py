@@ -16,8 +16,7 @@ from kvstore.config import NvmeTierConfig
 from kvstore.errors import CapacityError, ChecksumError, InvalidArgument, ServiceError
 from kvstore.hints import Hints
 from kvstore.identity import ObjectId, StateDescriptor
-from tiers.nvme import NvmeTier
-from tiers.nvme_io import VERIFY_BLOCK_BYTES
+from tiers.nvme import VERIFY_BLOCK_BYTES, NvmeTier
 
 NS = "tenant-a"
 DESC = StateDescriptor(NS, "model", "rev1")
@@ -242,8 +241,8 @@ def test_file_system_refusing_o_direct_gets_buffered_io_and_one_warning(tmp_path
         _, data = put(tier, 1, 10_000)
         out = np.empty(10_000, np.uint8)
         assert tier.get_into(NS, oid(1), out) == 10_000 and (out == data).all()
-    assert [r.message for r in caplog.records if "O_DIRECT" in r.message] == [
-        f"nvme tier {tmp_path / 'nvme'}: the file system refuses O_DIRECT; using buffered I/O"
+    assert [r.message for r in caplog.records if "nvme_buffered_io" in r.message] == [
+        f"event=nvme_buffered_io path={tmp_path / 'nvme'} reason=o_direct_refused"
     ]
 
 
@@ -260,7 +259,7 @@ def test_extent_under_a_read_is_not_reused_until_the_read_ends(tier):
 
 
 def tier_key(i):
-    from tiers.nvme_index import object_key
+    from tiers.nvme.index import object_key
 
     return object_key(NS, oid(i))
 

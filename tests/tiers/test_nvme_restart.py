@@ -215,7 +215,7 @@ def test_zeroed_data_file_is_caught_by_the_startup_sample(tmp_path):
 
 
 def test_broken_and_overlapping_index_entries_are_dropped_at_open(tmp_path):
-    from tiers.nvme_index import NvmeIndex, object_key
+    from tiers.nvme.index import NvmeIndex, object_key
 
     fill(tmp_path, 4)
     index = NvmeIndex(str(tmp_path / "index"))

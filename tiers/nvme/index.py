@@ -25,7 +25,7 @@ from rocksdict import Options, Rdict, WriteBatch, WriteOptions
 from kvstore.errors import CapacityError, InvalidArgument, ServiceError
 from kvstore.identity import ID_BYTES, MAX_NAME_CHARS, ObjectId
 from tiers.allocator import Extent
-from tiers.nvme_io import round_up
+from tiers.nvme.files import round_up
 
 META_KEY = b"\xffkvstore-nvme-meta"
 FORMAT_VERSION = 1

@@ -1,31 +1,6 @@
-"""The NVMe tier: objects in preallocated data files, found through a RocksDB index.
-
-    put:    reserve an extent -> write it (O_DIRECT) -> fdatasync -> index entry
-              "sync":  fdatasync (shared by the puts in flight, nvme_io.SyncBarrier), then
-                       the entry is written with WAL sync (RocksDB groups concurrent ones)
-                       before put returns
-              "group": the entry waits in a journal (tiers/nvme_group.py); every
-                       group_commit_ms a thread fdatasyncs the files written since and
-                       writes the waiting entries in one synced batch. Until then the
-                       object is readable but would not survive a crash.
-            (A "sync" put that ran a group commit itself measured 0.6x of this here: one
-            commit at a time serialises the data flush and the WAL flush, where separate
-            puts overlap them.)
-    get:    index -> read the extent -> verify xxh3-128 -> bytes, or a miss (and the object
-            is dropped) when the check fails; never unverified bytes.
-    delete: index entry removed (synced, or in the next group), then the extent is freed;
-            an extent under a read is freed when the read ends.
-    open:   tiers/nvme_recovery.py rebuilds the allocators from the index.
-
-Every index entry points at data that was synced before the entry was written: after a crash,
-each entry finds its own bytes, and an extent that was being written but never indexed is
-simply free again.
-
-Verification: get_into checks the object's xxh3-128. read_range checks only the 64 KiB
-blocks it reads, against xxh3-64 sums that put takes in the same pass as the xxh3-128 and
-refuses to store unless that pass matches the caller's checksum, so both vouch for the same
-bytes. A restart checks every entry against the data files but checksums only a bounded
-random sample (tiers/nvme_recovery.py); every later read verifies.
+"""NvmeTier, the NVMe tier's operations (the package docstring walks a put, a get, a
+delete and an open; this module checks arguments, keeps the counters and decides, under
+one lock, which key may change and which extent may be reused).
 
 Threads: every method blocks and is thread-safe. The daemon calls them through
 `tier.executor` (io_threads workers), e.g. `await loop.run_in_executor(tier.executor,
@@ -40,8 +15,8 @@ import logging
 import os
 import threading
 import time
-from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict
 from typing import Iterator
 
 import numpy as np
@@ -51,21 +26,19 @@ from kvstore.errors import CapacityError, ChecksumError, InvalidArgument, Servic
 from kvstore.hints import Hints
 from kvstore.identity import ObjectId, StateDescriptor
 from tiers.allocator import Extent
-from tiers.nvme_extents import ExtentOwners
-from tiers.nvme_group import GroupJournal
-from tiers.nvme_index import FORMAT_VERSION, NvmeIndex, NvmeRecord, namespace_prefix, object_key, split_key
-from tiers.nvme_io import (
-    ALIGN, VERIFY_BLOCK_BYTES, DataFile, byte_view, io_error, open_data_file, read_blocks, read_object,
-    round_up, write_object,
-)
-from tiers.nvme_recovery import RecoveryReport, recover
-from tiers.nvme_types import CHECKSUM_BYTES, NvmeMeta, NvmePut
+from tiers.nvme.extents import ExtentOwners
+from tiers.nvme.files import byte_view, round_up
+from tiers.nvme.group_commit import GroupJournal
+from tiers.nvme.index import NvmeRecord, namespace_prefix, object_key, split_key
+from tiers.nvme.recovery import RecoveryReport
+from tiers.nvme.types import CHECKSUM_BYTES, NvmeCounters, NvmeMeta, NvmePut
+from tiers.nvme.volume import Volume
 
 _log = logging.getLogger("kvstore.tiers.nvme")
 
 
 class NvmeTier:
-    """See the module docstring. Construct with `NvmeTier(config)` or `NvmeTier.open(config)`
+    """See the package docstring. Construct with `NvmeTier(config)` or `NvmeTier.open(config)`
     (the same thing): both create what is missing and recover what is there; `recovery`
     says what was found."""
 
@@ -77,33 +50,25 @@ class NvmeTier:
             raise InvalidArgument("NvmeTier needs nvme.path set (the daemon sets <data_dir>/nvme when it is empty)")
         self.config = config
         self._group = config.durability == "group"
-        os.makedirs(config.path, mode=0o700, exist_ok=True)  # the index names every tenant's objects
-        self._index = NvmeIndex(os.path.join(config.path, "index"))
-        self._files: list[DataFile] = []
-        try:
-            self._check_format()
-            for i, size in enumerate(config.file_sizes()):
-                self._files.append(open_data_file(i, os.path.join(config.path, f"data-{i:05d}.kvs"), size))
-            recovered = recover(self._index, self._files, started)
-        except BaseException:
-            self._close_files(remove_created=True)  # they hold nothing yet
-            raise
-        if not all(f.direct for f in self._files):
-            _log.warning("nvme tier %s: the file system refuses O_DIRECT; using buffered I/O", config.path)
-        self.recovery: RecoveryReport = recovered.report
-        self._num_objects, self._num_bytes = recovered.objects, recovered.bytes
-        self._counters = Counter()
+        self._counters = NvmeCounters()
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
+        self._volume = Volume.open(config, started, on_io_error=self._io_failed)
+        self._index = self._volume.index
+        recovered = self._volume.recovered
+        if not self._volume.direct_io:
+            _log.warning("event=nvme_buffered_io path=%s reason=o_direct_refused", config.path)
+        self.recovery: RecoveryReport = recovered.report
+        self._num_objects, self._num_bytes = recovered.objects, recovered.bytes
         self._busy: set[bytes] = set()  # keys with a put or a synced delete in flight
         self._extents = ExtentOwners(recovered.allocators)
-        self._journal = GroupJournal(self._index, self._files, self._lock, self._extents.release, config.path)
+        self._journal = GroupJournal(self._index, self._volume.files, self._lock, self._extents.release, config.path)
         self._closed = False
         if self._group:
             self._journal.start(config.group_commit_ms / 1000)
         self.executor = ThreadPoolExecutor(config.io_threads, thread_name_prefix="kvstore-nvme-io")
         _log.info(
-            "nvme tier %s ready in %.3f s: %d objects recovered, %d dropped",
+            "event=nvme_ready path=%s seconds=%.3f recovered=%d dropped=%d",
             config.path, self.recovery.time_to_ready_s, self.recovery.recovered, self.recovery.dropped,
         )
 
@@ -160,8 +125,8 @@ class NvmeTier:
                         self._journal.add_put(key, record, value)
                     self._num_objects += 1
                     self._num_bytes += len(view)
-                    self._counters["writes"] += 1
-                    self._counters["bytes_in"] += len(view)
+                    self._counters.writes += 1
+                    self._counters.bytes_in += len(view)
                 self._cond.notify_all()
         return NvmePut(file, extent, len(view), "group" if self._group else "sync")
 
@@ -189,11 +154,10 @@ class NvmeTier:
         try:
             if len(view) < record.size:
                 raise InvalidArgument(f"out has {len(view)} bytes; the object needs {record.size}")
-            digest = self._io(read_object, record, record.size, view)
+            good = self._volume.read(record, view)
         finally:
             self._end_read(record)
-        if digest != record.checksum:
-            np.frombuffer(view, dtype=np.uint8)[: record.size] = 0
+        if not good:
             self._checksum_failed(key, record)
             return None
         return self._hit(record.size)
@@ -216,13 +180,7 @@ class NvmeTier:
         try:
             if offset + length > record.size:
                 raise InvalidArgument(f"range [{offset}, {offset + length}) runs past the object's {record.size} bytes")
-            if record.blocks is None:
-                whole = memoryview(bytearray(record.size))
-                good = self._io(read_object, record, record.size, whole) == record.checksum
-                if good:
-                    view[:length] = whole[offset : offset + length]
-            else:
-                good = self._io(read_blocks, record, record.size, record.blocks, offset, length, view[:length])
+            good = self._volume.read_range(record, offset, length, view)
         finally:
             self._end_read(record)
         if not good:
@@ -233,50 +191,35 @@ class NvmeTier:
     def contains(self, namespace: str, object_id: ObjectId) -> bool:
         key = object_key(namespace, object_id)
         with self._lock:
-            known, record = self._journal.lookup(key)
-            return record is not None if known else self._index.get(key) is not None
+            return self._journal.holds(key)
 
     def meta(self, namespace: str, object_id: ObjectId) -> NvmeMeta | None:
         key = object_key(namespace, object_id)
         with self._lock:
-            record = self._lookup_locked(key)
-            durability = "group" if self._journal.is_pending(key) else "sync"
-        return None if record is None else _meta(namespace, object_id, record, durability)
+            record, durability = self._journal.find(key), self._journal.durability(key)
+        return None if record is None else NvmeMeta.of(namespace, object_id, record, durability)
 
     def list(self, namespace: str | None = None) -> Iterator[NvmeMeta]:
         """Metadata of every object (of one namespace), waiting group commits first, then the
         index in key order. Weakly consistent: objects put or deleted meanwhile may or may
         not appear. Takes no lock while the caller consumes it."""
         prefix = b"" if namespace is None else namespace_prefix(namespace)
-        with self._lock:
-            pending = [(k, r) for k, r in self._journal.pending() if k.startswith(prefix)]
-            hides = self._journal.hides
-        for key, record in pending:
-            yield _meta(*split_key(key), record, "group")
-        for key, value in self._index.items(prefix):
-            with self._lock:
-                hidden = hides(key)
-            if not hidden and (parts := split_key(key)) is not None:
-                yield _meta(*parts, NvmeRecord.decode(value), "sync")
+        for ns, object_id, record, durability in self._journal.records(prefix):
+            yield NvmeMeta.of(ns, object_id, record, durability)
 
     # -- state --------------------------------------------------------------------------------
 
     def stats(self) -> dict:
         with self._lock:
-            c = self._counters
             return {
                 "objects": self._num_objects,
                 "bytes": self._num_bytes,
-                "reads": c["reads"], "writes": c["writes"], "hits": c["hits"], "misses": c["misses"],
-                "bytes_in": c["bytes_in"], "bytes_out": c["bytes_out"],
-                "num_checksum_failures": c["num_checksum_failures"],
-                "num_dedup_puts": c["num_dedup_puts"], "num_deletes": c["num_deletes"],
-                "num_io_errors": c["num_io_errors"], "num_put_checksum_mismatches": c["num_put_checksum_mismatches"],
+                **asdict(self._counters),
                 "num_pending_commit": self._journal.num_waiting,
                 "capacity_bytes": self.config.capacity_bytes,
                 "used_bytes": self._extents.used_bytes,
                 "durability": self.config.durability,
-                "direct_io": all(f.direct for f in self._files),
+                "direct_io": self._volume.direct_io,
                 "index_failed": self._index.failed is not None,
             }
 
@@ -286,19 +229,9 @@ class NvmeTier:
         an allocated extent nobody accounts for; object counts that differ. Reads the whole
         index under the lock: run it in tests and when the daemon is idle."""
         with self._lock:
-            visible = dict(self._journal.pending())
-            for key, value in self._index.items():
-                # a busy key's entry is being written or removed: _extents accounts for it
-                if not self._journal.hides(key) and key not in self._busy:
-                    visible[key] = NvmeRecord.decode(value)
-            doomed = [(r.file, r.offset) for r in self._journal.doomed()]
-            self._extents.check_integrity([(r.file, r.offset) for r in visible.values()] + doomed)
-            for key, r in visible.items():
-                f = self._files[r.file] if r.file < len(self._files) else None
-                if f is None or r.offset % ALIGN or r.offset + r.extent.length > f.size_bytes:
-                    raise RuntimeError(f"index entry {key.hex()} lies outside its data file: {r}")
-                if not self._extents.allocators[r.file].is_allocated(r.extent):
-                    raise RuntimeError(f"index entry {key.hex()} points at an extent the allocator holds free: {r}")
+            # a busy key's entry is being written or removed: _extents accounts for it
+            visible = self._journal.visible(skip=self._busy)
+            self._extents.check_integrity(visible, self._journal.doomed(), [f.size_bytes for f in self._volume.files])
             if (len(visible), sum(r.size for r in visible.values())) != (self._num_objects, self._num_bytes):
                 raise RuntimeError(
                     f"counters say {self._num_objects} objects / {self._num_bytes} bytes, the index "
@@ -313,12 +246,12 @@ class NvmeTier:
         try:
             self._journal.stop()
         except ServiceError as e:
-            _log.error("nvme tier %s: final group commit failed, %d changes lost: %s",
+            _log.error("event=nvme_final_commit_failed path=%s changes_lost=%d error=%r",
                        self.config.path, self._journal.num_waiting, e.message)
         self.executor.shutdown(wait=True)
         with self._lock:
             self._closed = True
-        self._close_files()
+        self._volume.close()
 
     def __enter__(self) -> NvmeTier:
         return self
@@ -328,29 +261,11 @@ class NvmeTier:
 
     # -- internals ----------------------------------------------------------------------------
 
-    def _check_format(self) -> None:
-        meta = {"format": FORMAT_VERSION, "file_bytes": self.config.file_bytes, "verify_block_bytes": VERIFY_BLOCK_BYTES}
-        stored = self._index.read_meta()
-        if stored is None:
-            self._index.write_meta(meta)
-        elif stored != meta:
-            raise InvalidArgument(
-                f"nvme tier {self.config.path} was created with {stored}, this config gives {meta}; "
-                "start with the same file_bytes or an empty directory"
-            )
-
     def _check_writable(self) -> None:
         if self._closed:
             raise ServiceError(f"nvme tier {self.config.path} is closed")
         if self._index.failed is not None:
             raise type(self._index.failed)(self._index.failed.message)
-
-    def _lookup_locked(self, key: bytes) -> NvmeRecord | None:
-        known, record = self._journal.lookup(key)
-        if known:
-            return record
-        value = self._index.get(key)
-        return None if value is None else NvmeRecord.decode(value)
 
     def _reserve(self, key: bytes, size: int) -> tuple[int, Extent] | NvmePut:
         """An extent for a new object, or the NvmePut of the stored one (dedup). Marks key
@@ -360,11 +275,10 @@ class NvmeTier:
                 self._check_writable()
                 while key in self._busy:
                     self._cond.wait()
-                existing = self._lookup_locked(key)
+                existing = self._journal.find(key)
                 if existing is not None:
-                    self._counters["num_dedup_puts"] += 1
-                    durability = "group" if self._journal.is_pending(key) else "sync"
-                    return NvmePut(existing.file, existing.extent, existing.size, durability, True)
+                    self._counters.num_dedup_puts += 1
+                    return NvmePut(existing.file, existing.extent, existing.size, self._journal.durability(key), True)
                 placed = self._extents.reserve(size)
                 if placed is not None:
                     self._busy.add(key)
@@ -376,16 +290,10 @@ class NvmeTier:
 
     def _write(self, file: int, extent: Extent, view, checksum: bytes, namespace: str, object_id: ObjectId):
         """Write the object, and fdatasync it in sync durability; its block sums, or None."""
-        f = self._files[file]
-        try:
-            digest, blocks = write_object(f, extent.offset, view)
-            if not self._group:
-                f.barrier.sync(f.barrier.ticket())
-        except OSError as e:
-            self._count("num_io_errors")
-            raise io_error(e, f"writing {len(view)} bytes at offset {extent.offset} of", f.path) from None
+        digest, blocks = self._volume.write(file, extent, view, sync=not self._group)
         if digest != checksum:
-            self._count("num_put_checksum_mismatches")
+            with self._lock:
+                self._counters.num_put_checksum_mismatches += 1
             raise ChecksumError(
                 f"nvme put of {namespace}/{object_id.hex}: the {len(view)} bytes do not match the "
                 "checksum given with them (changed while being written?); nothing was stored"
@@ -411,12 +319,12 @@ class NvmeTier:
             self._check_writable()
             while key in self._busy:
                 self._cond.wait()
-            record = self._lookup_locked(key)
+            record = self._journal.find(key)
             if record is None or (expect is not None and (record.file, record.offset) != (expect.file, expect.offset)):
                 return False
             self._num_objects -= 1
             self._num_bytes -= record.size
-            self._counters["num_deletes"] += 1
+            self._counters.num_deletes += 1
             if self._group:
                 self._journal.add_delete(key, record)
                 return True
@@ -442,10 +350,10 @@ class NvmeTier:
         with self._lock:
             if self._closed:
                 raise ServiceError(f"nvme tier {self.config.path} is closed")
-            self._counters["reads"] += 1
-            record = self._lookup_locked(key)
+            self._counters.reads += 1
+            record = self._journal.find(key)
             if record is None:
-                self._counters["misses"] += 1
+                self._counters.misses += 1
                 return None
             self._extents.pin(record)
             return record
@@ -454,49 +362,27 @@ class NvmeTier:
         with self._lock:
             self._extents.unpin(record)
 
-    def _io(self, fn, record: NvmeRecord, *args):
-        f = self._files[record.file]
-        try:
-            return fn(f, record.offset, *args)
-        except OSError as e:
-            self._count("num_io_errors")
-            raise io_error(e, f"reading {record.size} bytes at offset {record.offset} of", f.path) from None
-
-    def _count(self, name: str) -> None:
+    def _io_failed(self) -> None:
         with self._lock:
-            self._counters[name] += 1
+            self._counters.num_io_errors += 1
 
     def _hit(self, nbytes: int) -> int:
         with self._lock:
-            self._counters["hits"] += 1
-            self._counters["bytes_out"] += nbytes
+            self._counters.hits += 1
+            self._counters.bytes_out += nbytes
         return nbytes
 
     def _checksum_failed(self, key: bytes, record: NvmeRecord) -> None:
         with self._lock:
-            self._counters["num_checksum_failures"] += 1
-            self._counters["misses"] += 1
+            self._counters.num_checksum_failures += 1
+            self._counters.misses += 1
         namespace, object_id = split_key(key)
         _log.warning(
-            "nvme tier %s: object %s/%s failed its checksum (file %d, offset %d, %d bytes); dropped, served as a miss",
+            "event=nvme_checksum_mismatch path=%s namespace=%s id=%s file=%d offset=%d bytes=%d action=dropped_as_miss",
             self.config.path, namespace, object_id.hex, record.file, record.offset, record.size,
         )
         try:
             self._delete(key, expect=record)
         except ServiceError as e:
-            _log.error("nvme tier %s: could not drop the corrupt object: %s", self.config.path, e.message)
-
-    def _close_files(self, remove_created: bool = False) -> None:
-        for f in self._files:
-            os.close(f.fd)
-            if remove_created and f.created:
-                os.unlink(f.path)
-        self._files = []
-        self._index.close()
-
-
-def _meta(namespace: str, object_id: ObjectId, record: NvmeRecord, durability: str) -> NvmeMeta:
-    return NvmeMeta(
-        namespace, object_id, record.size, record.checksum, StateDescriptor.from_wire(record.descriptor),
-        Hints.from_wire(record.hints), record.created_at, record.file, record.extent, durability,
-    )
+            _log.error("event=nvme_drop_failed path=%s namespace=%s id=%s error=%r",
+                       self.config.path, namespace, object_id.hex, e.message)

@@ -11,6 +11,9 @@ reused earlier, a crash could leave the old entry pointing at the new object's b
 may be doomed and pending at once (deleted, then put again); pending wins on lookup, and the
 batch order (deletes first) leaves the new record in the index.
 
+Readers see the journal laid over the index (find, holds, records): a pending put is found
+before its entry is written, a doomed key's entry is hidden while it is still there.
+
 The tier's lock guards the state: every method but commit() expects the caller to hold it;
 commit() takes the commit lock and then the tier's lock, briefly, around its I/O. In "sync"
 durability the journal stays empty and no thread runs.
@@ -22,11 +25,12 @@ import logging
 import os
 import threading
 from collections import Counter
-from typing import Callable
+from typing import Callable, Iterator
 
 from kvstore.errors import ServiceError
-from tiers.nvme_index import NvmeIndex, NvmeRecord
-from tiers.nvme_io import DataFile, io_error
+from kvstore.identity import ObjectId
+from tiers.nvme.files import DataFile, io_error
+from tiers.nvme.index import NvmeIndex, NvmeRecord, split_key
 
 _log = logging.getLogger("kvstore.tiers.nvme")
 
@@ -55,12 +59,49 @@ class GroupJournal:
             return True, waiting[0]
         return bool(self._doomed_keys[key]), None
 
-    def is_pending(self, key: bytes) -> bool:
-        return key in self._pending
-
     def hides(self, key: bytes) -> bool:
         """True when the index entry of key is not what a reader should see."""
         return key in self._pending or bool(self._doomed_keys[key])
+
+    def durability(self, key: bytes) -> str:
+        """"group" while the key's put waits for its commit, else "sync"."""
+        return "group" if key in self._pending else "sync"
+
+    def find(self, key: bytes) -> NvmeRecord | None:
+        """The record a reader sees for key: the waiting put's, else the index's unless a
+        waiting delete hides it."""
+        known, record = self.lookup(key)
+        if known:
+            return record
+        value = self._index.get(key)
+        return None if value is None else NvmeRecord.decode(value)
+
+    def holds(self, key: bytes) -> bool:
+        """find(key) is not None, without decoding the index's record."""
+        known, record = self.lookup(key)
+        return record is not None if known else self._index.get(key) is not None
+
+    def visible(self, skip: set[bytes]) -> dict[bytes, NvmeRecord]:
+        """Every record a reader sees, keys in `skip` aside. Reads the whole index."""
+        found = dict(self.pending())
+        for key, value in self._index.items():
+            if not self.hides(key) and key not in skip:
+                found[key] = NvmeRecord.decode(value)
+        return found
+
+    def records(self, prefix: bytes) -> Iterator[tuple[str, ObjectId, NvmeRecord, str]]:
+        """(namespace, object id, record, durability) of every object whose key starts with
+        prefix: waiting puts first, then the index in key order. Takes the tier's lock
+        itself, never while the caller consumes: weakly consistent, as the index iterator is."""
+        with self._lock:
+            pending = [(k, r) for k, r in self.pending() if k.startswith(prefix)]
+        for key, record in pending:
+            yield *split_key(key), record, "group"
+        for key, value in self._index.items(prefix):
+            with self._lock:
+                hidden = self.hides(key)
+            if not hidden and (parts := split_key(key)) is not None:
+                yield *parts, NvmeRecord.decode(value), "sync"
 
     def add_put(self, key: bytes, record: NvmeRecord, value: bytes) -> None:
         self._pending[key] = (record, value)
@@ -136,5 +177,5 @@ class GroupJournal:
                 failing = False
             except ServiceError as e:
                 if not failing:  # one line per failure streak, not one per interval
-                    _log.error("nvme tier %s: group commit failed: %s", self._path, e.message)
+                    _log.error("event=nvme_group_commit_failed path=%s error=%r", self._path, e.message)
                 failing = True

@@ -11,7 +11,7 @@
     delete every dropped record in one synced batch
 
 Reading every object at startup would take minutes for a full disk; instead every read
-verifies (tiers/nvme_io.py), and the sample catches a data file that is wholesale wrong
+verifies (files.py), and the sample catches a data file that is wholesale wrong
 (replaced, truncated, zeroed) before the first client does. The allocators are rebuilt,
 not persisted, so there is no second structure that could disagree with the index.
 """
@@ -27,10 +27,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from tiers.allocator import ExtentAllocator
 from kvstore.identity import ID_BYTES
-from tiers.nvme_index import META_KEY, NvmeIndex, NvmeRecord, decode_extent
-from tiers.nvme_io import ALIGN, DataFile, read_object
+from tiers.allocator import ExtentAllocator
+from tiers.nvme.files import ALIGN, DataFile, read_object
+from tiers.nvme.index import META_KEY, NvmeIndex, NvmeRecord, decode_extent
 
 _log = logging.getLogger("kvstore.tiers.nvme")
 
@@ -130,8 +130,8 @@ def recover(index: NvmeIndex, files: list[DataFile], started: float) -> Recovere
     if num_dropped:
         index.write([], [k for keys in dropped.values() for k in keys], sync=True)
         _log.warning(
-            "nvme tier %s: dropped %d index entries at open (%s)",
-            index.path, num_dropped, ", ".join(f"{r}: {len(k)}" for r, k in sorted(dropped.items())),
+            "event=nvme_recovery_dropped path=%s entries=%d reasons=%s",
+            index.path, num_dropped, ",".join(f"{r}:{len(k)}" for r, k in sorted(dropped.items())),
         )
     report = RecoveryReport(
         recovered=objects,

@@ -3,7 +3,7 @@
 An extent is allocated while any of these holds it:
     indexed      an index entry (or a waiting group commit) points at it
     reserved     a put is writing it
-    doomed       its entry is deleted but the delete is not durable yet (tiers/nvme_group.py)
+    doomed       its entry is deleted but the delete is not durable yet (group_commit.py)
     deleting     a synced delete of its entry is in flight
     read         a read is in flight: a deleted extent is freed when the last read ends
     quarantined  an index write for it failed; whether the entry reached the WAL is unknown,
@@ -20,7 +20,8 @@ from __future__ import annotations
 from collections import Counter
 
 from tiers.allocator import Extent, ExtentAllocator
-from tiers.nvme_index import NvmeRecord
+from tiers.nvme.files import ALIGN
+from tiers.nvme.index import NvmeRecord
 
 Where = tuple[int, int]  # (file, offset)
 
@@ -98,11 +99,13 @@ class ExtentOwners:
             *((r.file, r.offset) for r in self._deleting.values()),
         ]
 
-    def check_integrity(self, indexed: list[Where]) -> None:
-        """Raise RuntimeError unless the allocators hold exactly `indexed` + unindexed()."""
+    def check_integrity(self, indexed: dict[bytes, NvmeRecord], doomed: list[NvmeRecord], file_bytes: list[int]) -> None:
+        """Raise RuntimeError unless the allocators hold exactly the extents of `indexed`
+        (every record a reader sees, by key), `doomed` and unindexed(), and each indexed one
+        lies aligned inside its data file (`file_bytes`: their sizes) and is allocated."""
         for allocator in self.allocators:
             allocator.check_integrity()
-        owners = Counter(indexed) + Counter(self.unindexed())
+        owners = Counter((r.file, r.offset) for r in [*indexed.values(), *doomed]) + Counter(self.unindexed())
         for (file, offset), n in owners.items():
             if n > 1:
                 raise RuntimeError(f"extent at file {file} offset {offset} has {n} owners")
@@ -112,3 +115,8 @@ class ExtentOwners:
                 f"allocators hold {allocated} extents; the index and the operations in flight "
                 f"account for {len(owners)}"
             )
+        for key, r in indexed.items():
+            if r.file >= len(file_bytes) or r.offset % ALIGN or r.offset + r.extent.length > file_bytes[r.file]:
+                raise RuntimeError(f"index entry {key.hex()} lies outside its data file: {r}")
+            if not self.allocators[r.file].is_allocated(r.extent):
+                raise RuntimeError(f"index entry {key.hex()} points at an extent the allocator holds free: {r}")
