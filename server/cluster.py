@@ -15,7 +15,7 @@
     peer asks us       -> read / reserve / lookup / delete / pin against the tier manager
 
 Bytes cross nodes only as a transfer between two owners, and every received object is
-checked against its xxh3-128 before it is published (tiers/remote.py and the peer service
+checked against its xxh3-128 before it is published (tiers/remote/ and the peer service
 do the checking). A dead or cut-off peer costs at most cluster.peer_timeout_s, then a miss.
 """
 

@@ -40,7 +40,7 @@ NVME_COUNTERS = {
     "num_nvme_evictions": ("kvstore_nvme_evictions", "Objects the full NVMe tier dropped to make room"),
     "num_demotion_failures": ("kvstore_nvme_write_failures", "Writes to NVMe that failed (disk error, full, checksum)"),
 }
-# The cluster (server/cluster.py, tiers/remote.py, server/rehome.py), node-wide:
+# The cluster (server/cluster.py, tiers/remote/, server/rehome.py), node-wide:
 # (section of stats()["tiers"]["remote"] or None for its top level, key) -> (name, help).
 CLUSTER_COUNTERS = {
     ("remote", "num_gets"): ("kvstore_remote_gets", "Local misses asked of home nodes"),

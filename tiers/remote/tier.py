@@ -1,81 +1,30 @@
-"""The remote tier, client side: objects kept by their home nodes, reached over peer links.
-
-An object's home nodes come from rendezvous hashing over the live members
-(`kvstore.ownership`). This tier asks them: `get_into` fetches into a buffer the caller
-provides (tier memory; a CUDA buffer through UCX), `put` sends to every home but this node,
-`get_ranges_into` fetches only some byte ranges (a sparse reader), `lookup` asks each home
-node once for a whole batch, `pin` asks every home of each id (an unpin, every member),
-`delete` asks every member.
-Bytes from a peer are checked against the xxh3-128 taken at put before `get_into` returns
-(ranges: against the checksum of the packed ranges, taken by the home after it checked its
-whole copy); a mismatch is a miss.
-
-Failure is a miss, never a hang: every call is bounded by `timeout_s` (plus transfer time at
-MIN_PEER_BANDWIDTH_BYTES_S), is counted, and logged once per peer going down. A peer that just
-failed is skipped for `timeout_s`, so reads of its objects fail at once instead of each waiting.
-It counts as down (`down_nodes`, `on_state`) until an exchange with it succeeds: a call after
-that pause, a `probe`, or `mark_up` from whoever saw it answer. A pooled link found closed
-(the peer restarted since it was opened) is not a failure: the call is tried once more on a
-fresh link.
-
-Links come from `connect(address)` (server.peer_transport.connect_peer with the transport
-and secret bound), so this module imports no transport. Runs on one event loop.
-"""
+"""RemoteTier: objects kept by their home nodes, asked for over pooled peer links (the package
+docstring says what each call does and how a failing peer is handled)."""
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import logging
 import time
-from dataclasses import asdict, dataclass, field
-from typing import Any, Awaitable, Callable, Mapping, Protocol
+from dataclasses import asdict, dataclass
+from typing import Any, Awaitable, Callable, Mapping
 
 import xxhash
 
-from kvstore.errors import Conflict, KVStoreError, PermissionDenied, ProtocolError, RangeError, ServiceError
+from kvstore.errors import Conflict, KVStoreError, PermissionDenied, ProtocolError, RangeError
 from kvstore.identity import ObjectId
 from kvstore.ownership import home_nodes
 from kvstore.peer_messages import PeerDelete, PeerGet, PeerLookup, PeerPin, PeerPut, RemoteMeta
 from kvstore.protocol import MAX_BATCH
 from kvstore.ranges import total as ranges_total
+from tiers.remote.links import LinkPools, PeerLink, PeerUnavailable
 
 log = logging.getLogger("kvstore.remote")
-
-# A transfer slower than this is treated as a cut-off peer (payload deadlines grow with size).
-MIN_PEER_BANDWIDTH_BYTES_S = 100e6
-# Links kept per peer: concurrent transfers to one peer beyond this wait for a free link.
-MAX_LINKS_PER_PEER = 4
 
 
 def host_digest(buffer) -> bytes:
     """xxh3-128 of a host buffer (the checksum every object carries from its put)."""
     return xxhash.xxh3_128_digest(memoryview(buffer).cast("B"))
-
-
-class PeerUnavailable(ServiceError):
-    """A peer did not answer in time, closed the link, or broke the protocol: treat as a miss."""
-
-
-class LinkBroken(PeerUnavailable):
-    """The link was closed under a call (by the peer, or a reset) rather than timing out. On a
-    link taken from the pool this is what a peer that restarted looks like: a fresh link to
-    it may well work, so the call is tried once more on one."""
-
-
-class PeerLink(Protocol):
-    """One authenticated link to a peer; one call at a time (the tier pools links).
-
-    `call` sends `payload` (any contiguous buffer) after the request; when the reply announces
-    payload bytes, `into(result)` names the buffer they land in (None: drop them). It raises
-    PeerUnavailable on timeout or a broken link (the link is then closed) and the peer's own
-    error (from kvstore.errors) when it answers with one.
-    """
-
-    closed: bool
-
-    async def call(self, op: str, args: dict, payload=None, into: Callable[[dict], Any] | None = None) -> dict: ...
-    async def close(self) -> None: ...
 
 
 @dataclass(slots=True)
@@ -93,20 +42,6 @@ class RemoteCounters:
     num_checksum_failures: int = 0
     bytes_in: int = 0
     bytes_out: int = 0
-
-
-@dataclass(slots=True)
-class _Pool:
-    idle: list = field(default_factory=list)
-    num_open: int = 0
-    waiters: collections.deque = field(default_factory=collections.deque)
-
-    def wake_one(self) -> None:
-        while self.waiters:
-            waiter = self.waiters.popleft()
-            if not waiter.done():
-                waiter.set_result(None)
-                return
 
 
 class RemoteTier:
@@ -128,7 +63,7 @@ class RemoteTier:
         self.replicas, self.timeout_s, self.clock = replicas, timeout_s, clock
         self.on_state = on_state
         self.counters = RemoteCounters()
-        self._pools: dict[str, _Pool] = {}
+        self._links = LinkPools(connect, timeout_s)
         self._down_until: dict[str, float] = {}
 
     def homes(self, object_id: ObjectId) -> list[str]:
@@ -321,7 +256,7 @@ class RemoteTier:
                 pending.pop(i, None)
                 found[i] = meta
 
-    # --- links ---------------------------------------------------------------------
+    # --- calls and peer health --------------------------------------------------------
 
     async def _call(self, node: str, op: str, args: dict, payload=None, into=None,
                     raising: bool = False) -> dict | None:
@@ -338,7 +273,7 @@ class RemoteTier:
             return None
         result = None
         try:
-            result = await self._exchange(address, op, args, payload, into)
+            result = await self._links.call(address, op, args, payload, into)
         except (PeerUnavailable, PermissionDenied) as exc:
             self._mark_down(node, address, op, exc)
             return None
@@ -349,23 +284,6 @@ class RemoteTier:
             log.info("event=peer_error node=%s op=%s code=%s error=%r", node, op, exc.code, exc.message)
         self.mark_up(node)
         return result
-
-    async def _exchange(self, address: str, op: str, args: dict, payload, into) -> dict:
-        """One call on a pooled link; a pooled link found broken (the peer restarted since it
-        was opened) is dropped with its idle siblings and the call tried once on a fresh one.
-        Calls are idempotent at the peer (puts are content-addressed), so a retry is safe."""
-        fresh = False
-        while True:
-            link, reused = await self._acquire(address, fresh)
-            try:
-                return await link.call(op, args, payload=payload, into=into)
-            except LinkBroken:
-                if not reused or fresh:
-                    raise
-                await self._drop_idle(address)
-                fresh = True
-            finally:
-                self._release(address, link)
 
     def _mark_down(self, node: str, address: str, op: str, exc: KVStoreError) -> None:
         self.counters.num_peer_failures += 1
@@ -395,80 +313,22 @@ class RemoteTier:
         address = self.members().get(node)
         if address is None:
             return False
-        await self._drop_idle(address)
         try:
-            link, _ = await self._acquire(address, fresh=True)
+            await self._links.open_fresh(address)
         except PermissionDenied as exc:  # it answers, with another secret: unusable, so down
             self._mark_down(node, address, "handshake", exc)
             return False
         except PeerUnavailable:
             return False
-        self._release(address, link)
         self.mark_up(node)
         return True
 
-    async def _acquire(self, address: str, fresh: bool = False) -> tuple[PeerLink, bool]:
-        """An idle link (no await on this path), a new one, or the next one released; and
-        whether it was reused from the pool. fresh: only a new link will do."""
-        pool = self._pools.setdefault(address, _Pool())
-        while True:
-            while pool.idle and not fresh:
-                link = pool.idle.pop()
-                if not link.closed:
-                    return link, True
-                pool.num_open -= 1
-            while fresh and pool.idle and pool.num_open >= MAX_LINKS_PER_PEER:
-                pool.num_open -= 1  # an idle link makes room for the new one
-                await pool.idle.pop().close()
-            if pool.num_open < MAX_LINKS_PER_PEER:
-                pool.num_open += 1
-                try:
-                    return await self.connect(address), False  # bounded by connect's own timeout
-                except BaseException:
-                    pool.num_open -= 1
-                    pool.wake_one()
-                    raise
-            waiter = asyncio.get_running_loop().create_future()
-            pool.waiters.append(waiter)
-            try:
-                async with asyncio.timeout(self.timeout_s):
-                    await waiter
-            except TimeoutError:
-                raise PeerUnavailable(f"no free link to peer {address} within {self.timeout_s} s") from None
-
-    async def _drop_idle(self, address: str) -> None:
-        """Close the idle links to `address` (they may all date from before a peer restart)."""
-        pool = self._pools.get(address)
-        if pool is None:
-            return
-        idle, pool.idle = pool.idle, []
-        pool.num_open -= len(idle)
-        for link in idle:
-            await link.close()
-        pool.wake_one()
-
-    def _release(self, address: str, link: PeerLink) -> None:
-        pool = self._pools[address]
-        if link.closed:
-            pool.num_open -= 1
-        else:
-            pool.idle.append(link)
-        pool.wake_one()
-
     async def close(self) -> None:
-        for pool in self._pools.values():
-            for link in pool.idle:
-                await link.close()
-        self._pools.clear()
+        await self._links.close()
 
     def stats(self) -> dict:
         return {**asdict(self.counters), "peers_down": sorted(self._down_until)}
 
     def check_integrity(self) -> None:
-        """Raise RuntimeError on the first broken pool invariant (idle links are open ones)."""
-        for address, pool in self._pools.items():
-            if not 0 <= len(pool.idle) <= pool.num_open <= MAX_LINKS_PER_PEER:
-                raise RuntimeError(f"link pool of {address}: {len(pool.idle)} idle, {pool.num_open} open, "
-                                   f"limit {MAX_LINKS_PER_PEER}")
-            if any(link.closed for link in pool.idle):
-                raise RuntimeError(f"link pool of {address} keeps a closed link as idle")
+        """Raise RuntimeError on the first broken link-pool invariant."""
+        self._links.check_integrity()
