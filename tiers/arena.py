@@ -188,8 +188,8 @@ class HostArena:
                 mapping.close()
             except BufferError:
                 _log.warning(
-                    "host arena %r closed while memoryviews of it are alive; its %d bytes stay "
-                    "mapped until the last view is released (release views before close())",
+                    "event=arena_close_deferred namespace=%s bytes=%d reason=live_memoryviews "
+                    "hint=release_views_before_close",
                     self._namespace,
                     self._capacity,
                 )
