@@ -6,6 +6,7 @@ back, one object whose send raises."""
 
 import asyncio
 import contextlib
+import types
 
 import pytest
 
@@ -14,7 +15,8 @@ from kvstore.config import ClusterConfig, HostTierConfig
 from kvstore.hints import Hints
 from kvstore.identity import ObjectId, StateDescriptor
 from kvstore.ownership import home_nodes
-from server.cluster import ClusterLink
+from server.cluster_replicate import Replicator
+from server.cluster_serving import PeerServing
 from server.rehome import Rehomer
 from server.tier_manager import TierManager
 
@@ -49,15 +51,15 @@ class StandInRemote:
 
 
 class StandInLink:
-    """server.cluster.ClusterLink's parts the re-homer uses, bound to the stand-in remote."""
-
-    held_view = ClusterLink.held_view
-    meta = ClusterLink.meta
-    sending = ClusterLink.sending
+    """server.cluster.ClusterLink's parts the re-homer uses (its real serving and replicating
+    roles), bound to the stand-in remote."""
 
     def __init__(self, manager, remote):
         self.manager, self.remote = manager, remote
-        self._sending, self.gate = {}, asyncio.Semaphore(4)
+        serving = PeerServing(manager, set())
+        self.held_view, self.meta = serving.held_view, serving.meta
+        node = types.SimpleNamespace(remote=remote, node_id=remote.node_id)
+        self.sending = Replicator(manager, ClusterConfig(), node, set(), serving).sending
 
 
 def objects(n):
