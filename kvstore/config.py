@@ -96,7 +96,7 @@ WRITE_POLICIES = ("write_back", "write_through", "selective")
 
 
 # O_DIRECT needs offsets and lengths aligned to the device's logical block; 4 KiB covers every
-# device in use (tiers/nvme_io.py uses this value). Capacity and file sizes are multiples of it.
+# device in use (tiers/nvme/files.py uses this value). Capacity and file sizes are multiples of it.
 NVME_ALIGN = 4096
 NVME_DURABILITIES = ("sync", "group")
 # Past a few dozen, more I/O threads only queue at the device; 256 bounds a typo's cost.
