@@ -87,7 +87,7 @@ def doc(manager, view, now: float) -> dict:
 def _live_entry(manager, namespace: str, oid: ObjectId, now: float):
     ns = manager.namespaces.get(namespace)
     entry = ns.objects.get(oid) if ns is not None else None
-    return entry if entry is not None and entry.expires_at > now else None
+    return entry if entry is not None and entry.is_live(now) else None
 
 
 async def nvme_metas(manager, keys) -> list:
@@ -124,7 +124,7 @@ async def list_page(manager, namespace: str | None, flt, after, limit: int, tier
                 continue
             for oid, entry in ns.objects.items():
                 key = (name, oid.digest)
-                if ((after is None or key > after) and entry.expires_at > now and flt.matches(entry)
+                if ((after is None or key > after) and entry.is_live(now) and flt.matches(entry)
                         and (tier != "nvme" or _on_nvme(manager, name, oid))):
                     yield key, entry
 

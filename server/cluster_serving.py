@@ -36,7 +36,7 @@ class PeerServing:
     def _live(self, ns, object_id) -> ObjectEntry | None:
         """The entry, unless absent or past its TTL (a local get would drop it as expired)."""
         entry = ns.objects.get(object_id) if ns is not None else None
-        return entry if entry is not None and entry.expires_at > self.manager.clock() else None
+        return entry if entry is not None and entry.is_live(self.manager.clock()) else None
 
     def read(self, namespace: str, object_id) -> PeerRead | None | object:
         ns = self.manager.namespaces.get(namespace)

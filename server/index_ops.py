@@ -43,7 +43,7 @@ class IndexOps:
         host_bytes = nvme_bytes = hits = 0
         for i, oid in enumerate(ids):
             entry = objects.get(oid)
-            if entry is not None and entry.expires_at > now:
+            if entry is not None and entry.is_live(now):
                 tier, size = "host", entry.size
             elif mover is not None and (size := mover.size_of(namespace, oid)) is not None:
                 tier = "nvme"

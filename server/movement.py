@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import time
 
 import numpy as np
@@ -301,12 +300,8 @@ class TierMover:
         if existing is not None:  # a put of the same id landed while we read
             ns.arena.free(extent)
             return existing
-        entry = ObjectEntry(
-            oid, namespace, extent, meta.size, meta.checksum, meta.descriptor, meta.hints,
-            created_at=meta.created_at,
-            expires_at=math.inf if meta.hints.ttl_s is None else self.manager.clock() + meta.hints.ttl_s,
-            on_nvme=True,
-        )
+        entry = ObjectEntry.create(oid, namespace, extent, meta.size, meta.checksum, meta.descriptor, meta.hints,
+                                   self.manager.clock(), created_at=meta.created_at, on_nvme=True)
         self.manager.insert(ns, entry)
         self.counters["num_promotions"] += 1
         return entry

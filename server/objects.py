@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import time
 from dataclasses import dataclass, field
 
 from kvstore.errors import Conflict
@@ -35,6 +36,21 @@ class ObjectEntry:
     on_nvme: bool = False  # a verified copy is on the NVMe tier too
     descriptor_wire: dict | None = None  # descriptor.to_wire(), built once: every get sends it
     serial: int = field(default_factory=lambda: next(_SERIALS))  # this copy, never reused
+
+    @classmethod
+    def create(cls, object_id: ObjectId, namespace: str, extent, size: int, checksum: bytes,
+               descriptor: StateDescriptor, hints: Hints, now: float, created_at: float | None = None,
+               pin: bool = False, on_nvme: bool = False) -> ObjectEntry:
+        """The one way to make an entry: it expires hints.ttl_s after `now` (monotonic), and is
+        pinned until unpinned when `pin`."""
+        return cls(object_id, namespace, extent, size, checksum, descriptor, hints,
+                   created_at=time.time() if created_at is None else created_at,
+                   expires_at=math.inf if hints.ttl_s is None else now + hints.ttl_s,
+                   pinned_until=math.inf if pin else 0.0, on_nvme=on_nvme)
+
+    def is_live(self, now: float) -> bool:
+        """Not past its TTL at `now` (monotonic): the one liveness rule every reader applies."""
+        return self.expires_at > now
 
     def get_reply(self, lease_id: int, tier: str = "host") -> GetReply:
         """What a get hit sends: where to read, how to check it, and what it is."""

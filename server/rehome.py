@@ -195,7 +195,7 @@ class Rehomer:
         now = manager.clock()
         held: dict[str, set] = {}
         for name, ns in manager.namespaces.items():
-            held[name] = {oid.digest for oid, e in ns.objects.items() if e.expires_at > now}
+            held[name] = {oid.digest for oid, e in ns.objects.items() if e.is_live(now)}
         if manager.mover is not None:
             for namespace, digest in list(manager.mover.sizes):
                 held.setdefault(namespace, set()).add(digest)
@@ -252,7 +252,7 @@ class Rehomer:
         manager, remote = self.link.manager, self.link.remote
         ns = manager.namespaces.get(namespace)
         entry = ns.objects.get(oid) if ns is not None else None
-        if entry is not None and entry.expires_at > manager.clock():
+        if entry is not None and entry.is_live(manager.clock()):
             with self.link.held_view(entry) as view:
                 ok = await remote.put_to(node, namespace, oid, self.link.meta(entry), view)
             return ok and entry.size

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import math
 import threading
 import time
 from dataclasses import dataclass, field
@@ -142,7 +141,7 @@ class TierManager(IndexOps, TierReport):
             raise InvalidArgument('put with tier="remote" needs a clustered daemon (cluster.enabled)')
         now = self.clock()
         existing = ns.objects.get(msg.object_id)
-        if existing is not None and existing.expires_at > now:
+        if existing is not None and existing.is_live(now):
             # Content-addressed and immutable: the same id is the same state. Skip the copy.
             check_same_object(msg.object_id, existing.size, existing.descriptor, msg.size, msg.descriptor)
             ns.counters.num_dedup_puts += 1
@@ -289,11 +288,8 @@ class TierManager(IndexOps, TierReport):
         if existing is not None:
             ns.arena.free(extent)
             return existing
-        entry = ObjectEntry(
-            oid, ns.name, extent, size, checksum, descriptor, hints, created_at=time.time(),
-            expires_at=math.inf if hints.ttl_s is None else self.clock() + hints.ttl_s,
-            pinned_until=math.inf if pin_hint and hints.pin else 0.0,
-        )
+        entry = ObjectEntry.create(oid, ns.name, extent, size, checksum, descriptor, hints, self.clock(),
+                                   pin=pin_hint and hints.pin)
         self.insert(ns, entry)
         ns.counters.num_puts += 1
         ns.counters.bytes_in += size
@@ -324,18 +320,14 @@ class TierManager(IndexOps, TierReport):
         now = self.clock()
         old = ns.objects.get(put.object_id)
         if old is not None:
-            if old.expires_at > now:  # a concurrent put of the same id won the race
+            if old.is_live(now):  # a concurrent put of the same id won the race
                 ns.arena.free(put.extent)
                 check_same_object(put.object_id, old.size, old.descriptor, put.size, put.descriptor)
                 ns.counters.num_dedup_puts += 1
                 return CommitReply(exists=True)
             self._remove(ns, old, reason="expire")
-        entry = ObjectEntry(
-            put.object_id, put.namespace, put.extent, put.size, checksum, put.descriptor, put.hints,
-            created_at=time.time(),
-            expires_at=now + put.hints.ttl_s if put.hints.ttl_s is not None else math.inf,
-            pinned_until=math.inf if put.hints.pin else 0.0,
-        )
+        entry = ObjectEntry.create(put.object_id, put.namespace, put.extent, put.size, checksum, put.descriptor,
+                                   put.hints, now, pin=put.hints.pin)
         self.insert(ns, entry)
         ns.counters.num_puts += 1
         ns.counters.bytes_in += put.size
@@ -366,7 +358,7 @@ class TierManager(IndexOps, TierReport):
         ns.counters.num_gets += 1
         now = self.clock()
         entry = ns.objects.get(oid)
-        if entry is not None and entry.expires_at <= now:
+        if entry is not None and not entry.is_live(now):
             self._remove(ns, entry, reason="expire")
             entry = None
         if entry is None:
@@ -506,7 +498,7 @@ class TierManager(IndexOps, TierReport):
             log.warning("event=lease_expired lease=%d owner=%s mode=%s", lease.lease_id, lease.owner, lease.mode)
             self._end_lease(lease)
         for ns in self.namespaces.values():
-            for entry in [e for e in ns.objects.values() if e.expires_at <= now]:
+            for entry in [e for e in ns.objects.values() if not e.is_live(now)]:
                 self._remove(ns, entry, reason="expire")
                 ns.counters.num_expired += 1
 
