@@ -200,38 +200,32 @@ class TierMover:
         elif self.manager.cluster is not None:  # gone from this node altogether
             self.manager.cluster.forget(key[0], ObjectId(key[1]))
 
-    async def make_room(self, ns, size: int) -> None:
-        """Evict from the host arena until `size` bytes fit, demoting victims to NVMe as
-        admission allows; those NVMe turns away go to their home nodes first (in a cluster)."""
-        while not ns.arena.can_alloc(size):
-            now = self.manager.clock()
-            victims = ns.policy.victims(size, lambda oid: self.manager.evictable(ns, oid, now))
-            if not victims:
-                raise self.manager.no_room(ns, size)
-            writes = []
-            cluster = self.manager.cluster
-            for oid in victims:
-                entry = ns.objects[oid]
-                key = (ns.name, oid.digest)
-                if entry.on_nvme or key in self.sizes:
-                    self.manager.evict_entry(ns, entry)
-                else:
-                    writes.append(entry)
-            try:
-                if writes:
-                    await asyncio.gather(*(self.write(e, self._displaceable_by(e)) for e in writes))
-                # NVMe refused some (full of hotter objects, full disk, EIO): those leave the
-                # node, homes first.
-                failed = [e for e in writes if not e.on_nvme and cluster is not None and ns.objects.get(e.object_id) is e
-                          and cluster.must_send(ns.name, e.object_id)]
-                if failed:
-                    await cluster.demote(failed)
-            except BaseException:
-                self.manager.retrack_victims(ns, writes)  # cancelled: nothing evicted
-                raise
-            for entry in self.manager.settle_victims(ns, writes):
-                if entry.on_nvme:
-                    self.counters["num_demotions"] += 1
+    async def take_victims(self, ns, victims: list[ObjectEntry]) -> None:
+        """Host victims (TierManager.allocate's sink): those NVMe holds already are evicted,
+        the others written down as admission allows; those NVMe turns away go to their home
+        nodes first (in a cluster). Each ends evicted, or resident if read or pinned meanwhile."""
+        writes = []
+        cluster = self.manager.cluster
+        for entry in victims:
+            if entry.on_nvme or (ns.name, entry.object_id.digest) in self.sizes:
+                self.manager.evict_entry(ns, entry)
+            else:
+                writes.append(entry)
+        try:
+            if writes:
+                await asyncio.gather(*(self.write(e, self._displaceable_by(e)) for e in writes))
+            # NVMe refused some (full of hotter objects, full disk, EIO): those leave the
+            # node, homes first.
+            failed = [e for e in writes if not e.on_nvme and cluster is not None and ns.objects.get(e.object_id) is e
+                      and cluster.must_send(ns.name, e.object_id)]
+            if failed:
+                await cluster.demote(failed)
+        except BaseException:
+            self.manager.retrack_victims(ns, writes)  # cancelled: nothing evicted
+            raise
+        for entry in self.manager.settle_victims(ns, writes):
+            if entry.on_nvme:
+                self.counters["num_demotions"] += 1
 
     def _displaceable_by(self, entry: ObjectEntry):
         """Which NVMe objects a host victim may push out (TinyLFU admission, DESIGN section 5).
@@ -274,11 +268,7 @@ class TierMover:
             self._forget(key)
             return None
         ns = await self.manager.open_namespace(namespace)
-        while True:
-            await self.make_room(ns, meta.size)
-            extent = ns.arena.alloc(meta.size)
-            if extent is not None:
-                break
+        extent = await self.manager.allocate(ns, meta.size)
         self.manager.track_transient(ns, extent, add=True)
         try:
             start = time.perf_counter()

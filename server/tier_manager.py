@@ -154,7 +154,7 @@ class TierManager(IndexOps, TierReport):
         self._check_inflight(owner, msg.size)
         if (self.mover is not None or self.cluster is not None) and not ns.arena.can_alloc(msg.size):
             return self._reserve_after_demotion(owner, ns, msg)
-        return self._grant_write(owner, ns, msg, self._alloc(ns, msg.size, now))
+        return self._grant_write(owner, ns, msg, self._alloc(ns, msg.size))
 
     async def _reserve_after_demotion(self, owner, ns: Namespace, msg: Reserve) -> ReserveReply:
         return self._grant_write(owner, ns, msg, await self.allocate(ns, msg.size))
@@ -182,15 +182,21 @@ class TierManager(IndexOps, TierReport):
             "Release leases, unpin, or raise host.arena_bytes"
         )
 
-    def _alloc(self, ns: Namespace, size: int, now: float):
-        """Host-only eviction, no cluster: victims are dropped (no lower tier to keep them)."""
+    def _victims(self, ns: Namespace, size: int) -> list[ObjectEntry]:
+        """The policy's next victims towards `size` free bytes (it stops tracking them: each
+        must end evicted, or tracked again by `retrack_victims`); CapacityError when none."""
+        now = self.clock()
+        victims = ns.policy.victims(size, lambda oid: self.evictable(ns, oid, now))
+        if not victims:
+            raise self.no_room(ns, size)
+        return [ns.objects[oid] for oid in victims]
+
+    def _alloc(self, ns: Namespace, size: int):
+        """An extent now, victims dropped: no tier below the host arena keeps them."""
         self._check_size(ns, size)
         while not ns.arena.can_alloc(size):
-            victims = ns.policy.victims(size, lambda oid: self.evictable(ns, oid, now))
-            if not victims:
-                raise self.no_room(ns, size)
-            for oid in victims:
-                self.evict_entry(ns, ns.objects[oid])
+            for entry in self._victims(ns, size):
+                self.evict_entry(ns, entry)
         return ns.arena.alloc(size)
 
     def evictable(self, ns: Namespace, oid: ObjectId, now: float) -> bool:
@@ -230,34 +236,36 @@ class TierManager(IndexOps, TierReport):
             self.namespaces[entry.namespace].arena.free(entry.extent)
 
     async def allocate(self, ns: Namespace, size: int):
-        """An extent of `size` bytes in the host arena, demoting (or dropping) victims for it."""
+        """An extent of `size` bytes in the host arena, room made for it: victims are written
+        down to NVMe, sent to their homes, or dropped, as the tiers below decide (`_sink`)."""
         self._check_size(ns, size)
+        sink = self._sink()
         while True:
-            if self.mover is not None:
-                await self.mover.make_room(ns, size)
-                extent = ns.arena.alloc(size)
-            elif self.cluster is not None:
-                await self._make_room_for_peers(ns, size)
-                extent = ns.arena.alloc(size)
-            else:
-                extent = self._alloc(ns, size, self.clock())
+            if sink is None:
+                return self._alloc(ns, size)
+            while not ns.arena.can_alloc(size):  # the one victim loop; the sink settles each batch
+                await sink(ns, self._victims(ns, size))
+            extent = ns.arena.alloc(size)
             if extent is not None:
                 return extent
 
-    async def _make_room_for_peers(self, ns: Namespace, size: int) -> None:
-        """Host-only eviction in a cluster: victims their homes may lack are sent there first."""
-        while not ns.arena.can_alloc(size):
-            now = self.clock()
-            victims = ns.policy.victims(size, lambda oid: self.evictable(ns, oid, now))
-            if not victims:
-                raise self.no_room(ns, size)
-            entries = [ns.objects[oid] for oid in victims]
-            try:
-                await self.cluster.demote(entries)
-            except BaseException:  # cancelled (a peer's deadline): the victims stay, tracked
-                self.retrack_victims(ns, entries)
-                raise
-            self.settle_victims(ns, entries)
+    def _sink(self):
+        """Where host victims go: the NVMe tier (which sends what it refuses home), else the
+        homes (a cluster without NVMe), else nowhere (None: they are dropped, no await)."""
+        if self.mover is not None:
+            return self.mover.take_victims
+        if self.cluster is not None:
+            return self._send_home_then_evict
+        return None
+
+    async def _send_home_then_evict(self, ns: Namespace, entries: list[ObjectEntry]) -> None:
+        """Host victims in a cluster without NVMe: those their homes may lack go there first."""
+        try:
+            await self.cluster.demote(entries)
+        except BaseException:  # cancelled (a peer's deadline): the victims stay, tracked
+            self.retrack_victims(ns, entries)
+            raise
+        self.settle_victims(ns, entries)
 
     def settle_victims(self, ns: Namespace, entries) -> list[ObjectEntry]:
         """Victims whose copy elsewhere was awaited: evict those still idle; a victim read or
