@@ -11,16 +11,13 @@ from client import AsyncClient
 from kvstore import Layout, StateDescriptor, chunk_keys
 from kvstore.errors import Conflict, InvalidArgument
 from kvstore.identity import ObjectId
+from kvs_testing import payload
 
 TOKENS = list(range(512))
 LAYOUT = Layout.make("paged", order="layer_first", layers=2, block=16, kv_heads=1, head_dim=64)
 MODEL_A = StateDescriptor("default", "model-a", "r1", layout=LAYOUT, chunk_tokens=256)
 MODEL_B = MODEL_A.with_(model="model-b")
 SIZE = MODEL_A.object_bytes
-
-
-def payload(size, seed):
-    return np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8)
 
 
 def test_put_of_a_chunk_key_under_another_models_descriptor_is_refused(daemon):

@@ -25,6 +25,7 @@ from netns import HUB_ADDRESS, NetnsCluster, pid_alive, unavailable_reason
 
 from kvstore.identity import ObjectId
 from kvstore.ownership import home_nodes
+from kvs_testing import payload, wait_until  # noqa: F401 (the cluster tests import them from here)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SECRET = "cluster-test-secret-0001"
@@ -199,11 +200,6 @@ def key(tag: str, i: int) -> ObjectId:
     return ObjectId(hashlib.blake2b(f"{tag}/{i}".encode(), digest_size=32).digest())
 
 
-def payload(oid: ObjectId, size: int) -> np.ndarray:
-    seed = int.from_bytes(oid.digest[:8], "little")
-    return np.random.default_rng(seed).integers(0, 256, size=size, dtype=np.uint8)
-
-
 def keys_by_homes(tag: str, names: list[str], per_group: int, replicas: int = 1) -> dict[tuple, list[ObjectId]]:
     """{homes, best first: [ids]} with `per_group` ids for every ordered tuple of `replicas` nodes."""
     groups = {t: [] for t in itertools.permutations(names, replicas)}
@@ -227,13 +223,4 @@ def read_exact(client, oid: ObjectId, size: int) -> bool | None:
     got = client.get_into(oid, out, verify=True)
     if got is None:
         return None
-    return got == size and np.array_equal(out, payload(oid, size))
-
-
-def wait_until(predicate, timeout_s: float, what: str) -> None:
-    """Poll until predicate() is true; a liveness bound, not a measurement."""
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what}: not within {timeout_s} s")
-        time.sleep(0.1)
+    return got == size and np.array_equal(out, payload(size, oid))

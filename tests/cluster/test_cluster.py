@@ -36,7 +36,7 @@ def cluster(tmp_path_factory):
 def put_all(daemon, namespace, ids):
     with daemon.client(namespace) as c:
         for oid in ids:
-            c.put(oid, payload(oid, SIZE))
+            c.put(oid, payload(SIZE, oid))
 
 
 def lookup_tiers(daemon, namespace, ids) -> tuple:
@@ -86,7 +86,7 @@ def test_an_expired_object_is_not_served_to_other_nodes(cluster):
     oid = keys_by_home("ttl", NAMES, per_node=1)["a"][0]  # A is its only home: C must ask A
     ttl_s = 3.0  # room for the first lookup on a slow machine
     with a.client("ttl") as ca:
-        ca.put(oid, payload(oid, SIZE), hints=Hints(ttl_s=ttl_s))
+        ca.put(oid, payload(SIZE, oid), hints=Hints(ttl_s=ttl_s))
     committed = time.monotonic()  # the daemon's TTL started before this
     assert lookup_tiers(c, "ttl", [oid]) == ("remote",)
     time.sleep(max(0.0, committed + ttl_s + 0.1 - time.monotonic()))
@@ -114,7 +114,7 @@ class Reader(threading.Thread):
                 for oid in self.ids:
                     try:
                         got = cc.get_into(oid, out)
-                        if got != SIZE or not np.array_equal(out, payload(oid, SIZE)):
+                        if got != SIZE or not np.array_equal(out, payload(SIZE, oid)):
                             self.bad.append((oid, got))
                         cc.delete([oid], scope="node")
                         self.reads += 1
@@ -166,7 +166,7 @@ def test_cut_off_node_misses_others_keep_working_then_it_rejoins(cluster):
             # New puts on C replicate to their live homes and read back on A.
             fresh = keys_by_home("cut-fresh", NAMES, per_node=2)
             for oid in fresh["a"] + fresh["c"]:
-                cc.put(oid, payload(oid, SIZE))
+                cc.put(oid, payload(SIZE, oid))
             wait_until(replicated(a, "cut", fresh["a"] + fresh["c"]), 10.0, "C's new puts reach A")
             with a.client("cut") as ca:
                 for oid in fresh["a"] + fresh["c"]:

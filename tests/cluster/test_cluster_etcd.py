@@ -63,7 +63,7 @@ def test_cut_off_member_leaves_and_rejoins(cluster):
         ids = [oid for group in keys_by_homes("gone", NAMES, 2, replicas=2).values() for oid in group]
         with a.client("gone") as ca:
             for oid in ids:
-                ca.put(oid, payload(oid, SIZE))
+                ca.put(oid, payload(SIZE, oid))
         wait_until(held_by_homes(cluster, "gone", ids, ["a", "c"]), 10.0, "A's puts reach C")
         with c.client("gone") as cc:
             for oid in ids:
@@ -84,7 +84,7 @@ def test_cut_off_member_leaves_and_rejoins(cluster):
     ids = [oid for group in groups.values() for oid in group]
     with c.client("back") as cc:
         for oid in ids:
-            cc.put(oid, payload(oid, SIZE))
+            cc.put(oid, payload(SIZE, oid))
     wait_until(held_by_homes(cluster, "back", ids, NAMES), 10.0, "C's puts reach B and A")
     with b.client("back") as cb:
         for oid in ids:
@@ -99,7 +99,7 @@ def test_a_corrupt_copy_is_refused_and_the_next_home_serves(cluster):
     good, bad = groups[("a", "b")][0], groups[("b", "a")][0]
     with a.client("rot") as ca:
         for oid in (good, bad):
-            ca.put(oid, payload(oid, SIZE))
+            ca.put(oid, payload(SIZE, oid))
     wait_until(held_by_homes(cluster, "rot", [good, bad], NAMES), 10.0, "both objects on both homes")
     with b.client("rot") as cb:  # flip one byte of B's copy through B's shared arena
         lease = cb.get(bad)
@@ -124,7 +124,7 @@ def test_two_replicas_survive_sigkill_of_one_node(cluster):
     ids = [oid for group in keys_by_homes("rep", NAMES, 2, replicas=2).values() for oid in group]
     for i, oid in enumerate(ids):
         with cluster[NAMES[i % 3]].client("rep") as cl:
-            cl.put(oid, payload(oid, SIZE))
+            cl.put(oid, payload(SIZE, oid))
     wait_until(held_by_homes(cluster, "rep", ids, NAMES), 10.0, "every object on both its homes")
 
     b.kill()

@@ -13,17 +13,18 @@ import os
 import shutil
 import signal
 import tempfile
-import time
 
 import numpy as np
 
 from kvstore.identity import ObjectId
+from kvs_testing import wait_for
 
 MiB = 1 << 20
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
 # Client processes import this module and the project.
-CHILD_ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([REPO, HERE])}
+# Child processes (workers.py) import this module, and with it tests/kvs_testing.py.
+CHILD_ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([REPO, HERE, os.path.dirname(HERE)])}
 TOKEN = "vault-token-0123456789abcdef"  # a namespace token for tests (>= 16 characters)
 # Examples per fuzz property; raise it for a release run (KVSTORE_FUZZ_EXAMPLES=20000).
 FUZZ_EXAMPLES = int(os.environ.get("KVSTORE_FUZZ_EXAMPLES", "250"))
@@ -48,15 +49,6 @@ def read_state(client, k: ObjectId, size: int, namespace: str | None = None) -> 
     if got is None:
         return "missing"
     return "ok" if got == size and np.array_equal(out[:size], content(k, size)) else "WRONG"
-
-
-def wait_for(predicate, timeout: float = 20.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return False
 
 
 def rss_bytes(pid: int) -> int:
@@ -138,7 +130,7 @@ def assert_clean(daemon: DaemonProc, client, expect_clients: int = 1) -> dict:
     index and policy consistent (check_integrity raises otherwise), and only `client`'s
     connections left. Node-wide numbers come from the admin API (an operator's view)."""
     api = daemon.admin()
-    assert wait_for(lambda: api.get("/v1/stats")["leases"] == 0), f"leases left: {api.get('/v1/stats')['leases']}"
+    assert wait_for(lambda: api.get("/v1/stats")["leases"] == 0, timeout=20), f"leases left: {api.get('/v1/stats')['leases']}"
     client.check_integrity()
     stats = api.get("/v1/stats")
     assert stats["clients"] == expect_clients, stats["clients"]

@@ -13,6 +13,7 @@ from kvstore.dtypes import DType
 from kvstore.errors import Conflict, InvalidArgument, RangeError
 from kvstore.identity import ObjectId
 from kvstore.ownership import home_nodes
+from kvs_testing import payload, wait_for
 
 SECRET = "a-cluster-secret-of-some-length"
 
@@ -21,10 +22,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def payload(size, seed):
-    return np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8)
 
 
 @pytest.fixture
@@ -37,15 +34,6 @@ def pair(daemon_factory):
                             "peers": peers, "secret": SECRET, "peer_timeout_s": 1.0}}
 
     return daemon_factory("32MiB", config=cluster("a")), daemon_factory("32MiB", config=cluster("b"))
-
-
-def wait_for(predicate, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return False
 
 
 def test_put_on_one_node_read_on_the_other_bit_exact(pair):

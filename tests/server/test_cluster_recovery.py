@@ -9,7 +9,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvstore.identity import ObjectId
 from server.admin_client import AdminClient
-from test_cluster_daemons import free_port, wait_for
+from kvs_testing import wait_for
+from test_cluster_daemons import free_port
 from test_cluster_tiers import ids_homed, local_tiers, payload, static_cluster
 
 SIZE = 100_000
@@ -33,18 +34,18 @@ def test_a_restarted_peer_takes_remote_puts_at_once_on_fresh_links(daemon_factor
     on_b = ids_homed("restart", "ab", ("b",), 8)
     with a.client() as ca:
         for oid in on_b[:4]:  # A now keeps an open link to B in its pool
-            assert ca.put(oid, payload(oid, SIZE), tier="remote").tier == "remote"
+            assert ca.put(oid, payload(SIZE, oid), tier="remote").tier == "remote"
     assert b.stop(signal.SIGTERM) == 0
     b.start("32MiB")
     with a.client() as ca:
         for oid in on_b[4:]:
-            result = ca.put(oid, payload(oid, SIZE), tier="remote")
+            result = ca.put(oid, payload(SIZE, oid), tier="remote")
             assert (result.tier, result.homes) == ("remote", ("b",)), oid
         assert ca.stats()["tiers"]["remote"]["num_remote_put_fallbacks"] == 0
     with b.client() as cb:
         for oid in on_b[4:]:
             with cb.get(oid) as lease:
-                assert np.array_equal(lease.numpy(), payload(oid, SIZE))
+                assert np.array_equal(lease.numpy(), payload(SIZE, oid))
 
 
 def test_a_peer_that_answers_again_is_up_without_traffic_to_it(daemon_factory):
@@ -69,7 +70,7 @@ def test_a_static_peer_back_up_receives_what_it_missed(daemon_factory):
     b.stop(signal.SIGKILL)
     with a.client() as ca:
         for oid in on_b:
-            result = ca.put(oid, payload(oid, SIZE), tier="remote")
+            result = ca.put(oid, payload(SIZE, oid), tier="remote")
             assert (result.tier, result.homes) == ("host", ())  # no home took it: kept here
     b.start("32MiB")
     assert wait_for(lambda: local_tiers(b, on_b) == ("host",) * len(on_b), 60)  # bound: not a hang
@@ -82,7 +83,7 @@ def test_a_static_peer_back_up_receives_what_it_missed(daemon_factory):
     with b.client() as cb:
         for oid in on_b:
             with cb.get(oid) as lease:
-                assert np.array_equal(lease.numpy(), payload(oid, SIZE))
+                assert np.array_equal(lease.numpy(), payload(SIZE, oid))
 
 
 def test_a_wrong_secret_is_a_warning_on_both_sides_and_counted(daemon_factory, capfd):
@@ -119,6 +120,6 @@ def test_a_put_that_reached_one_of_its_homes_names_it(daemon_factory):
     c.stop(signal.SIGKILL)
     with a.client() as ca:
         for oid in oids:
-            result = ca.put(oid, payload(oid, SIZE), tier="remote")
+            result = ca.put(oid, payload(SIZE, oid), tier="remote")
             assert (result.tier, result.homes) == ("host", ("b",))
     assert local_tiers(b, oids) == ("host", "host")

@@ -11,7 +11,7 @@ from test_cluster_tiers import etcd, etcd_node, local_tiers, members, payload  #
 
 from kvstore.identity import ObjectId
 from kvstore.ownership import home_nodes
-from test_cluster_daemons import wait_for
+from kvs_testing import wait_for
 
 # Far longer than any restart or pause below: B never leaves the list, so only the restart
 # (a new registration) or its answering again can tell the others it needs its share.
@@ -45,7 +45,7 @@ def test_a_node_restarted_within_its_lease_gets_its_share_back(daemon_factory, e
     ids = [ObjectId(f"rs-{i}".encode().ljust(32, b".")) for i in range(30)]
     with nodes["a"].client() as ca:
         for oid in ids:
-            ca.put(oid, payload(oid, SIZE))
+            ca.put(oid, payload(SIZE, oid))
     assert wait_for(lambda: on_homes(nodes, ids), 15)
     mine = [oid for oid in ids if "b" in home_nodes(oid, "abc", 2)]
     assert mine
@@ -58,7 +58,7 @@ def test_a_node_restarted_within_its_lease_gets_its_share_back(daemon_factory, e
     with b.client() as cb:
         for oid in mine:
             with cb.get(oid) as lease:
-                assert np.array_equal(lease.numpy(), payload(oid, SIZE))
+                assert np.array_equal(lease.numpy(), payload(SIZE, oid))
 
 
 def test_a_node_back_from_a_pause_gets_the_copies_it_missed(daemon_factory, etcd):
@@ -70,7 +70,7 @@ def test_a_node_back_from_a_pause_gets_the_copies_it_missed(daemon_factory, etcd
     try:
         with a.client() as ca:  # A's copies to B time out: B is marked down, they are lost
             for oid in ids:
-                ca.put(oid, payload(oid, SIZE))
+                ca.put(oid, payload(SIZE, oid))
         assert wait_for(lambda: on_homes(nodes, ids, among="ac"), 15)
         with a.client() as ca:
             assert "b" in ca.stats()["tiers"]["remote"]["remote"]["peers_down"]
@@ -80,4 +80,4 @@ def test_a_node_back_from_a_pause_gets_the_copies_it_missed(daemon_factory, etcd
     with b.client() as cb:
         for oid in mine:
             with cb.get(oid) as lease:
-                assert np.array_equal(lease.numpy(), payload(oid, SIZE))
+                assert np.array_equal(lease.numpy(), payload(SIZE, oid))

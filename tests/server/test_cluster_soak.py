@@ -22,7 +22,8 @@ from peer_helpers import etcd_server, free_port
 
 from kvstore.errors import KVStoreError
 from kvstore.identity import ObjectId
-from test_cluster_daemons import SECRET, wait_for
+from kvs_testing import wait_for
+from test_cluster_daemons import SECRET
 
 SECONDS = float(os.environ.get("KVSTORE_CLUSTER_SOAK_S", "300"))
 NUM_IDS = 120

@@ -11,13 +11,10 @@ from peer_helpers import etcd_server, free_port
 from kvstore.errors import InvalidArgument
 from kvstore.identity import ObjectId
 from kvstore.ownership import home_nodes
-from test_cluster_daemons import SECRET, wait_for
+from kvs_testing import payload, wait_for
+from test_cluster_daemons import SECRET
 
 MiB = 1 << 20
-
-
-def payload(oid: ObjectId, size: int) -> np.ndarray:
-    return np.random.default_rng(int.from_bytes(oid.digest[:8], "little")).integers(0, 256, size, dtype=np.uint8)
 
 
 def ids_homed(tag: str, members, want: tuple, count: int, replicas: int = 1) -> list[ObjectId]:
@@ -54,7 +51,7 @@ def test_put_tier_remote_lands_on_its_home_and_leaves_no_local_copy(daemon_facto
     on_a = ids_homed("ra", "ab", ("a",), 3)
     with a.client() as ca, b.client() as cb:
         for oid in on_b + on_a:
-            result = ca.put(oid, payload(oid, 300_000), tier="remote")
+            result = ca.put(oid, payload(300_000, oid), tier="remote")
             assert result.homes == (home_nodes(oid, "ab")[0],)
             assert result.tier == ("remote" if oid in on_b else "host")
         # B holds its objects (it asks nobody for ids homed on itself); A kept only its own.
@@ -64,7 +61,7 @@ def test_put_tier_remote_lands_on_its_home_and_leaves_no_local_copy(daemon_facto
         assert ca.stats()["namespaces"]["default"]["objects"] == 3
         for oid in on_b:
             with cb.get(oid) as lease:
-                assert np.array_equal(lease.numpy(), payload(oid, 300_000))
+                assert np.array_equal(lease.numpy(), payload(300_000, oid))
         counters = ca.stats()["tiers"]["remote"]
         assert counters["num_remote_puts"] == 9 and counters["num_remote_put_fallbacks"] == 0
         ca.check_integrity()
@@ -76,10 +73,10 @@ def test_put_tier_remote_keeps_the_object_when_no_home_can_take_it(daemon_factor
     oid = ids_homed("fb", "ab", ("b",), 1)[0]
     b.stop(signal.SIGKILL)
     with a.client(timeout_s=10) as ca:
-        result = ca.put(oid, payload(oid, 100_000), tier="remote")
+        result = ca.put(oid, payload(100_000, oid), tier="remote")
         assert result.tier == "host" and result.homes == ()  # says where it really is
         with ca.get(oid) as lease:
-            assert np.array_equal(lease.numpy(), payload(oid, 100_000))
+            assert np.array_equal(lease.numpy(), payload(100_000, oid))
         assert ca.stats()["tiers"]["remote"]["num_remote_put_fallbacks"] == 1
 
 
@@ -99,10 +96,10 @@ def test_write_back_sends_objects_to_their_home_when_they_leave_the_host_tier(da
     ids = ids_homed("wb", "ab", ("b",), 20)
     with a.client() as ca, b.client() as cb:
         for oid in ids[:4]:
-            ca.put(oid, payload(oid, MiB))
+            ca.put(oid, payload(MiB, oid))
         assert cb.lookup(ids[:4]).tiers == (None,) * 4  # write_back: nothing sent yet
         for oid in ids[4:]:
-            ca.put(oid, payload(oid, MiB))
+            ca.put(oid, payload(MiB, oid))
         on_a = [t == "host" for t in local_tiers(a, ids)]
         on_b = [t == "host" for t in cb.lookup(ids).tiers]
         assert sum(on_a) <= 8 and all(x or y for x, y in zip(on_a, on_b)), (on_a, on_b)
@@ -112,7 +109,7 @@ def test_write_back_sends_objects_to_their_home_when_they_leave_the_host_tier(da
         for oid in ids:  # evicted ones come back from B, verified
             out = np.empty(MiB, np.uint8)
             assert ca.get_into(oid, out) == MiB
-            assert np.array_equal(out, payload(oid, MiB))
+            assert np.array_equal(out, payload(MiB, oid))
         ca.check_integrity()
         cb.check_integrity()
 
@@ -125,7 +122,7 @@ def test_nvme_evictions_go_to_the_home_node(daemon_factory):
     ids = ids_homed("nv", "ab", ("b",), 24)
     with a.client() as ca, b.client() as cb:
         for oid in ids:
-            ca.put(oid, payload(oid, MiB))
+            ca.put(oid, payload(MiB, oid))
         here = local_tiers(a, ids)
         at_b = cb.lookup(ids).tiers
         assert all(t in ("host", "nvme") or u == "host" for t, u in zip(here, at_b)), (here, at_b)
@@ -134,7 +131,7 @@ def test_nvme_evictions_go_to_the_home_node(daemon_factory):
         for oid in ids:
             out = np.empty(MiB, np.uint8)
             assert ca.get_into(oid, out) == MiB
-            assert np.array_equal(out, payload(oid, MiB))
+            assert np.array_equal(out, payload(MiB, oid))
         ca.check_integrity()
 
 
@@ -144,7 +141,7 @@ def test_delete_reaches_every_member(daemon_factory):
     keep = ids_homed("keep", "ab", ("b",), 2)
     with a.client() as ca, b.client() as cb:
         for oid in ids + keep:
-            ca.put(oid, payload(oid, 50_000))
+            ca.put(oid, payload(50_000, oid))
         assert wait_for(lambda: cb.lookup(ids[:4] + keep).tiers == ("host",) * 6)
         for oid in ids[4:]:  # B caches A's objects too
             with cb.get(oid):
@@ -213,7 +210,7 @@ def test_a_joining_node_receives_the_objects_it_is_now_home_to(daemon_factory, e
     ids = [ObjectId(f"join-{i}".encode().ljust(32, b".")) for i in range(40)]
     with a.client() as ca:
         for oid in ids:
-            ca.put(oid, payload(oid, 64_000))  # A is the only member: home to all
+            ca.put(oid, payload(64_000, oid))  # A is the only member: home to all
         if where == "nvme":
             assert local_tiers(a, ids).count("nvme") >= 20
     b = etcd_node(daemon_factory, etcd, "b")
@@ -232,7 +229,7 @@ def test_a_joining_node_receives_the_objects_it_is_now_home_to(daemon_factory, e
     with b.client() as cb:
         for oid in mine:
             with cb.get(oid) as lease:
-                assert np.array_equal(lease.numpy(), payload(oid, 64_000))
+                assert np.array_equal(lease.numpy(), payload(64_000, oid))
 
 
 def test_a_lost_replica_is_made_again_on_the_remaining_nodes(daemon_factory, etcd):
@@ -244,7 +241,7 @@ def test_a_lost_replica_is_made_again_on_the_remaining_nodes(daemon_factory, etc
     ids = [ObjectId(f"rep-{i}".encode().ljust(32, b".")) for i in range(30)]
     with nodes["c"].client() as cc:  # C (soon dead) put them: each went to its two homes
         for oid in ids:
-            cc.put(oid, payload(oid, 64_000))
+            cc.put(oid, payload(64_000, oid))
 
     def on_homes(names):
         return all(all(local_tiers(nodes[n], [oid]) == ("host",) for n in home_nodes(oid, names, 2)) for oid in ids)
@@ -267,7 +264,7 @@ def test_a_lost_replica_is_made_again_on_the_remaining_nodes(daemon_factory, etc
     with nodes["a"].client() as ca:
         for oid in ids:
             with ca.get(oid) as lease:
-                assert np.array_equal(lease.numpy(), payload(oid, 64_000))
+                assert np.array_equal(lease.numpy(), payload(64_000, oid))
         ca.check_integrity()
 
 
@@ -278,11 +275,11 @@ def test_a_clean_stop_hands_over_what_the_node_was_home_to(daemon_factory, etcd)
     on_b = ids_homed("ho", "ab", ("b",), 8)
     with b.client() as cb:
         for oid in on_b:
-            cb.put(oid, payload(oid, 100_000))
+            cb.put(oid, payload(100_000, oid))
     assert local_tiers(a, on_b) == ("remote",) * 8  # only B, their home, has them
     assert b.stop(signal.SIGTERM) == 0
     with a.client() as ca:
         assert ca.lookup(on_b).tiers == ("host",) * 8  # handed over before B left
         for oid in on_b:
             with ca.get(oid) as lease:
-                assert np.array_equal(lease.numpy(), payload(oid, 100_000))
+                assert np.array_equal(lease.numpy(), payload(100_000, oid))

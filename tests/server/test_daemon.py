@@ -19,6 +19,7 @@ from kvstore import Hints, StateDescriptor, chunk_keys
 from kvstore.errors import CapacityError, ChecksumError, InvalidArgument, LimitExceeded, PermissionDenied
 from kvstore.identity import ObjectId
 from kvstore.protocol import FrameCodec, Reply, Request
+from kvs_testing import payload, wait_for
 
 MiB = 1 << 20
 
@@ -26,19 +27,6 @@ MiB = 1 << 20
 def ids(n, seed=0):
     rng = np.random.default_rng(seed)
     return [ObjectId(rng.bytes(32)) for _ in range(n)]
-
-
-def payload(size, seed):
-    return np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8)
-
-
-def wait_for(predicate, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return False
 
 
 def test_put_get_integrity_across_input_types(daemon):

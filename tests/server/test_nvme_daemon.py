@@ -11,6 +11,7 @@ import pytest
 from kvstore import Hints
 from kvstore.errors import RangeError
 from kvstore.identity import ObjectId
+from kvs_testing import payload
 
 MiB = 1 << 20
 
@@ -18,10 +19,6 @@ MiB = 1 << 20
 def ids(n, seed=0):
     rng = np.random.default_rng(seed)
     return [ObjectId(rng.bytes(32)) for _ in range(n)]
-
-
-def payload(size, seed):
-    return np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8)
 
 
 def nvme(**overrides):

@@ -17,6 +17,7 @@ from kvstore.errors import CapacityError, ChecksumError, InvalidArgument, Servic
 from kvstore.hints import Hints
 from kvstore.identity import ObjectId, StateDescriptor
 from tiers.nvme import VERIFY_BLOCK_BYTES, NvmeTier
+from kvs_testing import payload
 
 NS = "tenant-a"
 DESC = StateDescriptor(NS, "model", "rev1")
@@ -27,12 +28,8 @@ def oid(i: int) -> ObjectId:
     return ObjectId(i.to_bytes(32, "big"))
 
 
-def payload(i: int, size: int) -> np.ndarray:
-    return np.random.default_rng(i).integers(0, 256, size, dtype=np.uint8)
-
-
 def put(tier, i, size, **kw):
-    data = payload(i, size)
+    data = payload(size, i)
     return tier.put(NS, oid(i), data, xxhash.xxh3_128_digest(data), DESC, **kw), data
 
 
@@ -106,7 +103,7 @@ def test_put_of_a_stored_id_is_deduplicated(tier):
 
 def test_put_whose_bytes_do_not_match_the_checksum_stores_nothing(tier):
     with pytest.raises(ChecksumError):
-        tier.put(NS, oid(1), payload(1, 5000), b"\0" * 16, DESC)
+        tier.put(NS, oid(1), payload(5000, 1), b"\0" * 16, DESC)
     assert not tier.contains(NS, oid(1)) and tier.stats()["used_bytes"] == 0
 
 
@@ -306,7 +303,7 @@ def test_concurrent_puts_gets_and_deletes_keep_every_object_readable(tmp_path, d
                 out = np.empty(150_000, np.uint8)
                 n = tier.get_into(NS, oid(i), out)
                 if n is not None:
-                    assert (out[:n] == payload(i, 1 + (i * 7919) % 150_000)).all()
+                    assert (out[:n] == payload(1 + (i * 7919) % 150_000, i)).all()
             else:
                 tier.delete(NS, oid(i))
 
