@@ -76,9 +76,7 @@ class PeerServing:
         if held is not None:  # the same state, or a Conflict (raised to a tier="remote" put)
             check_same_object(object_id, held.size, held.descriptor, meta.size, meta.descriptor)
             return None
-        if ns is not None and object_id in ns.objects:
-            return None
-        return self._reserve(namespace, object_id, meta)
+        return self._reserve(namespace, object_id, meta)  # (a copy past its TTL is replaced at publish)
 
     async def _reserve(self, namespace: str, object_id, meta: RemoteMeta) -> PeerWrite:
         ns = await self.manager.open_namespace(namespace)

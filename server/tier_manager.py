@@ -292,11 +292,14 @@ class TierManager(IndexOps, TierReport):
                 pin_hint: bool = False) -> ObjectEntry:
         """Make verified bytes already in `extent` a committed object (a peer's put or fetch).
         pin_hint: honour hints.pin (a home's copy, as at a local commit; not a fetched copy)."""
+        now = self.clock()
         existing = ns.objects.get(oid)
         if existing is not None:
-            ns.arena.free(extent)
-            return existing
-        entry = ObjectEntry.create(oid, ns.name, extent, size, checksum, descriptor, hints, self.clock(),
+            if existing.is_live(now):  # the same state landed meanwhile (a put, another fetch)
+                ns.arena.free(extent)
+                return existing
+            self._expire(ns, existing)  # past its TTL: the new copy replaces it
+        entry = ObjectEntry.create(oid, ns.name, extent, size, checksum, descriptor, hints, now,
                                    pin=pin_hint and hints.pin)
         self.insert(ns, entry)
         ns.counters.num_puts += 1
@@ -333,7 +336,7 @@ class TierManager(IndexOps, TierReport):
                 check_same_object(put.object_id, old.size, old.descriptor, put.size, put.descriptor)
                 ns.counters.num_dedup_puts += 1
                 return CommitReply(exists=True)
-            self._remove(ns, old, reason="expire")
+            self._expire(ns, old)
         entry = ObjectEntry.create(put.object_id, put.namespace, put.extent, put.size, checksum, put.descriptor,
                                    put.hints, now, pin=put.hints.pin)
         self.insert(ns, entry)
@@ -367,7 +370,7 @@ class TierManager(IndexOps, TierReport):
         now = self.clock()
         entry = ns.objects.get(oid)
         if entry is not None and not entry.is_live(now):
-            self._remove(ns, entry, reason="expire")
+            self._expire(ns, entry)
             entry = None
         if entry is None:
             if self.mover is not None and self.mover.holds(namespace, oid):
@@ -490,6 +493,11 @@ class TierManager(IndexOps, TierReport):
         if self.cluster is not None and not (self.mover is not None and self.mover.holds(ns.name, entry.object_id)):
             self.cluster.forget(ns.name, entry.object_id)
 
+    def _expire(self, ns: Namespace, entry: ObjectEntry) -> None:
+        """An entry found past its TTL (by a read, a put of its id, or housekeeping) goes, counted."""
+        self._remove(ns, entry, reason="expire")
+        ns.counters.num_expired += 1
+
     # --- housekeeping -----------------------------------------------------------
 
     def drop_owner(self, owner) -> int:
@@ -507,8 +515,7 @@ class TierManager(IndexOps, TierReport):
             self._end_lease(lease)
         for ns in self.namespaces.values():
             for entry in [e for e in ns.objects.values() if not e.is_live(now)]:
-                self._remove(ns, entry, reason="expire")
-                ns.counters.num_expired += 1
+                self._expire(ns, entry)
 
     def close(self) -> None:
         for ns in self.namespaces.values():

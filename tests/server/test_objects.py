@@ -1,5 +1,6 @@
 """server.objects: the one way an entry is made and the one liveness rule (issue 14, item 2)."""
 
+import asyncio
 import math
 
 import pytest
@@ -39,3 +40,61 @@ def test_an_id_is_one_state():
     check_same_object(OID, 10, DESC, 10, DESC)
     with pytest.raises(Conflict, match="10 bytes, not 11"):
         check_same_object(OID, 10, DESC, 11, DESC)
+
+
+class Clock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self):
+        return self.now
+
+
+async def _manager_with_expired_copy():
+    from kvstore.config import HostTierConfig
+    from server.tier_manager import TierManager
+    clock = Clock()
+    manager = TierManager(HostTierConfig(arena_bytes=1 << 20, prefault=False), clock=clock)
+    ns = await manager.open_namespace("ns")
+    old = manager.publish(ns, OID, await manager.allocate(ns, 10), 10, b"c" * 16, DESC, Hints(ttl_s=5.0))
+    clock.now += 10  # past its TTL, not yet swept by housekeeping
+    return manager, ns, old
+
+
+def test_a_fetched_or_peer_copy_replaces_an_expired_one_and_is_served():
+    """publish used to hand back the expired entry (and free the new bytes): the next read
+    then expired it and missed, and a home refused a peer's fresh copy as already held."""
+    async def scenario():
+        manager, ns, old = await _manager_with_expired_copy()
+        new = manager.publish(ns, OID, await manager.allocate(ns, 10), 10, b"c" * 16, DESC, Hints(ttl_s=5.0))
+        assert new is not old and new.is_live(manager.clock()) and ns.objects[OID] is new
+        assert ns.counters.num_expired == 1
+        assert manager.get("reader", "ns", OID).hit
+        manager.check_integrity()
+    asyncio.run(scenario())
+
+
+def test_a_copy_still_live_is_kept_and_the_new_bytes_given_back():
+    async def scenario():
+        manager, ns, old = await _manager_with_expired_copy()
+        manager.clock.now -= 10  # back inside the TTL
+        used = ns.arena.allocator.used_bytes
+        extent = await manager.allocate(ns, 10)
+        assert manager.publish(ns, OID, extent, 10, b"c" * 16, DESC, Hints()) is old
+        assert ns.arena.allocator.used_bytes == used and ns.counters.num_expired == 0
+    asyncio.run(scenario())
+
+
+def test_a_home_takes_a_peers_fresh_copy_over_its_expired_one():
+    from kvstore.peer_messages import RemoteMeta
+    from server.cluster_serving import PeerServing
+
+    async def scenario():
+        manager, ns, old = await _manager_with_expired_copy()
+        serving = PeerServing(manager, set())
+        write = await serving.reserve("ns", OID, RemoteMeta(10, b"c" * 16, DESC, Hints()))
+        assert write is not None, "the home answered 'held' for a copy past its TTL"
+        write.commit()
+        assert ns.objects[OID] is not old and ns.objects[OID].is_live(manager.clock())
+        manager.check_integrity()
+    asyncio.run(scenario())
