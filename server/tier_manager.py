@@ -8,6 +8,7 @@ and an extent is never freed or reused while a lease covers it.
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import functools
 import logging
 import threading
@@ -22,6 +23,7 @@ from kvstore.identity import ObjectId, descriptor_differences
 from kvstore.messages import Reserve
 from kvstore.replies import IN_MEMORY, MISS, CommitReply, GetReply, ReserveReply
 from kvstore.policy import make_policy
+from kvstore.policy.base import sparse
 from server.host_memory import check_new_arena, host_memory
 from server.index_ops import IndexOps
 from server.later import MaybeAwaitable, resolve
@@ -49,6 +51,14 @@ class TierCounters:
     bytes_out: int = 0
 
 
+def give_back_heap() -> None:
+    """Return the C heap's free pages to the OS (glibc's malloc_trim); a no-op elsewhere."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (AttributeError, OSError):
+        pass
+
+
 @dataclass(slots=True)
 class Namespace:
     name: str
@@ -56,6 +66,16 @@ class Namespace:
     policy: object
     objects: dict = field(default_factory=dict)  # ObjectId -> ObjectEntry
     counters: TierCounters = field(default_factory=TierCounters)
+    peak_objects: int = 0  # the most objects indexed since the index was last compacted
+
+    def compact(self) -> bool:
+        """Rebuild the index's and the policy's tables once removals left them sparse (Python
+        dicts never shrink). True if anything was rebuilt."""
+        rebuilt = sparse(len(self.objects), self.peak_objects)
+        if rebuilt:
+            self.objects = dict(self.objects)  # nobody keeps a reference across an await
+            self.peak_objects = len(self.objects)
+        return self.policy.compact() or rebuilt
 
 
 class TierManager(IndexOps, TierReport):
@@ -218,6 +238,8 @@ class TierManager(IndexOps, TierReport):
 
     def insert(self, ns: Namespace, entry: ObjectEntry) -> None:
         ns.objects[entry.object_id] = entry
+        if len(ns.objects) > ns.peak_objects:
+            ns.peak_objects = len(ns.objects)
         ns.policy.on_insert(entry.object_id, entry.size, entry.hints.recompute_cost_ms, entry.hints.priority)
 
     def hold(self, entry: ObjectEntry) -> None:
@@ -513,9 +535,13 @@ class TierManager(IndexOps, TierReport):
         for lease in self.leases.expired(now):
             log.warning("event=lease_expired lease=%d owner=%s mode=%s", lease.lease_id, lease.owner, lease.mode)
             self._end_lease(lease)
+        compacted = False
         for ns in self.namespaces.values():
             for entry in [e for e in ns.objects.values() if not e.is_live(now)]:
                 self._expire(ns, entry)
+            compacted = ns.compact() or compacted
+        if compacted:
+            give_back_heap()
 
     def close(self) -> None:
         for ns in self.namespaces.values():

@@ -43,6 +43,7 @@ class EvictionPolicy(abc.ABC):
         self.capacity_bytes = capacity_bytes
         self._entries: dict[Hashable, PolicyEntry] = {}
         self._tracked_bytes = 0
+        self._peak_entries = 0  # the most keys tracked since the last compact()
 
     @abc.abstractmethod
     def on_insert(
@@ -122,13 +123,38 @@ class EvictionPolicy(abc.ABC):
         entry = PolicyEntry(size_bytes, recompute_cost, priority)
         self._entries[key] = entry
         self._tracked_bytes += size_bytes
+        if len(self._entries) > self._peak_entries:
+            self._peak_entries = len(self._entries)
         return entry
+
+    def compact(self) -> bool:
+        """Rebuild the containers once removals left them sparse (a quarter of their peak or
+        less, from COMPACT_MIN_KEYS up): Python dicts never shrink, so a policy that tracked a
+        million keys keeps their tables after they go. Order is kept. True if it rebuilt."""
+        if not sparse(len(self._entries), self._peak_entries):
+            return False
+        self._entries = dict(self._entries)
+        self._rebuild_queues()
+        self._peak_entries = len(self._entries)
+        return True
+
+    def _rebuild_queues(self) -> None:
+        """Copy each queue into a fresh container of the same kind and order (compact)."""
 
     def _drop_entry(self, key: Hashable) -> PolicyEntry:
         """Forget a tracked key's entry; the caller takes it out of its queues."""
         entry = self._entries.pop(key)
         self._tracked_bytes -= entry.size_bytes
         return entry
+
+
+# Below this many keys at peak a sparse table costs less than rebuilding it.
+COMPACT_MIN_KEYS = 4096
+
+
+def sparse(size: int, peak: int) -> bool:
+    """Would a container holding `size` items, after holding `peak`, be worth rebuilding?"""
+    return peak >= COMPACT_MIN_KEYS and 4 * size <= peak
 
 
 def _is_int(value: object) -> bool:

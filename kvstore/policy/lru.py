@@ -23,6 +23,9 @@ class LRU(EvictionPolicy):
         super().__init__(capacity_bytes)
         self._order: OrderedDict[Hashable, None] = OrderedDict()  # LRU first, MRU last
 
+    def _rebuild_queues(self) -> None:
+        self._order = OrderedDict(self._order)
+
     def on_insert(
         self, key: Hashable, size_bytes: int, recompute_cost: float | None = None, priority: int = 0
     ) -> None:

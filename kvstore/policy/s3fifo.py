@@ -138,6 +138,9 @@ class S3FIFO(EvictionPolicy):
                 return key, entry
         return None
 
+    def _rebuild_queues(self) -> None:
+        self._small, self._main, self._ghost = OrderedDict(self._small), OrderedDict(self._main), OrderedDict(self._ghost)
+
     def _queue(self, small: bool) -> Queue[Hashable, PolicyEntry]:
         return self._small if small else self._main
 

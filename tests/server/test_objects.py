@@ -98,3 +98,28 @@ def test_a_home_takes_a_peers_fresh_copy_over_its_expired_one():
         assert ns.objects[OID] is not old and ns.objects[OID].is_live(manager.clock())
         manager.check_integrity()
     asyncio.run(scenario())
+
+
+def test_housekeeping_rebuilds_an_index_emptied_by_deletes():
+    """Python dicts never shrink: 20,000 deleted objects left their table (and the policy's)
+    allocated until housekeeping rebuilt them (bench/scale.py measures the memory)."""
+    import sys
+
+    from kvstore.config import HostTierConfig
+    from server.tier_manager import TierManager
+
+    async def scenario():
+        manager = TierManager(HostTierConfig(arena_bytes=(20_000 + 16) * 4096, prefault=False))
+        ns = await manager.open_namespace("ns")
+        ids = [ObjectId(i.to_bytes(32, "little")) for i in range(20_000)]
+        for oid in ids:
+            manager.publish(ns, oid, await manager.allocate(ns, 10), 10, b"c" * 16, DESC, Hints())
+        full = sys.getsizeof(ns.objects)
+        manager.delete_here("ns", ids[:19_000])
+        assert sys.getsizeof(ns.objects) == full  # deleting never shrinks the table
+        manager.expire()
+        assert sys.getsizeof(ns.objects) < full / 8 and len(ns.objects) == 1_000
+        assert all(ns.objects[oid].object_id == oid for oid in ids[19_000:])
+        assert manager.get("reader", "ns", ids[-1]).hit
+        manager.check_integrity()
+    asyncio.run(scenario())
