@@ -9,8 +9,8 @@ With CUDA the daemon allocates one device buffer per tier at start and carves it
 with the host arena's `ExtentAllocator` (same alloc/free/view/check_integrity shape as
 `HostArena`, so the same lease rules apply: the daemon never frees an extent under a lease).
 Engines get a `CudaIpcHandle` (torch's CUDA IPC export of the buffer), map it once with
-`open_ipc_buffer` and read and write extents in place. `register_host_memory` pins the host
-arena for DMA when CUDA is present. Everything past `probe` runs only on a GPU machine (tests
+`open_ipc_buffer` and read and write extents in place. (Clients pin the host arena for DMA
+themselves: client/pinning.py.) Everything past `probe` runs only on a GPU machine (tests
 marked `gpu`).
 """
 
@@ -192,20 +192,3 @@ def open_ipc_buffer(handle: CudaIpcHandle):
     # the same rebuild torch.multiprocessing uses for CUDA tensors
     typed = torch.storage.TypedStorage(wrap_storage=storage, dtype=torch.uint8, _internal=True)
     return torch._utils._rebuild_tensor(typed, 0, (handle.storage_bytes,), (1,))
-
-
-def register_host_memory(address: int, nbytes: int) -> None:
-    """Pin an existing host mapping (the host arena) for DMA: cudaHostRegister, portable."""
-    import torch
-
-    err = torch.cuda.cudart().cudaHostRegister(address, nbytes, 1)  # cudaHostRegisterPortable
-    if int(err) != 0:
-        raise ServiceError(f"cudaHostRegister of {nbytes} bytes failed with CUDA error {int(err)}")
-
-
-def unregister_host_memory(address: int) -> None:
-    import torch
-
-    err = torch.cuda.cudart().cudaHostUnregister(address)
-    if int(err) != 0:
-        raise ServiceError(f"cudaHostUnregister failed with CUDA error {int(err)}")

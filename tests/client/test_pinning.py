@@ -59,6 +59,7 @@ def test_a_cuda_process_pins_the_arena_and_reads_leases_by_dma(daemon):
         pytest.skip("needs CUDA")
     said, arena = put_and_read_pinning(daemon)
     assert said.startswith("pinned "), said
+    assert torch.from_numpy(arena).is_pinned()
     again = torch.cuda.cudart().cudaHostRegister(arena.ctypes.data, arena.size, 1)
     assert int(again) == 712  # cudaErrorHostMemoryAlreadyRegistered: it is pinned
     with daemon.client() as c, c.get(KEY) as lease:

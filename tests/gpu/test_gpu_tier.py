@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import mmap
 import pickle
 import subprocess
 import sys
@@ -106,19 +105,3 @@ def test_engine_maps_the_tier_buffer_by_cuda_ipc():
     tier.close()
     tier.close()
     assert tier.closed
-
-
-@pytest.mark.gpu
-def test_host_arena_can_be_pinned():
-    from tiers.gpu import register_host_memory, unregister_host_memory
-
-    arena = mmap.mmap(-1, 1 << 20)
-    host = torch.frombuffer(arena, dtype=torch.uint8)
-    register_host_memory(host.data_ptr(), host.numel())
-    try:
-        assert host.is_pinned()
-        host.fill_(3)
-        assert int(host.to("cuda", non_blocking=True).sum()) == 3 << 20
-    finally:
-        unregister_host_memory(host.data_ptr())
-        del host
