@@ -260,11 +260,11 @@ class TierManager(IndexOps, TierReport):
     async def allocate(self, ns: Namespace, size: int):
         """An extent of `size` bytes in the host arena, room made for it: victims are written
         down to NVMe, sent to their homes, or dropped, as the tiers below decide (`_sink`)."""
-        self._check_size(ns, size)
         sink = self._sink()
+        if sink is None:
+            return self._alloc(ns, size)
+        self._check_size(ns, size)
         while True:
-            if sink is None:
-                return self._alloc(ns, size)
             while not ns.arena.can_alloc(size):  # the one victim loop; the sink settles each batch
                 await sink(ns, self._victims(ns, size))
             extent = ns.arena.alloc(size)
