@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import os
 import subprocess
-import time
 import venv
 
 import pytest
+from kvs_testing import wait_until
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 HEAVY = ("torch", "triton", "gguf", "matplotlib", "transformers")
@@ -61,11 +61,9 @@ def test_the_core_daemon_and_client_round_trip_without_torch(core_venv, tmp_path
                                "--data-dir", str(tmp_path / "data"), "--admin-port", "0"],
                               cwd=str(tmp_path), env=env, stdin=subprocess.DEVNULL)
     try:
-        deadline = time.monotonic() + 60  # not a timing claim: only "it started at all"
-        while not os.path.exists(sock):
-            assert daemon.poll() is None, f"the core daemon exited with {daemon.returncode}"
-            assert time.monotonic() < deadline, "the core daemon did not start"
-            time.sleep(0.1)
+        # not a timing claim: only "it started at all"
+        wait_until(lambda: os.path.exists(sock) or daemon.poll() is not None, 60, "the core daemon did not start")
+        assert daemon.poll() is None, f"the core daemon exited with {daemon.returncode}"
         done = subprocess.run([py, "-c", ROUND_TRIP, sock], capture_output=True, text=True, cwd=str(tmp_path),
                               env=env, timeout=120)
         assert done.returncode == 0, done.stderr
