@@ -213,7 +213,7 @@ class KVConnector:
             return 0
         try:
             for (c, j), lease in zip(wanted, leases):
-                self.codecs[c].load(request_id, j * C, (j + 1) * C, lease._array)
+                self.codecs[c].load(request_id, j * C, (j + 1) * C, lease.numpy())
                 self.stats.bytes_loaded += lease.size
         finally:
             for lease in leases:

@@ -305,7 +305,7 @@ class ClientCore:
         with lease:
             if lease.size > dst.size:
                 raise InvalidArgument(f"object is {lease.size} bytes, the output buffer only {dst.size}")
-            np.copyto(dst[:lease.size], lease._array)
+            np.copyto(dst[:lease.size], lease.numpy())
             if verify and xxhash.xxh3_128_digest(dst[:lease.size]) != lease.checksum:
                 raise ChecksumError(f"object {lease.object_id.hex}: copied bytes fail their checksum")
         return lease.size
@@ -344,7 +344,7 @@ class ClientCore:
                             f"object {oid.hex} is {lease.size} bytes, its output buffer only {dst.size}")
                         sizes.append(None)
                         continue
-                    np.copyto(dst[:lease.size], lease._array)
+                    np.copyto(dst[:lease.size], lease.numpy())
                     sizes.append(lease.size)
         if first_error is not None:
             raise first_error

@@ -56,7 +56,11 @@ class Extent:
 class ExtentAllocator:
     """Hands out aligned extents of [0, capacity_bytes). Event loop thread only."""
 
-    def __init__(self, capacity_bytes: int, alignment: int = 4096):
+    def __init__(self, capacity_bytes: int, alignment: int = 4096,
+                 allocated: tuple[list[int], list[int]] | None = None):
+        """allocated: (offsets, lengths) of extents taken from the start, sorted by offset and
+        disjoint (what NVMe recovery rebuilds from its index); replaying allocs would cost
+        4.4 us each (4.4 s for a million objects), so the holes between are filled directly."""
         if type(alignment) is not int or alignment <= 0 or alignment & (alignment - 1):
             raise InvalidArgument(f"alignment must be a power of two, got {alignment!r}")
         if type(capacity_bytes) is not int or capacity_bytes <= 0 or capacity_bytes % alignment:
@@ -70,7 +74,16 @@ class ExtentAllocator:
         self._by_class: list[list[int]] = [[] for _ in range(self._class_of(capacity_bytes) + 1)]
         self._allocated: dict[int, int] = {}
         self._used = 0
-        self._add_free(0, capacity_bytes)
+        offsets, lengths = allocated or ((), ())
+        start = 0
+        for offset, length in zip(offsets, lengths):
+            if offset > start:
+                self._add_free(start, offset - start)
+            start = offset + length
+        if start < capacity_bytes:
+            self._add_free(start, capacity_bytes - start)
+        self._allocated = dict(zip(offsets, lengths))
+        self._used = sum(lengths)
 
     # -- queries ------------------------------------------------------------------------------
 

@@ -237,3 +237,15 @@ def test_check_integrity_catches_corruption():
     b._add_free(4096, 15 * 4096)  # adjacent, not coalesced
     with pytest.raises(RuntimeError, match="coalesced"):
         b.check_integrity()
+
+
+def test_allocated_at_start_rebuilds_exactly_those_extents_and_the_holes_between():
+    from tiers.allocator import Extent, ExtentAllocator
+    a = ExtentAllocator(64 * 4096, 4096, allocated=([0, 8192, 40960], [4096, 16384, 4096]))
+    a.check_integrity()
+    assert a.num_allocated == 3 and a.used_bytes == 24576
+    assert a.is_allocated(Extent(8192, 16384)) and not a.is_allocated(Extent(4096, 4096))
+    assert a.largest_free_bytes == 64 * 4096 - 45056  # the hole after the last extent
+    a.free(Extent(8192, 16384))
+    a.check_integrity()
+    assert ExtentAllocator(8192, 4096, allocated=([], [])).free_bytes == 8192
