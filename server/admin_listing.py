@@ -11,7 +11,6 @@ for the cursor). Runs on the event loop, like every admin handler.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import heapq
 import itertools
@@ -25,7 +24,7 @@ from server.objects import ObjectEntry
 
 def tiers_of(manager) -> tuple[str, ...]:
     """The tiers this node keeps objects in (what ?tier= may name)."""
-    return ("host", "nvme") if manager.mover is not None else ("host",)
+    return ("host", "nvme") if manager.mover.enabled else ("host",)
 
 
 def check_tier(manager, tier: str | None) -> None:
@@ -34,7 +33,7 @@ def check_tier(manager, tier: str | None) -> None:
 
 
 def _on_nvme(manager, namespace: str, oid: ObjectId) -> bool:
-    return manager.mover is not None and manager.mover.holds(namespace, oid)
+    return manager.mover.holds(namespace, oid)
 
 
 def object_doc(manager, entry, now: float) -> dict:
@@ -92,12 +91,7 @@ def _live_entry(manager, namespace: str, oid: ObjectId, now: float):
 
 async def nvme_metas(manager, keys) -> list:
     """NvmeMeta (None where gone meanwhile) of (namespace, raw id) keys, read in the NVMe pool."""
-    mover = manager.mover
-    if not keys or mover is None or mover.nvme is None:
-        return [None] * len(keys)
-    nvme = mover.nvme
-    return await asyncio.get_running_loop().run_in_executor(
-        nvme.executor, lambda: [nvme.meta(name, ObjectId(digest)) for name, digest in keys])
+    return await manager.mover.metas(keys)
 
 
 def _in_order(items: list):
@@ -131,8 +125,8 @@ async def list_page(manager, namespace: str | None, flt, after, limit: int, tier
     # Host entries win (they know hits and pins); at most limit + 1 of them can be on a page.
     host = heapq.nsmallest(limit + 1, host_candidates(), key=lambda item: item[0])
     nvme_only = []
-    if mover is not None and tier in (None, "nvme"):
-        nvme_only = [(key, None) for key in list(mover.sizes)
+    if tier in (None, "nvme"):
+        nvme_only = [(key, None) for key in mover.keys()
                      if wanted(key[0]) and (after is None or key > after)
                      and _live_entry(manager, key[0], ObjectId(key[1]), now) is None]
     merged = heapq.merge(host, _in_order(nvme_only), key=lambda item: item[0])
@@ -160,14 +154,13 @@ async def find_object(manager, oid: ObjectId, namespace: str | None):
     now = manager.clock()
     mover = manager.mover
     if namespace is not None:
-        on_nvme = mover is not None and mover.holds(namespace, oid)
+        on_nvme = mover.holds(namespace, oid)
         if namespace not in manager.namespaces and not on_nvme:
             raise NotFound(f"no object {oid.hex} in namespace {namespace!r} on this node")
         names = [namespace]
     else:
         names = {name for name, ns in manager.namespaces.items() if oid in ns.objects}
-        if mover is not None:
-            names |= {name for name, digest in list(mover.sizes) if digest == oid.digest}
+        names |= {name for name, digest in mover.keys() if digest == oid.digest}
         names = sorted(names)
     found = []
     nvme_keys = []
@@ -175,7 +168,7 @@ async def find_object(manager, oid: ObjectId, namespace: str | None):
         entry = _live_entry(manager, name, oid, now)
         if entry is not None:
             found.append(entry)
-        elif mover is not None and mover.holds(name, oid):
+        elif mover.holds(name, oid):
             nvme_keys.append((name, oid.digest))
     found += [meta for meta in await nvme_metas(manager, nvme_keys) if meta is not None]
     if not found:

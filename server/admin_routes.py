@@ -167,7 +167,7 @@ async def cluster(request: web.Request) -> web.Response:
         "host_bandwidth_bytes_s": doc["host_bandwidth_bytes_s"],
     }
     link = admin.daemon.manager.cluster
-    if link is None or link.remote is None:
+    if link.remote is None:
         return json_response({"self": node["node_id"], "nodes": [node]})
     # Clustered: this node's numbers, and every member as this node sees it.
     stats = link.stats()

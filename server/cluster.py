@@ -27,15 +27,20 @@ do the checking). A dead or cut-off peer costs at most cluster.peer_timeout_s, t
 
 from __future__ import annotations
 
+from kvstore.identity import ObjectId
 from server.cluster_fetch import Fetcher
 from server.cluster_replicate import Replicator
 from server.cluster_serving import PeerServing
+from server.later import MaybeAwaitable, then
 from server.peer_node import PeerNode
 from server.rehome import Rehomer
 
 
 class ClusterLink:
-    """The cluster as the tier manager sees it: the roles, membership and re-homing."""
+    """The cluster as the tier manager sees it: the roles, membership and re-homing. The
+    last tier of the chain (server/absent_tiers.NoCluster stands in when it is off)."""
+
+    enabled = True
 
     def __init__(self, manager, config):
         self.manager = manager
@@ -52,11 +57,10 @@ class ClusterLink:
         self.rehomer = Rehomer(self, config.cluster) if config.cluster.rehome else None
         # What the tier manager and the re-homer call, each answered by its role.
         self.fetch, self.get_ranges = self.fetcher.fetch, self.fetcher.get_ranges
-        self.meta, self.held_view = self.serving.meta, self.serving.held_view
+        self.meta, self.held_view = self.serving.meta, manager.held_view
         r = self.replicator
         self.sending, self.on_commit, self.must_send, self.forget = r.sending, r.on_commit, r.must_send, r.forget
         self.demote, self.demote_from_nvme, self.put_remote = r.demote, r.demote_from_nvme, r.put_remote
-        self.delete_everywhere = r.delete_everywhere
 
     async def start(self) -> None:
         await self.node.start()
@@ -98,15 +102,28 @@ class ClusterLink:
         if self.rehomer is not None:
             self.rehomer.on_peer_back(node)
 
-    async def pin_everywhere(self, namespace: str, ids, ttl_s, unpin: bool, here: list[bool]) -> int:
+    def delete_everywhere(self, namespace: str, ids, found: MaybeAwaitable[list[bool]]) -> MaybeAwaitable[int]:
+        """After this node's delete (`found`, per id), every member's: how many ids were
+        found anywhere."""
+        if self.remote is None:
+            return then(found, sum)
+        return self.replicator.delete_everywhere(namespace, ids, found)
+
+    def pin_everywhere(self, namespace: str, ids, ttl_s, unpin: bool, here: list[bool]) -> MaybeAwaitable[int]:
         """After this node's pins (`here`, per id), the homes': how many ids were pinned somewhere."""
+        if self.remote is None:
+            return sum(here)
+        return self._pin_homes(namespace, ids, ttl_s, unpin, here)
+
+    async def _pin_homes(self, namespace: str, ids, ttl_s, unpin: bool, here: list[bool]) -> int:
         remote = await self.remote.pin(namespace, list(ids), ttl_s, unpin)
         return sum(a or b for a, b in zip(here, remote))
 
     async def lookup_remote(self, namespace: str, ids):
+        """What the homes hold of `ids` (ObjectIds, or raw digests off the local protocol)."""
         if self.remote is None:
             return [None] * len(ids)
-        return await self.remote.lookup(namespace, list(ids))
+        return await self.remote.lookup(namespace, [i if isinstance(i, ObjectId) else ObjectId(bytes(i)) for i in ids])
 
     def stats(self) -> dict:
         stats = dict(self.node.stats())

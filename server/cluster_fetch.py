@@ -110,6 +110,7 @@ class Fetcher:
         """A local miss of a reader that needs only `ranges` (kvstore.ranges): fetch just those
         bytes from a home and lease them; nothing is published here."""
         mgr, remote = self.manager, self.node.remote
+        mgr.quotas.check_lease(owner)  # before any byte crosses the network
         ns = mgr.namespaces[namespace]
         size, landing, refused = ranges_total(ranges), Landing(mgr, ns), []
 

@@ -91,7 +91,7 @@ class Replicator:
         async with self.sending(entry.namespace, entry.object_id):
             if ns.objects.get(entry.object_id) is not entry:
                 return [], False
-            with self.serving.held_view(entry) as view:
+            with self.manager.held_view(entry) as view:
                 held = await self.remote.put(entry.namespace, entry.object_id, self.serving.meta(entry), view,
                                              raising)
         if held and set(held) >= set(homes):

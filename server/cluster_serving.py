@@ -9,7 +9,6 @@ other's puts must never wait for each other.
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
 
 from kvstore.errors import ChecksumError
@@ -42,8 +41,7 @@ class PeerServing:
         ns = self.manager.namespaces.get(namespace)
         entry = self._live(ns, object_id)
         if entry is None:
-            mover = self.manager.mover
-            if mover is not None and mover.holds(namespace, object_id):
+            if self.manager.mover.holds(namespace, object_id):
                 return self._read_after_promotion(namespace, object_id)
             return None
         return self._lend(ns, entry)
@@ -51,15 +49,6 @@ class PeerServing:
     async def _read_after_promotion(self, namespace: str, object_id):
         entry = await self.manager.mover.promote(namespace, object_id)
         return None if entry is None else self._lend(self.manager.namespaces[namespace], entry)
-
-    @contextlib.contextmanager
-    def held_view(self, entry: ObjectEntry):
-        """The entry's bytes in the arena, its extent kept in place (a held reader) meanwhile."""
-        self.manager.hold(entry)
-        try:
-            yield self.manager.namespaces[entry.namespace].arena.view(entry.extent)[:entry.size]
-        finally:
-            self.manager.release_hold(entry)
 
     def _lend(self, ns, entry: ObjectEntry) -> PeerRead:
         self.manager.hold(entry)  # the extent stays put until the transfer ends
@@ -71,7 +60,7 @@ class PeerServing:
             raise ChecksumError("peer put names another namespace in its descriptor")
         ns = self.manager.namespaces.get(namespace)
         held = self._live(ns, object_id)
-        if held is None and self.manager.mover is not None and self.manager.mover.holds(namespace, object_id):
+        if held is None and self.manager.mover.holds(namespace, object_id):
             held = self.manager.mover.remote_meta(namespace, object_id)
         if held is not None:  # the same state, or a Conflict (raised to a tier="remote" put)
             check_same_object(object_id, held.size, held.descriptor, meta.size, meta.descriptor)
@@ -116,7 +105,7 @@ class PeerServing:
             entry = self._live(ns, oid)
             if entry is not None:
                 found.append(self.meta(entry))
-            elif mover is not None and mover.holds(namespace, oid):
+            elif mover.holds(namespace, oid):
                 found.append(mover.remote_meta(namespace, oid))
             else:
                 found.append(None)

@@ -51,7 +51,16 @@ class Daemon:
 
     def __init__(self, config: ServerConfig):
         self.config = config
-        self.manager = TierManager(config.host, config.limits, verify_puts=config.verify_puts)
+        nvme = cluster = None  # the chain below the host tier, each tier only when enabled
+        if config.nvme.enabled:
+            from server.movement import TierMover
+            nvme_config = replace(config.nvme, path=config.nvme_path)
+            nvme = lambda manager: TierMover(manager, nvme_config)  # noqa: E731
+        if config.cluster.enabled:
+            from server.cluster import ClusterLink
+            cluster = lambda manager: ClusterLink(manager, config)  # noqa: E731
+        self.manager = TierManager(config.host, config.limits, verify_puts=config.verify_puts, make_nvme=nvme,
+                                   make_cluster=cluster)
         self.connections: dict[int, LocalConnection] = {}
         self.started_at = time.time()
         self._server: asyncio.AbstractServer | None = None
@@ -65,12 +74,6 @@ class Daemon:
         self._cluster_started = False
         self.gpu_availability: Availability | None = None  # probed at start
         self.gpu: GpuTier | None = None  # when [gpu] enabled
-        if config.nvme.enabled:
-            from server.movement import TierMover
-            self.manager.mover = TierMover(self.manager, replace(config.nvme, path=config.nvme_path))
-        if config.cluster.enabled:
-            from server.cluster import ClusterLink
-            self.manager.cluster = ClusterLink(self.manager, config)
 
     async def start(self) -> None:
         """Check what needs checking, then take the data directory, then start serving.
@@ -101,16 +104,14 @@ class Daemon:
             await self.admin.start()
         self.manager.host_bandwidth_bytes_s = measure_copy_bandwidth()
         self._check_not_stopping()
-        if self.manager.mover is not None:
-            self.recovery = await self.manager.mover.open()
-            self._mover_open = True
-            self._check_not_stopping()
+        self.recovery = await self.manager.mover.open()
+        self._mover_open = True
+        self._check_not_stopping()
         for name in self.config.host.namespaces:  # pre-open: no client waits for their arenas
             await self.manager.open_namespace(name)
             self._check_not_stopping()
-        if self.manager.cluster is not None:  # serve peers and join membership
-            await self.manager.cluster.start()
-            self._cluster_started = True
+        await self.manager.cluster.start()  # serve peers and join membership
+        self._cluster_started = True
         umask = os.umask(0o077)  # no window in which other users may connect to the new socket
         try:
             self._server = await asyncio.get_running_loop().create_unix_server(

@@ -190,7 +190,7 @@ class LocalConnection(asyncio.Protocol):
         mgr, owner = self.manager, self.conn_id
         match msg:
             case m.Get():
-                if self._ns(msg.namespace) not in mgr.namespaces and (mgr.mover is not None or mgr.cluster is not None):
+                if self._ns(msg.namespace) not in mgr.namespaces and mgr.tiered:
                     return self._arena_for_read(msg), None
                 return mgr.get(owner, self._ns(msg.namespace), msg.object_id, msg.accept, msg.ranges, msg.expect), None
             case m.Release():

@@ -113,9 +113,9 @@ class StatsCollector:
         if nvme is not None:
             for key, (name, doc) in NVME_COUNTERS.items():
                 yield CounterMetricFamily(name, doc, value=nvme.get(key, 0))
-        cluster = stats.get("tiers", {}).get("remote")
-        if cluster is not None:
-            yield from _cluster_families(cluster)
+        remote = stats.get("tiers", {}).get("remote")
+        if remote is not None:  # a clustered node
+            yield from _cluster_families(remote)
         for name, doc, value in (
             ("kvstore_leases", "Leases held by clients", stats["leases"]),
             ("kvstore_clients", "Local clients connected", stats["clients"]),

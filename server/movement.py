@@ -25,8 +25,10 @@ from kvstore.config import NvmeTierConfig
 from kvstore.errors import CapacityError, ChecksumError, KVStoreError
 from kvstore.identity import ObjectId
 from kvstore.peer_messages import RemoteMeta
+from kvstore.replies import IN_MEMORY, CommitReply
 from kvstore.policy import make_policy
 from kvstore.policy.admission import FrequencyAdmission
+from server.later import MaybeAwaitable
 from server.objects import ObjectEntry
 from tiers.nvme import NvmeTier
 
@@ -38,9 +40,15 @@ ANY_VICTIM = object()
 
 
 class TierMover:
+    """The NVMe tier in the chain: below the host tier (`manager.host`), above the cluster
+    (`manager.cluster`, where objects NVMe refuses or evicts go when their homes may lack them)."""
+
+    enabled = True
+
     def __init__(self, manager, config: NvmeTierConfig):
         """`config` is the `[nvme]` table with its path filled in (ServerConfig.nvme_path)."""
         self.manager = manager
+        self.host = manager.host
         self.config = config
         self.nvme: NvmeTier | None = None
         self.sizes: dict[tuple[str, bytes], int] = {}  # what NVMe holds: (namespace, id) -> size
@@ -108,9 +116,36 @@ class TierMover:
             return None
         return RemoteMeta(meta.size, meta.checksum, meta.descriptor, meta.hints), out
 
-    def record_access(self, namespace: str, oid) -> None:
-        self.admission.record((namespace, oid.digest))
-        self.policy.on_access((namespace, oid.digest))
+    def keys(self) -> list[tuple[str, bytes]]:
+        """(namespace, digest) of every object NVMe holds (a copy: safe across awaits)."""
+        return list(self.sizes)
+
+    async def metas(self, keys) -> list:
+        """NvmeMeta (None where gone meanwhile) of (namespace, digest) keys, read in the NVMe pool."""
+        if not keys or self.nvme is None:
+            return [None] * len(keys)
+        nvme = self.nvme
+        return await self._run(lambda: [nvme.meta(name, ObjectId(digest)) for name, digest in keys])
+
+    def on_hit(self, entry: ObjectEntry) -> None:
+        """A host hit: counted for admission and the NVMe policy; under `selective`, the
+        write_after_hits-th hit writes the object down in the background."""
+        key = (entry.namespace, entry.object_id.digest)
+        self.admission.record(key)
+        self.policy.on_access(key)
+        if (not entry.on_nvme and self.config.write_policy == "selective"
+                and entry.num_hits == self.config.write_after_hits):
+            self.write_in_background(entry)
+
+    def on_commit(self, entry: ObjectEntry) -> MaybeAwaitable[CommitReply]:
+        """A local commit: under `write_through` the reply waits for the durable write."""
+        if self.config.write_policy == "write_through":
+            return self._write_through(entry)
+        return IN_MEMORY
+
+    async def _write_through(self, entry: ObjectEntry) -> CommitReply:
+        durability = await self.write(entry)
+        return IN_MEMORY if durability is None else CommitReply(False, "host", durability)
 
     # --- host -> NVMe -----------------------------------------------------------------------
 
@@ -124,8 +159,8 @@ class TierMover:
         key = (entry.namespace, entry.object_id.digest)
         if key in self.sizes:
             return "sync"
-        ns = self.manager.namespaces[entry.namespace]
-        self.manager.hold(entry)
+        ns = self.host.namespaces[entry.namespace]
+        self.host.hold(entry)
         try:
             view = ns.arena.view(entry.extent)[:entry.size]
             for attempt in range(3):
@@ -146,7 +181,7 @@ class TierMover:
             ns.counters.num_checksum_failures += 1
             self.counters["num_demotion_failures"] += 1
             if entry.object_id in ns.objects and ns.objects[entry.object_id] is entry:
-                self.manager.drop(ns, entry)  # freed when the hold below ends
+                self.host.drop(ns, entry)  # freed when the hold below ends
             return None
         except (KVStoreError, OSError) as exc:
             log.warning("event=nvme_write_failed namespace=%s object=%s error=%r",
@@ -154,7 +189,7 @@ class TierMover:
             self.counters["num_demotion_failures"] += 1
             return None
         finally:  # every way out, cancellation included, gives the hold back
-            self.manager.release_hold(entry)
+            self.host.release_hold(entry)
         if key not in self.sizes:
             self._remember(key, entry.size)
         entry.on_nvme = True
@@ -171,33 +206,32 @@ class TierMover:
             if entry is not None:
                 entry.on_nvme = False
         cluster = self.manager.cluster
-        if cluster is not None:  # the ones leaving the node go to their homes first
-            leaving: dict[str, list] = {}
-            for key in victims:
-                if self._host_entry(key) is None:
-                    leaving.setdefault(key[0], []).append(ObjectId(key[1]))
-            try:
-                await asyncio.gather(*(cluster.demote_from_nvme(ns, oids) for ns, oids in leaving.items()))
-            except Exception as exc:  # counted there; the eviction goes on
-                log.warning("event=remote_demotion_failed error=%r", exc)
+        leaving: dict[str, list] = {}  # those leaving the node go to their homes first
+        for key in victims:
+            if self._host_entry(key) is None and cluster.must_send(key[0], ObjectId(key[1])):
+                leaving.setdefault(key[0], []).append(ObjectId(key[1]))
+        try:
+            await asyncio.gather(*(cluster.demote_from_nvme(ns, oids) for ns, oids in leaving.items()))
+        except Exception as exc:  # counted there; the eviction goes on
+            log.warning("event=remote_demotion_failed error=%r", exc)
         for key in victims:
             if key in self.sizes:
                 continue  # written again while the copies above were sent
             await self._run(self.nvme.delete, key[0], ObjectId(key[1]))
             self.counters["num_nvme_evictions"] += 1
-            if self._host_entry(key) is None and cluster is not None:
+            if self._host_entry(key) is None:
                 cluster.forget(key[0], ObjectId(key[1]))  # gone from this node altogether
         return bool(victims)
 
     def _host_entry(self, key) -> ObjectEntry | None:
-        ns = self.manager.namespaces.get(key[0])
+        ns = self.host.namespaces.get(key[0])
         return ns.objects.get(ObjectId(key[1])) if ns else None
 
     def _left_nvme(self, key) -> None:
         entry = self._host_entry(key)
         if entry is not None:
             entry.on_nvme = False
-        elif self.manager.cluster is not None:  # gone from this node altogether
+        else:  # gone from this node altogether
             self.manager.cluster.forget(key[0], ObjectId(key[1]))
 
     async def take_victims(self, ns, victims: list[ObjectEntry]) -> None:
@@ -208,7 +242,7 @@ class TierMover:
         cluster = self.manager.cluster
         for entry in victims:
             if entry.on_nvme or (ns.name, entry.object_id.digest) in self.sizes:
-                self.manager.evict_entry(ns, entry)
+                self.host.evict(ns, entry)
             else:
                 writes.append(entry)
         try:
@@ -216,14 +250,14 @@ class TierMover:
                 await asyncio.gather(*(self.write(e, self._displaceable_by(e)) for e in writes))
             # NVMe refused some (full of hotter objects, full disk, EIO): those leave the
             # node, homes first.
-            failed = [e for e in writes if not e.on_nvme and cluster is not None and ns.objects.get(e.object_id) is e
+            failed = [e for e in writes if not e.on_nvme and ns.objects.get(e.object_id) is e
                       and cluster.must_send(ns.name, e.object_id)]
             if failed:
                 await cluster.demote(failed)
         except BaseException:
-            self.manager.retrack_victims(ns, writes)  # cancelled: nothing evicted
+            self.host.retrack_victims(ns, writes)  # cancelled: nothing evicted
             raise
-        for entry in self.manager.settle_victims(ns, writes):
+        for entry in self.host.settle_victims(ns, writes):
             if entry.on_nvme:
                 self.counters["num_demotions"] += 1
 
@@ -267,9 +301,9 @@ class TierMover:
         if meta is None:
             self._forget(key)
             return None
-        ns = await self.manager.open_namespace(namespace)
-        extent = await self.manager.allocate(ns, meta.size)
-        self.manager.track_transient(ns, extent, add=True)
+        ns = await self.host.open_namespace(namespace)
+        extent = await self.host.make_room(ns, meta.size, self.take_victims)
+        self.host.track_transient(ns, extent, add=True)
         try:
             start = time.perf_counter()
             view = ns.arena.view(extent)[:meta.size]
@@ -280,20 +314,16 @@ class TierMover:
             ns.arena.free(extent)
             raise
         finally:
-            self.manager.track_transient(ns, extent, add=False)
+            self.host.track_transient(ns, extent, add=False)
         if got is None:  # gone meanwhile, or failed its checksum (the tier dropped and counted it)
             ns.arena.free(extent)
             self._forget(key)
             return None
         self.bandwidth_bytes_s = 0.8 * self.bandwidth_bytes_s + 0.2 * (meta.size / max(elapsed, 1e-6))
-        existing = ns.objects.get(oid)
-        if existing is not None:  # a put of the same id landed while we read
-            ns.arena.free(extent)
-            return existing
-        entry = ObjectEntry.create(oid, namespace, extent, meta.size, meta.checksum, meta.descriptor, meta.hints,
-                                   self.manager.clock(), created_at=meta.created_at, on_nvme=True)
-        self.manager.insert(ns, entry)
-        self.counters["num_promotions"] += 1
+        entry = self.host.publish(ns, oid, extent, meta.size, meta.checksum, meta.descriptor, meta.hints,
+                                  created_at=meta.created_at, on_nvme=True, counted=False)
+        if entry.extent is extent:  # else a put of the same id landed while we read, and won
+            self.counters["num_promotions"] += 1
         return entry
 
     def _remember(self, key, size: int) -> None:
@@ -314,11 +344,11 @@ class TierMover:
         """On a clean stop, write the host objects NVMe lacks into its free room, most valuable
         first (pinned, then most read, then newest). Never evicts: what was durable before the
         stop stays durable. Returns how many landed; the rest are counted and logged."""
-        entries = [e for ns in self.manager.namespaces.values() for e in ns.objects.values()
+        entries = [e for ns in self.host.namespaces.values() for e in ns.objects.values()
                    if not e.on_nvme and not e.deleted and (e.namespace, e.object_id.digest) not in self.sizes]
         if not entries:
             return 0
-        now = self.manager.clock()
+        now = self.host.clock()
         entries.sort(key=lambda e: (e.is_pinned(now), e.num_hits, e.created_at), reverse=True)
         free = self.config.capacity_bytes - self.used_bytes
         planned, no_room = [], 0

@@ -196,9 +196,8 @@ class Rehomer:
         held: dict[str, set] = {}
         for name, ns in manager.namespaces.items():
             held[name] = {oid.digest for oid, e in ns.objects.items() if e.is_live(now)}
-        if manager.mover is not None:
-            for namespace, digest in list(manager.mover.sizes):
-                held.setdefault(namespace, set()).add(digest)
+        for namespace, digest in manager.mover.keys():
+            held.setdefault(namespace, set()).add(digest)
         return {name: [ObjectId(d) for d in digests] for name, digests in held.items() if digests}
 
     def _plan(self, held, seen, after) -> dict[str, set[tuple[str, bytes]]]:
@@ -256,7 +255,7 @@ class Rehomer:
             with self.link.held_view(entry) as view:
                 ok = await remote.put_to(node, namespace, oid, self.link.meta(entry), view)
             return ok and entry.size
-        if manager.mover is not None and manager.mover.holds(namespace, oid):
+        if manager.mover.holds(namespace, oid):
             copy = await manager.mover.read_copy(namespace, oid)
             if copy is None:
                 return None

@@ -59,3 +59,32 @@ def test_adapters_import_their_engine_lazily():
     eager = [f"{p.relative_to(ROOT)} imports {n}" for p in (ROOT / "adapters").rglob("*.py")
              for n in _imports(p, top_level_only=True) if n in engines]
     assert not eager, "\n".join(eager)
+
+
+def test_no_module_asks_whether_a_tier_exists():
+    """The chain of tiers is composed once (server/tier_manager.py): a tier that is off is a
+    null object (server/absent_tiers.py), so nobody checks for a missing neighbour."""
+    import re
+    asks = re.compile(r"\b(mover|cluster|link)\s+is\s+(not\s+)?None\b")
+    found = [f"{p.relative_to(ROOT)}:{i}: {line.strip()}" for p in sorted((ROOT / "server").rglob("*.py"))
+             for i, line in enumerate(p.read_text().splitlines(), 1) if asks.search(line)]
+    assert not found, "\n".join(found)
+
+
+def test_no_module_reaches_into_another_objects_privates():
+    """`x._name` only on self or cls: a collaborator uses another object's public surface."""
+    import re
+    reach = re.compile(r"\b(?!self\b|cls\b)([a-z_][a-z0-9_]*)\._[a-z][a-z0-9_]*\b")
+    found = []
+    for package in ("server", "tiers", "client", "kvstore", "adapters"):
+        for path in sorted((ROOT / package).rglob("*.py")):
+            for i, line in enumerate(path.read_text().splitlines(), 1):
+                code = line.split("#", 1)[0]
+                for match in reach.finditer(code):
+                    if match.group(1) not in THIRD_PARTY_PRIVATES:
+                        found.append(f"{path.relative_to(ROOT)}:{i}: {line.strip()}")
+    assert not found, "\n".join(found)
+
+
+# Modules whose underscore names we must use (torch's CUDA IPC, ucxx's context), not ours.
+THIRD_PARTY_PRIVATES = {"torch", "cuda", "storage", "core", "sys", "os"}

@@ -14,7 +14,7 @@ import pytest
 import torch
 import xxhash
 
-from client import Client, DaemonUnavailable
+from client import DaemonUnavailable
 from kvstore import Hints, StateDescriptor, chunk_keys
 from kvstore.errors import CapacityError, ChecksumError, InvalidArgument, LimitExceeded, PermissionDenied
 from kvstore.identity import ObjectId

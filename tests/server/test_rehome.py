@@ -8,7 +8,6 @@ import asyncio
 import contextlib
 import types
 
-import pytest
 
 import server.rehome as rehome
 from kvstore.config import ClusterConfig, HostTierConfig
@@ -57,7 +56,7 @@ class StandInLink:
     def __init__(self, manager, remote):
         self.manager, self.remote = manager, remote
         serving = PeerServing(manager, set())
-        self.held_view, self.meta = serving.held_view, serving.meta
+        self.held_view, self.meta = manager.held_view, serving.meta
         node = types.SimpleNamespace(remote=remote, node_id=remote.node_id)
         self.sending = Replicator(manager, ClusterConfig(), node, set(), serving).sending
 

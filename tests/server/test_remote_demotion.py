@@ -20,6 +20,7 @@ MiB = 1 << 20
 class StandInLink:
     """What TierManager asks of server.cluster.ClusterLink when it makes room."""
 
+    enabled = True
     remote = object()  # "clustered"
 
     def __init__(self, behaviour):
@@ -36,8 +37,8 @@ class StandInLink:
 
 
 def manager_with(behaviour, objects=6):
-    manager = TierManager(HostTierConfig(arena_bytes=8 * MiB, prefault=False))
-    manager.cluster = StandInLink(behaviour)
+    manager = TierManager(HostTierConfig(arena_bytes=8 * MiB, prefault=False),
+                          make_cluster=lambda manager: StandInLink(behaviour))
 
     async def fill():
         ns = await manager.open_namespace("t")
