@@ -151,6 +151,22 @@ class GpuTier:
             )
         return self._buffer[extent.offset : extent.end]
 
+    def copy_from_host(self, extent: Extent, src) -> None:
+        """Copy a host uint8 array (an arena view; read only) to the front of `extent`. A
+        blocking copy: the bytes are on the device when it returns, so a lease handed out next
+        reads whole bytes from any process. The one place GpuCopies touches device memory."""
+        import warnings
+
+        import torch
+
+        view = self.view(extent)
+        if src.size > view.numel():
+            raise InvalidArgument(f"copy_from_host: {src.size} bytes do not fit {extent!r}")
+        with warnings.catch_warnings():  # the arena's read-only views: torch only reads them here
+            warnings.filterwarnings("ignore", message=".*not writable.*")
+            host = torch.from_numpy(src)
+        view[: src.size].copy_(host)
+
     def ipc_handle(self) -> CudaIpcHandle:
         """Export the whole buffer for a local engine, which addresses extents by offset."""
         self._check_open()
