@@ -259,16 +259,21 @@ class Get(Message):
     fetched as just those ranges, packed, into a lease of their own (reply field "ranges").
 
     `expect`: the descriptor the reader can use; an object stored under any other (model,
-    revision, kind, dtype, layout, shard, chunk_tokens) is a miss."""
+    revision, kind, dtype, layout, shard, chunk_tokens) is a miss.
+
+    `gpu`: the reader has mapped the daemon's GPU buffer (op gpu_handle) and can read a
+    device copy there; the daemon may then answer tier "gpu", with an offset into that
+    buffer. Without it every hit is on the host arena, as before."""
     namespace: str
     object_id: ObjectId
     accept: tuple | None = None
     ranges: tuple | None = None
     expect: StateDescriptor | None = None
+    gpu: bool = False
     op: ClassVar[str] = "get"
     _codecs: ClassVar = {"namespace": NAMESPACE, "object_id": OID, "accept": ACCEPT, "ranges": RANGES,
-                         "expect": EXPECT}
-    _defaults: ClassVar = {"accept": None, "ranges": None, "expect": None}
+                         "expect": EXPECT, "gpu": BOOL}
+    _defaults: ClassVar = {"accept": None, "ranges": None, "expect": None, "gpu": False}
 
 
 @dataclass(frozen=True, slots=True)
@@ -371,10 +376,18 @@ class Check(Message):
     _codecs: ClassVar = {}
 
 
+@dataclass(frozen=True, slots=True)
+class GpuHandle(Message):
+    """The daemon's GPU tier buffer as a CUDA IPC handle (GpuHandleReply), for an engine on
+    this node to map; an error when the daemon runs no GPU tier ([gpu] enabled = false)."""
+    op: ClassVar[str] = "gpu_handle"
+    _codecs: ClassVar = {}
+
+
 OPS: dict[str, type[Message]] = {
     cls.op: cls
     for cls in (Hello, OpenNamespace, Reserve, Commit, Abort, Get, Release, Lookup,
-                Delete, Pin, Unpin, Prefetch, Stats, Check)
+                Delete, Pin, Unpin, Prefetch, Stats, Check, GpuHandle)
 }
 
 

@@ -159,7 +159,9 @@ class GetReply(ReplyMessage):
     says why, when it is not simply absent). `descriptor` stays in its wire form: the
     daemon sends one it built once per object, and most readers never parse it.
     `ranges`: the lease holds only these (offset, length) ranges, packed, of an object of
-    `object_size` bytes (a ranged get served by a home node)."""
+    `object_size` bytes (a ranged get served by a home node).
+    `tier` "gpu" (only to a Get that set `gpu`): the lease is on a device copy, and `offset`
+    is into the daemon's GPU buffer (GpuHandleReply), not into the host arena."""
     hit: bool
     reason: str | None = None
     lease: int | None = None
@@ -252,9 +254,31 @@ class CheckReply(ReplyMessage):
     ok: bool  # every check_integrity() passed (a failure comes back as an error instead)
 
 
+@reply
+class GpuHandleReply(ReplyMessage):
+    """The daemon's GPU tier buffer, exported for local engines (op gpu_handle): the fields
+    of torch's CUDA IPC export (`_share_cuda_()`, tiers.gpu.GpuTier.ipc_handle) and the
+    buffer's size. An engine maps it once per process (client.gpu.GpuMapping) and reads the
+    extents gpu-tier gets hand out. Each export carries one consumer reference (a torch ref
+    counter slot), given back when the consumer unmaps: export once per request.
+    `device` is the daemon's CUDA device index, which names the same GPU in the engine only
+    under the same CUDA_VISIBLE_DEVICES; `device_uuid` (when the daemon knows it) always does."""
+    device: int
+    handle: bytes
+    storage_bytes: int
+    storage_offset_bytes: int
+    ref_counter_handle: bytes
+    ref_counter_offset: int
+    event_handle: bytes
+    event_sync_required: bool
+    capacity_bytes: int
+    device_uuid: str | None = None
+
+
 # What each op answers; release and abort answer nothing (None).
 REPLIES: dict[str, type[ReplyMessage] | None] = {
     "hello": HelloReply, "open": OpenReply, "reserve": ReserveReply, "commit": CommitReply,
     "abort": None, "get": GetReply, "release": None, "lookup": LookupReply, "delete": DeleteReply,
     "pin": PinReply, "unpin": UnpinReply, "prefetch": PrefetchReply, "stats": StatsReply, "check": CheckReply,
+    "gpu_handle": GpuHandleReply,
 }
