@@ -15,7 +15,7 @@ from kvstore.errors import DaemonUnavailable, from_wire
 from kvstore.hints import Hints
 from kvstore.identity import StateDescriptor
 from kvstore.protocol import NEED_DATA, BadFrame, Fatal, Reply
-from kvstore.replies import HelloReply
+from kvstore.replies import GpuHandleReply, HelloReply
 from client.core import ClientCore, LookupResult, PutResult
 from client.lease import ReadLease
 from client.sync import _ANCILLARY, RECV_BYTES, _recv_fds, parting_words
@@ -230,3 +230,6 @@ class AsyncClient:
 
     async def check_integrity(self) -> None:
         await self._run(self.core.op_simple(m.Check()))
+
+    async def gpu_handle(self) -> GpuHandleReply:
+        return await self._run(self.core.op_simple(m.GpuHandle()))

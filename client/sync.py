@@ -12,7 +12,7 @@ from kvstore.errors import DaemonUnavailable, from_wire
 from kvstore.hints import Hints
 from kvstore.identity import StateDescriptor
 from kvstore.protocol import NEED_DATA, BadFrame, Fatal, Reply
-from kvstore.replies import HelloReply
+from kvstore.replies import GpuHandleReply, HelloReply
 from client.core import ClientCore, LookupResult, PutResult
 from client.lease import ReadLease
 
@@ -271,3 +271,8 @@ class Client:
     def check_integrity(self) -> None:
         """Ask the daemon to verify its allocators, index, leases and policies now."""
         self._run(self.core.op_simple(m.Check()))
+
+    def gpu_handle(self) -> GpuHandleReply:
+        """The daemon's GPU tier buffer, exported for this process: map it with
+        client.gpu.GpuMapping (a ServiceError when the daemon runs no GPU tier)."""
+        return self._run(self.core.op_simple(m.GpuHandle()))

@@ -8,8 +8,10 @@ functions, so importing this module costs nothing on a CPU-only daemon.
 With CUDA the daemon allocates one device buffer per tier at start and carves it into extents
 with the host arena's `ExtentAllocator` (same alloc/free/view/check_integrity shape as
 `HostArena`, so the same lease rules apply: the daemon never frees an extent under a lease).
-Engines get a `CudaIpcHandle` (torch's CUDA IPC export of the buffer), map it once with
-`open_ipc_buffer` and read and write extents in place. (Clients pin the host arena for DMA
+Engines get a `GpuHandleReply` (torch's CUDA IPC export of the buffer, as op gpu_handle
+sends it), map it once with `client.gpu.open_ipc_buffer` (client side: the client
+never imports tiers) and read extents in place. `tiers.gpu_copies.GpuCopies` decides what the
+buffer holds: device copies of host objects. (Clients pin the host arena for DMA
 themselves: client/pinning.py.) Everything past `probe` runs only on a GPU machine (tests
 marked `gpu`).
 """
@@ -21,6 +23,7 @@ from dataclasses import dataclass
 
 from kvstore.config import GPU_ALIGNMENT_BYTES, GpuConfig
 from kvstore.errors import InvalidArgument, ServiceError
+from kvstore.replies import GpuHandleReply
 from tiers.allocator import Extent, ExtentAllocator
 
 
@@ -29,23 +32,6 @@ class Availability:
     available: bool
     reason: str  # what was found, or why the tier cannot run and what would fix it
     num_devices: int = 0
-
-
-@dataclass(frozen=True, slots=True)
-class CudaIpcHandle:
-    """torch's CUDA IPC export of one device buffer (fields of `_share_cuda_()`, in order).
-
-    Plain bytes and ints: it travels in a msgpack reply to a local engine.
-    """
-
-    device: int
-    handle: bytes
-    storage_bytes: int
-    storage_offset_bytes: int
-    ref_counter_handle: bytes
-    ref_counter_offset: int
-    event_handle: bytes | None
-    event_sync_required: bool
 
 
 def _device_nodes() -> list[str]:
@@ -129,6 +115,15 @@ class GpuTier:
     def closed(self) -> bool:
         return self._buffer is None
 
+    @property
+    def device_uuid(self) -> str | None:
+        """The device's uuid: names it for an engine whose CUDA_VISIBLE_DEVICES numbers
+        devices differently (GpuHandleReply.device_uuid); None where torch does not say."""
+        import torch
+
+        uuid = getattr(torch.cuda.get_device_properties(self.config.device), "uuid", None)
+        return None if uuid is None else str(uuid)
+
     def can_alloc(self, size_bytes: int) -> bool:
         return self._allocator.can_alloc(size_bytes)
 
@@ -167,13 +162,16 @@ class GpuTier:
             host = torch.from_numpy(src)
         view[: src.size].copy_(host)
 
-    def ipc_handle(self) -> CudaIpcHandle:
-        """Export the whole buffer for a local engine, which addresses extents by offset."""
+    def ipc_handle(self) -> GpuHandleReply:
+        """Export the whole buffer for a local engine, which addresses extents by offset; the
+        reply op gpu_handle sends as it is. Call it once per gpu_handle request: each export
+        carries its own consumer reference (torch's IPC ref counter), which that consumer
+        gives back when it unmaps; torch frees the buffer only after every one is back."""
         self._check_open()
         fields = self._buffer.untyped_storage()._share_cuda_()
-        event = None if fields[6] is None else bytes(fields[6])
-        return CudaIpcHandle(int(fields[0]), bytes(fields[1]), int(fields[2]), int(fields[3]),
-                             bytes(fields[4]), int(fields[5]), event, bool(fields[7]))
+        return GpuHandleReply(int(fields[0]), bytes(fields[1]), int(fields[2]), int(fields[3]),
+                              bytes(fields[4]), int(fields[5]), bytes(fields[6]), bool(fields[7]),
+                              self.capacity_bytes, self.device_uuid)
 
     def check_integrity(self) -> None:
         """Raise RuntimeError if the allocator or the buffer is inconsistent."""
@@ -193,18 +191,3 @@ class GpuTier:
         if self._buffer is None:
             raise RuntimeError("gpu tier is closed")
 
-
-def open_ipc_buffer(handle: CudaIpcHandle):
-    """Engine side: map the daemon's buffer as a uint8 device tensor (another process only:
-    CUDA refuses to open an IPC handle in the process that exported it)."""
-    import torch
-
-    torch.cuda._lazy_init()
-    storage = torch.UntypedStorage._new_shared_cuda(
-        handle.device, handle.handle, handle.storage_bytes, handle.storage_offset_bytes,
-        handle.ref_counter_handle, handle.ref_counter_offset, handle.event_handle,
-        handle.event_sync_required,
-    )
-    # the same rebuild torch.multiprocessing uses for CUDA tensors
-    typed = torch.storage.TypedStorage(wrap_storage=storage, dtype=torch.uint8, _internal=True)
-    return torch._utils._rebuild_tensor(typed, 0, (handle.storage_bytes,), (1,))

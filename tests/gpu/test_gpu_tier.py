@@ -6,7 +6,6 @@ import pickle
 import subprocess
 import sys
 import types
-from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -15,8 +14,9 @@ import torch
 import tiers.gpu
 from kvstore.config import GpuConfig
 from kvstore.errors import InvalidArgument, ServiceError
+from kvstore.replies import GpuHandleReply
 from tiers.allocator import Extent
-from tiers.gpu import CudaIpcHandle, GpuTier
+from tiers.gpu import GpuTier
 
 ROOT = Path(__file__).resolve().parents[2]
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machine without CUDA")
@@ -74,8 +74,9 @@ def test_config_rejects_nonsense():
 _READER = """
 import pickle, sys
 sys.path.insert(0, sys.argv[1])
-from tiers.gpu import CudaIpcHandle, open_ipc_buffer
-buf = open_ipc_buffer(CudaIpcHandle(**pickle.loads(sys.stdin.buffer.read())))
+from client.gpu import open_ipc_buffer
+from kvstore.replies import GpuHandleReply
+buf = open_ipc_buffer(GpuHandleReply.from_wire(pickle.loads(sys.stdin.buffer.read())))
 print(int(buf[:4096].sum()), flush=True)
 buf[4096:8192].fill_(7)
 import torch; torch.cuda.synchronize()
@@ -91,8 +92,10 @@ def test_engine_maps_the_tier_buffer_by_cuda_ipc():
     tier.view(second).zero_()
     torch.cuda.synchronize()
     handle = tier.ipc_handle()
-    assert isinstance(handle, CudaIpcHandle) and handle.storage_bytes >= 1 << 20
-    done = subprocess.run([sys.executable, "-c", _READER, str(ROOT)], input=pickle.dumps(asdict(handle)),
+    assert isinstance(handle, GpuHandleReply) and handle.storage_bytes >= 1 << 20
+    assert handle.capacity_bytes == 1 << 20 and handle.device_uuid == tier.device_uuid
+    wire = handle.to_wire()
+    done = subprocess.run([sys.executable, "-c", _READER, str(ROOT)], input=pickle.dumps(wire),
                           capture_output=True, timeout=120)
     assert done.returncode == 0, done.stderr.decode()
     assert int(done.stdout.decode().split()[0]) == 4096  # the engine saw the tier's bytes
