@@ -54,7 +54,9 @@ nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1 || echo "nvidia-smi not available" > "$O
 rc_gpu=127; rc_kernels=127; rc_bench=127; rc_vllm=127
 if [ -n "$PY" ]; then
   # 2. the gpu-marked tests (real shapes), then the interpreter-sized tests on the device
-  timeout 210 "$PY" -m pytest -m gpu tests/gpu tests/client/test_pinning.py -q -rA -p no:cacheprovider \
+  #    (the GPU tier: GpuCopies on the real device, an engine process reading its copies by CUDA IPC)
+  timeout 210 "$PY" -m pytest -m gpu tests/gpu tests/client/test_pinning.py tests/tiers/test_gpu_copies.py \
+    tests/client/test_gpu_mapping.py -q -rA -p no:cacheprovider \
     --junitxml="$OUT/pytest-gpu.xml" > "$OUT/pytest-gpu.log" 2>&1
   rc_gpu=$?
   tail -n 25 "$OUT/pytest-gpu.log"
