@@ -5,21 +5,26 @@ time stays right; the host arena keeps the object, and the GPU tier only caches 
 for local engines to read over CUDA IPC (DESIGN.md section 4).
 
     copy_in(key, host bytes):  held already -> touch it, return its extent.
-                               larger than the tier, or no room even with every unread copy
+                               larger than the tier, or no room even with every idle copy
                                gone -> None (nothing evicted in vain).
-                               else evict unread copies, least recently used first, until an
+                               else evict idle copies, least recently used first, until an
                                extent fits; copy the bytes in; the copy is most recently used.
     acquire(key):              a reader: count it, touch it, return its extent (None: no copy).
     release(key):              the reader leaves; a forgotten copy goes with its last reader.
     forget(key):               the host object is gone: drop its copy now, or when its last
                                reader leaves (until then no new reader gets it).
+    begin_copy / finish_copy:  copy_in in two phases, for a copy made off the event loop: room
+                               is taken and held (no reader sees it, nothing evicts it) until
+                               finish_copy publishes the copy or gives the room back.
 
-A copy with a reader is never evicted or freed: an engine may be reading its extent. The
-index owns every extent of its device (check_integrity holds it to that).
+A busy copy (one with a reader, or being written) is never evicted or freed: an engine may
+be reading its extent. The index owns every extent of its device (check_integrity holds it
+to that).
 
 `device` is anything with the GpuTier surface: can_alloc, alloc, free, copy_from_host,
 capacity_bytes, allocator, check_integrity. Not thread-safe: the daemon's event loop thread
-is the only caller, as for the tier itself.
+is the only caller, as for the tier itself (only device.copy_from_host, between begin_copy
+and finish_copy, may run elsewhere).
 """
 
 from __future__ import annotations
@@ -44,6 +49,12 @@ class _Copy:
     size: int  # the object's bytes at the front of the extent
     readers: int = 0
     forgotten: bool = False  # its host object is gone; freed when the last reader leaves
+    copying: bool = False  # between begin_copy and finish_copy: room held, bytes not there yet
+
+    @property
+    def busy(self) -> bool:
+        """Neither evicted nor freed now: someone reads it, or is writing it."""
+        return self.readers > 0 or self.copying
 
 
 class GpuCopies:
@@ -61,12 +72,13 @@ class GpuCopies:
     def holds(self, namespace: str, digest: bytes) -> bool:
         """True when a reader could acquire a copy of the object now (no LRU touch)."""
         copy = self._copies.get((namespace, digest))
-        return copy is not None and not copy.forgotten
+        return copy is not None and not copy.forgotten and not copy.copying
 
     def stats(self) -> dict:
         """A snapshot for the daemon's stats document ("gpu" table)."""
         return {
-            "objects": sum(not c.forgotten for c in self._copies.values()),
+            "objects": sum(not c.forgotten and not c.copying for c in self._copies.values()),
+            "copying": sum(c.copying for c in self._copies.values()),
             "readers": sum(c.readers for c in self._copies.values()),
             "used_bytes": self._device.allocator.used_bytes,
             "capacity_bytes": self._device.capacity_bytes,
@@ -79,38 +91,69 @@ class GpuCopies:
 
     def copy_in(self, namespace: str, digest: bytes, host_bytes, size: int) -> Extent | None:
         """Copy `size` bytes of a committed host object to the device; its extent, or None when
-        it cannot be placed (larger than the tier, every copy in the way has a reader, or a
-        forgotten copy of the same id is still being read). The caller keeps host_bytes (a
-        memoryview or uint8 array over the arena) valid for the call only; the copy is on the
-        device when this returns. Idempotent: a held copy is touched and returned as it is."""
+        it cannot be placed (larger than the tier, every copy in the way is busy, or another
+        copy of the same id is being written or still read after a forget). The caller keeps
+        host_bytes (a memoryview or uint8 array over the arena) valid for the call only; the
+        copy is on the device when this returns. Idempotent: a held copy is touched and
+        returned as it is. Blocks for the copy: begin_copy / finish_copy make it elsewhere."""
         key = (namespace, digest)
         copy = self._copies.get(key)
         if copy is not None:
-            if copy.forgotten:
-                return None  # its old readers still read it; the host serves the new object
+            if copy.forgotten or copy.copying:
+                return None  # the host serves the object meanwhile
             self._copies.move_to_end(key)
             return copy.extent
         src = _host_u8(host_bytes, size)
-        if not self._make_room(size):
+        extent = self.begin_copy(namespace, digest, size)
+        if extent is None:
+            return None
+        try:
+            self._device.copy_from_host(extent, src)
+        except BaseException:
+            self.finish_copy(namespace, digest, copied=False)
+            raise
+        self.finish_copy(namespace, digest, copied=True)
+        return extent
+
+    def begin_copy(self, namespace: str, digest: bytes, size: int) -> Extent | None:
+        """Room for a copy of `size` bytes, made as copy_in makes it (evicting idle copies),
+        and held for the caller, who copies the object's bytes to the front of the extent (any
+        thread: device.copy_from_host touches no index) and then calls finish_copy on this
+        thread. None when there is no room, or when the id has a copy already (holds says
+        whether it is readable)."""
+        if type(size) is not int or size <= 0:
+            raise InvalidArgument(f"gpu copies: size must be a positive int, got {size!r}")
+        key = (namespace, digest)
+        if key in self._copies or not self._make_room(size):
             return None
         extent = self._device.alloc(size)
         if extent is None:  # _make_room said it fits: the allocator disagrees with the index
             raise RuntimeError(f"gpu tier: alloc({size}) failed after making room; run check_integrity")
-        try:
-            self._device.copy_from_host(extent, src)
-        except BaseException:
-            self._device.free(extent)
-            raise
-        self._copies[key] = _Copy(extent, size)
-        self.num_copies_in += 1
+        self._copies[key] = _Copy(extent, size, copying=True)
         return extent
+
+    def finish_copy(self, namespace: str, digest: bytes, copied: bool) -> bool:
+        """End a begin_copy: publish the copy (copied True: its bytes are on the device), or
+        give its room back (copied False, or the object was forgotten meanwhile). True when
+        the copy is now readable."""
+        key = (namespace, digest)
+        copy = self._copies.get(key)
+        if copy is None or not copy.copying:
+            raise InvalidArgument(f"gpu copies: finish_copy of {namespace}/{digest.hex()} without begin_copy")
+        copy.copying = False
+        if not copied or copy.forgotten:
+            self._drop(key)
+            return False
+        self._copies.move_to_end(key)
+        self.num_copies_in += 1
+        return True
 
     def acquire(self, namespace: str, digest: bytes) -> Extent | None:
         """A reader of the object's copy: its extent (bytes [offset, offset + size) hold the
         object), or None when there is none. Each acquire needs one release."""
         key = (namespace, digest)
         copy = self._copies.get(key)
-        if copy is None or copy.forgotten:
+        if copy is None or copy.forgotten or copy.copying:
             return None
         copy.readers += 1
         self._copies.move_to_end(key)
@@ -131,13 +174,13 @@ class GpuCopies:
             self._drop(key)
 
     def forget(self, namespace: str, digest: bytes) -> bool:
-        """The host object was deleted or expired: drop its copy (after its last reader, if it
-        has readers). True when there was a copy. Idempotent."""
+        """The host object was deleted or expired: drop its copy (after its last reader, or at
+        finish_copy if it is being written). True when there was a copy. Idempotent."""
         key = (namespace, digest)
         copy = self._copies.get(key)
         if copy is None or copy.forgotten:
             return False
-        if copy.readers:
+        if copy.busy:
             copy.forgotten = True
         else:
             self._drop(key)
@@ -159,8 +202,9 @@ class GpuCopies:
                 raise RuntimeError(f"{name}: its extent {copy.extent} is not allocated")
             if not 0 < copy.size <= copy.extent.length:
                 raise RuntimeError(f"{name}: size {copy.size} does not fit its extent {copy.extent}")
-            if copy.readers < 0 or (copy.forgotten and copy.readers == 0):
-                raise RuntimeError(f"{name}: {copy.readers} readers, forgotten={copy.forgotten}")
+            if copy.readers < 0 or (copy.forgotten and not copy.busy) or (copy.copying and copy.readers):
+                raise RuntimeError(f"{name}: {copy.readers} readers, forgotten={copy.forgotten}, "
+                                   f"copying={copy.copying}")
         if allocator.num_allocated != len(self._copies):
             raise RuntimeError(f"gpu tier has {allocator.num_allocated} extents allocated but "
                                f"{len(self._copies)} copies indexed (an extent leaked or is shared)")
@@ -171,26 +215,26 @@ class GpuCopies:
     # -- internals ----------------------------------------------------------------------------
 
     def _make_room(self, size: int) -> bool:
-        """Evict unread copies, least recently used first, until `size` bytes fit; False
-        (having evicted nothing) when they would not fit even with every unread copy gone."""
-        if size > self._device.capacity_bytes or not self._fits_around_readers(size):
+        """Evict idle copies, least recently used first, until `size` bytes fit; False
+        (having evicted nothing) when they would not fit even with every idle copy gone."""
+        if size > self._device.capacity_bytes or not self._fits_around_busy(size):
             return False
-        victims = (key for key, copy in list(self._copies.items()) if copy.readers == 0)
+        victims = (key for key, copy in list(self._copies.items()) if not copy.busy)
         while not self._device.can_alloc(size):
             key = next(victims, None)
-            if key is None:  # unreachable while _fits_around_readers is right; say so if not
-                raise RuntimeError(f"gpu tier: no room for {size} bytes after evicting every unread copy")
+            if key is None:  # unreachable while _fits_around_busy is right; say so if not
+                raise RuntimeError(f"gpu tier: no room for {size} bytes after evicting every idle copy")
             self._drop(key)
             self.num_gpu_evictions += 1
             _log.debug("event=gpu_copy_evicted namespace=%s id=%s", key[0], key[1].hex())
         return True
 
-    def _fits_around_readers(self, size: int) -> bool:
-        """Would `size` bytes fit in one gap between the extents that have readers?"""
+    def _fits_around_busy(self, size: int) -> bool:
+        """Would `size` bytes fit in one gap between the busy copies' extents?"""
         alignment = self._device.allocator.alignment
         needed = -(-size // alignment) * alignment
         position = 0
-        for extent in sorted((c.extent for c in self._copies.values() if c.readers), key=lambda e: e.offset):
+        for extent in sorted((c.extent for c in self._copies.values() if c.busy), key=lambda e: e.offset):
             if extent.offset - position >= needed:
                 return True
             position = extent.end

@@ -206,8 +206,40 @@ def test_stats_count_copies_hits_and_evictions(device):
         put(copies, name)
     copies.acquire("t", d("e"))
     assert copies.acquire("t", d("a")) is None  # evicted: a miss is not a hit
-    assert copies.stats() == {"objects": 4, "readers": 1, "used_bytes": CAPACITY, "capacity_bytes": CAPACITY,
+    assert copies.stats() == {"objects": 4, "copying": 0, "readers": 1, "used_bytes": CAPACITY, "capacity_bytes": CAPACITY,
                               "num_copies_in": 5, "num_gpu_hits": 1, "num_gpu_evictions": 1}
+
+
+def test_a_copy_made_in_two_phases_is_invisible_and_kept_until_finished(device):
+    copies = GpuCopies(device)
+    for name in "abc":
+        put(copies, name)
+    extent = copies.begin_copy("t", d("x"), UNIT)  # the fourth unit: nothing evicted yet
+    assert extent is not None and copies.stats()["copying"] == 1
+    assert not copies.holds("t", d("x")) and copies.acquire("t", d("x")) is None
+    assert put(copies, "x") is None and copies.begin_copy("t", d("x"), UNIT) is None  # in flight
+    for name in "def":
+        put(copies, name)  # evicts a, b, c: never the copy being written
+    assert not any(held(copies, "abc")) and device.allocator.is_allocated(extent)
+    device.copy_from_host(extent, payload(d("x")))  # as a worker thread would
+    assert copies.finish_copy("t", d("x"), copied=True) is True
+    assert copies.holds("t", d("x")) and copies.stats()["num_copies_in"] == 7
+    assert_bytes_intact(device, copies, "x")
+    with pytest.raises(InvalidArgument, match="without begin_copy"):
+        copies.finish_copy("t", d("x"), copied=True)
+
+
+def test_a_two_phase_copy_that_failed_or_was_forgotten_gives_its_room_back(device):
+    copies = GpuCopies(device)
+    copies.begin_copy("t", d("a"), UNIT)
+    assert copies.finish_copy("t", d("a"), copied=False) is False
+    assert device.allocator.used_bytes == 0 and not copies.holds("t", d("a"))
+    copies.begin_copy("t", d("b"), CAPACITY)
+    assert put(copies, "c") is None  # the whole tier is being written
+    assert copies.forget("t", d("b")) is True and device.allocator.used_bytes == CAPACITY
+    assert copies.finish_copy("t", d("b"), copied=True) is False  # its object went meanwhile
+    assert device.allocator.used_bytes == 0 and copies.stats()["num_copies_in"] == 0
+    copies.check_integrity()
 
 
 def test_bad_host_buffers_are_refused_before_anything_changes():
@@ -245,8 +277,9 @@ def test_random_operations_keep_index_readers_and_bytes_consistent(device):
     size_of = {n: (100, UNIT, 2 * UNIT, 3 * UNIT)[i % 4] for i, n in enumerate(names)}  # one id, one object
     readers: dict[tuple[str, str], list] = {}  # what the test holds: [count, extent]
     forgotten: set[tuple[str, str]] = set()  # read copies whose object was forgotten
+    writing: list[tuple[str, str, Extent]] = []  # begun, not finished
     for step in range(600):
-        op, ns, name = rng.randrange(6), rng.choice(["x", "y"]), rng.choice(names)
+        op, ns, name = rng.randrange(8), rng.choice(["x", "y"]), rng.choice(names)
         key = (ns, name)
         held = readers.get(key, [0, None])
         if op <= 1:
@@ -269,8 +302,17 @@ def test_random_operations_keep_index_readers_and_bytes_consistent(device):
         elif op == 5 and rng.random() < 0.2:
             forgotten.update(k for k in readers if k[0] == ns)
             copies.forget_namespace(ns)
+        elif op == 6 and len(writing) < 2:  # a copy made off the loop: begun now, finished later
+            extent = copies.begin_copy(ns, d(name), size_of[name])
+            if extent is not None:
+                writing.append((ns, name, extent))
+        elif op == 7 and writing:
+            ns_, name_, extent = writing.pop(rng.randrange(len(writing)))
+            device.copy_from_host(extent, payload(d(name_), size_of[name_]))
+            assert copies.finish_copy(ns_, d(name_), copied=True) == copies.holds(ns_, d(name_))
         copies.check_integrity()
         assert copies.stats()["readers"] == sum(count for count, _ in readers.values()), step
+        assert copies.stats()["copying"] == len(writing), step
         for (ns_, name_), (_, extent) in readers.items():  # a read copy stays, with its bytes
             assert copies.holds(ns_, d(name_)) == ((ns_, name_) not in forgotten)
             assert read(device, extent, size_of[name_]) == payload(d(name_), size_of[name_]).tobytes(), step
@@ -279,5 +321,7 @@ def test_random_operations_keep_index_readers_and_bytes_consistent(device):
     for (ns, name), (count, _) in readers.items():
         for _ in range(count):
             copies.release(ns, d(name))
+    for ns, name, _ in writing:
+        copies.finish_copy(ns, d(name), copied=False)
     assert copies.stats()["readers"] == 0 and copies.stats()["objects"] == device.allocator.num_allocated
     copies.check_integrity()
