@@ -17,6 +17,7 @@ from kvstore.identity import StateDescriptor
 from kvstore.protocol import NEED_DATA, BadFrame, Fatal, Reply
 from kvstore.replies import GpuHandleReply, HelloReply
 from client.core import ClientCore, LookupResult, PutResult
+from client.gpu import op_get_into_device
 from client.lease import ReadLease
 from client.sync import _ANCILLARY, RECV_BYTES, _recv_fds, parting_words
 
@@ -230,6 +231,11 @@ class AsyncClient:
 
     async def check_integrity(self) -> None:
         await self._run(self.core.op_simple(m.Check()))
+
+    async def get_into_device(self, key, out, namespace: str | None = None,
+                              expect: StateDescriptor | None = None) -> int | None:
+        """As Client.get_into_device."""
+        return await self._run(op_get_into_device(self.core, key, out, namespace, expect))
 
     async def gpu_handle(self) -> GpuHandleReply:
         return await self._run(self.core.op_simple(m.GpuHandle()))

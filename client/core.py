@@ -134,6 +134,7 @@ class ClientCore:
         self._unmapped: set[str] = set()  # opened to read, but no arena there yet
         self._maps: list[mmap.mmap] = []
         self.pinned: dict[str, str] = {}  # namespace -> whether its arena is pinned for CUDA, and why not
+        self.gpu_mapping = None  # client.gpu.GpuMapping of the daemon's GPU tier; False: it runs none
         self._ids = itertools.count(1)
         self._release_cb = release
         self.max_inflight_bytes = PUT_WINDOW_BYTES  # the daemon's limit, from hello
@@ -271,7 +272,8 @@ class ClientCore:
             raise result.error
         return result
 
-    def op_get(self, key, namespace: str | None, accept, ranges=None, expect: StateDescriptor | None = None):
+    def op_get(self, key, namespace: str | None, accept, ranges=None, expect: StateDescriptor | None = None,
+               gpu: bool = False):
         expect = _expectation(key, expect)
         namespace = namespace or self.namespace
         yield from self.op_open(namespace, create=False)
@@ -279,7 +281,7 @@ class ClientCore:
         oid = to_object_id(key)
         if ranges is not None:
             ranges = normalize_ranges(ranges)  # InvalidArgument before anything is sent
-        (reply,) = yield [self.request(m.Get(namespace, oid, accept, ranges, expect))]
+        (reply,) = yield [self.request(m.Get(namespace, oid, accept, ranges, expect, gpu))]
         got = self.result(reply, r.GetReply)
         if not got.hit:
             return None
@@ -289,9 +291,10 @@ class ClientCore:
 
     def _lease(self, got: r.GetReply, namespace: str, oid: ObjectId, ranges, expect) -> ReadLease | None:
         """The ReadLease of a get hit (None, released, if it is not the expected state)."""
-        array = self.arenas[namespace][got.offset:got.offset + got.size]
+        on_gpu = got.tier == "gpu"  # its bytes are in the GPU buffer (client/gpu.py), not the arena
+        array = None if on_gpu else self.arenas[namespace][got.offset:got.offset + got.size]
         lease = ReadLease(self._release_cb, got.lease, oid, got.size, got.checksum, got.descriptor, got.tier,
-                          array, got.ranges, self, asked_ranges=ranges is not None)
+                          array, got.ranges, self, asked_ranges=ranges is not None, device_offset=on_gpu and got.offset)
         if expect is not None and lease.descriptor != expect:  # a daemon that answered for another one
             lease.release()
             return None

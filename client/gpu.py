@@ -17,6 +17,7 @@ from __future__ import annotations
 import threading
 import weakref
 
+from kvstore import messages as m
 from kvstore.errors import InvalidArgument, ServiceError
 from kvstore.replies import GpuHandleReply
 
@@ -71,7 +72,12 @@ class GpuMapping:
     """The daemon's GPU tier buffer mapped into this process. Any thread may copy out of it;
     the mapping lives while this object (or another mapping of the same export) does."""
 
-    def __init__(self, handle: GpuHandleReply):
+    def __init__(self, handle: GpuHandleReply | None = None, *, buffer=None):
+        """Map the export `handle`; or (`buffer`, see `over`) wrap a tensor, no IPC."""
+        if buffer is not None:
+            self._mapped = self._buffer = buffer
+            self.capacity_bytes = buffer.numel()
+            return
         if not isinstance(handle, GpuHandleReply):
             raise InvalidArgument(f"GpuMapping needs the GpuHandleReply of op gpu_handle, not {type(handle).__name__}")
         if handle.capacity_bytes > handle.storage_bytes:
@@ -97,10 +103,7 @@ class GpuMapping:
     def over(cls, buffer) -> GpuMapping:
         """A mapping over a uint8 tensor this process already has (tests on CPU, or a
         buffer the caller mapped itself); no IPC."""
-        mapping = cls.__new__(cls)
-        mapping._mapped = mapping._buffer = buffer
-        mapping.capacity_bytes = buffer.numel()
-        return mapping
+        return cls(buffer=buffer)
 
     @property
     def device(self):
@@ -153,6 +156,43 @@ class GpuMapping:
                 or offset + size > self.capacity_bytes:
             raise InvalidArgument(f"extent ({offset!r}, {size!r}) is not inside the "
                                   f"{self.capacity_bytes}-byte GPU tier: pass a gpu-tier GetReply's offset and size")
+
+
+def op_get_into_device(core, key, out, namespace: str | None, expect=None):
+    """Client.get_into_device: the object's bytes into the front of `out` (a contiguous torch
+    tensor); its size, or None on a miss. With the daemon's GPU tier mapped (once per client),
+    a device copy is copied device to device; else (no GPU tier, no room on it) the host
+    lease is copied in, by DMA where the client pinned its arena (client/pinning.py)."""
+    if core.gpu_mapping is None:
+        try:
+            core.gpu_mapping = GpuMapping((yield from core.op_simple(m.GpuHandle())))
+        except InvalidArgument:  # the daemon runs no GPU tier: every read is a host read
+            core.gpu_mapping = False
+    mapping = core.gpu_mapping or None
+    lease = yield from core.op_get(key, namespace, None, None, expect, gpu=mapping is not None)
+    if lease is None:
+        return None
+    with lease:
+        if lease.device_offset is not None:
+            return mapping.copy_to(out, lease.device_offset, lease.size)
+        return _host_to_tensor(lease.numpy(), out)
+
+
+def _host_to_tensor(src, out) -> int:
+    import warnings
+
+    import torch
+
+    if not isinstance(out, torch.Tensor) or not out.is_contiguous():
+        raise InvalidArgument("out must be a contiguous torch.Tensor")
+    out_bytes = out.numel() * out.element_size()
+    if out_bytes < src.size:
+        raise InvalidArgument(f"the object is {src.size} bytes, out only {out_bytes}: pass a larger tensor")
+    with warnings.catch_warnings():  # a read-only lease view: torch only reads it here
+        warnings.filterwarnings("ignore", message=".*not writable.*")
+        host = torch.from_numpy(src)
+    out.reshape(-1).view(torch.uint8)[:src.size].copy_(host)
+    return src.size
 
 
 def _uuid(value) -> str:

@@ -35,10 +35,10 @@ class ReadLease:
     """
 
     __slots__ = ("lease_id", "object_id", "size", "checksum", "_descriptor", "tier", "_array", "_release", "_done",
-                 "ranges", "_starts", "_core", "_stale_at", "_asked_ranges", "_views")
+                 "ranges", "_starts", "_core", "_stale_at", "_asked_ranges", "_views", "device_offset")
 
     def __init__(self, release, lease_id, object_id, size, checksum, descriptor_wire, tier, array, ranges=None,
-                 core=None, asked_ranges: bool = False):
+                 core=None, asked_ranges: bool = False, device_offset: int | None = None):
         self.lease_id = lease_id
         self.object_id = object_id
         self.size = size
@@ -58,6 +58,9 @@ class ReadLease:
         self._stale_at = math.inf if ttl is None else time.monotonic() + LEASE_TTL_MARGIN * ttl
         self._asked_ranges = asked_ranges  # got with ranges=: read() only
         self._views: list[memoryview] = []  # handed out by `buffer`, released with the lease
+        # tier "gpu": the object's device copy at this offset of the daemon's GPU buffer
+        # (client.gpu.GpuMapping reads it); the lease then has no host bytes.
+        self.device_offset = device_offset if tier == "gpu" else None
 
     @property
     def closed(self) -> bool:
@@ -79,6 +82,9 @@ class ReadLease:
         if self.closed:
             raise DaemonUnavailable(f"the lease on {self.object_id.hex} has ended (released, or its connection "
                                     f"closed); {what} is no longer valid: get the object again")
+        if self._array is None:
+            raise InvalidArgument(f"{what} of a lease on the GPU tier: its bytes are in the daemon's GPU buffer; "
+                                  "copy them with Client.get_into_device, or get without gpu")
         if self._asked_ranges:
             raise InvalidArgument(f"{what} of a lease got with ranges=: read its bytes with read(offset, length) "
                                   "(the lease holds the whole object or only the ranges, depending on where it was)")

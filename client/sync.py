@@ -14,6 +14,7 @@ from kvstore.identity import StateDescriptor
 from kvstore.protocol import NEED_DATA, BadFrame, Fatal, Reply
 from kvstore.replies import GpuHandleReply, HelloReply
 from client.core import ClientCore, LookupResult, PutResult
+from client.gpu import op_get_into_device
 from client.lease import ReadLease
 
 RECV_BYTES = 256 * 1024
@@ -271,6 +272,14 @@ class Client:
     def check_integrity(self) -> None:
         """Ask the daemon to verify its allocators, index, leases and policies now."""
         self._run(self.core.op_simple(m.Check()))
+
+    def get_into_device(self, key, out, namespace: str | None = None,
+                        expect: StateDescriptor | None = None) -> int | None:
+        """Copy the object into `out`, a contiguous torch tensor (on the GPU, typically);
+        returns its size, or None on a miss. Where the daemon runs a GPU tier the read is a
+        device-to-device copy from its copy of the object (mapped once per client by CUDA
+        IPC); else a copy from the host lease."""
+        return self._run(op_get_into_device(self.core, key, out, namespace, expect))
 
     def gpu_handle(self) -> GpuHandleReply:
         """The daemon's GPU tier buffer, exported for this process: map it with

@@ -48,7 +48,7 @@ VALID = {
     "lookup": {"namespace": "t", "ids": [_ID]}, "delete": {"namespace": "t", "ids": [_ID]},
     "pin": {"namespace": "t", "ids": [_ID], "ttl_s": 2.0}, "unpin": {"namespace": "t", "ids": [_ID]},
     "prefetch": {"namespace": "t", "ids": [_ID], "tier": "host", "policy": "wait", "timeout_s": 0.1},
-    "stats": {}, "check": {},
+    "stats": {}, "check": {}, "gpu_handle": {},
 }
 
 

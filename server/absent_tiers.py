@@ -1,16 +1,41 @@
-"""The tiers below the host arena when they are switched off: null objects.
+"""The tiers around the host arena when they are switched off: null objects.
 
-The chain is host -> NVMe -> the cluster's homes. A daemon without NVMe gets `NoNvme`, one
-without a cluster `NoCluster`: each answers like the real tier holding nothing and reaching
-no one, synchronously where the real one would await I/O (server/later.py), so the tier
-manager and the other tiers never ask whether a neighbour exists.
+The chain is [GPU copies] -> host -> NVMe -> the cluster's homes. A daemon without a GPU
+tier gets `NoGpu`, one without NVMe `NoNvme`, one without a cluster `NoCluster`: each
+answers like the real tier holding nothing and reaching no one, synchronously where the
+real one would await I/O (server/later.py), so the tier manager and the other tiers never
+ask whether a neighbour exists.
 """
 
 from __future__ import annotations
 
-from kvstore.replies import IN_MEMORY, MISS, CommitReply, GetReply
+from kvstore.errors import InvalidArgument
+from kvstore.replies import IN_MEMORY, MISS, CommitReply, GetReply, GpuHandleReply
 from server.later import MaybeAwaitable, then
 from server.objects import ObjectEntry
+
+
+class NoGpu:
+    """The GPU tier of a daemon with `[gpu] enabled = false` (or before start): no copies,
+    so a get with gpu=True is served from the host arena."""
+
+    enabled = False
+
+    def lease_copy(self, ns, entry: ObjectEntry) -> None:
+        return None
+
+    def forget(self, namespace: str, digest: bytes) -> None:
+        pass
+
+    def handle(self) -> GpuHandleReply:
+        raise InvalidArgument("this daemon runs no GPU tier: set [gpu] enabled = true on a node with CUDA "
+                           "(`kvstore status` says what the GPU probe found), or read from the host tier")
+
+    def stats(self) -> None:
+        return None
+
+    def check_integrity(self) -> None:
+        pass
 
 
 class NoNvme:

@@ -19,6 +19,7 @@ from kvstore.errors import KVStoreError, PermissionDenied
 from kvstore.protocol import MAX_BATCH
 from kvstore.replies import ClientLimits
 from server.data_dir import DataDirLock, ensure_dir, hold_data_dir
+from server.gpu_reads import GpuReads
 from server.host_memory import check_host_tier, host_memory
 from server.local_service import SERVER_VERSION, LocalConnection
 from server.tier_manager import TierManager
@@ -138,6 +139,7 @@ class Daemon:
             raise DaemonError(f"[gpu] enabled = true, but the GPU tier cannot run here: "
                               f"{self.gpu_availability.reason}. Set [gpu] enabled = false, or fix that")
         self.gpu = GpuTier(gpu)
+        self.manager.attach_gpu(GpuReads(self.gpu, self.manager.host))
         log.info("event=gpu_tier device=%d capacity_bytes=%d", gpu.device, gpu.capacity_bytes)
 
     def gpu_stats(self) -> dict:
@@ -145,8 +147,9 @@ class Daemon:
         found = self.gpu_availability
         doc = {"enabled": self.config.gpu.enabled, "available": bool(found and found.available),
                "reason": found.reason if found else "not probed yet", "device": self.config.gpu.device}
-        if self.gpu is not None:
-            doc.update(capacity_bytes=self.gpu.capacity_bytes, used_bytes=self.gpu.allocator.used_bytes)
+        copies = self.manager.gpu.stats()
+        if copies is not None:
+            doc.update(copies)
         return doc
 
     def request_stop(self) -> None:

@@ -192,7 +192,8 @@ class LocalConnection(asyncio.Protocol):
             case m.Get():
                 if self._ns(msg.namespace) not in mgr.namespaces and mgr.tiered:
                     return self._arena_for_read(msg), None
-                return mgr.get(owner, self._ns(msg.namespace), msg.object_id, msg.accept, msg.ranges, msg.expect), None
+                return mgr.get(owner, self._ns(msg.namespace), msg.object_id, msg.accept, msg.ranges, msg.expect,
+                               msg.gpu), None
             case m.Release():
                 mgr.release(owner, msg.lease)
                 return None, None
@@ -232,6 +233,8 @@ class LocalConnection(asyncio.Protocol):
             case m.Check():
                 self.manager.check_integrity()
                 return r.CheckReply(True), None
+            case m.GpuHandle():
+                return mgr.gpu.handle(), None
         raise ProtocolError(f"op {msg.op} not served on the local socket")
 
     async def _open_later(self, msg: m.OpenNamespace):

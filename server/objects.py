@@ -52,12 +52,13 @@ class ObjectEntry:
         """Not past its TTL at `now` (monotonic): the one liveness rule every reader applies."""
         return self.expires_at > now
 
-    def get_reply(self, lease_id: int, tier: str = "host") -> GetReply:
-        """What a get hit sends: where to read, how to check it, and what it is."""
+    def get_reply(self, lease_id: int, tier: str = "host", offset: int | None = None) -> GetReply:
+        """What a get hit sends: where to read (the host arena; tier "gpu": `offset` into the
+        GPU buffer), how to check it, and what it is."""
         if self.descriptor_wire is None:
             self.descriptor_wire = self.descriptor.to_wire()
-        return GetReply(True, lease=lease_id, offset=self.extent.offset, size=self.size, checksum=self.checksum,
-                        tier=tier, descriptor=self.descriptor_wire)
+        return GetReply(True, lease=lease_id, offset=self.extent.offset if offset is None else offset, size=self.size,
+                        checksum=self.checksum, tier=tier, descriptor=self.descriptor_wire)
 
     def is_pinned(self, now: float) -> bool:
         return self.pinned_until > now

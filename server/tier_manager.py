@@ -2,7 +2,8 @@
 
 It composes the chain of tiers once, at construction: the host tier (server/host_tier.py),
 then NVMe (server/movement.py) and the cluster's homes (server/cluster.py), each replaced by
-a null object (server/absent_tiers.py) when switched off. Puts are two-phase (reserve ->
+a null object (server/absent_tiers.py) when switched off. Above the host tier, device copies
+for local engines (server/gpu_reads.py) join at start, once the GPU probe found CUDA. Puts are two-phase (reserve ->
 write in shared memory -> commit), gets hand out read leases, and an extent is never freed
 or reused while a lease covers it. Lookups, deletes, pins and prefetches are IndexOps
 (server/index_ops.py), composed here too.
@@ -25,7 +26,7 @@ from kvstore.identity import ObjectId, descriptor_differences
 from kvstore.messages import Reserve
 from kvstore.ranges import check_within
 from kvstore.replies import MISS, CommitReply, GetReply, ReserveReply
-from server.absent_tiers import NoCluster, NoNvme
+from server.absent_tiers import NoCluster, NoGpu, NoNvme
 from server.host_tier import HostTier, Namespace
 from server.index_ops import IndexOps
 from server.later import MaybeAwaitable, is_ready, resolve
@@ -54,6 +55,7 @@ class TierManager:
         self._pending: dict[int, PendingPut] = {}  # write lease id -> reserved put
         self._reading: dict[int, ObjectEntry] = {}  # read lease id -> entry it covers
         self._ranged: dict[int, tuple[Namespace, Extent]] = {}  # read lease id -> transient extent of fetched ranges
+        self._on_gpu: dict[int, tuple[str, bytes]] = {}  # read lease id -> (namespace, digest) of a device copy
         self.host_bandwidth_bytes_s = 8e9  # replaced by a measurement at start
         # The host tier's surface, as the other tiers and the admin API use it.
         h = self.host
@@ -62,6 +64,7 @@ class TierManager:
         self.drop, self.track_transient, self.stopping = h.drop, h.track_transient, h.stopping
         # The chain below the host arena, and where host victims go: written down to NVMe
         # (which sends what it refuses home), else sent home, else dropped (None: no await).
+        self.gpu = NoGpu()  # server.gpu_reads.GpuReads once attach_gpu() (the daemon's start)
         self.mover = make_nvme(self) if make_nvme else NoNvme()
         self.cluster = make_cluster(self) if make_cluster else NoCluster(self.host)
         if self.mover.enabled:
@@ -76,11 +79,16 @@ class TierManager:
         self.lookup, self.delete, self.delete_here, self.prefetch = i.lookup, i.delete, i.delete_here, i.prefetch
         self.pin, self.unpin, self.pin_here, self.evict = i.pin, i.unpin, i.pin_here, i.evict
 
+    def attach_gpu(self, gpu) -> None:
+        """The GPU tier joins the chain (made at start: it needs the probe, and device memory)."""
+        self.gpu = gpu
+
     def allocate(self, ns: Namespace, size: int) -> MaybeAwaitable[Extent]:
         """An extent in the host arena, room made for it by the chain's sink."""
         return self.host.make_room(ns, size, self.sink)
 
     def _left_host(self, ns: Namespace, entry: ObjectEntry) -> None:
+        self.gpu.forget(ns.name, entry.object_id.digest)
         if not self.mover.holds(ns.name, entry.object_id):  # gone from this node altogether
             self.cluster.forget(ns.name, entry.object_id)
 
@@ -161,10 +169,11 @@ class TierManager:
     # --- get --------------------------------------------------------------------
 
     def get(self, owner, namespace: str, oid: ObjectId, accept=None, ranges=None,
-            expect=None) -> MaybeAwaitable[GetReply]:
+            expect=None, gpu: bool = False) -> MaybeAwaitable[GetReply]:
         """A read lease, or a miss. expect: the descriptor the reader can use (any other is a
         miss). A local miss goes down the chain: NVMe (promoted), then the homes (fetched;
-        only the ranges asked for, when `ranges`)."""
+        only the ranges asked for, when `ranges`). gpu: the reader mapped the GPU buffer; a
+        hit is leased on its device copy where the GPU tier can hold one."""
         ns = self.namespaces.get(namespace)
         if ns is None:
             return MISS
@@ -173,10 +182,10 @@ class TierManager:
         if entry is None:
             if self.mover.holds(namespace, oid):
                 self._check_ranges(ns, ranges, self.mover.size_of(namespace, oid))  # before promoting it
-                return self._get_after(self.mover.promote(namespace, oid), owner, ns, oid, accept, ranges, expect)
+                return self._get_after(self.mover.promote(namespace, oid), owner, ns, oid, accept, ranges, expect, gpu)
             if ranges is not None:  # a sparse reader: only those bytes cross the network
                 return self.cluster.get_ranges(owner, namespace, oid, accept, ranges, expect)
-            return self._get_after(self.cluster.fetch(namespace, oid), owner, ns, oid, accept, None, expect)
+            return self._get_after(self.cluster.fetch(namespace, oid), owner, ns, oid, accept, None, expect, gpu)
         if accept is not None and entry.descriptor.dtype not in accept:
             ns.counters.num_misses += 1
             return GetReply(False, f"stored as {entry.descriptor.dtype.value}, not in accept list")
@@ -185,32 +194,56 @@ class TierManager:
             return GetReply(False, f"stored as {descriptor_differences(entry.descriptor, expect)}")
         self._check_ranges(ns, ranges, entry.size)  # leased whole, but the same error wherever it is
         self.quotas.check_lease(owner)
-        lease = self.leases.grant(owner, oid, entry.extent, "read", self.limits_config.lease_ttl_s, self.clock())
-        self._reading[lease.lease_id] = entry
-        entry.readers += 1
+        if gpu and ranges is None:
+            copy = self.gpu.lease_copy(ns, entry)
+            if not is_ready(copy):  # being copied to the device now
+                return self._get_after(copy, owner, ns, oid, accept, None, expect, gpu=False, copied=True)
+            if copy is not None:
+                return self._lease(owner, ns, entry, copy)
+        return self._lease(owner, ns, entry)
+
+    def _lease(self, owner, ns: Namespace, entry: ObjectEntry, on_gpu: Extent | None = None) -> GetReply:
+        """A read lease on the host entry, or on its device copy (`on_gpu`, acquired for it)."""
+        oid = entry.object_id
+        lease = self.leases.grant(owner, oid, on_gpu or entry.extent, "read", self.limits_config.lease_ttl_s,
+                                  self.clock())
         entry.num_hits += 1
         ns.policy.on_access(oid)
         ns.counters.num_hits += 1
         ns.counters.bytes_out += entry.size
         self.mover.on_hit(entry)
+        if on_gpu is not None:
+            self._on_gpu[lease.lease_id] = (ns.name, oid.digest)
+            return entry.get_reply(lease.lease_id, tier="gpu", offset=on_gpu.offset)
+        self._reading[lease.lease_id] = entry
+        entry.readers += 1
         return entry.get_reply(lease.lease_id)
 
-    def _get_after(self, bring: MaybeAwaitable[ObjectEntry | None], owner, ns: Namespace, oid: ObjectId, accept,
-                   ranges, expect) -> MaybeAwaitable[GetReply]:
-        """Once `bring` put the object in the host tier (or found it nowhere), serve it from there."""
+    def _get_after(self, bring: MaybeAwaitable, owner, ns: Namespace, oid: ObjectId, accept, ranges, expect,
+                   gpu: bool, copied: bool = False) -> MaybeAwaitable[GetReply]:
+        """Once `bring` put the object in the host tier (or found it nowhere), serve it from
+        there. copied: `bring` made a device copy instead (its extent, acquired, or None)."""
         if is_ready(bring):
-            return self._served(bring, owner, ns, oid, accept, ranges, expect)
-        return self._served_later(bring, owner, ns, oid, accept, ranges, expect)
+            return self._served(bring, owner, ns, oid, accept, ranges, expect, gpu, copied)
+        return self._served_later(bring, owner, ns, oid, accept, ranges, expect, gpu, copied)
 
-    async def _served_later(self, bring, owner, ns: Namespace, oid: ObjectId, accept, ranges, expect) -> GetReply:
-        return await resolve(self._served(await bring, owner, ns, oid, accept, ranges, expect))
+    async def _served_later(self, bring, owner, ns: Namespace, oid: ObjectId, accept, ranges, expect, gpu: bool,
+                            copied: bool) -> GetReply:
+        return await resolve(self._served(await bring, owner, ns, oid, accept, ranges, expect, gpu, copied))
 
-    def _served(self, entry, owner, ns: Namespace, oid: ObjectId, accept, ranges, expect) -> MaybeAwaitable[GetReply]:
-        if entry is None:
+    def _served(self, brought, owner, ns: Namespace, oid: ObjectId, accept, ranges, expect, gpu: bool,
+                copied: bool) -> MaybeAwaitable[GetReply]:
+        entry = ns.objects.get(oid)
+        if copied and brought is not None:
+            if entry is not None:
+                return self._lease(owner, ns, entry, brought)
+            self.gpu.release(ns.name, oid.digest)  # gone meanwhile: forgotten with its last reader
+            brought = None
+        if brought is None and not copied:
             ns.counters.num_misses += 1  # num_gets was counted when the request came in
             return MISS
         ns.counters.num_gets -= 1  # the get below counts this same request again
-        return self.get(owner, ns.name, oid, accept, ranges, expect)  # resident now
+        return self.get(owner, ns.name, oid, accept, ranges, expect, gpu)  # resident now (or a miss)
 
     @staticmethod
     def _check_ranges(ns: Namespace, ranges, size: int) -> None:
@@ -249,6 +282,10 @@ class TierManager:
             put = self._pending.pop(lease.lease_id)
             self.quotas.settled(lease.owner, put.size)
             self.namespaces[put.namespace].arena.free(put.extent)
+            return
+        on_gpu = self._on_gpu.pop(lease.lease_id, None)
+        if on_gpu is not None:
+            self.gpu.release(*on_gpu)
             return
         ranged = self._ranged.pop(lease.lease_id, None)
         if ranged is not None:
@@ -289,13 +326,14 @@ class TierManager:
             lease = self.leases.get(lease_id)
             if lease is None or lease.mode != "read" or not self.host.holds_transient(ns, extent):
                 raise RuntimeError(f"ranged lease {lease_id}: no read lease, or its extent is not accounted for")
-        if sum(1 for lease in self.leases if lease.mode == "read") != len(self._reading) + len(self._ranged):
+        if sum(1 for lease in self.leases if lease.mode == "read") != len(self._reading) + len(self._ranged) + len(self._on_gpu):
             raise RuntimeError("read leases and the leases the tier manager tracks disagree")
         readers = self.host.readers()
         if readers != len(self._reading) + self.host.num_holds:
             raise RuntimeError(f"{readers} readers counted on entries, {len(self._reading)} read leases "
                                f"and {self.host.num_holds} daemon holds")
         self.mover.check_integrity()
+        self.gpu.check_integrity()
 
     def stats(self) -> dict:
         """Per namespace and per tier (a tier that is off is left out)."""

@@ -10,7 +10,9 @@ import time
 
 import numpy as np
 
+from kvstore.config import GPU_ALIGNMENT_BYTES
 from kvstore.identity import ObjectId
+from tiers.allocator import Extent, ExtentAllocator
 
 
 def payload(size: int, seed) -> np.ndarray:
@@ -35,3 +37,35 @@ def wait_until(predicate, timeout_s: float, what: str) -> None:
     """As wait_for, but an AssertionError naming `what` when it does not come true."""
     if not wait_for(predicate, timeout_s):
         raise AssertionError(f"{what}: not within {timeout_s} s")
+
+
+class NumpyDevice:
+    """GpuTier's surface over host memory (what GpuCopies and the daemon need of a device): the
+    one stand-in for a GPU, which this machine lacks. The real GpuTier runs in gpu-marked tests."""
+
+    def __init__(self, capacity_bytes: int):
+        self.capacity_bytes = capacity_bytes
+        self.allocator = ExtentAllocator(capacity_bytes, GPU_ALIGNMENT_BYTES)
+        self.buffer = np.zeros(capacity_bytes, dtype=np.uint8)
+        self.fail_next_copy = False
+
+    def can_alloc(self, size_bytes: int) -> bool:
+        return self.allocator.can_alloc(size_bytes)
+
+    def alloc(self, size_bytes: int) -> Extent | None:
+        return self.allocator.alloc(size_bytes)
+
+    def free(self, extent: Extent) -> None:
+        self.allocator.free(extent)
+
+    def view(self, extent: Extent) -> np.ndarray:
+        return self.buffer[extent.offset : extent.end]
+
+    def copy_from_host(self, extent: Extent, src: np.ndarray) -> None:
+        if self.fail_next_copy:
+            self.fail_next_copy = False
+            raise RuntimeError("copy failed (as a CUDA error would)")
+        self.view(extent)[: src.size] = src
+
+    def check_integrity(self) -> None:
+        self.allocator.check_integrity()

@@ -138,13 +138,13 @@ def test_one_process_maps_an_export_once_and_returns_later_exports_references(mo
 def test_a_daemon_without_a_gpu_tier_refuses_gpu_handle_and_keeps_serving(daemon_factory):
     daemon = daemon_factory()
     with daemon.client() as c:
-        with pytest.raises(KVStoreError, match="gpu"):
-            c.gpu_handle()
+        with pytest.raises(InvalidArgument, match="runs no GPU tier"):
+            c.gpu_handle()  # InvalidArgument: "this daemon runs no GPU tier"
         assert "gpu" in c.stats()  # the connection still serves
 
     async def from_asyncio():
         async with await AsyncClient.connect(daemon.socket) as c:
-            with pytest.raises(KVStoreError, match="gpu"):
+            with pytest.raises(InvalidArgument, match="runs no GPU tier"):
                 await c.gpu_handle()
             return await c.stats()
     assert "gpu" in asyncio.run(from_asyncio())
@@ -198,3 +198,38 @@ def test_an_engine_process_reads_gpu_copies_bit_exact_through_the_mapping():
         copies.release("t", digest)
     copies.check_integrity()
     tier.close()
+
+
+def test_get_into_device_from_a_daemon_without_a_gpu_tier_copies_the_host_lease(daemon_factory):
+    from kvs_testing import payload
+    daemon = daemon_factory()
+    with daemon.client() as c:
+        data = payload(10_000, 3)
+        key = b"h" * 32
+        c.put(key, data)
+        out = torch.zeros(5_000, dtype=torch.float16)  # any dtype: bytes land at its front
+        assert c.get_into_device(key, out) == data.size
+        assert np.array_equal(out.view(torch.uint8).numpy(), data)
+        assert c.core.gpu_mapping is False  # asked once: this daemon runs none
+        assert c.get_into_device(b"\x01" * 32, out) is None  # a miss
+        with pytest.raises(InvalidArgument, match="larger tensor"):
+            c.get_into_device(key, torch.zeros(16, dtype=torch.uint8))
+        assert c.get(key) is not None  # every lease was released; the connection serves on
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_get_into_device_reads_the_daemons_device_copy(daemon_factory):
+    from kvs_testing import payload
+    daemon = daemon_factory(config={"gpu": {"enabled": True, "capacity_bytes": "64MiB"}})
+    with daemon.client() as c:
+        data = payload(1 << 20, 4)
+        key = b"g" * 32
+        c.put(key, data)
+        out = torch.zeros(1 << 20, dtype=torch.uint8, device="cuda")
+        for _ in range(2):  # the first read makes the copy, the second reuses it
+            assert c.get_into_device(key, out) == data.size
+            assert np.array_equal(out.cpu().numpy(), data)
+        gpu = c.stats()["gpu"]
+        assert gpu["num_copies_in"] == 1 and gpu["num_gpu_hits"] == 2 and gpu["readers"] == 0, gpu
+        c.check_integrity()

@@ -9,46 +9,16 @@ import random
 import numpy as np
 import pytest
 
-from kvstore.config import GPU_ALIGNMENT_BYTES, GpuConfig
+from kvstore.config import GpuConfig
 from kvstore.errors import InvalidArgument
-from tiers.allocator import Extent, ExtentAllocator
+from kvs_testing import NumpyDevice
+from tiers.allocator import Extent
 from tiers.gpu import GpuTier
 from tiers.gpu_copies import GpuCopies
 
 UNIT = 1024  # one test object; the tier holds CAPACITY // UNIT of them
 CAPACITY = 4 * UNIT
 CUDA = GpuTier.probe().available
-
-
-class NumpyDevice:
-    """GpuTier's surface over host memory: what GpuCopies needs from a device."""
-
-    def __init__(self, capacity_bytes: int):
-        self.capacity_bytes = capacity_bytes
-        self.allocator = ExtentAllocator(capacity_bytes, GPU_ALIGNMENT_BYTES)
-        self.buffer = np.zeros(capacity_bytes, dtype=np.uint8)
-        self.fail_next_copy = False
-
-    def can_alloc(self, size_bytes: int) -> bool:
-        return self.allocator.can_alloc(size_bytes)
-
-    def alloc(self, size_bytes: int) -> Extent | None:
-        return self.allocator.alloc(size_bytes)
-
-    def free(self, extent: Extent) -> None:
-        self.allocator.free(extent)
-
-    def view(self, extent: Extent) -> np.ndarray:
-        return self.buffer[extent.offset : extent.end]
-
-    def copy_from_host(self, extent: Extent, src: np.ndarray) -> None:
-        if self.fail_next_copy:
-            self.fail_next_copy = False
-            raise RuntimeError("copy failed (as a CUDA error would)")
-        self.view(extent)[: src.size] = src
-
-    def check_integrity(self) -> None:
-        self.allocator.check_integrity()
 
 
 @pytest.fixture(params=["numpy", pytest.param("cuda", marks=[
