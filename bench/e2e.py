@@ -58,7 +58,7 @@ from bench.common import Row, Target, report  # noqa: E402
 from gpu.engine import Engine, EngineConfig  # noqa: E402
 from gpu.engine.sparse_mode import SparseConfig, SparseDecoder, connect, dense_agreement  # noqa: E402
 from gpu.engine.store_engine import StoreConfig, StoreEngine, shared_weights  # noqa: E402
-from server.smoke import start_daemon  # noqa: E402
+from commands.smoke import start_daemon  # noqa: E402
 
 SUITE = "e2e"
 LENGTHS = {"512": 512, "1K": 1024, "2K": 2048, "4K": 4096}

@@ -197,7 +197,7 @@ def bench_vllm_tier(socket_path: str, quick: bool) -> list[Row]:
 
 def run_part(engine: str, quick: bool) -> list[dict]:
     """In the engine's environment: start a daemon, measure, return rows as dicts."""
-    from server.smoke import start_daemon
+    from commands.smoke import start_daemon
 
     with tempfile.TemporaryDirectory(prefix="kvs-bench-") as tmp:
         sock = os.path.join(tmp, "s.sock")

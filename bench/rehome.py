@@ -53,7 +53,7 @@ class Node:
     """One `kvstore serve` with etcd membership, its socket and config under `root`."""
 
     def __init__(self, root: str, name: str, etcd: str, arena: str):
-        from server.smoke import start_daemon
+        from commands.smoke import start_daemon
         os.makedirs(root, exist_ok=True)
         self.socket, config = os.path.join(root, "s"), os.path.join(root, "kvstore.toml")
         with open(config, "w") as f:

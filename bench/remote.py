@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/remote.py [--quick] [--transports tcp,ucx]
 
-The real peer service (`python -m server.peer_service`, in-memory backend, uvloop) serves
+The real peer service (`python -m server.peer.service`, in-memory backend, uvloop) serves
 from its own process; a RemoteTier fetches from another. A timed get is one `get_into` of a
 4 MiB object into a pre-touched buffer, xxh3-128 check included; `transfer` is the same fetch
 without the check; `lookup` is one key, one round trip; `sparse` is a ranged get of 1/8 of
@@ -14,7 +14,7 @@ Baselines, each a pair of processes in the same run, reps interleaved (bench/bas
   socket     a blocking client sends 1 byte; the server sendall()s the same 4 MiB, which the
              client recv_into()s a pre-touched buffer: the floor for TCP
   mooncake   Mooncake Store get_into over TCP, the object held by another process
-Writes bench/results/remote.json; UCX settings come from the environment (see server/peer_ucx.py).
+Writes bench/results/remote.json; UCX settings come from the environment (see server/peer/ucx.py).
 """
 
 from __future__ import annotations
@@ -43,9 +43,9 @@ from bench.common import (  # noqa: E402
 )
 from kvstore.identity import ObjectId, StateDescriptor  # noqa: E402
 from kvstore.peer_messages import PeerGet, RemoteMeta  # noqa: E402
-from server.peer_client import connect_peer  # noqa: E402
-from server.peer_service import RANGED_RECHECK_S  # noqa: E402
-from server.peer_transport import make_transport  # noqa: E402
+from server.peer.client import connect_peer  # noqa: E402
+from server.peer.service import RANGED_RECHECK_S  # noqa: E402
+from server.peer.transport import make_transport  # noqa: E402
 from tiers.remote import RemoteTier  # noqa: E402
 
 SUITE = "remote"
@@ -225,7 +225,7 @@ def peer_server(transport: str, workdir: str, recheck_s: float = RANGED_RECHECK_
     with open(secret_file, "wb") as f:
         f.write(SECRET)
     log = open(os.path.join(workdir, f"peer-{transport}-{recheck_s}.log"), "w")
-    proc = subprocess.Popen([sys.executable, "-m", "server.peer_service", "--listen", "127.0.0.1:0", "--secret-file",
+    proc = subprocess.Popen([sys.executable, "-m", "server.peer.service", "--listen", "127.0.0.1:0", "--secret-file",
                              secret_file, "--transport", transport, "--node-id", "server", "--timeout-s", "5",
                              "--recheck-s", str(recheck_s)],
                             stdout=subprocess.PIPE, stderr=log, text=True, cwd=ROOT)
@@ -316,7 +316,7 @@ def main(argv=None) -> int:
     skipped: dict[str, str] = {}
     with scratch_dir("kvstore-bench-remote-") as workdir:
         rows = run(plan, args.transports.split(","), workdir, skipped)
-    from server.peer_ucx import UCX_ENV_DEFAULTS
+    from server.peer.ucx import UCX_ENV_DEFAULTS
     ucx_env = {k: os.environ.get(k, v) for k, v in UCX_ENV_DEFAULTS.items()}
     settings = {**asdict(plan), "mode": "quick" if args.quick else "full", "object_bytes": SIZE,
                 "ucx_env": ucx_env,

@@ -60,7 +60,7 @@ def ids(count: int):
 
 def measure(count: int, size: int, workdir: str) -> dict:
     from client import Client
-    from server.smoke import start_daemon
+    from commands.smoke import start_daemon
     arena = -(-int(count * UNIT * 1.1) // UNIT) * UNIT + (64 << 20)
     socket_path = os.path.join(workdir, f"scale-{count}.sock")
     config_path = os.path.join(workdir, "scale.toml")

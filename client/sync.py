@@ -21,7 +21,7 @@ RECV_BYTES = 256 * 1024
 # A round trip's requests go out in groups of at most this many bytes, each group's replies
 # read before the next is sent. A group this small always fits in the socket's kernel buffer,
 # so this client never blocks in send while the daemon, its reply buffer full, has stopped
-# reading until the client reads (server/local_service.py REPLY_BUFFER_HIGH_BYTES).
+# reading until the client reads (server/local/service.py REPLY_BUFFER_HIGH_BYTES).
 SEND_GROUP_BYTES = 64 * 1024
 # Room for a few fds per recvmsg; the daemon sends one per opened namespace.
 _ANCILLARY = socket.CMSG_SPACE(8 * array.array("i").itemsize)

@@ -11,8 +11,8 @@ import argparse
 import sys
 
 from kvstore.errors import KVStoreError
-from server.admin_client import AdminClient
-from server.cli import load_config
+from server.admin.client import AdminClient
+from commands.cli import load_config
 
 TIMEOUT_S = 4.0  # below the HEALTHCHECK --timeout
 

@@ -108,7 +108,7 @@ context() {
     rm -rf "$ctx"
     mkdir -p "$ctx"
     (cd "$ROOT" && tar -c --exclude=__pycache__ --exclude=docker/wheels --exclude=docker/cluster-secret \
-        pyproject.toml README.md kvstore tiers server client gpu adapters docker) | tar -x -C "$ctx"
+        pyproject.toml README.md kvstore tiers server client gpu adapters commands docker) | tar -x -C "$ctx"
     mkdir -p "$wheels"
     log "wheelhouse: kvstore and its core dependencies for CPython 3.11"
     # A fixed timestamp inside the wheel: unchanged sources give the same bytes, and the

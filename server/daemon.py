@@ -19,10 +19,10 @@ from kvstore.errors import KVStoreError, PermissionDenied
 from kvstore.protocol import MAX_BATCH
 from kvstore.replies import ClientLimits
 from server.data_dir import DataDirLock, ensure_dir, hold_data_dir
-from server.gpu_reads import GpuReads
+from server.tiering.gpu_reads import GpuReads
 from server.host_memory import check_host_tier, host_memory
-from server.local_service import SERVER_VERSION, LocalConnection
-from server.tier_manager import TierManager
+from server.local.service import SERVER_VERSION, LocalConnection
+from server.tiering.manager import TierManager
 from tiers.gpu import Availability, GpuTier
 
 log = logging.getLogger("kvstore.daemon")
@@ -54,11 +54,11 @@ class Daemon:
         self.config = config
         nvme = cluster = None  # the chain below the host tier, each tier only when enabled
         if config.nvme.enabled:
-            from server.movement import TierMover
+            from server.tiering.nvme_mover import TierMover
             nvme_config = replace(config.nvme, path=config.nvme_path)
             nvme = lambda manager: TierMover(manager, nvme_config)  # noqa: E731
         if config.cluster.enabled:
-            from server.cluster import ClusterLink
+            from server.cluster.link import ClusterLink
             cluster = lambda manager: ClusterLink(manager, config)  # noqa: E731
         self.manager = TierManager(config.host, config.limits, verify_puts=config.verify_puts, make_nvme=nvme,
                                    make_cluster=cluster)
@@ -67,7 +67,7 @@ class Daemon:
         self._server: asyncio.AbstractServer | None = None
         self._tasks: list[asyncio.Task] = []
         self._stopped = asyncio.Event()
-        self.admin = None  # server.admin.AdminServer when admin.enabled
+        self.admin = None  # server.admin.server.AdminServer when admin.enabled
         self.ready = False  # True once recovery is done and the socket serves (GET /readyz)
         self.recovery: dict = {}
         self._data_dir: DataDirLock | None = None
@@ -100,7 +100,7 @@ class Daemon:
                               "set socket_path in the config or --socket") from None
         _claim_socket_path(path)
         if self.config.admin.enabled:  # first, so /readyz can say "recovering"
-            from server.admin import AdminServer
+            from server.admin.server import AdminServer
             self.admin = AdminServer(self)
             await self.admin.start()
         self.manager.host_bandwidth_bytes_s = measure_copy_bandwidth()

@@ -10,7 +10,7 @@ import tempfile
 
 import pytest
 
-from server.smoke import start_daemon
+from commands.smoke import start_daemon
 
 
 class DaemonProcess:

@@ -6,20 +6,29 @@ import pathlib
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-PACKAGES = ("kvstore", "tiers", "server", "client", "gpu", "adapters")
+PACKAGES = ("kvstore", "tiers", "server", "client", "gpu", "adapters", "commands")
 ALLOWED = {
     "kvstore": set(),
     "tiers": {"kvstore"},
     "client": {"kvstore"},
     "gpu": {"kvstore", "client"},
-    "server": {"kvstore", "tiers"},
+    "server": {"kvstore", "tiers"},  # the daemon never imports client or gpu
     "adapters": {"kvstore", "client"},
+    # The user-facing commands are the composition root: they start a daemon and drive it
+    # through the client, as any user would, and `kvstore demo` runs the reference engine.
+    "commands": {"kvstore", "tiers", "server", "client", "gpu"},
 }
-# User-facing entry points drive a daemon through the client, as any user would
-# (recorded in docs/architecture.md). The daemon's own modules never import client.
-ENTRY_POINTS = {"server/cli.py": {"client"}, "server/smoke.py": {"client"}, "server/admin_cli.py": {"client"},
-                # `kvstore demo` drives the reference engine (gpu/) against a daemon it starts
-                "server/demo.py": {"gpu"}}
+# Inside the daemon (docs/architecture.md, "The parts"): which of its packages each may use.
+# The peer protocol knows nothing of tiers; the chain of tiers knows nothing of clients,
+# peers or the admin API (the cluster joins it through a factory the daemon passes in).
+SERVER = {
+    "server/peer": {"server.peer", "server.later", "server.logs"},
+    "server/tiering": {"server.tiering", "server.later", "server.host_memory"},
+    "server/cluster": {"server.cluster", "server.peer", "server.tiering", "server.later"},
+    "server/local": {"server.local", "server.tiering", "server.later"},
+    "server/admin": {"server.admin", "server.tiering", "server.cluster", "server.later", "server.logs"},
+}
+ENTRY_POINTS: dict = {}
 # kvstore/ stays importable without I/O or heavy libraries at import time.
 HEAVY = {"asyncio", "socket", "torch", "aiohttp", "ucxx", "rocksdict", "triton", "numpy"}
 
@@ -46,6 +55,25 @@ def test_imports_point_one_way(package):
     assert not wrong, "imports against the design's direction:\n" + "\n".join(wrong)
 
 
+def _server_imports(path: pathlib.Path):
+    """The server.<part> modules `path` imports (server.x for a top-level module x)."""
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [node.module] if node.module != "server" else [f"server.{a.name}" for a in node.names]
+        elif isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        else:
+            continue
+        yield from (".".join(n.split(".")[:2]) for n in names if n.startswith("server."))
+
+
+@pytest.mark.parametrize("part", sorted(SERVER))
+def test_the_daemons_packages_import_one_way(part):
+    wrong = [f"{p.relative_to(ROOT)} imports {name}" for p in sorted((ROOT / part).rglob("*.py"))
+             for name in _server_imports(p) if name not in SERVER[part]]
+    assert not wrong, "imports against docs/architecture.md's layout:\n" + "\n".join(wrong)
+
+
 def test_kvstore_is_pure_at_import_time():
     heavy = [f"{p.relative_to(ROOT)} imports {n}" for p in (ROOT / "kvstore").rglob("*.py")
              for n in _imports(p, top_level_only=True) if n in HEAVY]
@@ -62,8 +90,8 @@ def test_adapters_import_their_engine_lazily():
 
 
 def test_no_module_asks_whether_a_tier_exists():
-    """The chain of tiers is composed once (server/tier_manager.py): a tier that is off is a
-    null object (server/absent_tiers.py), so nobody checks for a missing neighbour."""
+    """The chain of tiers is composed once (server/tiering/manager.py): a tier that is off is a
+    null object (server/tiering/absent.py), so nobody checks for a missing neighbour."""
     import re
     asks = re.compile(r"\b(mover|cluster|link)\s+is\s+(not\s+)?None\b")
     found = [f"{p.relative_to(ROOT)}:{i}: {line.strip()}" for p in sorted((ROOT / "server").rglob("*.py"))

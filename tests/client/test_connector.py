@@ -81,7 +81,7 @@ def test_load_from_host_matches_recompute(daemon_factory, weights):
 
 @needs_model
 def test_load_from_nvme_after_daemon_restart(daemon_factory, weights, tmp_path):
-    from server.demo import nvme_table
+    from commands.demo import nvme_table
     table = nvme_table(str(tmp_path))
     if table is None:
         pytest.skip("kvstore.config.ServerConfig has no nvme section in this build")

@@ -23,7 +23,7 @@ import torch
 import client.gpu
 from client.gpu import GpuMapping, local_device_index
 from client import AsyncClient
-from kvstore.errors import InvalidArgument, KVStoreError, ServiceError
+from kvstore.errors import InvalidArgument, ServiceError
 from kvstore.replies import GpuHandleReply
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -1,6 +1,6 @@
 """Real daemons in network namespaces: `kvstore serve` per node, clients over the Unix sockets.
 
-Each node's daemon (`python -m server.cli serve --config FILE`) runs inside that node's network
+Each node's daemon (`python -m commands.cli serve --config FILE`) runs inside that node's network
 namespace and serves peers on its own address there. Clients stay in the test process: a Unix
 socket is a filesystem object, so it reaches a daemon in any network namespace (and the arena
 memfd crosses it by SCM_RIGHTS as usual). Only peer traffic and etcd use the namespaces' network.
@@ -127,7 +127,7 @@ class Cluster:
                 f.write(_toml({"data_dir": os.path.join(root, "data"), "admin": {"port": 0}, "cluster": cluster}))
             log = open(daemon.log_path, "w")
             daemon.proc = self.net.popen(
-                name, [sys.executable, "-m", "server.cli", "serve", "--config", config_path, "--socket",
+                name, [sys.executable, "-m", "commands.cli", "serve", "--config", config_path, "--socket",
                        daemon.socket, "--arena-bytes", ARENA, "--log-level", "info"],
                 stdin=subprocess.DEVNULL, stdout=log, stderr=log, cwd=ROOT,
                 env={**os.environ, "PYTHONPATH": ROOT})

@@ -92,7 +92,7 @@ class Compose:
 
     def admin(self, service: str, path: str) -> dict:
         """GET `path` on the node's admin API, from inside its container (127.0.0.1 there)."""
-        code = ("import json, sys; from server.admin_client import AdminClient; "
+        code = ("import json, sys; from server.admin.client import AdminClient; "
                 "print(json.dumps(AdminClient.from_data_dir('/var/lib/kvstore').get(sys.argv[1])))")
         out = _run(["docker", "exec", self.container(service), "python3", "-c", code, path])
         return json.loads(out.stdout)

@@ -92,7 +92,7 @@ class DaemonProc:
         self.proc = None
 
     def start(self) -> DaemonProc:
-        from server.smoke import start_daemon
+        from commands.smoke import start_daemon
         self.proc = start_daemon(self.socket, self.arena_bytes, extra=["--config", self.config_path])
         return self
 
@@ -109,7 +109,7 @@ class DaemonProc:
 
     def admin(self):
         """The admin API with the operator token (sees every namespace)."""
-        from server.admin_client import AdminClient
+        from server.admin.client import AdminClient
         return AdminClient.from_data_dir(self.data_dir)
 
     def stop(self, sig=signal.SIGTERM, timeout: float = 30) -> int | None:

@@ -3,7 +3,7 @@ daemon under load (writers and readers, NVMe on), SIGKILL of clients under load.
 
 After each: no wrong bytes served, no leaked extents or leases (check_integrity, which
 also checks the NVMe allocators against the index), and the daemon serving.
-Covered elsewhere: a full disk (tests/server/test_nvme_daemon.py::test_full_disk...), a
+Covered elsewhere: a full disk (tests/server/tiering/test_nvme_daemon.py::test_full_disk...), a
 flipped byte on disk, SIGKILL during a pure write storm.
 """
 

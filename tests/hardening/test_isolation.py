@@ -21,7 +21,7 @@ from kvstore.config import ServerConfig
 from kvstore import messages as m
 from kvstore.errors import InvalidArgument, NotFound, PermissionDenied
 from kvstore.protocol import FrameCodec, Reply, Request
-from server.admin_client import AdminRequestFailed
+from server.admin.client import AdminRequestFailed
 
 TOKEN_A, TOKEN_B = "tenant-a-token-0123456789", "tenant-b-token-9876543210"
 AUTH = f"""[auth]

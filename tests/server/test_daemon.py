@@ -316,7 +316,7 @@ def test_sigterm_shuts_down_cleanly_and_socket_is_private(daemon):
 
 
 def test_second_daemon_on_the_same_socket_refuses_to_start(daemon):
-    proc = subprocess.run([sys.executable, "-m", "server.cli", "serve", "--socket", daemon.socket, "--arena-bytes", "1MiB"],
+    proc = subprocess.run([sys.executable, "-m", "commands.cli", "serve", "--socket", daemon.socket, "--arena-bytes", "1MiB"],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode != 0 and "already serving" in proc.stderr
     with daemon.client() as c:

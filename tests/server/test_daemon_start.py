@@ -12,7 +12,7 @@ import time
 import pytest
 
 
-SERVE = [sys.executable, "-m", "server.cli", "serve"]
+SERVE = [sys.executable, "-m", "commands.cli", "serve"]
 # Not a timing threshold: only how long a test waits before calling the daemon hung.
 HANG_S = 120
 

@@ -18,7 +18,7 @@ that pause, a `probe`, or `mark_up` from whoever saw it answer. A pooled link fo
 (the peer restarted since it was opened) is not a failure: the call is tried once more on a
 fresh link.
 
-Links come from `connect(address)` (server.peer_transport.connect_peer with the transport
+Links come from `connect(address)` (server.peer.client.connect_peer with the transport
 and secret bound), so this package imports no transport. Runs on one event loop.
 
     tier.py    RemoteTier: the calls (get, ranged get, put, lookup, pin, delete), the

@@ -1,6 +1,6 @@
 """Links to peers: what the remote tier asks of one (PeerLink), and the pools that reuse them.
 
-A link is opened by `connect(address)` (server.peer_transport.connect_peer with the
+A link is opened by `connect(address)` (server.peer.client.connect_peer with the
 transport and secret bound, so this package imports no transport) and carries one call at a
 time. LinkPools keeps up to MAX_LINKS_PER_PEER of them per address: a call takes an idle
 link (no await on that path), opens a new one, or waits `timeout_s` for one to be released.

@@ -1,0 +1,207 @@
+"""Admin route table and the node-level handlers: health, stats, lookup, cluster, metrics.
+
+Object handlers (list, show, delete, pin, evict) are in server/admin/objects.py. Every
+route here must be described in server/admin/openapi.py; a test holds the two together.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+from aiohttp import web
+
+from kvstore.errors import InvalidArgument
+from kvstore.identity import StateDescriptor, chunk_keys
+from kvstore.replies import LookupReply
+from server.admin import objects
+from server.admin.http import ADMIN, json_body, json_response
+from server.admin.openapi import TIER_KEYS, openapi_document
+from server.later import resolve
+from tiers.arena import PAGE_BYTES
+from tiers.nvme import ALIGN as NVME_ALIGN
+
+# Router calls per lookup stay bounded: 1M tokens is 4096 chunks of 256.
+MAX_LOOKUP_TOKENS = 1 << 20
+MAX_EXTRA_KEYS = 64
+
+
+def _admin(request: web.Request):
+    return request.app[ADMIN]
+
+
+async def healthz(request: web.Request) -> web.Response:
+    return json_response({"status": "ok"})
+
+
+async def readyz(request: web.Request) -> web.Response:
+    ready = _admin(request).ready()
+    return json_response({"ready": ready}, status=200 if ready else 503)
+
+
+def _tier_stats(ns: dict) -> dict:
+    """One namespace's manager stats, as the host tier's numbers."""
+    return {k: v for k, v in ns.items() if isinstance(v, int)}
+
+
+def stats_document(admin) -> dict:
+    stats = admin.daemon.stats()
+    per_ns = {name: {"tiers": {"host": _tier_stats(ns)}} for name, ns in sorted(stats["namespaces"].items())}
+    total = dict.fromkeys(TIER_KEYS, 0)
+    for ns in per_ns.values():
+        for key, value in ns["tiers"]["host"].items():
+            total[key] = total.get(key, 0) + value
+    # Every object takes whole pages of the arena: 1 KiB objects fill it at 1/4 of its size.
+    total["allocation_unit_bytes"] = PAGE_BYTES
+    return {
+        "version": stats["version"],
+        "pid": stats["pid"],
+        "uptime_s": stats["uptime_s"],
+        "ready": admin.ready(),
+        "clients": stats["clients"],
+        "leases": stats["leases"],
+        "ops_per_s": admin.ops_per_s(),
+        "socket": stats["socket"],
+        "host_bandwidth_bytes_s": stats["host_bandwidth_bytes_s"],
+        "gpu": stats["gpu"],
+        "tiers": {"host": total, **({"nvme": _nvme_tier(stats["tiers"]["nvme"])} if "nvme" in stats.get("tiers", {}) else {})},
+        "namespaces": per_ns,
+    }
+
+
+# NVMe counters under the names the host tier uses, so one TierStats schema fits both.
+_NVME_AS_TIER = {"num_puts": "writes", "num_gets": "reads", "num_hits": "hits", "num_misses": "misses",
+                 "num_evictions": "num_nvme_evictions"}
+
+
+def _nvme_tier(nvme: dict) -> dict:
+    """The node-wide NVMe tier in TierStats shape, plus its own integer counters."""
+    doc = dict.fromkeys(TIER_KEYS, 0)
+    for key in TIER_KEYS:
+        value = nvme.get(_NVME_AS_TIER.get(key, key), 0)
+        doc[key] = value if isinstance(value, int) and not isinstance(value, bool) else 0
+    doc.update({k: v for k, v in nvme.items()
+                if isinstance(v, int) and not isinstance(v, bool) and v >= 0 and k not in doc})
+    doc["allocation_unit_bytes"] = NVME_ALIGN  # extents are O_DIRECT-aligned: whole 4 KiB blocks
+    return doc
+
+
+async def stats(request: web.Request) -> web.Response:
+    return json_response(stats_document(_admin(request)))
+
+
+def _descriptor(data) -> StateDescriptor:
+    if not isinstance(data, dict):
+        raise InvalidArgument("descriptor must be an object with namespace, model and model_revision")
+    for key, value in data.items():
+        if key == "chunk_tokens":
+            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_LOOKUP_TOKENS:
+                raise InvalidArgument(f"descriptor.chunk_tokens must be an integer in 1..{MAX_LOOKUP_TOKENS}")
+        elif not isinstance(value, str):
+            raise InvalidArgument(f"descriptor.{key} must be a string")
+    try:
+        return StateDescriptor.from_wire(data)
+    except (TypeError, ValueError) as exc:
+        raise InvalidArgument(f"bad descriptor: {exc}") from None
+
+
+def _tokens(value) -> list[int]:
+    if not isinstance(value, list) or len(value) > MAX_LOOKUP_TOKENS:
+        raise InvalidArgument(f"tokens must be a list of at most {MAX_LOOKUP_TOKENS} token ids")
+    if not all(type(t) is int and 0 <= t < 2**32 for t in value):
+        raise InvalidArgument("token ids must be integers in 0..4294967295")
+    return value
+
+
+def _extra_keys(value) -> list[str]:
+    if value is None:
+        return []
+    if not isinstance(value, list) or len(value) > MAX_EXTRA_KEYS or not all(isinstance(k, str) for k in value):
+        raise InvalidArgument(f"extra_keys must be a list of at most {MAX_EXTRA_KEYS} strings")
+    return value
+
+
+async def lookup(request: web.Request) -> web.Response:
+    """What a router asks: how much of this prompt's state is here, where, and how fast it loads."""
+    body = await json_body(request, {"tokens", "descriptor", "extra_keys"})
+    if "tokens" not in body or "descriptor" not in body:
+        raise InvalidArgument("lookup needs tokens and descriptor")
+    tokens, desc = _tokens(body["tokens"]), _descriptor(body["descriptor"])
+    keys = chunk_keys(tokens, desc, extra_keys=_extra_keys(body.get("extra_keys")))
+    manager = _admin(request).daemon.manager
+    if desc.namespace in manager.namespaces and keys:  # never open a namespace for a lookup
+        # desc's only; misses are asked of peers
+        found = await resolve(manager.lookup(desc.namespace, [k.object_id for k in keys], [desc] * len(keys)))
+    else:
+        found = LookupReply.nothing(len(keys))
+    per_tier: dict[str, int] = {}
+    for tier in found.tiers[:found.hits]:
+        per_tier[tier] = per_tier.get(tier, 0) + 1
+    return json_response({
+        "namespace": desc.namespace,
+        "num_chunks": len(keys),
+        "chunk_tokens": desc.chunk_tokens,
+        "hits": found.hits,
+        "hit_tokens": found.hits * desc.chunk_tokens,
+        "hit_bytes": found.hit_bytes,
+        "est_load_s": found.est_load_s,
+        "hit_chunks_per_tier": per_tier,
+        "tiers": list(found.tiers),
+        "object_ids": [k.object_id.hex for k in keys],
+    })
+
+
+async def cluster(request: web.Request) -> web.Response:
+    admin = _admin(request)
+    doc = stats_document(admin)
+    node = {
+        "node_id": f"{socket.gethostname()}:{os.getpid()}",
+        "hostname": socket.gethostname(),
+        "admin_url": admin.url,
+        "version": doc["version"],
+        "ready": doc["ready"],
+        "uptime_s": doc["uptime_s"],
+        "namespaces": sorted(doc["namespaces"]),
+        "tiers": {name: {k: tier[k] for k in ("capacity_bytes", "used_bytes", "objects")}
+                  for name, tier in doc["tiers"].items()},
+        "host_bandwidth_bytes_s": doc["host_bandwidth_bytes_s"],
+    }
+    link = admin.daemon.manager.cluster
+    if link.remote is None:
+        return json_response({"self": node["node_id"], "nodes": [node]})
+    # Clustered: this node's numbers, and every member as this node sees it.
+    stats = link.stats()
+    node["node_id"] = stats["node_id"]
+    down = set(stats["remote"].get("peers_down", ()))
+    members = [{"node_id": n, "peer_address": a, "self": n == stats["node_id"], "down": n in down}
+               for n, a in sorted(stats["members"].items())]
+    return json_response({"self": node["node_id"], "nodes": [node], "members": members,
+                          "replicas": link.config.replicas, "remote_write": link.config.remote_write,
+                          "rehome": stats.get("rehome"), "auth_failures": stats.get("auth_failures")})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    from prometheus_client import CONTENT_TYPE_LATEST
+    from server.admin.metrics import render
+    return web.Response(body=render(_admin(request).registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+async def openapi(request: web.Request) -> web.Response:
+    return json_response(openapi_document())
+
+
+ROUTES = [
+    ("GET", "/healthz", healthz),
+    ("GET", "/readyz", readyz),
+    ("GET", "/v1/stats", stats),
+    ("GET", "/v1/objects", objects.list_objects),
+    ("GET", "/v1/objects/{id}", objects.show_object),
+    ("DELETE", "/v1/objects/{id}", objects.delete_object),
+    ("POST", "/v1/objects/{id}/pin", objects.pin_object),
+    ("DELETE", "/v1/objects/{id}/pin", objects.unpin_object),
+    ("POST", "/v1/evict", objects.evict),
+    ("POST", "/v1/lookup", lookup),
+    ("GET", "/v1/cluster", cluster),
+    ("GET", "/metrics", metrics),
+    ("GET", "/openapi.json", openapi),
+]

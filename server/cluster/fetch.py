@@ -1,0 +1,146 @@
+"""A local miss fetched from the object's home nodes: the whole object (published here) or
+only some byte ranges of it (leased to the reader, never published).
+
+Both land the same way (`Landing`): in place in the arena when room is free, else in a
+staging buffer that is copied in only once a home's bytes were verified, room being made
+(evicting) then and only then. A home that fails or sends bad bytes gives its landing place
+back before the next home is asked.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from kvstore.errors import CapacityError
+from kvstore.identity import descriptor_differences
+from kvstore.peer_messages import RemoteMeta
+from kvstore.ranges import check_within, total as ranges_total
+from kvstore.replies import MISS, GetReply
+from server.tiering.objects import ObjectEntry
+
+DEFAULT_REMOTE_BANDWIDTH = 1e9
+
+
+class Landing:
+    """Where one transfer's bytes land in a namespace's arena (see the module docstring).
+    An extent it holds is tracked as transient until `keep` hands it over."""
+
+    def __init__(self, manager, ns):
+        self.manager, self.ns = manager, ns
+        self.extent = None
+        self.staged: np.ndarray | None = None
+
+    def place(self, size: int):
+        """A buffer for `size` bytes: free room in the arena, else a staging buffer."""
+        self.give_back()
+        extent = self.ns.arena.alloc(size)  # room already free: receive in place
+        if extent is None:
+            self.staged = np.empty(size, dtype=np.uint8)  # no room yet: stage, copy after
+            return self.staged
+        self.manager.track_transient(self.ns, extent, add=True)
+        self.extent = extent
+        return self.ns.arena.view(extent)[:size]
+
+    async def settle(self, size: int):
+        """After a verified hit: the extent holding the bytes (room made and staged bytes
+        copied in if they were staged), or None when no room can be made."""
+        if self.extent is None:
+            try:
+                extent = await self.manager.allocate(self.ns, size)
+            except CapacityError:
+                return None
+            self.manager.track_transient(self.ns, extent, add=True)
+            self.extent = extent
+            np.copyto(np.frombuffer(self.ns.arena.view(extent), dtype=np.uint8)[:size], self.staged)
+            self.staged = None
+        return self.extent
+
+    def keep(self, untrack: bool):
+        """Hand the extent over (to the index, `untrack`; or to a lease that untracks it when
+        it ends): this landing no longer frees it."""
+        extent, self.extent = self.extent, None
+        if untrack:
+            self.manager.track_transient(self.ns, extent, add=False)
+        return extent
+
+    def give_back(self) -> None:
+        if self.extent is not None:
+            self.manager.track_transient(self.ns, self.extent, add=False)
+            self.ns.arena.free(self.extent)
+            self.extent = None
+        self.staged = None
+
+
+class Fetcher:
+    """Fetches local misses from home nodes. `held` is shared with the other cluster roles."""
+
+    def __init__(self, manager, node, held: set):
+        self.manager, self.node, self.held = manager, node, held
+        # Remote load estimates: start from a loopback-TCP guess, then follow fetches.
+        self.bandwidth_bytes_s = DEFAULT_REMOTE_BANDWIDTH
+
+    async def fetch(self, namespace: str, object_id) -> ObjectEntry | None:
+        """A local miss: get the object from its home nodes into the host tier, verified."""
+        remote = self.node.remote
+        if remote is None:
+            return None
+        ns = await self.manager.open_namespace(namespace)
+        landing = Landing(self.manager, ns)
+        start = time.perf_counter()
+        try:
+            meta = await remote.get_into(namespace, object_id, lambda meta: landing.place(meta.size))
+        except BaseException:
+            landing.give_back()  # a failure that escaped: give the landing place back
+            raise
+        if meta is not None:
+            seconds = max(time.perf_counter() - start, 1e-6)
+            self.bandwidth_bytes_s = 0.8 * self.bandwidth_bytes_s + 0.2 * meta.size / seconds
+        if meta is None or object_id in ns.objects:  # a miss, or a local put landed meanwhile
+            landing.give_back()
+            return ns.objects.get(object_id)
+        if await landing.settle(meta.size) is None:
+            return None
+        self.held.add((namespace, object_id.digest))  # a home had it
+        return self.manager.publish(ns, object_id, landing.keep(untrack=True), meta.size, meta.checksum,
+                                    meta.descriptor, meta.hints)
+
+    async def get_ranges(self, owner, namespace: str, object_id, accept, ranges: tuple, expect=None) -> GetReply:
+        """A local miss of a reader that needs only `ranges` (kvstore.ranges): fetch just those
+        bytes from a home and lease them; nothing is published here."""
+        mgr, remote = self.manager, self.node.remote
+        mgr.quotas.check_lease(owner)  # before any byte crosses the network
+        ns = mgr.namespaces[namespace]
+        size, landing, refused = ranges_total(ranges), Landing(mgr, ns), []
+
+        def alloc(meta: RemoteMeta):
+            check_within(ranges, meta.size)  # a home that did not check must not make us allocate
+            if accept is not None and meta.descriptor.dtype not in accept:
+                refused.append(f"stored as {meta.descriptor.dtype.value}, not in accept list")
+                return None  # the bytes are drained, not kept
+            if expect is not None and meta.descriptor != expect:
+                refused.append(f"stored as {descriptor_differences(meta.descriptor, expect)}")
+                return None
+            return landing.place(size)
+
+        lease_id, got, extent = None, None, None
+        try:
+            if remote is not None and remote.remote_homes(object_id):
+                got = await remote.get_ranges_into(namespace, object_id, ranges, alloc)
+            if got is not None:
+                extent = await landing.settle(size)
+            if extent is not None:
+                lease_id = mgr.grant_ranged(owner, ns, object_id, extent)
+                landing.keep(untrack=False)  # the lease frees it when it ends
+        finally:
+            if lease_id is None:
+                ns.counters.num_misses += 1  # a miss, a refusal or an error
+                landing.give_back()
+        if lease_id is None:
+            return GetReply(False, refused[-1]) if refused else MISS
+        meta, checksum = got
+        ns.counters.num_hits += 1
+        ns.counters.bytes_out += size
+        return GetReply(True, lease=lease_id, offset=extent.offset, size=size, checksum=checksum, tier="remote",
+                        descriptor=meta.descriptor.to_wire(), ranges=ranges, object_size=meta.size)

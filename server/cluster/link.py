@@ -1,0 +1,133 @@
+"""The daemon's part of a cluster: serves peers from the local tiers and asks peers on a miss.
+
+    local put (commit) -> write_through: background copy to the object's home nodes
+                          (rendezvous hashing); write_back: nothing yet
+    put tier="remote"  -> the commit waits for the homes; the local copy goes unless this
+                          node is a home itself
+    leaving this node  -> an object evicted from its last local tier that its homes are not
+                          known to hold is sent there first (demotion to tier "remote")
+    local get miss     -> host, then NVMe, then the home nodes (one verified transfer);
+                          a get with byte ranges fetches only those, leased, not published
+    lookup             -> local tiers, then one batched round trip per home for the misses
+    delete             -> this node's tiers, then every live member
+    membership change  -> objects held here are copied to their new homes (server.cluster.rehome)
+    pin / unpin        -> this node's host copies, then the homes' (scope "cluster")
+    peer asks us       -> read / reserve / lookup / delete / pin against the tier manager
+
+Three roles, one module each, composed here: serving peers (server/cluster/serving.py),
+fetching misses from homes (server/cluster/fetch.py: one landing for whole and ranged
+reads), and replicating to homes (server/cluster/replicate.py: commit copies, demotion,
+remote puts, deletes, the send gate). They share one set: the objects held here that every
+remote home is known to hold too, which may leave this node without being sent.
+
+Bytes cross nodes only as a transfer between two owners, and every received object is
+checked against its xxh3-128 before it is published (tiers/remote/ and the peer service
+do the checking). A dead or cut-off peer costs at most cluster.peer_timeout_s, then a miss.
+"""
+
+from __future__ import annotations
+
+from kvstore.identity import ObjectId
+from server.cluster.fetch import Fetcher
+from server.cluster.replicate import Replicator
+from server.cluster.serving import PeerServing
+from server.later import MaybeAwaitable, then
+from server.cluster.node import PeerNode
+from server.cluster.rehome import Rehomer
+
+
+class ClusterLink:
+    """The cluster as the tier manager sees it: the roles, membership and re-homing. The
+    last tier of the chain (server/absent_tiers.NoCluster stands in when it is off)."""
+
+    enabled = True
+
+    def __init__(self, manager, config):
+        self.manager = manager
+        self.config = config.cluster
+        # (namespace, digest) of objects held here that every remote home is known to hold
+        # too: they may leave this node without being sent. Only objects held here are kept,
+        # and only for the member list of the day (homes move when it changes).
+        self._held: set[tuple[str, bytes]] = set()
+        self.serving = PeerServing(manager, self._held)
+        self.node = PeerNode(config.cluster, self.serving, on_members=self.on_members,
+                             on_peer_state=self.on_peer_state)
+        self.fetcher = Fetcher(manager, self.node, self._held)
+        self.replicator = Replicator(manager, config.cluster, self.node, self._held, self.serving)
+        self.rehomer = Rehomer(self, config.cluster) if config.cluster.rehome else None
+        # What the tier manager and the re-homer call, each answered by its role.
+        self.fetch, self.get_ranges = self.fetcher.fetch, self.fetcher.get_ranges
+        self.meta, self.held_view = self.serving.meta, manager.held_view
+        r = self.replicator
+        self.sending, self.on_commit, self.must_send, self.forget = r.sending, r.on_commit, r.must_send, r.forget
+        self.demote, self.demote_from_nvme, self.put_remote = r.demote, r.demote_from_nvme, r.put_remote
+
+    async def start(self) -> None:
+        await self.node.start()
+        if self.rehomer is not None:
+            self.rehomer.begin(self.node.membership.members())
+
+    async def stop(self) -> None:
+        if self.rehomer is not None:
+            if self.config.membership != "static" and self.config.handover_s > 0 and self.remote is not None:
+                await self.rehomer.hand_over(self.config.handover_s)  # while still a member
+            self.rehomer.stop()
+        self.replicator.stop()
+        await self.node.stop()
+
+    @property
+    def remote(self):
+        return self.node.remote
+
+    @property
+    def bandwidth_bytes_s(self) -> float:
+        """Remote load estimate (bytes/s), following the fetches."""
+        return self.fetcher.bandwidth_bytes_s
+
+    def on_members(self, members) -> None:
+        """Membership changed: homes moved, so "the homes hold it" must be learned again."""
+        self._held.clear()
+        if self.rehomer is not None:
+            self.rehomer.on_members(members)
+
+    def on_peer_state(self, node: str, up: bool) -> None:
+        """A peer was marked down, or answers again. A member back up may lack what it is
+        home to (copies that failed while it was down, its memory if it restarted), and the
+        member list need not have changed (a static list; etcd when it was back within its
+        lease): "the homes hold it" must be learned again, and the re-homer sends it what
+        it lacks."""
+        if not up:
+            return
+        self._held.clear()
+        if self.rehomer is not None:
+            self.rehomer.on_peer_back(node)
+
+    def delete_everywhere(self, namespace: str, ids, found: MaybeAwaitable[list[bool]]) -> MaybeAwaitable[int]:
+        """After this node's delete (`found`, per id), every member's: how many ids were
+        found anywhere."""
+        if self.remote is None:
+            return then(found, sum)
+        return self.replicator.delete_everywhere(namespace, ids, found)
+
+    def pin_everywhere(self, namespace: str, ids, ttl_s, unpin: bool, here: list[bool]) -> MaybeAwaitable[int]:
+        """After this node's pins (`here`, per id), the homes': how many ids were pinned somewhere."""
+        if self.remote is None:
+            return sum(here)
+        return self._pin_homes(namespace, ids, ttl_s, unpin, here)
+
+    async def _pin_homes(self, namespace: str, ids, ttl_s, unpin: bool, here: list[bool]) -> int:
+        remote = await self.remote.pin(namespace, list(ids), ttl_s, unpin)
+        return sum(a or b for a, b in zip(here, remote))
+
+    async def lookup_remote(self, namespace: str, ids):
+        """What the homes hold of `ids` (ObjectIds, or raw digests off the local protocol)."""
+        if self.remote is None:
+            return [None] * len(ids)
+        return await self.remote.lookup(namespace, [i if isinstance(i, ObjectId) else ObjectId(bytes(i)) for i in ids])
+
+    def stats(self) -> dict:
+        stats = dict(self.node.stats())
+        stats.update(self.replicator.counters, remote_write=self.config.remote_write)
+        if self.rehomer is not None:
+            stats["rehome"] = self.rehomer.stats()
+        return stats

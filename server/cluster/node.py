@@ -1,0 +1,113 @@
+"""One daemon's part of the cluster, wired from `ClusterConfig`: transport, peer service,
+membership and the remote tier. The daemon supplies the PeerBackend (its tier manager).
+
+    node = PeerNode(config.cluster, backend, on_members=manager.on_members_changed)
+    await node.start()             # listen, authenticate peers, register / read members
+    await node.remote.get_into(namespace, object_id, alloc)     # a local miss asks the home
+    await node.remote.put(namespace, object_id, meta, buffer)   # demotion to tier "remote"
+    await node.remote.lookup(namespace, ids)                    # one round trip per home
+    await node.stop()              # leave membership first, then stop serving
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+from typing import Callable
+
+from kvstore.config import ClusterConfig, parse_address
+from kvstore.errors import InvalidArgument, PermissionDenied
+from server.cluster.membership import OnChange, make_membership
+from server.peer.service import PeerBackend, PeerService
+from server.peer.client import PeerClient, connect_peer
+from server.peer.transport import make_transport
+from server.cluster.peer_watch import PeerWatch
+from tiers.remote import RemoteTier
+
+log = logging.getLogger("kvstore.peer")
+# Peers marked down are first probed after max(peer_timeout_s, this) (server.cluster.peer_watch).
+MIN_PROBE_S = 0.5
+
+
+def read_secret(cluster: ClusterConfig) -> bytes:
+    if cluster.secret_file:
+        try:
+            with open(cluster.secret_file, "rb") as f:
+                secret = f.read().strip()
+        except OSError as exc:
+            raise InvalidArgument(f"cannot read cluster.secret_file {cluster.secret_file}: {exc.strerror}") from None
+        if len(secret) < 16:
+            raise InvalidArgument(f"cluster.secret_file {cluster.secret_file} holds fewer than 16 characters")
+        return secret
+    if not cluster.secret:
+        raise InvalidArgument("the cluster needs cluster.secret or cluster.secret_file (the same on every node)")
+    return cluster.secret.encode()
+
+
+class PeerNode:
+    def __init__(self, cluster: ClusterConfig, backend: PeerBackend, on_members: OnChange | None = None,
+                 on_peer_state: Callable[[str, bool], None] | None = None):
+        """on_peer_state(node, up): a peer was marked down, or answers again (RemoteTier)."""
+        self.cluster = cluster
+        self.node_id = cluster.node_id or socket.gethostname()
+        self.secret = read_secret(cluster)
+        self.transport = make_transport(cluster.transport)
+        self.service = PeerService(backend, self.transport, self.secret, self.node_id, cluster.peer_timeout_s,
+                                   on_peer=self._answered)
+        self.on_members = on_members
+        self.on_peer_state = on_peer_state
+        self.address = ""
+        self.membership = None
+        self.remote: RemoteTier | None = None
+        self.watch: PeerWatch | None = None
+        self.num_auth_failures = 0  # links we opened that failed authentication (wrong secret)
+
+    async def connect(self, address: str) -> PeerClient:
+        """An authenticated link to the peer at `address` (what RemoteTier calls)."""
+        try:
+            return await connect_peer(self.transport, address, self.secret, self.node_id,
+                                      self.cluster.peer_timeout_s)
+        except PermissionDenied:  # logged by peer_auth ("wrong secret from <address>")
+            self.num_auth_failures += 1
+            raise
+
+    def _answered(self, node: str) -> None:
+        """A peer authenticated a channel to us: it is up, whatever our last call to it said."""
+        if self.remote is not None and node in self.membership.members():
+            self.remote.mark_up(node)
+
+    async def start(self) -> None:
+        bound = await self.service.start(self.cluster.listen)
+        self.address = self.cluster.advertise or bound
+        if parse_address(self.address)[0] in ("0.0.0.0", "::"):
+            await self.service.stop()
+            raise InvalidArgument(f"peers cannot dial {self.address}: set cluster.advertise to this node's address")
+        self.membership = make_membership(self.cluster, self.node_id, self.address, self.on_members)
+        self.remote = RemoteTier(self.node_id, self.membership.members, self.connect,
+                                 self.cluster.replicas, self.cluster.peer_timeout_s, on_state=self.on_peer_state)
+        try:
+            await self.membership.start()
+        except BaseException:
+            await self.service.stop()
+            raise
+        log.info("event=cluster_joined node=%s address=%s transport=%s membership=%s members=%s",
+                 self.node_id, self.address, self.transport.name, self.cluster.membership,
+                 ",".join(sorted(self.membership.members())))
+        self.watch = PeerWatch(self.remote, max(self.cluster.peer_timeout_s, MIN_PROBE_S))
+        self.watch.start()
+
+    async def stop(self) -> None:
+        if self.watch is not None:
+            await self.watch.stop()
+        if self.membership is not None:
+            await self.membership.stop()
+        if self.remote is not None:
+            await self.remote.close()
+        await self.service.stop()
+
+    def stats(self) -> dict:
+        return {"node_id": self.node_id, "address": self.address,
+                "members": self.membership.members() if self.membership else {},
+                "remote": self.remote.stats() if self.remote else {}, "service": self.service.stats(),
+                "auth_failures": {"client": self.num_auth_failures,
+                                  "server": self.service.counters.num_auth_failures}}

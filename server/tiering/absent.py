@@ -1,0 +1,135 @@
+"""The tiers around the host arena when they are switched off: null objects.
+
+The chain is [GPU copies] -> host -> NVMe -> the cluster's homes. A daemon without a GPU
+tier gets `NoGpu`, one without NVMe `NoNvme`, one without a cluster `NoCluster`: each
+answers like the real tier holding nothing and reaching no one, synchronously where the
+real one would await I/O (server/later.py), so the tier manager and the other tiers never
+ask whether a neighbour exists.
+"""
+
+from __future__ import annotations
+
+from kvstore.errors import InvalidArgument
+from kvstore.replies import IN_MEMORY, MISS, CommitReply, GetReply, GpuHandleReply
+from server.later import MaybeAwaitable, then
+from server.tiering.objects import ObjectEntry
+
+
+class NoGpu:
+    """The GPU tier of a daemon with `[gpu] enabled = false` (or before start): no copies,
+    so a get with gpu=True is served from the host arena."""
+
+    enabled = False
+
+    def lease_copy(self, ns, entry: ObjectEntry) -> None:
+        return None
+
+    def forget(self, namespace: str, digest: bytes) -> None:
+        pass
+
+    def handle(self) -> GpuHandleReply:
+        raise InvalidArgument("this daemon runs no GPU tier: set [gpu] enabled = true on a node with CUDA "
+                           "(`kvstore status` says what the GPU probe found), or read from the host tier")
+
+    def stats(self) -> None:
+        return None
+
+    def check_integrity(self) -> None:
+        pass
+
+
+class NoNvme:
+    """The NVMe tier of a daemon with `[nvme] enabled = false`: holds nothing."""
+
+    enabled = False
+    bandwidth_bytes_s = 1e9  # never used: nothing is loaded from here
+
+    def holds(self, namespace: str, oid) -> bool:
+        return False
+
+    def size_of(self, namespace: str, oid) -> int | None:
+        return None
+
+    def remote_meta(self, namespace: str, oid):
+        return None
+
+    def keys(self) -> list[tuple[str, bytes]]:
+        return []
+
+    async def metas(self, keys) -> list:
+        return [None] * len(keys)
+
+    async def read_copy(self, namespace: str, oid):
+        return None
+
+    async def promote(self, namespace: str, oid) -> ObjectEntry | None:
+        return None
+
+    def on_hit(self, entry: ObjectEntry) -> None:
+        pass
+
+    def on_commit(self, entry: ObjectEntry) -> MaybeAwaitable[CommitReply]:
+        return IN_MEMORY
+
+    async def delete(self, namespace: str, oids) -> int:
+        return 0
+
+    async def open(self) -> dict:
+        return {}
+
+    async def flush_host(self) -> int:
+        return 0
+
+    async def close(self) -> None:
+        pass
+
+    def stats(self) -> None:
+        return None
+
+    def check_integrity(self) -> None:
+        pass
+
+
+class NoCluster:
+    """The cluster of a daemon with `[cluster] enabled = false`: no peers, no homes."""
+
+    enabled = False
+    remote = None  # the peer tier (tiers.remote.RemoteTier) a clustered daemon has
+    bandwidth_bytes_s = 1e9  # never used: nothing is fetched
+
+    def __init__(self, host):
+        self.host = host  # server.tiering.host.HostTier: a ranged miss is counted there
+
+    def fetch(self, namespace: str, oid) -> MaybeAwaitable[ObjectEntry | None]:
+        return None
+
+    def get_ranges(self, owner, namespace: str, oid, accept, ranges, expect=None) -> MaybeAwaitable[GetReply]:
+        self.host.namespaces[namespace].counters.num_misses += 1
+        return MISS
+
+    def lookup_remote(self, namespace: str, ids) -> MaybeAwaitable[list]:
+        return [None] * len(ids)
+
+    def on_commit(self, entry: ObjectEntry) -> None:
+        pass
+
+    def forget(self, namespace: str, oid) -> None:
+        pass
+
+    def must_send(self, namespace: str, oid) -> bool:
+        return False
+
+    def delete_everywhere(self, namespace: str, ids, found: MaybeAwaitable[list[bool]]) -> MaybeAwaitable[int]:
+        return then(found, sum)
+
+    def pin_everywhere(self, namespace: str, ids, ttl_s, unpin: bool, here: list[bool]) -> int:
+        return sum(here)
+
+    async def start(self) -> None:
+        pass
+
+    async def stop(self) -> None:
+        pass
+
+    def stats(self) -> None:
+        return None

@@ -1,0 +1,392 @@
+"""The host tier: every namespace's arena, index and policy, and the one way to make room.
+
+What the tiers below (server/tiering/nvme_mover.py, server/cluster*.py) and the tier manager use of the
+host tier is this class's public surface: open a namespace, make room (`make_room`, with a
+sink that decides where victims go), publish verified bytes as an object, hold an entry while
+the daemon reads it, drop or evict one. Leases and clients are the tier manager's business.
+
+Runs on the daemon's event loop thread only; nothing here blocks on I/O. An extent is never
+freed or reused while a reader (a client's read lease, or a daemon hold) covers it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import functools
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Awaitable, Callable
+
+from kvstore.config import HostTierConfig
+from kvstore.errors import CapacityError, NotFound
+from kvstore.identity import ObjectId
+from kvstore.policy import make_policy
+from kvstore.policy.base import EvictionPolicy, sparse
+from server.host_memory import check_new_arena, host_memory
+from server.tiering.objects import ObjectEntry
+from tiers.allocator import Extent
+from tiers.arena import HostArena
+
+log = logging.getLogger("kvstore.tiers")
+
+# Where host victims go (TierMover.take_victims, or the cluster's send-home): each victim must
+# end evicted (`evict`), or tracked by the policy again (`retrack_victims`).
+Sink = Callable[["Namespace", list[ObjectEntry]], Awaitable[None]]
+
+
+@dataclass(slots=True)
+class TierCounters:
+    num_puts: int = 0
+    num_dedup_puts: int = 0
+    num_gets: int = 0
+    num_hits: int = 0
+    num_misses: int = 0
+    num_evictions: int = 0
+    num_expired: int = 0
+    num_deletes: int = 0
+    num_checksum_failures: int = 0
+    bytes_in: int = 0
+    bytes_out: int = 0
+
+
+def give_back_heap() -> None:
+    """Return the C heap's free pages to the OS (glibc's malloc_trim); a no-op elsewhere."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (AttributeError, OSError):
+        pass
+
+
+@dataclass(slots=True)
+class Namespace:
+    name: str
+    arena: HostArena
+    policy: EvictionPolicy
+    objects: dict[ObjectId, ObjectEntry] = field(default_factory=dict)
+    counters: TierCounters = field(default_factory=TierCounters)
+    peak_objects: int = 0  # the most objects indexed since the index was last compacted
+
+    def compact(self) -> bool:
+        """Rebuild the index's and the policy's tables once removals left them sparse (Python
+        dicts never shrink). True if anything was rebuilt."""
+        rebuilt = sparse(len(self.objects), self.peak_objects)
+        if rebuilt:
+            self.objects = dict(self.objects)  # nobody keeps a reference across an await
+            self.peak_objects = len(self.objects)
+        return self.policy.compact() or rebuilt
+
+
+class HostTier:
+    def __init__(self, config: HostTierConfig, clock=time.monotonic,
+                 on_leave: Callable[[Namespace, ObjectEntry], None] = lambda ns, entry: None):
+        """on_leave(ns, entry): told when an entry leaves the index (evicted, expired,
+        deleted, dropped); the tier manager forgets it in the cluster if no lower tier keeps it."""
+        self.config = config
+        self.clock = clock
+        self.on_leave = on_leave
+        self.namespaces: dict[str, Namespace] = {}
+        self.num_holds = 0  # readers the daemon itself holds (copies to NVMe or peers in flight)
+        self.stopping = threading.Event()  # set by the daemon's stop: an arena's prefault gives up
+        self._creating: dict[str, asyncio.Future] = {}  # namespaces whose arena is being made
+        self._zombies: dict[int, ObjectEntry] = {}  # id(entry) -> deleted entry still read
+        self._transient: dict[int, tuple[str, Extent]] = {}  # id(extent) -> (namespace, extent) being filled
+
+    # --- namespaces -------------------------------------------------------------
+
+    def namespace(self, name: str) -> Namespace:
+        """An open namespace; NotFound if nobody opened it yet (ops never create one)."""
+        ns = self.namespaces.get(name)
+        if ns is None:
+            raise NotFound(f"namespace {name!r} is not open on this daemon")
+        return ns
+
+    async def open_namespace(self, name: str) -> Namespace:
+        """The namespace, creating its arena on first use.
+
+        Creating an arena faults in its memory (seconds for a few GiB), so it runs in a
+        worker thread; concurrent opens of the same new namespace share one creation.
+        """
+        ns = self.namespaces.get(name)
+        if ns is not None:
+            return ns
+        creating = self._creating.get(name)
+        if creating is None:
+            config = self.config
+            if len(self.namespaces) + len(self._creating) >= config.max_namespaces:
+                raise CapacityError(f"namespace limit reached ({config.max_namespaces}); raise host.max_namespaces")
+            check_new_arena(config, host_memory(), name)  # a CapacityError here, not an OOM kill elsewhere
+            creating = asyncio.ensure_future(self._create_namespace(name))
+            self._creating[name] = creating
+        # Every opener gets the namespace from the creating task itself: a dict lookup after the
+        # await could run before the creator resumed (KeyError). Shielded: one opener cancelled
+        # (a peer's deadline) does not cancel the creation the others wait for.
+        return await asyncio.shield(creating)
+
+    async def _create_namespace(self, name: str) -> Namespace:
+        config = self.config
+        try:
+            arena = await asyncio.get_running_loop().run_in_executor(
+                None, functools.partial(HostArena, name, config.arena_bytes, config.prefault, cancel=self.stopping))
+        finally:
+            del self._creating[name]
+        ns = Namespace(name, arena, make_policy(config.policy, config.arena_bytes))
+        self.namespaces[name] = ns
+        log.info("event=namespace_open namespace=%s arena_bytes=%d", name, config.arena_bytes)
+        return ns
+
+    # --- making room ------------------------------------------------------------
+
+    def check_size(self, ns: Namespace, size: int) -> None:
+        if size > ns.arena.capacity_bytes:
+            raise CapacityError(
+                f"object of {size} bytes is larger than namespace {ns.name}'s arena "
+                f"({ns.arena.capacity_bytes} bytes); raise host.arena_bytes"
+            )
+
+    def no_room(self, ns: Namespace, size: int) -> CapacityError:
+        return CapacityError(
+            f"namespace {ns.name}: no room for {size} bytes; "
+            f"{ns.arena.allocator.used_bytes} of {ns.arena.capacity_bytes} bytes are pinned, leased or "
+            f"being written (largest hole {ns.arena.allocator.largest_free_bytes} bytes). "
+            "Release leases, unpin, or raise host.arena_bytes"
+        )
+
+    def evictable(self, ns: Namespace, oid: ObjectId, now: float) -> bool:
+        entry = ns.objects.get(oid)
+        return entry is not None and entry.readers == 0 and not entry.is_pinned(now)
+
+    def _victims(self, ns: Namespace, size: int) -> list[ObjectEntry]:
+        """The policy's next victims towards `size` free bytes (it stops tracking them: each
+        must end evicted, or tracked again by `retrack_victims`); CapacityError when none."""
+        now = self.clock()
+        victims = ns.policy.victims(size, lambda oid: self.evictable(ns, oid, now))
+        if not victims:
+            raise self.no_room(ns, size)
+        return [ns.objects[oid] for oid in victims]
+
+    def alloc_now(self, ns: Namespace, size: int) -> Extent:
+        """An extent now, victims dropped (no tier below the host arena keeps them)."""
+        self.check_size(ns, size)
+        while not ns.arena.can_alloc(size):
+            for entry in self._victims(ns, size):
+                self.evict(ns, entry)
+        return ns.arena.alloc(size)
+
+    async def make_room(self, ns: Namespace, size: int, sink: Sink | None) -> Extent:
+        """An extent of `size` bytes, room made for it: the one victim loop. The sink settles
+        each batch of victims (writes them down a tier, sends them home); None drops them."""
+        if sink is None:
+            return self.alloc_now(ns, size)
+        self.check_size(ns, size)
+        while True:
+            while not ns.arena.can_alloc(size):
+                await sink(ns, self._victims(ns, size))
+            extent = ns.arena.alloc(size)
+            if extent is not None:
+                return extent
+
+    def settle_victims(self, ns: Namespace, entries: list[ObjectEntry]) -> list[ObjectEntry]:
+        """Victims whose copy elsewhere was awaited: evict those still idle; a victim read or
+        pinned meanwhile stays resident (tracked by the policy again). Returns the evicted."""
+        evicted = []
+        now = self.clock()
+        for entry in entries:
+            if ns.objects.get(entry.object_id) is not entry:
+                continue  # deleted or dropped meanwhile
+            if entry.readers or entry.is_pinned(now):
+                self.retrack_victims(ns, [entry])
+            else:
+                self.evict(ns, entry)
+                evicted.append(entry)
+        return evicted
+
+    def copy_then_evict(self, send: Callable[[list[ObjectEntry]], Awaitable[None]]) -> Sink:
+        """A sink that awaits send(victims) (copies them elsewhere), then evicts those still
+        idle. A send that fails or is cancelled (a peer's deadline) leaves every victim
+        resident and tracked."""
+        async def sink(ns: Namespace, entries: list[ObjectEntry]) -> None:
+            try:
+                await send(entries)
+            except BaseException:
+                self.retrack_victims(ns, entries)
+                raise
+            self.settle_victims(ns, entries)
+        return sink
+
+    def retrack_victims(self, ns: Namespace, entries: list[ObjectEntry]) -> None:
+        """Victims that stay after all: the policy (which dropped them) tracks them again."""
+        for entry in entries:
+            if ns.objects.get(entry.object_id) is entry:
+                ns.policy.on_insert(entry.object_id, entry.size, entry.hints.recompute_cost_ms, entry.hints.priority)
+
+    # --- the index ----------------------------------------------------------------
+
+    def live_entry(self, ns: Namespace, oid: ObjectId) -> ObjectEntry | None:
+        """The committed entry of `oid`, None if absent; one past its TTL goes now (counted)."""
+        entry = ns.objects.get(oid)
+        if entry is not None and not entry.is_live(self.clock()):
+            self.expire(ns, entry)
+            return None
+        return entry
+
+    def insert(self, ns: Namespace, entry: ObjectEntry) -> None:
+        ns.objects[entry.object_id] = entry
+        if len(ns.objects) > ns.peak_objects:
+            ns.peak_objects = len(ns.objects)
+        ns.policy.on_insert(entry.object_id, entry.size, entry.hints.recompute_cost_ms, entry.hints.priority)
+
+    def publish(self, ns: Namespace, oid: ObjectId, extent: Extent, size: int, checksum: bytes, descriptor,
+                hints, pin_hint: bool = False, created_at: float | None = None,
+                on_nvme: bool = False, counted: bool = True) -> ObjectEntry:
+        """Make verified bytes already in `extent` a committed object: the one way an object
+        enters the index (a commit, a peer's put, a fetch, a promotion). If a live copy landed
+        meanwhile it wins and `extent` is freed; one past its TTL is replaced.
+        pin_hint: honour hints.pin (a put here or at a home; not a fetched or promoted copy).
+        counted: a put (num_puts, bytes_in); a promotion from NVMe is not one."""
+        now = self.clock()
+        existing = ns.objects.get(oid)
+        if existing is not None:
+            if existing.is_live(now):
+                ns.arena.free(extent)
+                return existing
+            self.expire(ns, existing)
+        entry = ObjectEntry.create(oid, ns.name, extent, size, checksum, descriptor, hints, now,
+                                   created_at=created_at, pin=pin_hint and hints.pin, on_nvme=on_nvme)
+        self.insert(ns, entry)
+        if counted:
+            ns.counters.num_puts += 1
+            ns.counters.bytes_in += size
+        return entry
+
+    def hold(self, entry: ObjectEntry) -> None:
+        """Keep an entry's extent allocated while the daemon itself reads it."""
+        entry.readers += 1
+        self.num_holds += 1
+
+    @contextlib.contextmanager
+    def held_view(self, entry: ObjectEntry):
+        """The entry's bytes in the arena, its extent kept in place (held) meanwhile."""
+        self.hold(entry)
+        try:
+            yield self.namespaces[entry.namespace].arena.view(entry.extent)[:entry.size]
+        finally:
+            self.release_hold(entry)
+
+    def release_hold(self, entry: ObjectEntry) -> None:
+        self.num_holds -= 1
+        self.drop_reader(entry)
+
+    def drop_reader(self, entry: ObjectEntry) -> None:
+        """A reader (lease or hold) is done; a deleted entry's extent goes with its last one."""
+        entry.readers -= 1
+        if entry.deleted and entry.readers == 0:
+            self._zombies.pop(id(entry))
+            self.namespaces[entry.namespace].arena.free(entry.extent)
+
+    def track_transient(self, ns: Namespace, extent: Extent, add: bool) -> None:
+        """An extent being filled (a promotion, a fetch) or leased as ranges: not indexed, but
+        accounted for by check_integrity."""
+        if add:
+            self._transient[id(extent)] = (ns.name, extent)
+        else:
+            del self._transient[id(extent)]
+
+    def holds_transient(self, ns: Namespace, extent: Extent) -> bool:
+        return self._transient.get(id(extent)) == (ns.name, extent)
+
+    def evict(self, ns: Namespace, entry: ObjectEntry) -> None:
+        """Drop a victim that victims() already stopped tracking."""
+        self._remove(ns, entry, tracked=False)
+        ns.counters.num_evictions += 1
+
+    def drop(self, ns: Namespace, entry: ObjectEntry) -> None:
+        """Drop a tracked entry (corrupt, or otherwise unusable)."""
+        self._remove(ns, entry)
+
+    def delete(self, ns: Namespace, entry: ObjectEntry) -> None:
+        self._remove(ns, entry)
+        ns.counters.num_deletes += 1
+
+    def expire(self, ns: Namespace, entry: ObjectEntry) -> None:
+        """An entry found past its TTL (by a read, a put of its id, or housekeeping) goes, counted."""
+        self._remove(ns, entry)
+        ns.counters.num_expired += 1
+
+    def _remove(self, ns: Namespace, entry: ObjectEntry, tracked: bool = True) -> None:
+        """Drop an entry from the index; its extent is freed now or when its last reader leaves."""
+        del ns.objects[entry.object_id]
+        if tracked:  # victims() already stopped tracking evicted keys
+            ns.policy.on_remove(entry.object_id)
+        if entry.readers:
+            entry.deleted = True
+            self._zombies[id(entry)] = entry
+        else:
+            ns.arena.free(entry.extent)
+        self.on_leave(ns, entry)
+
+    # --- housekeeping -----------------------------------------------------------
+
+    def expire_objects(self) -> None:
+        """Drop objects past their TTL; rebuild tables that removals left sparse."""
+        now = self.clock()
+        compacted = False
+        for ns in self.namespaces.values():
+            for entry in [e for e in ns.objects.values() if not e.is_live(now)]:
+                self.expire(ns, entry)
+            compacted = ns.compact() or compacted
+        if compacted:
+            give_back_heap()
+
+    def readers(self) -> int:
+        """Readers counted on entries, deleted ones still read included."""
+        return (sum(e.readers for ns in self.namespaces.values() for e in ns.objects.values())
+                + sum(z.readers for z in self._zombies.values()))
+
+    def check_integrity(self, pending: list[tuple[str, Extent]]) -> None:
+        """Raise RuntimeError if an index, its policy and its arena disagree. pending:
+        (namespace, extent) reserved for puts not committed yet (the tier manager's)."""
+        for ns in self.namespaces.values():
+            ns.arena.check_integrity()
+            ns.policy.check_integrity()
+            if len(ns.policy) != len(ns.objects) or any(oid not in ns.policy for oid in ns.objects):
+                raise RuntimeError(f"namespace {ns.name}: policy tracks {len(ns.policy)} keys, index has {len(ns.objects)}")
+            live = [e.extent for e in ns.objects.values()]
+            live += [x for name, x in pending if name == ns.name]
+            live += [z.extent for z in self._zombies.values() if z.namespace == ns.name]
+            live += [x for name, x in self._transient.values() if name == ns.name]
+            allocator = ns.arena.allocator
+            if allocator.num_allocated != len(live) or sum(x.length for x in live) != allocator.used_bytes:
+                raise RuntimeError(
+                    f"namespace {ns.name}: arena holds {allocator.num_allocated} extents / {allocator.used_bytes} B, "
+                    f"index accounts for {len(live)} / {sum(x.length for x in live)} B"
+                )
+            for entry in ns.objects.values():
+                if entry.readers < 0 or entry.deleted:
+                    raise RuntimeError(f"namespace {ns.name}: bad entry state for {entry.object_id.hex}")
+
+    def stats(self) -> tuple[dict, dict]:
+        """(per namespace, the host tier's totals). used_bytes counts whole arena pages
+        (tiers.arena.PAGE_BYTES, 4 KiB): every object takes at least one, so 1 KiB objects
+        fill an arena at a quarter of its capacity in payload."""
+        namespaces = {}
+        now = self.clock()
+        for ns in self.namespaces.values():
+            c = ns.counters
+            namespaces[ns.name] = {
+                "objects": len(ns.objects),
+                "capacity_bytes": ns.arena.capacity_bytes,
+                "used_bytes": ns.arena.allocator.used_bytes,
+                "pinned": sum(1 for e in ns.objects.values() if e.is_pinned(now)),
+                **{k: getattr(c, k) for k in c.__slots__},
+            }
+        totals = {key: sum(n[key] for n in namespaces.values()) for key in ("capacity_bytes", "used_bytes", "objects")}
+        return namespaces, totals
+
+    def close(self) -> None:
+        for ns in self.namespaces.values():
+            ns.arena.close()
+        self.namespaces.clear()

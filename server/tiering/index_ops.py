@@ -1,0 +1,224 @@
+"""Index operations over the chain of tiers: lookup, delete, pin, prefetch, operator eviction.
+
+Composed by `server.tiering.manager.TierManager` (which offers these as its own ops). Each
+asks the host tier first, then NVMe, then the cluster's homes, through the tiers' public
+surface. Like the manager it runs on the event loop; a call that needs NVMe or peer I/O
+returns an awaitable instead of its result (server/later.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+
+from kvstore.errors import NotFound
+from kvstore.identity import ObjectId
+from kvstore.replies import LookupReply, PrefetchReply
+from server.later import MaybeAwaitable, then
+from server.tiering.objects import ObjectEntry
+
+log = logging.getLogger("kvstore.tiers")
+
+# Fixed cost of loading one object on top of its bytes (one request and its lease).
+PER_OBJECT_LOAD_S = 20e-6
+
+
+def _log_failure(task: asyncio.Task) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.warning("event=promotion_failed error=%r", task.exception())
+
+
+class IndexOps:
+    def __init__(self, manager):
+        self.manager = manager
+        self.host = manager.host
+
+    def lookup(self, namespace: str, ids, expect: list | None = None) -> MaybeAwaitable[LookupReply]:
+        """Per key its tier ("host", "nvme" or None), the leading hits, their bytes, and the
+        estimated time to load them at each tier's measured bandwidth (DESIGN.md section 7).
+        expect: per key the descriptor the reader can use, or None; an object stored under
+        another descriptor is a miss."""
+        ns = self.host.namespaces.get(namespace)
+        objects = ns.objects if ns is not None else {}
+        mover = self.manager.mover
+        now = self.host.clock()
+        tiers, sizes, leading = [], [], True
+        host_bytes = nvme_bytes = hits = 0
+        for i, oid in enumerate(ids):
+            entry = objects.get(oid)
+            if entry is not None and entry.is_live(now):
+                tier, size = "host", entry.size
+            elif (size := mover.size_of(namespace, oid)) is not None:
+                tier = "nvme"
+            else:
+                tier, size = None, 0
+            if expect is not None and tier is not None and (wanted := expect[i]) is not None \
+                    and not (tier == "host" and entry.descriptor is wanted) \
+                    and not self._as_expected(namespace, oid, tier, entry, wanted):
+                tier, size = None, 0
+            tiers.append(tier)
+            sizes.append(size)
+            if leading and tier is None:
+                leading = False
+            elif leading:
+                hits += 1
+                if tier == "host":
+                    host_bytes += size
+                else:
+                    nvme_bytes += size
+        est = hits * PER_OBJECT_LOAD_S + host_bytes / self.manager.host_bandwidth_bytes_s
+        if nvme_bytes:
+            est += nvme_bytes / mover.bandwidth_bytes_s
+        result = LookupReply(hits, tuple(tiers), host_bytes + nvme_bytes, est)
+        if hits == len(ids):
+            return result
+        misses = [i for i, tier in enumerate(tiers) if tier is None]
+        metas = self.manager.cluster.lookup_remote(namespace, [ids[i] for i in misses])
+        return then(metas, lambda metas: self._with_remote(result, misses, metas, sizes, expect))
+
+    def _as_expected(self, namespace: str, oid, tier: str, entry, wanted) -> bool:
+        """Whether a held object (host `entry`, else on NVMe) has the descriptor `wanted`.
+        (The caller checks `is` first: descriptors off the wire come from one decoding cache,
+        so an object and its reader's expectation are mostly the same object.)"""
+        if tier == "host":
+            return entry.descriptor == wanted
+        meta = self.manager.mover.remote_meta(namespace, ObjectId(bytes(oid)))
+        return meta is not None and meta.descriptor == wanted
+
+    def _with_remote(self, result: LookupReply, misses: list[int], metas: list, sizes: list, expect) -> LookupReply:
+        """Merge what the home nodes hold of the local misses (one round trip per home)."""
+        if not any(meta is not None for meta in metas):
+            return result
+        tiers = list(result.tiers)
+        for i, meta in zip(misses, metas):
+            if meta is not None and (expect is None or expect[i] is None or meta.descriptor == expect[i]):
+                tiers[i] = "remote"
+        hits = next((i for i, t in enumerate(tiers) if t is None), len(tiers))
+        remote_bytes = sum(meta.size for i, meta in zip(misses, metas) if meta is not None and i < hits)
+        # Local hits behind the first local miss lead now too: their bytes count as well.
+        later = [(result.tiers[i], sizes[i]) for i in range(result.hits, hits) if result.tiers[i] is not None]
+        host_bytes = sum(size for tier, size in later if tier == "host")
+        nvme_bytes = sum(size for tier, size in later if tier == "nvme")
+        est = result.est_load_s + (hits - result.hits) * PER_OBJECT_LOAD_S
+        est += remote_bytes / self.manager.cluster.bandwidth_bytes_s if remote_bytes else 0.0
+        est += host_bytes / self.manager.host_bandwidth_bytes_s
+        est += nvme_bytes / self.manager.mover.bandwidth_bytes_s if nvme_bytes else 0.0
+        hit_bytes = result.hit_bytes + remote_bytes + host_bytes + nvme_bytes
+        return LookupReply(hits, tuple(tiers), hit_bytes, est)
+
+    def delete(self, namespace: str, ids, scope: str = "cluster") -> MaybeAwaitable[int]:
+        """Delete from every tier of this node and, in a cluster with scope "cluster", of
+        every live member. Returns how many ids were found anywhere, or an awaitable of that
+        count when NVMe copies or peers are involved."""
+        found = self.delete_here(namespace, ids)
+        if scope == "cluster":
+            return self.manager.cluster.delete_everywhere(namespace, ids, found)
+        return then(found, sum)
+
+    def delete_here(self, namespace: str, ids) -> MaybeAwaitable[list[bool]]:
+        """Delete from this node's tiers only (what a peer's delete asks). Per id whether it
+        was held, or an awaitable of that when NVMe copies must be deleted too."""
+        ns = self.host.namespaces.get(namespace)
+        deleted = set()
+        for oid in ids if ns is not None else ():
+            entry = ns.objects.get(oid)
+            if entry is not None:
+                self.host.delete(ns, entry)
+                deleted.add(oid)
+        found = [oid in deleted for oid in ids]
+        on_nvme = [oid for oid in ids if self.manager.mover.holds(namespace, oid)]
+        if not on_nvme:
+            return found
+        return self._delete_on_nvme(namespace, on_nvme, found, ids)
+
+    async def _delete_on_nvme(self, namespace: str, on_nvme, found: list, ids) -> list[bool]:
+        await self.manager.mover.delete(namespace, on_nvme)
+        gone = set(on_nvme)
+        return [f or oid in gone for f, oid in zip(found, ids)]
+
+    def prefetch(self, namespace: str, ids, tier: str, policy: str,
+                 timeout_s: float | None) -> MaybeAwaitable[PrefetchReply]:
+        """Bring objects into the host tier. best_effort starts promotions and answers at
+        once; wait answers when all are resident; timeout answers after timeout_s at most.
+        Returns how many of them are resident."""
+        ns = self.host.namespaces.get(namespace)
+        objects = ns.objects if ns is not None else {}
+        mover = self.manager.mover
+        missing = [oid for oid in ids if oid not in objects and mover.holds(namespace, oid)]
+        resident = sum(1 for oid in ids if oid in objects)
+        if tier != "host" or not missing:
+            return PrefetchReply(resident, len(ids))
+        tasks = [asyncio.ensure_future(mover.promote(namespace, oid)) for oid in missing]
+        if policy == "best_effort":
+            for task in tasks:
+                task.add_done_callback(_log_failure)
+            return PrefetchReply(resident, len(ids), len(tasks))
+        return self._prefetch_wait(namespace, ids, tasks, None if policy == "wait" else (timeout_s or 1.0))
+
+    async def _prefetch_wait(self, namespace: str, ids, tasks, timeout_s: float | None) -> PrefetchReply:
+        done, pending = await asyncio.wait(tasks, timeout=timeout_s)
+        for task in pending:
+            task.add_done_callback(_log_failure)  # keeps running; its result lands in the host tier
+        for task in done:
+            _log_failure(task)
+        ns = self.host.namespaces.get(namespace)
+        objects = ns.objects if ns is not None else {}
+        return PrefetchReply(sum(1 for oid in ids if oid in objects), len(ids))
+
+    def pin(self, namespace: str, ids, ttl_s: float | None, scope: str = "cluster") -> MaybeAwaitable[int]:
+        """Pin this node's host copies and, in a cluster with scope "cluster", the homes'.
+        Returns how many ids were pinned somewhere, or an awaitable of that count."""
+        return self._pin_scoped(namespace, ids, ttl_s, scope, unpin=False)
+
+    def unpin(self, namespace: str, ids, scope: str = "cluster") -> MaybeAwaitable[int]:
+        return self._pin_scoped(namespace, ids, None, scope, unpin=True)
+
+    def _pin_scoped(self, namespace: str, ids, ttl_s, scope: str, unpin: bool) -> MaybeAwaitable[int]:
+        flags = self.pin_here(namespace, ids, ttl_s, unpin)
+        if scope == "cluster":
+            return self.manager.cluster.pin_everywhere(namespace, ids, ttl_s, unpin, flags)
+        return sum(flags)
+
+    def pin_here(self, namespace: str, ids, ttl_s: float | None, unpin: bool = False) -> list[bool]:
+        """Pin (until now + ttl_s, or until unpinned) or unpin this node's host copies; per id,
+        whether it was held here (for an unpin: held and still pinned). A pin never shortens
+        another's: pins reach a copy from every node, and the latest expiry wins."""
+        ns = self.host.namespaces.get(namespace)
+        if ns is None:
+            return [False] * len(ids)
+        now = self.host.clock()
+        until = math.inf if ttl_s is None else now + ttl_s
+        flags = []
+        for oid in ids:
+            entry = ns.objects.get(oid)
+            if entry is None or (unpin and entry.pinned_until <= now):
+                flags.append(False)
+                continue
+            entry.pinned_until = 0.0 if unpin else max(entry.pinned_until, until)
+            flags.append(True)
+        return flags
+
+    def evict(self, namespace: str, num_bytes: int | None, match=None) -> list[ObjectEntry]:
+        """Operator eviction in one existing namespace, in the policy's victim order.
+
+        Evicts until `num_bytes` are freed, or, with num_bytes None, every object `match`
+        accepts (`match(entry) -> bool`; None accepts all). Leased and pinned objects are
+        never chosen. Returns the evicted entries. Raises NotFound for an unknown namespace.
+        """
+        ns = self.host.namespaces.get(namespace)
+        if ns is None:
+            raise NotFound(f"no namespace {namespace!r}")
+        now = self.host.clock()
+
+        def chosen(oid: ObjectId) -> bool:
+            return self.host.evictable(ns, oid, now) and (match is None or match(ns.objects[oid]))
+
+        if num_bytes is None:
+            num_bytes = sum(e.size for oid, e in ns.objects.items() if chosen(oid))
+        evicted = []
+        for oid in ns.policy.victims(num_bytes, chosen):
+            entry = ns.objects[oid]
+            self.host.evict(ns, entry)
+            evicted.append(entry)
+        return evicted

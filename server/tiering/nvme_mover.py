@@ -1,0 +1,404 @@
+"""Moving objects between the host tier and NVMe.
+
+    demote:   host pressure -> victims by policy -> admitted ones are written to NVMe
+              (verified against their checksum on the way) -> host extents freed
+    promote:  get of an NVMe-only object -> room made in the host arena -> verified read
+              into the arena -> a host entry again (also on NVMe)
+    writes:   write_back (demote only), write_through (at commit, the reply waits for the
+              durable write), selective (after write_after_hits hits, in the background)
+    evict:    a full NVMe tier drops its own victims (S3-FIFO over NVMe objects)
+
+Runs on the event loop; NVMe I/O runs in the NVMe tier's thread pool. While an object is
+copied out of the host arena it holds a reader, so its extent cannot be freed or reused
+under the copy; a reader that arrives meanwhile keeps it resident.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import numpy as np
+
+from kvstore.config import NvmeTierConfig
+from kvstore.errors import CapacityError, ChecksumError, KVStoreError
+from kvstore.identity import ObjectId
+from kvstore.peer_messages import RemoteMeta
+from kvstore.replies import IN_MEMORY, CommitReply
+from kvstore.policy import make_policy
+from kvstore.policy.admission import FrequencyAdmission
+from server.later import MaybeAwaitable
+from server.tiering.objects import ObjectEntry
+from tiers.nvme import NvmeTier
+
+log = logging.getLogger("kvstore.movement")
+# Until promotions have measured it, assume this NVMe read bandwidth for load estimates.
+DEFAULT_NVME_BANDWIDTH = 1e9
+# write(displace=ANY_VICTIM): the NVMe policy's victims, whatever they are, make room.
+ANY_VICTIM = object()
+
+
+class TierMover:
+    """The NVMe tier in the chain: below the host tier (`manager.host`), above the cluster
+    (`manager.cluster`, where objects NVMe refuses or evicts go when their homes may lack them)."""
+
+    enabled = True
+
+    def __init__(self, manager, config: NvmeTierConfig):
+        """`config` is the `[nvme]` table with its path filled in (ServerConfig.nvme_path)."""
+        self.manager = manager
+        self.host = manager.host
+        self.config = config
+        self.nvme: NvmeTier | None = None
+        self.sizes: dict[tuple[str, bytes], int] = {}  # what NVMe holds: (namespace, id) -> size
+        self.used_bytes = 0
+        self.policy = make_policy("s3fifo", self.config.capacity_bytes)
+        self.admission = FrequencyAdmission(min_hits=self.config.admit_min_hits)
+        self.bandwidth_bytes_s = DEFAULT_NVME_BANDWIDTH
+        self._promoting: dict[tuple[str, bytes], asyncio.Future] = {}
+        self._background: set[asyncio.Task] = set()
+        self.counters = {"num_demotions": 0, "num_promotions": 0, "num_rejected": 0,
+                         "num_nvme_evictions": 0, "num_demotion_failures": 0}
+
+    # --- start and stop -------------------------------------------------------------
+
+    async def open(self) -> dict:
+        """Open (and recover) the NVMe tier; index what it holds. Returns recovery facts."""
+        loop = asyncio.get_running_loop()
+        start = time.monotonic()
+        self.nvme = await loop.run_in_executor(None, NvmeTier.open, self.config)
+        metas = await loop.run_in_executor(None, lambda: sorted(self.nvme.list(), key=lambda m: m.created_at))
+        for meta in metas:
+            key = (meta.namespace, meta.object_id.digest)
+            self._remember(key, meta.size)
+        report = self.nvme.recovery
+        facts = {"objects": len(metas), "ready_s": time.monotonic() - start,
+                 "recovered": report.recovered, "dropped": report.dropped,
+                 "dropped_by_reason": dict(report.dropped_by_reason), "sampled": report.sampled}
+        log.info("event=nvme_ready path=%s objects=%d ready_s=%.2f", self.config.path, len(metas), facts["ready_s"])
+        return facts
+
+    async def close(self) -> None:
+        for task in list(self._background):
+            task.cancel()
+        if self.nvme is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self.nvme.close)
+            self.nvme = None
+
+    def _run(self, fn, *args):
+        return asyncio.get_running_loop().run_in_executor(self.nvme.executor, fn, *args)
+
+    # --- what NVMe holds ------------------------------------------------------------------
+
+    def holds(self, namespace: str, oid) -> bool:
+        return (namespace, oid.digest) in self.sizes
+
+    def size_of(self, namespace: str, oid) -> int | None:
+        """Size on NVMe of `oid` (an ObjectId or its raw digest), None if NVMe lacks it."""
+        return self.sizes.get((namespace, oid if type(oid) is bytes else oid.digest))
+
+    def remote_meta(self, namespace: str, oid):
+        """What a peer lookup needs to know of an NVMe-only object (None if it went away)."""
+        meta = self.nvme.meta(namespace, oid)
+        return None if meta is None else RemoteMeta(meta.size, meta.checksum, meta.descriptor, meta.hints)
+
+    async def read_copy(self, namespace: str, oid):
+        """(RemoteMeta, bytes verified against it) of an NVMe object, read into fresh memory
+        without touching the host arena (what re-homing and demotion to peers send); None if
+        NVMe no longer has it or it failed its check (the tier dropped and counted it)."""
+        meta = await self._run(self.nvme.meta, namespace, oid)
+        if meta is None:
+            return None
+        out = np.empty(meta.size, dtype=np.uint8)
+        if await self._run(self.nvme.get_into, namespace, oid, out) is None:
+            self._forget((namespace, oid.digest))
+            return None
+        return RemoteMeta(meta.size, meta.checksum, meta.descriptor, meta.hints), out
+
+    def keys(self) -> list[tuple[str, bytes]]:
+        """(namespace, digest) of every object NVMe holds (a copy: safe across awaits)."""
+        return list(self.sizes)
+
+    async def metas(self, keys) -> list:
+        """NvmeMeta (None where gone meanwhile) of (namespace, digest) keys, read in the NVMe pool."""
+        if not keys or self.nvme is None:
+            return [None] * len(keys)
+        nvme = self.nvme
+        return await self._run(lambda: [nvme.meta(name, ObjectId(digest)) for name, digest in keys])
+
+    def on_hit(self, entry: ObjectEntry) -> None:
+        """A host hit: counted for admission and the NVMe policy; under `selective`, the
+        write_after_hits-th hit writes the object down in the background."""
+        key = (entry.namespace, entry.object_id.digest)
+        self.admission.record(key)
+        self.policy.on_access(key)
+        if (not entry.on_nvme and self.config.write_policy == "selective"
+                and entry.num_hits == self.config.write_after_hits):
+            self.write_in_background(entry)
+
+    def on_commit(self, entry: ObjectEntry) -> MaybeAwaitable[CommitReply]:
+        """A local commit: under `write_through` the reply waits for the durable write."""
+        if self.config.write_policy == "write_through":
+            return self._write_through(entry)
+        return IN_MEMORY
+
+    async def _write_through(self, entry: ObjectEntry) -> CommitReply:
+        durability = await self.write(entry)
+        return IN_MEMORY if durability is None else CommitReply(False, "host", durability)
+
+    # --- host -> NVMe -----------------------------------------------------------------------
+
+    async def write(self, entry: ObjectEntry, displace=ANY_VICTIM) -> str | None:
+        """Copy a host entry to NVMe. Returns the durability it got, or None if it failed.
+
+        displace: which NVMe objects may be evicted to make room for it, a predicate on
+        their (namespace, digest) keys; None: none (the copy goes only into free room).
+        A copy that finds no room it may take is counted in num_rejected, not as a failure.
+        """
+        key = (entry.namespace, entry.object_id.digest)
+        if key in self.sizes:
+            return "sync"
+        ns = self.host.namespaces[entry.namespace]
+        self.host.hold(entry)
+        try:
+            view = ns.arena.view(entry.extent)[:entry.size]
+            for attempt in range(3):
+                try:
+                    put = await self._run(self.nvme.put, entry.namespace, entry.object_id, view, entry.checksum,
+                                          entry.descriptor, entry.hints)
+                    break
+                except CapacityError:
+                    if attempt == 2 or displace is None or not await self._evict_nvme(entry.size, displace):
+                        if displace is not ANY_VICTIM:  # refused by admission or the flush's rule
+                            self.counters["num_rejected"] += 1
+                            return None
+                        raise
+            del view
+        except ChecksumError:
+            # The host bytes no longer match what was put: never let them travel on.
+            log.warning("event=host_checksum_mismatch namespace=%s object=%s", entry.namespace, entry.object_id.hex)
+            ns.counters.num_checksum_failures += 1
+            self.counters["num_demotion_failures"] += 1
+            if entry.object_id in ns.objects and ns.objects[entry.object_id] is entry:
+                self.host.drop(ns, entry)  # freed when the hold below ends
+            return None
+        except (KVStoreError, OSError) as exc:
+            log.warning("event=nvme_write_failed namespace=%s object=%s error=%r",
+                        entry.namespace, entry.object_id.hex, getattr(exc, "message", exc))
+            self.counters["num_demotion_failures"] += 1
+            return None
+        finally:  # every way out, cancellation included, gives the hold back
+            self.host.release_hold(entry)
+        if key not in self.sizes:
+            self._remember(key, entry.size)
+        entry.on_nvme = True
+        return put.durability
+
+    async def _evict_nvme(self, size: int, displace=ANY_VICTIM) -> bool:
+        victims = self.policy.victims(
+            size, lambda key: key not in self._promoting and (displace is ANY_VICTIM or displace(key)))
+        # They leave NVMe now: nothing counts on these copies from here on (a host entry of
+        # one may be written back meanwhile; its new copy is then kept).
+        for key in victims:
+            self.used_bytes -= self.sizes.pop(key, 0)
+            entry = self._host_entry(key)
+            if entry is not None:
+                entry.on_nvme = False
+        cluster = self.manager.cluster
+        leaving: dict[str, list] = {}  # those leaving the node go to their homes first
+        for key in victims:
+            if self._host_entry(key) is None and cluster.must_send(key[0], ObjectId(key[1])):
+                leaving.setdefault(key[0], []).append(ObjectId(key[1]))
+        try:
+            await asyncio.gather(*(cluster.demote_from_nvme(ns, oids) for ns, oids in leaving.items()))
+        except Exception as exc:  # counted there; the eviction goes on
+            log.warning("event=remote_demotion_failed error=%r", exc)
+        for key in victims:
+            if key in self.sizes:
+                continue  # written again while the copies above were sent
+            await self._run(self.nvme.delete, key[0], ObjectId(key[1]))
+            self.counters["num_nvme_evictions"] += 1
+            if self._host_entry(key) is None:
+                cluster.forget(key[0], ObjectId(key[1]))  # gone from this node altogether
+        return bool(victims)
+
+    def _host_entry(self, key) -> ObjectEntry | None:
+        ns = self.host.namespaces.get(key[0])
+        return ns.objects.get(ObjectId(key[1])) if ns else None
+
+    def _left_nvme(self, key) -> None:
+        entry = self._host_entry(key)
+        if entry is not None:
+            entry.on_nvme = False
+        else:  # gone from this node altogether
+            self.manager.cluster.forget(key[0], ObjectId(key[1]))
+
+    async def take_victims(self, ns, victims: list[ObjectEntry]) -> None:
+        """Host victims (TierManager.allocate's sink): those NVMe holds already are evicted,
+        the others written down as admission allows; those NVMe turns away go to their home
+        nodes first (in a cluster). Each ends evicted, or resident if read or pinned meanwhile."""
+        writes = []
+        cluster = self.manager.cluster
+        for entry in victims:
+            if entry.on_nvme or (ns.name, entry.object_id.digest) in self.sizes:
+                self.host.evict(ns, entry)
+            else:
+                writes.append(entry)
+        try:
+            if writes:
+                await asyncio.gather(*(self.write(e, self._displaceable_by(e)) for e in writes))
+            # NVMe refused some (full of hotter objects, full disk, EIO): those leave the
+            # node, homes first.
+            failed = [e for e in writes if not e.on_nvme and ns.objects.get(e.object_id) is e
+                      and cluster.must_send(ns.name, e.object_id)]
+            if failed:
+                await cluster.demote(failed)
+        except BaseException:
+            self.host.retrack_victims(ns, writes)  # cancelled: nothing evicted
+            raise
+        for entry in self.host.settle_victims(ns, writes):
+            if entry.on_nvme:
+                self.counters["num_demotions"] += 1
+
+    def _displaceable_by(self, entry: ObjectEntry):
+        """Which NVMe objects a host victim may push out (TinyLFU admission, DESIGN section 5).
+
+        While NVMe has room nothing is pushed out. An object read at least admit_min_hits
+        times (recently: the sketch ages) takes the NVMe policy's victims like any write.
+        Any other takes only victims read no more often than itself: a new, unread object
+        displaces old unread ones (they age out in the NVMe policy's FIFO order), never an
+        object that is being read."""
+        key = (entry.namespace, entry.object_id.digest)
+        if self.config.capacity_bytes - self.used_bytes >= entry.size or self.admission.admit(key):
+            return ANY_VICTIM
+        reads = self.admission.estimate(key)
+        return lambda victim: self.admission.estimate(victim) <= reads
+
+    # --- NVMe -> host ------------------------------------------------------------------------
+
+    async def promote(self, namespace: str, oid) -> ObjectEntry | None:
+        """Bring an NVMe object into the host arena (verified). None if it is gone or corrupt."""
+        key = (namespace, oid.digest)
+        pending = self._promoting.get(key)
+        if pending is not None:
+            return await asyncio.shield(pending)
+        future = asyncio.get_running_loop().create_future()
+        self._promoting[key] = future
+        try:
+            entry = await self._promote(namespace, oid, key)
+            future.set_result(entry)
+            return entry
+        except BaseException as exc:
+            future.set_exception(exc)
+            future.exception()  # retrieved: waiters get it, nobody else logs it
+            raise
+        finally:
+            del self._promoting[key]
+
+    async def _promote(self, namespace: str, oid, key) -> ObjectEntry | None:
+        meta = await self._run(self.nvme.meta, namespace, oid)
+        if meta is None:
+            self._forget(key)
+            return None
+        ns = await self.host.open_namespace(namespace)
+        extent = await self.host.make_room(ns, meta.size, self.take_victims)
+        self.host.track_transient(ns, extent, add=True)
+        try:
+            start = time.perf_counter()
+            view = ns.arena.view(extent)[:meta.size]
+            got = await self._run(self.nvme.get_into, namespace, oid, view)
+            del view
+            elapsed = time.perf_counter() - start
+        except Exception:  # the read failed (EIO) and is over: the extent is ours to give back
+            ns.arena.free(extent)
+            raise
+        finally:
+            self.host.track_transient(ns, extent, add=False)
+        if got is None:  # gone meanwhile, or failed its checksum (the tier dropped and counted it)
+            ns.arena.free(extent)
+            self._forget(key)
+            return None
+        self.bandwidth_bytes_s = 0.8 * self.bandwidth_bytes_s + 0.2 * (meta.size / max(elapsed, 1e-6))
+        entry = self.host.publish(ns, oid, extent, meta.size, meta.checksum, meta.descriptor, meta.hints,
+                                  created_at=meta.created_at, on_nvme=True, counted=False)
+        if entry.extent is extent:  # else a put of the same id landed while we read, and won
+            self.counters["num_promotions"] += 1
+        return entry
+
+    def _remember(self, key, size: int) -> None:
+        self.sizes[key] = size
+        self.used_bytes += size
+        self.policy.on_insert(key, size)
+
+    def _forget(self, key) -> None:
+        size = self.sizes.pop(key, None)
+        if size is not None:
+            self.used_bytes -= size
+            self.policy.on_remove(key)
+            self._left_nvme(key)
+
+    # --- other paths ------------------------------------------------------------------------------
+
+    async def flush_host(self) -> int:
+        """On a clean stop, write the host objects NVMe lacks into its free room, most valuable
+        first (pinned, then most read, then newest). Never evicts: what was durable before the
+        stop stays durable. Returns how many landed; the rest are counted and logged."""
+        entries = [e for ns in self.host.namespaces.values() for e in ns.objects.values()
+                   if not e.on_nvme and not e.deleted and (e.namespace, e.object_id.digest) not in self.sizes]
+        if not entries:
+            return 0
+        now = self.host.clock()
+        entries.sort(key=lambda e: (e.is_pinned(now), e.num_hits, e.created_at), reverse=True)
+        free = self.config.capacity_bytes - self.used_bytes
+        planned, no_room = [], 0
+        for entry in entries:
+            if entry.size <= free:
+                planned.append(entry)
+                free -= entry.size
+            else:
+                no_room += 1
+        log.info("event=flush_start objects=%d bytes=%d planned=%d no_room=%d", len(entries),
+                 sum(e.size for e in entries), len(planned), no_room)
+        gate = asyncio.Semaphore(max(1, self.config.io_threads))
+
+        async def one(entry):
+            async with gate:
+                return await self.write(entry, displace=None)
+
+        results = await asyncio.gather(*(one(e) for e in planned))
+        written = sum(r is not None for r in results)
+        log.log(logging.WARNING if written < len(entries) else logging.INFO,
+                "event=flush_done written=%d not_written=%d no_room=%d bytes_written=%d",
+                written, len(entries) - written, no_room,
+                sum(e.size for e, r in zip(planned, results) if r is not None))
+        return written
+
+    def write_in_background(self, entry: ObjectEntry) -> None:
+        task = asyncio.get_running_loop().create_task(self.write(entry))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def delete(self, namespace: str, oids) -> int:
+        count = 0
+        for oid in oids:
+            key = (namespace, oid.digest)
+            if key in self.sizes:
+                self._forget(key)
+                if await self._run(self.nvme.delete, namespace, oid):
+                    count += 1
+        return count
+
+    def stats(self) -> dict:
+        tier = dict(self.nvme.stats()) if self.nvme is not None else {}
+        tier.update(self.counters, objects=len(self.sizes), bandwidth_bytes_s=self.bandwidth_bytes_s,
+                    write_policy=self.config.write_policy, num_admitted=self.admission.num_admitted)
+        return tier
+
+    def check_integrity(self) -> None:
+        self.policy.check_integrity()
+        if len(self.policy) != len(self.sizes) or self.used_bytes != sum(self.sizes.values()):
+            raise RuntimeError(f"NVMe policy tracks {len(self.policy)} objects, the index {len(self.sizes)} "
+                               f"({self.used_bytes} B counted, {sum(self.sizes.values())} B indexed)")
+        if self.nvme is not None:
+            self.nvme.check_integrity()

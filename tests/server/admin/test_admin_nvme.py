@@ -1,0 +1,105 @@
+"""The admin API and CLI over objects held only on NVMe (after a clean restart): list, show,
+pin and delete reach them; status and /v1/cluster show the NVMe tier."""
+
+from __future__ import annotations
+
+import json
+import signal
+
+import numpy as np
+import pytest
+
+from kvstore import StateDescriptor
+from kvstore.identity import ObjectId
+from server.admin.client import AdminClient, AdminRequestFailed
+from commands.cli import main
+
+NVME = {"nvme": {"enabled": True, "capacity_bytes": "64MiB", "file_bytes": "64MiB"}}
+SIZE = 64 << 10
+
+
+def restarted_with_cold_objects(daemon_factory, count: int = 4):
+    """A daemon whose `count` objects (two models) sit only on NVMe after a clean restart."""
+    d = daemon_factory("16MiB", config=NVME)
+    ids = sorted((ObjectId(bytes([i + 1]) * 32) for i in range(count)), key=lambda o: o.digest)
+    with d.client() as c:
+        for i, oid in enumerate(ids):
+            desc = StateDescriptor("default", "m-even" if i % 2 == 0 else "m-odd", "r1")
+            c.put(oid, np.full(SIZE, i, np.uint8), desc)
+    assert d.stop(signal.SIGTERM) == 0  # the flush writes them to NVMe
+    d.start("16MiB")
+    with d.client() as c:
+        assert c.lookup(ids).tiers == ("nvme",) * count
+    return d, ids, AdminClient.from_data_dir(d.data_dir)
+
+
+def cli(d, capsys, *argv) -> tuple[int, str, str]:
+    code = main([*argv, "--config", d.config_path])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_objects_only_on_nvme_are_listed_shown_and_filtered(daemon_factory):
+    d, ids, api = restarted_with_cold_objects(daemon_factory)
+    page = api.get("/v1/objects")
+    assert [o["object_id"] for o in page["objects"]] == [o.hex for o in ids]
+    assert {(o["tier"], tuple(o["tiers"]), o["size"]) for o in page["objects"]} == {("nvme", ("nvme",), SIZE)}
+    assert [o["object_id"] for o in api.get("/v1/objects", tier="nvme")["objects"]] == [o.hex for o in ids]
+    assert api.get("/v1/objects", tier="host")["objects"] == []
+    odd = api.get("/v1/objects", model="m-odd")["objects"]
+    assert [o["object_id"] for o in odd] == [ids[1].hex, ids[3].hex]
+    # Paging one at a time walks NVMe-only objects like host ones.
+    seen, cursor = [], None
+    while True:
+        page = api.get("/v1/objects", limit=1, cursor=cursor)
+        seen += [o["object_id"] for o in page["objects"]]
+        cursor = page["next_cursor"]
+        if cursor is None:
+            break
+    assert seen == [o.hex for o in ids]
+    shown = api.get(f"/v1/objects/{ids[0].hex}")
+    assert shown["tiers"] == ["nvme"] and shown["descriptor"]["model"] == "m-even" and shown["pinned"] is False
+    with pytest.raises(AdminRequestFailed, match="evict frees host memory only"):
+        api.post("/v1/evict", {"tier": "nvme", "filter": {}})
+
+
+def test_objects_only_on_nvme_can_be_pinned_and_deleted_from_the_cli(daemon_factory, capsys):
+    d, ids, api = restarted_with_cold_objects(daemon_factory)
+    code, out, _ = cli(d, capsys, "objects", "show", ids[0].hex)
+    assert code == 0 and json.loads(out)["tiers"] == ["nvme"]
+    # A pin promotes the object into host memory, then pins that copy.
+    code, out, _ = cli(d, capsys, "objects", "pin", ids[0].hex, "--ttl-s", "60")
+    assert code == 0 and "pinned" in out
+    shown = api.get(f"/v1/objects/{ids[0].hex}")
+    assert shown["tiers"] == ["host", "nvme"] and shown["tier"] == "host" and shown["pinned"] is True
+    code, out, _ = cli(d, capsys, "objects", "pin", ids[1].hex, "--unpin")
+    assert code == 0 and api.get(f"/v1/objects/{ids[1].hex}")["tiers"] == ["nvme"]  # nothing promoted
+    code, out, _ = cli(d, capsys, "objects", "rm", ids[2].hex)
+    assert code == 0 and "deleted" in out
+    with d.client() as c:
+        assert c.lookup([ids[2]]).tiers == (None,)
+        assert c.lookup([ids[0], ids[3]]).tiers == ("host", "nvme")
+        c.check_integrity()
+    with pytest.raises(AdminRequestFailed, match="no object"):
+        api.get(f"/v1/objects/{ids[2].hex}")
+    assert [o["object_id"] for o in api.get("/v1/objects", tier="nvme")["objects"]] == [
+        ids[0].hex, ids[1].hex, ids[3].hex]
+
+
+def test_status_and_cluster_show_the_nvme_tier_with_one_namespace(daemon_factory, capsys):
+    d, ids, api = restarted_with_cold_objects(daemon_factory)
+    nvme = api.get("/v1/cluster")["nodes"][0]["tiers"]["nvme"]
+    assert nvme["objects"] == len(ids) and nvme["capacity_bytes"] == 64 << 20
+    code, out, _ = cli(d, capsys, "status")  # --config: the data_dir comes from the daemon's TOML
+    assert code == 0
+    row = next(line for line in out.splitlines() if " nvme " in line)
+    assert row.startswith("(all)") and f" {len(ids)} " in row
+    with d.client() as c:  # one namespace open: its host row, and still the NVMe row
+        c.lookup(ids)
+        c.put(ObjectId(b"\xee" * 32), np.zeros(SIZE, np.uint8))
+    code, out, _ = cli(d, capsys, "status")
+    assert any(line.startswith("default ") and " host " in line for line in out.splitlines())
+    assert any(line.startswith("(all)") and " nvme " in line for line in out.splitlines())
+    stats = api.get("/v1/stats")
+    assert stats["tiers"]["host"]["allocation_unit_bytes"] == 4096
+    assert stats["tiers"]["nvme"]["allocation_unit_bytes"] == 4096

@@ -1,0 +1,125 @@
+"""server.tiering.objects: the one way an entry is made and the one liveness rule (issue 14, item 2)."""
+
+import asyncio
+import math
+
+import pytest
+
+from kvstore.errors import Conflict
+from kvstore.hints import Hints
+from kvstore.identity import ObjectId, StateDescriptor
+from server.tiering.objects import ObjectEntry, check_same_object
+
+OID = ObjectId(bytes(32))
+DESC = StateDescriptor("ns", "m", "r")
+
+
+def entry(hints, now=100.0, **kwargs):
+    return ObjectEntry.create(OID, "ns", None, 10, b"c" * 16, DESC, hints, now, **kwargs)
+
+
+def test_a_ttl_counts_from_now_and_ends_liveness_exactly_there():
+    e = entry(Hints(ttl_s=5.0))
+    assert e.expires_at == 105.0
+    assert e.is_live(104.999) and not e.is_live(105.0)
+
+
+def test_without_a_ttl_an_entry_lives_and_is_unpinned_unless_asked():
+    e = entry(Hints())
+    assert e.expires_at == math.inf and e.is_live(1e12)
+    assert e.pinned_until == 0.0 and not e.is_pinned(0.0)
+    assert entry(Hints(), pin=True).is_pinned(1e12)
+
+
+def test_created_at_is_the_wall_clock_unless_carried_over():
+    assert entry(Hints(), created_at=42.0).created_at == 42.0
+    assert entry(Hints()).created_at > 1e9  # time.time(), not the monotonic `now`
+
+
+def test_an_id_is_one_state():
+    check_same_object(OID, 10, DESC, 10, DESC)
+    with pytest.raises(Conflict, match="10 bytes, not 11"):
+        check_same_object(OID, 10, DESC, 11, DESC)
+
+
+class Clock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self):
+        return self.now
+
+
+async def _manager_with_expired_copy():
+    from kvstore.config import HostTierConfig
+    from server.tiering.manager import TierManager
+    clock = Clock()
+    manager = TierManager(HostTierConfig(arena_bytes=1 << 20, prefault=False), clock=clock)
+    ns = await manager.open_namespace("ns")
+    old = manager.publish(ns, OID, await manager.allocate(ns, 10), 10, b"c" * 16, DESC, Hints(ttl_s=5.0))
+    clock.now += 10  # past its TTL, not yet swept by housekeeping
+    return manager, ns, old
+
+
+def test_a_fetched_or_peer_copy_replaces_an_expired_one_and_is_served():
+    """publish used to hand back the expired entry (and free the new bytes): the next read
+    then expired it and missed, and a home refused a peer's fresh copy as already held."""
+    async def scenario():
+        manager, ns, old = await _manager_with_expired_copy()
+        new = manager.publish(ns, OID, await manager.allocate(ns, 10), 10, b"c" * 16, DESC, Hints(ttl_s=5.0))
+        assert new is not old and new.is_live(manager.clock()) and ns.objects[OID] is new
+        assert ns.counters.num_expired == 1
+        assert manager.get("reader", "ns", OID).hit
+        manager.check_integrity()
+    asyncio.run(scenario())
+
+
+def test_a_copy_still_live_is_kept_and_the_new_bytes_given_back():
+    async def scenario():
+        manager, ns, old = await _manager_with_expired_copy()
+        manager.clock.now -= 10  # back inside the TTL
+        used = ns.arena.allocator.used_bytes
+        extent = await manager.allocate(ns, 10)
+        assert manager.publish(ns, OID, extent, 10, b"c" * 16, DESC, Hints()) is old
+        assert ns.arena.allocator.used_bytes == used and ns.counters.num_expired == 0
+    asyncio.run(scenario())
+
+
+def test_a_home_takes_a_peers_fresh_copy_over_its_expired_one():
+    from kvstore.peer_messages import RemoteMeta
+    from server.cluster.serving import PeerServing
+
+    async def scenario():
+        manager, ns, old = await _manager_with_expired_copy()
+        serving = PeerServing(manager, set())
+        write = await serving.reserve("ns", OID, RemoteMeta(10, b"c" * 16, DESC, Hints()))
+        assert write is not None, "the home answered 'held' for a copy past its TTL"
+        write.commit()
+        assert ns.objects[OID] is not old and ns.objects[OID].is_live(manager.clock())
+        manager.check_integrity()
+    asyncio.run(scenario())
+
+
+def test_housekeeping_rebuilds_an_index_emptied_by_deletes():
+    """Python dicts never shrink: 20,000 deleted objects left their table (and the policy's)
+    allocated until housekeeping rebuilt them (bench/scale.py measures the memory)."""
+    import sys
+
+    from kvstore.config import HostTierConfig
+    from server.tiering.manager import TierManager
+
+    async def scenario():
+        manager = TierManager(HostTierConfig(arena_bytes=(20_000 + 16) * 4096, prefault=False))
+        ns = await manager.open_namespace("ns")
+        ids = [ObjectId(i.to_bytes(32, "little")) for i in range(20_000)]
+        for oid in ids:
+            manager.publish(ns, oid, await manager.allocate(ns, 10), 10, b"c" * 16, DESC, Hints())
+        full = sys.getsizeof(ns.objects)
+        manager.delete_here("ns", ids[:19_000])
+        assert sys.getsizeof(ns.objects) == full  # deleting never shrinks the table
+        manager.expire()
+        assert sys.getsizeof(ns.objects) < full / 8 and len(ns.objects) == 1_000
+        assert all(ns.objects[oid].object_id == oid for oid in ids[19_000:])
+        assert manager.get("reader", "ns", ids[-1]).hit
+        manager.check_integrity()
+    asyncio.run(scenario())
