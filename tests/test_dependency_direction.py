@@ -116,3 +116,28 @@ def test_no_module_reaches_into_another_objects_privates():
 
 # Modules whose underscore names we must use (torch's CUDA IPC, ucxx's context), not ours.
 THIRD_PARTY_PRIVATES = {"torch", "cuda", "storage", "core", "sys", "os"}
+
+
+LOG_CALLS = {"debug", "info", "warning", "error", "exception", "critical"}
+
+
+def _log_formats(path: pathlib.Path):
+    """(line, format string) of each call on a logger (`log`, `_log`, `logger`) in `path`."""
+    for node in ast.walk(ast.parse(path.read_text())):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                and isinstance(node.func.value, ast.Name) and node.func.value.id in ("log", "_log", "logger")):
+            continue
+        args = node.args[1:] if node.func.attr == "log" else node.args if node.func.attr in LOG_CALLS else None
+        if args and isinstance(args[0], ast.Constant) and isinstance(args[0].value, str):
+            yield node.lineno, args[0].value
+
+
+def test_the_daemon_logs_one_style():
+    """Every log line of the daemon and its tiers is `event=<name> key=value ...` (what the
+    admin API's log views and the README's grep examples rely on)."""
+    other = [f"{p.relative_to(ROOT)}:{line}: {fmt!r}" for package in ("server", "tiers")
+             for p in sorted((ROOT / package).rglob("*.py")) for line, fmt in _log_formats(p)
+             if not fmt.startswith("event=")]
+    found = sum(1 for package in ("server", "tiers") for p in (ROOT / package).rglob("*.py") for _ in _log_formats(p))
+    assert found > 50, "the check finds the daemon's log calls"
+    assert not other, "\n".join(other)

@@ -27,6 +27,10 @@ if TYPE_CHECKING:
 MODES = ("read", "write")
 
 
+# Who holds a lease: the local service's connection id (any hashable in tests); every
+# lease of an owner ends when it disconnects.
+Owner = Hashable
+
 @dataclass(frozen=True, slots=True)
 class Lease:
     """One lease. `owner` is the connection id; `key` the object key (None allowed only for a

@@ -27,6 +27,8 @@ do the checking). A dead or cut-off peer costs at most cluster.peer_timeout_s, t
 
 from __future__ import annotations
 
+from dataclasses import asdict
+
 from kvstore.identity import ObjectId
 from server.cluster.fetch import Fetcher
 from server.cluster.replicate import Replicator
@@ -127,7 +129,7 @@ class ClusterLink:
 
     def stats(self) -> dict:
         stats = dict(self.node.stats())
-        stats.update(self.replicator.counters, remote_write=self.config.remote_write)
+        stats.update(asdict(self.replicator.counters), remote_write=self.config.remote_write)
         if self.rehomer is not None:
             stats["rehome"] = self.rehomer.stats()
         return stats

@@ -14,6 +14,7 @@ import contextlib
 import logging
 import math
 import time
+from dataclasses import dataclass
 
 from kvstore.errors import Conflict
 from kvstore.replies import CommitReply
@@ -22,6 +23,15 @@ from server.tiering.objects import ObjectEntry
 from tiers.remote import MAX_LINKS_PER_PEER
 
 log = logging.getLogger("kvstore.cluster")
+
+
+@dataclass(slots=True)
+class ReplicaCounters:
+    num_replicated: int = 0  # commits copied to every remote home (write_through)
+    num_demoted_remote: int = 0  # objects sent home before they left this node
+    num_demotion_failures: int = 0
+    num_remote_puts: int = 0  # puts with tier="remote"
+    num_remote_put_fallbacks: int = 0  # of those, kept here because no home could take them
 
 
 class Replicator:
@@ -35,8 +45,7 @@ class Replicator:
         self._sending: dict[tuple[str, bytes], list[asyncio.Future]] = {}
         self.gate = asyncio.Semaphore(MAX_LINKS_PER_PEER)
         self._demotion_log_at = -math.inf
-        self.counters = {"num_replicated": 0, "num_demoted_remote": 0, "num_demotion_failures": 0,
-                         "num_remote_puts": 0, "num_remote_put_fallbacks": 0}
+        self.counters = ReplicaCounters()
 
     @property
     def remote(self):
@@ -75,7 +84,7 @@ class Replicator:
 
     async def _replicate(self, entry: ObjectEntry) -> None:
         if await self._send(entry):
-            self.counters["num_replicated"] += 1
+            self.counters.num_replicated += 1
 
     async def _send(self, entry: ObjectEntry) -> bool:
         """Send a host entry to every remote home. True once all of them hold it."""
@@ -140,7 +149,10 @@ class Replicator:
         for item, ok in zip(items, results):
             if ok is None:
                 continue
-            self.counters["num_demoted_remote" if ok else "num_demotion_failures"] += 1
+            if ok:
+                self.counters.num_demoted_remote += 1
+            else:
+                self.counters.num_demotion_failures += 1
             if not ok:
                 failed.append(getattr(item, "object_id", item))
         # With a home down every eviction fails alike: one line per second, not one per object.
@@ -148,13 +160,13 @@ class Replicator:
         if failed and now - self._demotion_log_at >= 1.0:
             self._demotion_log_at = now
             log.warning("event=remote_demotion_failed objects=%d first=%s homes=%s total=%d", len(failed), failed[0],
-                        ",".join(self.remote.remote_homes(failed[0])), self.counters["num_demotion_failures"])
+                        ",".join(self.remote.remote_homes(failed[0])), self.counters.num_demotion_failures)
 
     async def put_remote(self, entry: ObjectEntry) -> CommitReply:
         """An explicit put with tier="remote": the reply waits until the homes hold it. The
         local copy stays only where this node is a home itself, or where no home could take
         it (the reply then says tier "host": nothing is lost, and nothing pretends)."""
-        self.counters["num_remote_puts"] += 1
+        self.counters.num_remote_puts += 1
         homes = self.remote.homes(entry.object_id)
         held, sent = [], True
         ns = self.manager.namespaces[entry.namespace]
@@ -166,7 +178,7 @@ class Replicator:
                     self.manager.drop(ns, entry)
                 raise
         if not sent:
-            self.counters["num_remote_put_fallbacks"] += 1
+            self.counters.num_remote_put_fallbacks += 1
             log.warning("event=remote_put_fallback namespace=%s id=%s homes=%s", entry.namespace, entry.object_id,
                         ",".join(homes))
             # Every home that holds it: this node (it keeps its copy) and those the send reached.

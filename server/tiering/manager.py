@@ -33,7 +33,7 @@ from server.later import MaybeAwaitable, is_ready, resolve
 from server.tiering.objects import ObjectEntry, PendingPut, check_same_object
 from server.tiering.quotas import ClientQuotas
 from tiers.allocator import Extent
-from tiers.leases import LeaseTable
+from tiers.leases import Lease, LeaseTable, Owner
 
 log = logging.getLogger("kvstore.tiers")
 
@@ -94,7 +94,7 @@ class TierManager:
 
     # --- put --------------------------------------------------------------------
 
-    def reserve(self, owner, msg: Reserve) -> MaybeAwaitable[ReserveReply]:
+    def reserve(self, owner: Owner, msg: Reserve) -> MaybeAwaitable[ReserveReply]:
         ns = self.host.namespace(msg.namespace)
         expected = msg.descriptor.object_bytes
         if expected and msg.size != expected:
@@ -122,10 +122,10 @@ class TierManager:
             return self._reserve_after_room(owner, ns, msg)
         return self._grant_write(owner, ns, msg, self.host.alloc_now(ns, msg.size))
 
-    async def _reserve_after_room(self, owner, ns: Namespace, msg: Reserve) -> ReserveReply:
+    async def _reserve_after_room(self, owner: Owner, ns: Namespace, msg: Reserve) -> ReserveReply:
         return self._grant_write(owner, ns, msg, await self.allocate(ns, msg.size))
 
-    def _grant_write(self, owner, ns: Namespace, msg: Reserve, extent: Extent) -> ReserveReply:
+    def _grant_write(self, owner: Owner, ns: Namespace, msg: Reserve, extent: Extent) -> ReserveReply:
         lease = self.leases.grant(owner, None, extent, "write", self.limits_config.lease_ttl_s, self.clock())
         self._pending[lease.lease_id] = PendingPut(
             msg.namespace, msg.object_id, msg.size, msg.descriptor, msg.hints, extent, msg.tier
@@ -133,7 +133,7 @@ class TierManager:
         self.quotas.reserved(owner, msg.size)
         return ReserveReply(lease=lease.lease_id, offset=extent.offset)
 
-    def commit(self, owner, lease_id: int, checksum: bytes) -> MaybeAwaitable[CommitReply]:
+    def commit(self, owner: Owner, lease_id: int, checksum: bytes) -> MaybeAwaitable[CommitReply]:
         self._own_lease(owner, lease_id, "write")
         put = self._pending.pop(lease_id)
         self.quotas.settled(owner, put.size)
@@ -162,13 +162,13 @@ class TierManager:
         self.cluster.on_commit(entry)
         return self.mover.on_commit(entry)
 
-    def abort(self, owner, lease_id: int) -> None:
+    def abort(self, owner: Owner, lease_id: int) -> None:
         self._own_lease(owner, lease_id, "write")
         self._end_lease(self.leases.release(lease_id))
 
     # --- get --------------------------------------------------------------------
 
-    def get(self, owner, namespace: str, oid: ObjectId, accept=None, ranges=None,
+    def get(self, owner: Owner, namespace: str, oid: ObjectId, accept=None, ranges=None,
             expect=None, gpu: bool = False) -> MaybeAwaitable[GetReply]:
         """A read lease, or a miss. expect: the descriptor the reader can use (any other is a
         miss). A local miss goes down the chain: NVMe (promoted), then the homes (fetched;
@@ -202,7 +202,7 @@ class TierManager:
                 return self._lease(owner, ns, entry, copy)
         return self._lease(owner, ns, entry)
 
-    def _lease(self, owner, ns: Namespace, entry: ObjectEntry, on_gpu: Extent | None = None) -> GetReply:
+    def _lease(self, owner: Owner, ns: Namespace, entry: ObjectEntry, on_gpu: Extent | None = None) -> GetReply:
         """A read lease on the host entry, or on its device copy (`on_gpu`, acquired for it)."""
         oid = entry.object_id
         lease = self.leases.grant(owner, oid, on_gpu or entry.extent, "read", self.limits_config.lease_ttl_s,
@@ -219,7 +219,7 @@ class TierManager:
         entry.readers += 1
         return entry.get_reply(lease.lease_id)
 
-    def _get_after(self, bring: MaybeAwaitable, owner, ns: Namespace, oid: ObjectId, accept, ranges, expect,
+    def _get_after(self, bring: MaybeAwaitable, owner: Owner, ns: Namespace, oid: ObjectId, accept, ranges, expect,
                    gpu: bool, copied: bool = False) -> MaybeAwaitable[GetReply]:
         """Once `bring` put the object in the host tier (or found it nowhere), serve it from
         there. copied: `bring` made a device copy instead (its extent, acquired, or None)."""
@@ -227,11 +227,11 @@ class TierManager:
             return self._served(bring, owner, ns, oid, accept, ranges, expect, gpu, copied)
         return self._served_later(bring, owner, ns, oid, accept, ranges, expect, gpu, copied)
 
-    async def _served_later(self, bring, owner, ns: Namespace, oid: ObjectId, accept, ranges, expect, gpu: bool,
+    async def _served_later(self, bring, owner: Owner, ns: Namespace, oid: ObjectId, accept, ranges, expect, gpu: bool,
                             copied: bool) -> GetReply:
         return await resolve(self._served(await bring, owner, ns, oid, accept, ranges, expect, gpu, copied))
 
-    def _served(self, brought, owner, ns: Namespace, oid: ObjectId, accept, ranges, expect, gpu: bool,
+    def _served(self, brought, owner: Owner, ns: Namespace, oid: ObjectId, accept, ranges, expect, gpu: bool,
                 copied: bool) -> MaybeAwaitable[GetReply]:
         entry = ns.objects.get(oid)
         if copied and brought is not None:
@@ -255,7 +255,7 @@ class TierManager:
                 ns.counters.num_misses += 1
                 raise
 
-    def grant_ranged(self, owner, ns: Namespace, oid: ObjectId, extent: Extent) -> int:
+    def grant_ranged(self, owner: Owner, ns: Namespace, oid: ObjectId, extent: Extent) -> int:
         """A read lease on an extent holding some ranges of `oid` (transient, never indexed);
         it is freed when the lease ends."""
         self.quotas.check_lease(owner)
@@ -263,11 +263,11 @@ class TierManager:
         self._ranged[lease.lease_id] = (ns, extent)
         return lease.lease_id
 
-    def release(self, owner, lease_id: int) -> None:
+    def release(self, owner: Owner, lease_id: int) -> None:
         self._own_lease(owner, lease_id, "read")
         self._end_lease(self.leases.release(lease_id))
 
-    def _own_lease(self, owner, lease_id: int, mode: str):
+    def _own_lease(self, owner: Owner, lease_id: int, mode: str) -> Lease:
         try:
             lease = self.leases.get(lease_id)
         except NotFound:
@@ -276,7 +276,7 @@ class TierManager:
             raise NotFound(f"no {mode} lease {lease_id} held by this client (expired or already released)")
         return lease
 
-    def _end_lease(self, lease) -> None:
+    def _end_lease(self, lease: Lease) -> None:
         """Undo what a lease holds: a write lease frees its extent, a read lease drops a reader."""
         if lease.mode == "write":
             put = self._pending.pop(lease.lease_id)
@@ -296,7 +296,7 @@ class TierManager:
 
     # --- housekeeping -----------------------------------------------------------
 
-    def drop_owner(self, owner) -> int:
+    def drop_owner(self, owner: Owner) -> int:
         """A client went away: end every lease it held. Returns how many."""
         leases = self.leases.release_owner(owner)
         for lease in leases:

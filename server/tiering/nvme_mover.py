@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from dataclasses import asdict, dataclass
 
 import numpy as np
 
@@ -39,6 +40,15 @@ DEFAULT_NVME_BANDWIDTH = 1e9
 ANY_VICTIM = object()
 
 
+@dataclass(slots=True)
+class MoverCounters:
+    num_demotions: int = 0  # host victims written down to NVMe
+    num_promotions: int = 0  # NVMe objects read back into the host tier
+    num_rejected: int = 0  # copies turned away (admission, or no room a flush may take)
+    num_nvme_evictions: int = 0
+    num_demotion_failures: int = 0  # writes that failed (EIO, full disk, host bytes changed)
+
+
 class TierMover:
     """The NVMe tier in the chain: below the host tier (`manager.host`), above the cluster
     (`manager.cluster`, where objects NVMe refuses or evicts go when their homes may lack them)."""
@@ -58,8 +68,7 @@ class TierMover:
         self.bandwidth_bytes_s = DEFAULT_NVME_BANDWIDTH
         self._promoting: dict[tuple[str, bytes], asyncio.Future] = {}
         self._background: set[asyncio.Task] = set()
-        self.counters = {"num_demotions": 0, "num_promotions": 0, "num_rejected": 0,
-                         "num_nvme_evictions": 0, "num_demotion_failures": 0}
+        self.counters = MoverCounters()
 
     # --- start and stop -------------------------------------------------------------
 
@@ -171,7 +180,7 @@ class TierMover:
                 except CapacityError:
                     if attempt == 2 or displace is None or not await self._evict_nvme(entry.size, displace):
                         if displace is not ANY_VICTIM:  # refused by admission or the flush's rule
-                            self.counters["num_rejected"] += 1
+                            self.counters.num_rejected += 1
                             return None
                         raise
             del view
@@ -179,14 +188,14 @@ class TierMover:
             # The host bytes no longer match what was put: never let them travel on.
             log.warning("event=host_checksum_mismatch namespace=%s object=%s", entry.namespace, entry.object_id.hex)
             ns.counters.num_checksum_failures += 1
-            self.counters["num_demotion_failures"] += 1
+            self.counters.num_demotion_failures += 1
             if entry.object_id in ns.objects and ns.objects[entry.object_id] is entry:
                 self.host.drop(ns, entry)  # freed when the hold below ends
             return None
         except (KVStoreError, OSError) as exc:
             log.warning("event=nvme_write_failed namespace=%s object=%s error=%r",
                         entry.namespace, entry.object_id.hex, getattr(exc, "message", exc))
-            self.counters["num_demotion_failures"] += 1
+            self.counters.num_demotion_failures += 1
             return None
         finally:  # every way out, cancellation included, gives the hold back
             self.host.release_hold(entry)
@@ -218,7 +227,7 @@ class TierMover:
             if key in self.sizes:
                 continue  # written again while the copies above were sent
             await self._run(self.nvme.delete, key[0], ObjectId(key[1]))
-            self.counters["num_nvme_evictions"] += 1
+            self.counters.num_nvme_evictions += 1
             if self._host_entry(key) is None:
                 cluster.forget(key[0], ObjectId(key[1]))  # gone from this node altogether
         return bool(victims)
@@ -259,7 +268,7 @@ class TierMover:
             raise
         for entry in self.host.settle_victims(ns, writes):
             if entry.on_nvme:
-                self.counters["num_demotions"] += 1
+                self.counters.num_demotions += 1
 
     def _displaceable_by(self, entry: ObjectEntry):
         """Which NVMe objects a host victim may push out (TinyLFU admission, DESIGN section 5).
@@ -323,7 +332,7 @@ class TierMover:
         entry = self.host.publish(ns, oid, extent, meta.size, meta.checksum, meta.descriptor, meta.hints,
                                   created_at=meta.created_at, on_nvme=True, counted=False)
         if entry.extent is extent:  # else a put of the same id landed while we read, and won
-            self.counters["num_promotions"] += 1
+            self.counters.num_promotions += 1
         return entry
 
     def _remember(self, key, size: int) -> None:
@@ -391,7 +400,7 @@ class TierMover:
 
     def stats(self) -> dict:
         tier = dict(self.nvme.stats()) if self.nvme is not None else {}
-        tier.update(self.counters, objects=len(self.sizes), bandwidth_bytes_s=self.bandwidth_bytes_s,
+        tier.update(asdict(self.counters), objects=len(self.sizes), bandwidth_bytes_s=self.bandwidth_bytes_s,
                     write_policy=self.config.write_policy, num_admitted=self.admission.num_admitted)
         return tier
 

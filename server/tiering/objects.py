@@ -11,6 +11,7 @@ from kvstore.errors import Conflict
 from kvstore.hints import Hints
 from kvstore.identity import ObjectId, StateDescriptor, descriptor_differences
 from kvstore.replies import GetReply
+from tiers.allocator import Extent
 
 
 _SERIALS = itertools.count(1)
@@ -22,7 +23,7 @@ class ObjectEntry:
 
     object_id: ObjectId
     namespace: str
-    extent: object  # tiers.allocator.Extent
+    extent: Extent
     size: int
     checksum: bytes
     descriptor: StateDescriptor
@@ -85,7 +86,7 @@ class PendingPut:
     size: int
     descriptor: StateDescriptor
     hints: Hints
-    extent: object
+    extent: Extent
     tier: str = "host"  # "remote": the commit sends it to its home nodes
 
 

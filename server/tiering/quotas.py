@@ -8,16 +8,16 @@ from __future__ import annotations
 
 from kvstore.config import LimitsConfig
 from kvstore.errors import LimitExceeded
-from tiers.leases import LeaseTable
+from tiers.leases import LeaseTable, Owner
 
 
 class ClientQuotas:
     def __init__(self, limits: LimitsConfig, leases: LeaseTable):
         self.limits = limits
         self.leases = leases
-        self.inflight_bytes: dict = {}  # owner -> bytes of its reserved, uncommitted puts
+        self.inflight_bytes: dict[Owner, int] = {}  # owner -> bytes of its reserved, uncommitted puts
 
-    def check_lease(self, owner) -> None:
+    def check_lease(self, owner: Owner) -> None:
         """LimitExceeded if `owner` may not take one more lease."""
         limit = self.limits.max_leases_per_client
         if self.leases.count(owner) >= limit:
@@ -25,7 +25,7 @@ class ClientQuotas:
                 f"this client holds {limit} leases (limits.max_leases_per_client); release some first"
             )
 
-    def check_reserve(self, owner, size: int) -> None:
+    def check_reserve(self, owner: Owner, size: int) -> None:
         """LimitExceeded if reserving `size` more bytes would take `owner` over its limit."""
         limit = self.limits.max_inflight_bytes_per_client
         held = self.inflight_bytes.get(owner, 0)
@@ -35,10 +35,10 @@ class ClientQuotas:
                 f"limits.max_inflight_bytes_per_client ({limit}); commit or abort some first"
             )
 
-    def reserved(self, owner, size: int) -> None:
+    def reserved(self, owner: Owner, size: int) -> None:
         self.inflight_bytes[owner] = self.inflight_bytes.get(owner, 0) + size
 
-    def settled(self, owner, size: int) -> None:
+    def settled(self, owner: Owner, size: int) -> None:
         """A reservation ended (committed, aborted, or its lease expired)."""
         left = self.inflight_bytes.pop(owner) - size
         if left:
