@@ -59,7 +59,7 @@ class Daemon:
             nvme = lambda manager: TierMover(manager, nvme_config)  # noqa: E731
         if config.cluster.enabled:
             from server.cluster.link import ClusterLink
-            cluster = lambda manager: ClusterLink(manager, config)  # noqa: E731
+            cluster = lambda manager: ClusterLink(manager, config.cluster)  # noqa: E731
         self.manager = TierManager(config.host, config.limits, verify_puts=config.verify_puts, make_nvme=nvme,
                                    make_cluster=cluster)
         self.connections: dict[int, LocalConnection] = {}

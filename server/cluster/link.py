@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from dataclasses import asdict
 
+from kvstore.config import ClusterConfig
 from kvstore.identity import ObjectId
 from server.cluster.fetch import Fetcher
 from server.cluster.replicate import Replicator
@@ -44,19 +45,20 @@ class ClusterLink:
 
     enabled = True
 
-    def __init__(self, manager, config):
+    def __init__(self, manager, config: ClusterConfig):
+        """config: the `[cluster]` table."""
         self.manager = manager
-        self.config = config.cluster
+        self.config = config
         # (namespace, digest) of objects held here that every remote home is known to hold
         # too: they may leave this node without being sent. Only objects held here are kept,
         # and only for the member list of the day (homes move when it changes).
         self._held: set[tuple[str, bytes]] = set()
         self.serving = PeerServing(manager, self._held)
-        self.node = PeerNode(config.cluster, self.serving, on_members=self.on_members,
+        self.node = PeerNode(config, self.serving, on_members=self.on_members,
                              on_peer_state=self.on_peer_state)
         self.fetcher = Fetcher(manager, self.node, self._held)
-        self.replicator = Replicator(manager, config.cluster, self.node, self._held, self.serving)
-        self.rehomer = Rehomer(self, config.cluster) if config.cluster.rehome else None
+        self.replicator = Replicator(manager, config, self.node, self._held, self.serving)
+        self.rehomer = Rehomer(self, config) if config.rehome else None
         # What the tier manager and the re-homer call, each answered by its role.
         self.fetch, self.get_ranges = self.fetcher.fetch, self.fetcher.get_ranges
         self.meta, self.held_view = self.serving.meta, manager.held_view

@@ -30,6 +30,7 @@ from kvstore.replies import IN_MEMORY, CommitReply
 from kvstore.policy import make_policy
 from kvstore.policy.admission import FrequencyAdmission
 from server.later import MaybeAwaitable
+from server.tiering.nvme_flush import flush_host
 from server.tiering.objects import ObjectEntry
 from tiers.nvme import NvmeTier
 
@@ -350,38 +351,9 @@ class TierMover:
     # --- other paths ------------------------------------------------------------------------------
 
     async def flush_host(self) -> int:
-        """On a clean stop, write the host objects NVMe lacks into its free room, most valuable
-        first (pinned, then most read, then newest). Never evicts: what was durable before the
-        stop stays durable. Returns how many landed; the rest are counted and logged."""
-        entries = [e for ns in self.host.namespaces.values() for e in ns.objects.values()
-                   if not e.on_nvme and not e.deleted and (e.namespace, e.object_id.digest) not in self.sizes]
-        if not entries:
-            return 0
-        now = self.host.clock()
-        entries.sort(key=lambda e: (e.is_pinned(now), e.num_hits, e.created_at), reverse=True)
-        free = self.config.capacity_bytes - self.used_bytes
-        planned, no_room = [], 0
-        for entry in entries:
-            if entry.size <= free:
-                planned.append(entry)
-                free -= entry.size
-            else:
-                no_room += 1
-        log.info("event=flush_start objects=%d bytes=%d planned=%d no_room=%d", len(entries),
-                 sum(e.size for e in entries), len(planned), no_room)
-        gate = asyncio.Semaphore(max(1, self.config.io_threads))
-
-        async def one(entry):
-            async with gate:
-                return await self.write(entry, displace=None)
-
-        results = await asyncio.gather(*(one(e) for e in planned))
-        written = sum(r is not None for r in results)
-        log.log(logging.WARNING if written < len(entries) else logging.INFO,
-                "event=flush_done written=%d not_written=%d no_room=%d bytes_written=%d",
-                written, len(entries) - written, no_room,
-                sum(e.size for e, r in zip(planned, results) if r is not None))
-        return written
+        """On a clean stop, write the host objects NVMe lacks into its free room
+        (server/tiering/nvme_flush.py). Returns how many landed."""
+        return await flush_host(self)
 
     def write_in_background(self, entry: ObjectEntry) -> None:
         task = asyncio.get_running_loop().create_task(self.write(entry))
