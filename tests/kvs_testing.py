@@ -6,6 +6,7 @@ poll a condition with a liveness bound, never measure time.
 
 from __future__ import annotations
 
+import socket
 import time
 
 import numpy as np
@@ -21,6 +22,13 @@ def payload(size: int, seed) -> np.ndarray:
     if isinstance(seed, ObjectId):
         seed = int.from_bytes(seed.digest[:8], "little")
     return np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8)
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def wait_for(predicate, timeout: float = 10.0) -> bool:

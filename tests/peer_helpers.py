@@ -8,7 +8,6 @@ import contextlib
 import hashlib
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -22,6 +21,7 @@ from server.peer.service import InMemoryBackend, PeerService
 from server.peer.client import connect_peer
 from server.peer.transport import make_transport
 from kvstore.peer_messages import RemoteMeta
+from kvs_testing import free_port  # noqa: F401 (peer tests import it from here)
 from tiers.remote import RemoteTier
 
 SECRET = b"test-secret-0123456789"
@@ -89,12 +89,6 @@ def _close_loop() -> None:
         await asyncio.gather(*pending, return_exceptions=True)
     _loop.run_until_complete(drain())
     _loop.close()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 _HEALTH = "import urllib.request,sys; print(urllib.request.urlopen(sys.argv[1] + '/health', timeout=1).read().decode())"

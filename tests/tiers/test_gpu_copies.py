@@ -11,7 +11,9 @@ import pytest
 
 from kvstore.config import GpuConfig
 from kvstore.errors import InvalidArgument
+import kvs_testing
 from kvs_testing import NumpyDevice
+from kvstore.identity import ObjectId
 from tiers.allocator import Extent
 from tiers.gpu import GpuTier
 from tiers.gpu_copies import GpuCopies
@@ -33,8 +35,8 @@ def device(request):
 
 
 def payload(digest: bytes, size: int = UNIT) -> np.ndarray:
-    """The bytes of object `digest`: different for every object, read-only like arena views."""
-    data = np.random.default_rng(int.from_bytes(digest[:8], "little")).integers(0, 256, size, dtype=np.uint8)
+    """The bytes of object `digest` (kvs_testing.payload), read-only like arena views."""
+    data = kvs_testing.payload(size, ObjectId(digest))
     data.flags.writeable = False
     return data
 

@@ -2,7 +2,6 @@
 nodes only as verified transfers between owners."""
 
 import signal
-import socket
 import time
 
 import numpy as np
@@ -13,15 +12,9 @@ from kvstore.dtypes import DType
 from kvstore.errors import Conflict, InvalidArgument, RangeError
 from kvstore.identity import ObjectId
 from kvstore.ownership import home_nodes
-from kvs_testing import payload, wait_for
+from kvs_testing import free_port, payload, wait_for
 
 SECRET = "a-cluster-secret-of-some-length"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture
@@ -60,12 +53,9 @@ def test_put_on_one_node_read_on_the_other_bit_exact(pair):
 
 def test_dead_peer_is_a_fast_miss_and_local_state_keeps_working(pair):
     a, b = pair
-    key_on_a = None
     with a.client() as ca:
-        for i in range(40):  # find an object whose only home is a
-            key = ObjectId(bytes([100 + i]) * 32)
-            ca.put(key, payload(10_000, i))
-            key_on_a = key
+        for i in range(40):  # some are homed on a only, some on b
+            ca.put(ObjectId(bytes([100 + i]) * 32), payload(10_000, i))
     with b.client(timeout_s=5) as cb:
         local = ObjectId(b"\x07" * 32)
         cb.put(local, payload(5000, 7))
