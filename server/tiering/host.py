@@ -27,6 +27,7 @@ from kvstore.identity import ObjectId
 from kvstore.policy import make_policy
 from kvstore.policy.base import EvictionPolicy, sparse
 from server.host_memory import check_new_arena, host_memory
+from server.tiering.expiry import ExpiryQueue
 from server.tiering.objects import ObjectEntry
 from tiers.allocator import Extent
 from tiers.arena import HostArena
@@ -94,6 +95,7 @@ class HostTier:
         self._creating: dict[str, asyncio.Future] = {}  # namespaces whose arena is being made
         self._zombies: dict[int, ObjectEntry] = {}  # id(entry) -> deleted entry still read
         self._transient: dict[int, tuple[str, Extent]] = {}  # id(extent) -> (namespace, extent) being filled
+        self.expiry = ExpiryQueue()  # objects with a TTL, by expiry time
 
     # --- namespaces -------------------------------------------------------------
 
@@ -238,6 +240,7 @@ class HostTier:
         if len(ns.objects) > ns.peak_objects:
             ns.peak_objects = len(ns.objects)
         ns.policy.on_insert(entry.object_id, entry.size, entry.hints.recompute_cost_ms, entry.hints.priority)
+        self.expiry.add(entry)
 
     def publish(self, ns: Namespace, oid: ObjectId, extent: Extent, size: int, checksum: bytes, descriptor,
                 hints, pin_hint: bool = False, created_at: float | None = None,
@@ -331,12 +334,17 @@ class HostTier:
     # --- housekeeping -----------------------------------------------------------
 
     def expire_objects(self) -> None:
-        """Drop objects past their TTL; rebuild tables that removals left sparse."""
-        now = self.clock()
+        """Drop objects past their TTL (only those due: server/tiering/expiry.py); rebuild
+        tables that removals left sparse."""
+        for name, oid, serial in self.expiry.due(self.clock()):
+            ns = self.namespaces.get(name)
+            entry = ns.objects.get(oid) if ns is not None else None
+            if entry is not None and entry.serial == serial:  # still the copy that was due
+                self.expire(ns, entry)
+        self.expiry.rebuild_if_stale((e for ns in self.namespaces.values() for e in ns.objects.values()),
+                                     sum(len(ns.objects) for ns in self.namespaces.values()))
         compacted = False
         for ns in self.namespaces.values():
-            for entry in [e for e in ns.objects.values() if not e.is_live(now)]:
-                self.expire(ns, entry)
             compacted = ns.compact() or compacted
         if compacted:
             give_back_heap()

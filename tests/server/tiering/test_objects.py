@@ -5,6 +5,7 @@ import math
 
 import pytest
 
+from kvstore.config import HostTierConfig
 from kvstore.errors import Conflict
 from kvstore.hints import Hints
 from kvstore.identity import ObjectId, StateDescriptor
@@ -123,3 +124,45 @@ def test_housekeeping_rebuilds_an_index_emptied_by_deletes():
         assert manager.get("reader", "ns", ids[-1]).hit
         manager.check_integrity()
     asyncio.run(scenario())
+
+
+def test_housekeeping_expires_only_what_is_due_and_never_a_newer_copy():
+    """The expiry heap (server/tiering/expiry.py): objects without a TTL are never queued; a
+    copy past its TTL goes at the next housekeeping; an id put again after its copy expired
+    (a new serial) is not dropped by the old copy's queued item."""
+    from server.tiering.manager import TierManager
+    now = [100.0]
+    manager = TierManager(HostTierConfig(arena_bytes=1 << 20, prefault=False), clock=lambda: now[0])
+
+    async def scenario():
+        ns = await manager.open_namespace("t")
+        for i, ttl in enumerate((None, 5.0, 50.0)):
+            extent = await manager.allocate(ns, 4096)
+            manager.publish(ns, ObjectId(bytes([i]) * 32), extent, 4096, b"\0" * 16, StateDescriptor("t", "m", "r"),
+                            Hints(ttl_s=ttl))
+        return ns
+    ns = asyncio.run(scenario())
+    assert len(manager.host.expiry) == 2  # the object without a TTL is not queued
+    now[0] = 106.0
+    manager.expire()
+    assert set(ns.objects) == {ObjectId(b"\0" * 32), ObjectId(b"\2" * 32)} and ns.counters.num_expired == 1
+    now[0] = 151.0  # the 50 s copy is due; first it is found expired by a put of its id, which replaces it
+    fresh = manager.publish(ns, ObjectId(b"\2" * 32), ns.arena.alloc(4096), 4096, b"\0" * 16,
+                            StateDescriptor("t", "m", "r"), Hints())
+    manager.expire()  # the old copy's queued item finds a newer copy and leaves it
+    assert ns.objects[ObjectId(b"\2" * 32)] is fresh and ns.counters.num_expired == 2
+    assert len(manager.host.expiry) == 0
+    manager.check_integrity()
+
+
+def test_the_expiry_heap_sheds_items_of_objects_that_left(monkeypatch):
+    import server.tiering.expiry as expiry
+    monkeypatch.setattr(expiry, "REBUILD_MIN_ITEMS", 4)
+    queue = expiry.ExpiryQueue()
+    entries = [ObjectEntry.create(ObjectId(bytes([i]) * 32), "t", None, 1, b"\0" * 16, StateDescriptor("t", "m", "r"),
+                                  Hints(ttl_s=10.0 + i), now=0.0) for i in range(6)]
+    for e in entries:
+        queue.add(e)
+    assert not queue.rebuild_if_stale(entries, 6)  # all live: nothing to shed
+    assert queue.rebuild_if_stale(entries[:2], 2) and len(queue) == 2  # four left: rebuilt from the live
+    assert [oid for _, oid, _ in queue.due(100.0)] == [entries[0].object_id, entries[1].object_id]
