@@ -178,9 +178,19 @@ def op_get_into_device(core, key, out, namespace: str | None, expect=None):
         return _host_to_tensor(lease.numpy(), out)
 
 
-def _host_to_tensor(src, out) -> int:
+def host_tensor(array):
+    """A zero-copy torch tensor over a read-only numpy array (a lease's view). torch warns
+    that it cannot protect such memory; the callers only read it, before the lease ends."""
     import warnings
 
+    import torch
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*not writable.*")
+        return torch.from_numpy(array)
+
+
+def _host_to_tensor(src, out) -> int:
     import torch
 
     if not isinstance(out, torch.Tensor) or not out.is_contiguous():
@@ -188,10 +198,7 @@ def _host_to_tensor(src, out) -> int:
     out_bytes = out.numel() * out.element_size()
     if out_bytes < src.size:
         raise InvalidArgument(f"the object is {src.size} bytes, out only {out_bytes}: pass a larger tensor")
-    with warnings.catch_warnings():  # a read-only lease view: torch only reads it here
-        warnings.filterwarnings("ignore", message=".*not writable.*")
-        host = torch.from_numpy(src)
-    out.reshape(-1).view(torch.uint8)[:src.size].copy_(host)
+    out.reshape(-1).view(torch.uint8)[:src.size].copy_(host_tensor(src))
     return src.size
 
 

@@ -18,6 +18,8 @@ from typing import Callable
 import numpy as np
 import torch
 
+from client.gpu import host_tensor
+
 from .store_codecs import PagedKVCodec
 
 
@@ -62,7 +64,7 @@ class StorePages:
             got = self.connector.read_segments(self.request_id, self.token_ids, wanted)
             if got is not None:
                 raw = np.concatenate([got[(p // self._blocks, layer, p % self._blocks)] for p in pages])
-                return self.codec.decode_segments(torch.from_numpy(raw))
+                return self.codec.decode_segments(host_tensor(raw))
             self.num_fallbacks += 1
             self._fallback = ResidentPages(self._recompute(), self.page_tokens)
         return self._fallback.fetch(layer, pages)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from client.gpu import host_tensor
 from gpu.formats import decode_segments, encode_segments
 from kvstore.dtypes import DType
 from kvstore.errors import InvalidArgument
@@ -68,7 +69,7 @@ class PagedKVCodec:
         return self.encode(self.engine.export_kv(request_id, start_token, end_token))
 
     def load(self, request_id, start_token: int, end_token: int, data) -> None:
-        self.engine.import_kv(request_id, self.decode(torch.from_numpy(data)), start_token)
+        self.engine.import_kv(request_id, self.decode(host_tensor(data)), start_token)
 
 
 class RecurrentCodec:
@@ -94,5 +95,5 @@ class RecurrentCodec:
         return state.detach().to("cpu", torch.float32).contiguous().view(torch.uint8).reshape(-1)
 
     def load(self, request_id, start_token: int, end_token: int, data) -> None:
-        state = torch.from_numpy(data).view(torch.float32).view(self._shape)
+        state = host_tensor(data).view(torch.float32).view(self._shape)
         self.engine.import_recurrent(request_id, state, end_token)
