@@ -3,7 +3,9 @@
 Same frames, ids and field codecs as the local protocol (kvstore.protocol, kvstore.messages).
 A request or reply with payload bytes after it says how many in its top-level
 "payload_bytes" field; the transport strips it before a message is decoded here. Every
-request names its namespace: a node answers only for the namespace asked.
+request names its namespace: a node answers only for the namespace asked. The replies are
+typed in kvstore/peer_replies.py (PeerGetReply ... PeerPinReply); the maps below are their
+wire form.
 
     peer_get     {namespace, object_id}            -> {"meta": meta | None} (+ meta.size bytes)
                  {..., ranges}                     -> {"meta", "ranges_checksum"} (+ the ranges, packed)
