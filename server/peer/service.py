@@ -35,6 +35,7 @@ from server.later import resolve
 from server.peer.auth import authenticate_server
 from server.peer.transport import Channel, make_transport, nbytes_of, payload_bytes
 from kvstore.peer_messages import PEER_OPS, PeerDelete, PeerGet, PeerPin, PeerPut, RemoteMeta
+from kvstore.peer_replies import PEER_MISS, PeerDeleteReply, PeerGetReply, PeerLookupReply, PeerPinReply, PeerPutReply
 from tiers.remote import MIN_PEER_BANDWIDTH_BYTES_S, host_digest
 
 log = logging.getLogger("kvstore.peer")
@@ -195,12 +196,11 @@ class PeerService:
                 pending, nbytes = 0, pending
                 result = await self._put(channel, msg, nbytes)
             elif isinstance(msg, PeerDelete):
-                result = {"found": list(await resolve(self.backend.delete(msg.namespace, msg.ids)))}
+                result = PeerDeleteReply(tuple(await resolve(self.backend.delete(msg.namespace, msg.ids))))
             elif isinstance(msg, PeerPin):
-                result = {"pinned": list(await resolve(self.backend.pin(msg.namespace, msg.ids, msg.ttl_s, msg.unpin)))}
+                result = PeerPinReply(tuple(await resolve(self.backend.pin(msg.namespace, msg.ids, msg.ttl_s, msg.unpin))))
             else:  # PeerLookup
-                metas = await resolve(self.backend.lookup(msg.namespace, msg.ids))
-                result = {"metas": [None if m is None else m.to_wire() for m in metas]}
+                result = PeerLookupReply(tuple(await resolve(self.backend.lookup(msg.namespace, msg.ids))))
         except KVStoreError as exc:
             self.counters.num_errors += 1
             if pending:
@@ -208,14 +208,14 @@ class PeerService:
                     await channel.discard(pending)
             await channel.send(Reply(request.id, error=exc.to_wire()))
             return
-        await channel.send(Reply(request.id, result))
+        await channel.send(Reply(request.id, result.to_wire()))
 
     async def _get(self, channel: Channel, rid: int, msg: PeerGet) -> None:
         read = await resolve(self.backend.read(msg.namespace, msg.object_id))
         if read is None:
-            await channel.send(Reply(rid, {"meta": None}))
+            await channel.send(Reply(rid, PEER_MISS.to_wire()))
             return
-        reply, payload = {"meta": read.meta.to_wire()}, read.buffer
+        payload, ranges_checksum = read.buffer, None
         if msg.ranges is not None:  # only those bytes, packed: the copy ends the hold at once
             try:
                 ranges.check_within(msg.ranges, read.meta.size)
@@ -228,11 +228,13 @@ class PeerService:
                 payload = ranges.pack(read.buffer, msg.ranges)
             finally:
                 read.release()
-            reply["ranges_checksum"] = self.digest(payload)
+            ranges_checksum = self.digest(payload)
         try:
             size = nbytes_of(payload)
+            wire = PeerGetReply(read.meta, ranges_checksum).to_wire()
+            wire["payload_bytes"] = size  # the transport's field, after the reply's own
             async with asyncio.timeout(self._budget(size)):
-                await channel.send(Reply(rid, {**reply, "payload_bytes": size}), payload)
+                await channel.send(Reply(rid, wire), payload)
             self.counters.bytes_out += size
         finally:
             if msg.ranges is None:
@@ -258,7 +260,7 @@ class PeerService:
             self._checked.popitem(last=False)
         return True
 
-    async def _put(self, channel: Channel, msg: PeerPut, nbytes: int) -> dict:
+    async def _put(self, channel: Channel, msg: PeerPut, nbytes: int) -> PeerPutReply:
         async with asyncio.timeout(self._budget(nbytes)):
             if nbytes != msg.size or msg.descriptor.namespace != msg.namespace:
                 await channel.discard(nbytes)
@@ -271,7 +273,7 @@ class PeerService:
                 raise
             if write is None:
                 await channel.discard(nbytes)
-                return {"stored": False}
+                return PeerPutReply(False)
             try:
                 await channel.recv_into(write.buffer)
             except BaseException:
@@ -285,7 +287,7 @@ class PeerService:
                         channel.peer, msg.namespace, msg.object_id)
             raise ChecksumError(f"object {msg.object_id} arrived with a different checksum; dropped")
         write.commit()
-        return {"stored": True}
+        return PeerPutReply(True)
 
 
 def _read_secret(args) -> bytes:
