@@ -29,7 +29,7 @@ class PeerClient:
         self._ids = itertools.count(2)  # 0 and 1 were the handshake
         self._lock = asyncio.Lock()
 
-    async def call(self, op: str, args: dict, payload=None, into: Callable[[dict], Any] | None = None) -> dict:
+    async def call(self, op: str, args: dict, payload=None, into: Callable[[dict], Any] | None = None) -> Any:
         if self.closed:
             raise PeerUnavailable(f"link to peer {self.peer_node} is closed")
         nbytes = 0 if payload is None else nbytes_of(payload)
@@ -51,7 +51,7 @@ class PeerClient:
             raise error
         return result
 
-    async def _exchange(self, op, args, payload, nbytes, into, deadline) -> tuple[dict, KVStoreError | None]:
+    async def _exchange(self, op, args, payload, nbytes, into, deadline) -> tuple[Any, KVStoreError | None]:
         request = Request(next(self._ids), op, args if payload is None else {**args, "payload_bytes": nbytes})
         await self.channel.send(request, payload)
         reply = await self.channel.recv()
@@ -59,8 +59,8 @@ class PeerClient:
             raise ProtocolError(f"peer {self.peer_node} answered out of turn")
         if reply.error is not None:
             return {}, from_wire(reply.error)
-        result = reply.result if isinstance(reply.result, dict) else {}
-        nbytes = payload_bytes(result)
+        result = reply.result  # as the peer sent it: the caller's typed decode says what is wrong with it
+        nbytes = payload_bytes(result) if isinstance(result, dict) else 0
         error = None
         if nbytes:
             deadline.reschedule(asyncio.get_running_loop().time() + self._budget(nbytes))

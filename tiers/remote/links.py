@@ -38,15 +38,17 @@ class LinkBroken(PeerUnavailable):
 class PeerLink(Protocol):
     """One authenticated link to a peer; one call at a time (the tier pools links).
 
-    `call` sends `payload` (any contiguous buffer) after the request; when the reply announces
-    payload bytes, `into(result)` names the buffer they land in (None: drop them). It raises
-    PeerUnavailable on timeout or a broken link (the link is then closed) and the peer's own
-    error (from kvstore.errors) when it answers with one.
+    `call` sends `payload` (any contiguous buffer) after the request and returns the reply's
+    result as the peer sent it (a map from a well-behaved peer; the tier decodes it into a
+    kvstore.peer_replies type); when the reply announces payload bytes, `into(result)` names
+    the buffer they land in (None: drop them). It raises PeerUnavailable on timeout or a
+    broken link (the link is then closed) and the peer's own error (from kvstore.errors) when
+    it answers with one.
     """
 
     closed: bool
 
-    async def call(self, op: str, args: dict, payload=None, into: Callable[[dict], Any] | None = None) -> dict: ...
+    async def call(self, op: str, args: dict, payload=None, into: Callable[[dict], Any] | None = None) -> Any: ...
     async def close(self) -> None: ...
 
 
@@ -71,7 +73,7 @@ class LinkPools:
         self._connect, self._timeout_s = connect, timeout_s
         self._pools: dict[str, _Pool] = {}
 
-    async def call(self, address: str, op: str, args: dict, payload, into) -> dict:
+    async def call(self, address: str, op: str, args: dict, payload, into) -> Any:
         """One call on a pooled link; a pooled link found broken (the peer restarted since it
         was opened) is dropped with its idle siblings and the call tried once on a fresh one.
         Calls are idempotent at the peer (puts are content-addressed), so a retry is safe."""

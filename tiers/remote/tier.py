@@ -15,8 +15,10 @@ from kvstore.errors import Conflict, KVStoreError, PermissionDenied, ProtocolErr
 from kvstore.identity import ObjectId
 from kvstore.ownership import home_nodes
 from kvstore.peer_messages import PeerDelete, PeerGet, PeerLookup, PeerPin, PeerPut, RemoteMeta
+from kvstore.peer_replies import PeerDeleteReply, PeerGetReply, PeerLookupReply, PeerPinReply, PeerPutReply
 from kvstore.protocol import MAX_BATCH
 from kvstore.ranges import total as ranges_total
+from kvstore.replies import ReplyMessage
 from tiers.remote.links import LinkPools, PeerLink, PeerUnavailable
 
 log = logging.getLogger("kvstore.remote")
@@ -100,23 +102,28 @@ class RemoteTier:
         for node in self.remote_homes(object_id):
             target: list = []
 
-            def into(result: dict):
-                meta = RemoteMeta.from_wire(result.get("meta"))
+            def into(result: dict):  # the reply announced bytes: decoded before they arrive
+                got = PeerGetReply.from_wire(result)
+                meta = got.meta
+                if meta is None:
+                    raise ProtocolError("PeerGetReply.meta: bytes came with no metadata")
                 if meta.descriptor.namespace != namespace:  # never another tenant's bytes
                     raise ProtocolError(f"peer answered for namespace {meta.descriptor.namespace!r}")
-                expected = meta.checksum if ranges is None else result.get("ranges_checksum")
+                expected = meta.checksum if ranges is None else got.ranges_checksum
                 buf = alloc(meta)
                 target[:] = [meta, buf, expected]
                 return buf
 
             try:
-                result = await self._call(node, PeerGet.op, args, into=into, raising=ranges is not None)
+                # No reply class: a reply without bytes is a miss whatever else it says, and
+                # one with bytes is decoded by `into` (once, before the bytes are read).
+                result = await self._call(node, PeerGet.op, args, None, into=into, raising=ranges is not None)
             except RangeError:  # the caller's ranges do not fit: every home would say the same
                 self.counters.num_misses += 1
                 raise
             if target and target[1] is None:
                 break  # the caller declined the object (e.g. its dtype): every home holds the same
-            if not result or not result.get("meta") or not target:
+            if result is None or not target:
                 continue
             meta, buf, expected = target
             self.counters.bytes_in += meta.size if ranges is None else ranges_total(ranges)
@@ -153,10 +160,10 @@ class RemoteTier:
         raising: the node's Conflict (it holds the id as another state) is raised."""
         self.counters.num_puts += 1
         args = PeerPut(namespace, object_id, meta.size, meta.checksum, meta.descriptor, meta.hints).to_args()
-        result = await self._call(node, PeerPut.op, args, payload=buffer, raising=raising)
-        if result is None:
+        reply = await self._call(node, PeerPut.op, args, PeerPutReply, payload=buffer, raising=raising)
+        if reply is None:
             return False
-        if result.get("stored"):
+        if reply.stored:
             self.counters.bytes_out += meta.size
         return True
 
@@ -166,11 +173,10 @@ class RemoteTier:
         held: list[bool] = []
         for start in range(0, len(ids), MAX_BATCH):
             part = tuple(ids[start:start + MAX_BATCH])
-            result = await self._call(node, PeerLookup.op, PeerLookup(namespace, part).to_args())
-            metas = result.get("metas") if result else None
-            if not isinstance(metas, list) or len(metas) != len(part):
+            reply = await self._call(node, PeerLookup.op, PeerLookup(namespace, part).to_args(), PeerLookupReply)
+            if reply is None or len(reply.metas) != len(part):
                 return None
-            held += [meta is not None for meta in metas]
+            held += [meta is not None for meta in reply.metas]
         return held
 
     async def delete(self, namespace: str, ids: list[ObjectId]) -> list[bool]:
@@ -183,14 +189,13 @@ class RemoteTier:
         for node in (n for n in self.members() if n != self.node_id):
             for start in range(0, len(ids), MAX_BATCH):
                 part = tuple(ids[start:start + MAX_BATCH])
-                calls.append(self._call(node, PeerDelete.op, PeerDelete(namespace, part).to_args()))
+                calls.append(self._call(node, PeerDelete.op, PeerDelete(namespace, part).to_args(), PeerDeleteReply))
                 spans.append((start, len(part)))
-        results = await asyncio.gather(*calls) if calls else []
-        for (start, n), result in zip(spans, results):
-            flags = result.get("found") if isinstance(result, dict) else None
-            if isinstance(flags, list) and len(flags) == n:
-                for i, flag in enumerate(flags):
-                    found[start + i] = found[start + i] or flag is True
+        replies = await asyncio.gather(*calls) if calls else []
+        for (start, n), reply in zip(spans, replies):
+            if reply is not None and len(reply.found) == n:
+                for i, flag in enumerate(reply.found):
+                    found[start + i] = found[start + i] or flag
         return found
 
     async def pin(self, namespace: str, ids: list[ObjectId], ttl_s: float | None, unpin: bool = False) -> list[bool]:
@@ -209,14 +214,13 @@ class RemoteTier:
             for start in range(0, len(indices), MAX_BATCH):
                 part = indices[start:start + MAX_BATCH]
                 args = PeerPin(namespace, tuple(ids[i] for i in part), ttl_s, unpin).to_args()
-                calls.append(self._call(node, PeerPin.op, args))
+                calls.append(self._call(node, PeerPin.op, args, PeerPinReply))
                 spans.append(part)
         pinned = [False] * len(ids)
-        for part, result in zip(spans, await asyncio.gather(*calls) if calls else []):
-            flags = result.get("pinned") if isinstance(result, dict) else None
-            if isinstance(flags, list) and len(flags) == len(part):
-                for i, flag in zip(part, flags):
-                    pinned[i] = pinned[i] or flag is True
+        for part, reply in zip(spans, await asyncio.gather(*calls) if calls else []):
+            if reply is not None and len(reply.pinned) == len(part):
+                for i, flag in zip(part, reply.pinned):
+                    pinned[i] = pinned[i] or flag
         return pinned
 
     async def lookup(self, namespace: str, ids: list[ObjectId]) -> list[RemoteMeta | None]:
@@ -241,26 +245,24 @@ class RemoteTier:
         for start in range(0, len(indices), MAX_BATCH):
             part = indices[start:start + MAX_BATCH]
             args = PeerLookup(namespace, tuple(ids[i] for i in part)).to_args()
-            result = await self._call(node, PeerLookup.op, args)
-            metas = result.get("metas") if result else None
-            try:
-                if not isinstance(metas, list) or len(metas) != len(part):
-                    continue  # failed: these ids stay pending for their next home
-                decoded = [None if wire is None else RemoteMeta.from_wire(wire) for wire in metas]
-                if any(m is not None and m.descriptor.namespace != namespace for m in decoded):
-                    raise ProtocolError(f"peer answered a lookup in {namespace!r} for another namespace")
-            except KVStoreError as exc:
-                log.warning("event=peer_bad_reply node=%s op=peer_lookup error=%r", node, exc.message)
+            reply = await self._call(node, PeerLookup.op, args, PeerLookupReply)
+            if reply is None or len(reply.metas) != len(part):
+                continue  # failed: these ids stay pending for their next home
+            if any(m is not None and m.descriptor.namespace != namespace for m in reply.metas):
+                log.warning("event=peer_bad_reply node=%s op=peer_lookup error=%r", node,
+                            f"answered a lookup in {namespace!r} for another namespace")
                 continue
-            for i, meta in zip(part, decoded):
+            for i, meta in zip(part, reply.metas):
                 pending.pop(i, None)
                 found[i] = meta
 
     # --- calls and peer health --------------------------------------------------------
 
-    async def _call(self, node: str, op: str, args: dict, payload=None, into=None,
-                    raising: bool = False) -> dict | None:
-        """One call to `node`; None when it failed (counted, logged when the peer goes down).
+    async def _call(self, node: str, op: str, args: dict, answer: type[ReplyMessage] | None, payload=None,
+                    into=None, raising: bool = False) -> Any:
+        """One call to `node`: its reply decoded as `answer` (None: left as the peer's map);
+        None when the call failed (counted, logged when the peer goes down) or the reply does
+        not decode as `answer` (logged; the peer is up, but this call failed).
         raising: a RangeError (the caller's ranges do not fit the object) or a Conflict (the
         peer holds the id as another state) is raised; any other error is the peer's (an old
         version, a bad reply) and makes this call fail."""
@@ -283,7 +285,13 @@ class RemoteTier:
                 raise
             log.info("event=peer_error node=%s op=%s code=%s error=%r", node, op, exc.code, exc.message)
         self.mark_up(node)
-        return result
+        if answer is None or result is None:
+            return result
+        try:
+            return answer.from_wire(result)
+        except ProtocolError as exc:
+            log.warning("event=peer_bad_reply node=%s op=%s error=%r", node, op, exc.message)
+            return None
 
     def _mark_down(self, node: str, address: str, op: str, exc: KVStoreError) -> None:
         self.counters.num_peer_failures += 1
