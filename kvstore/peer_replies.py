@@ -63,10 +63,14 @@ def _meta_wire(meta: RemoteMeta | None) -> dict | None:
     return None if meta is None else meta.to_wire()
 
 
+def _metas_wire(metas: tuple) -> list:
+    return [None if m is None else m.to_wire() for m in metas]
+
+
 def _metas(value) -> tuple:
     if not isinstance(value, (list, tuple)):
         raise TypeError(f"expected a list of metadata, got {type(value).__name__}")
-    return tuple(None if wire is None else RemoteMeta.from_wire(wire) for wire in value)
+    return tuple([None if wire is None else RemoteMeta.from_wire(wire) for wire in value])
 
 
 def _bytes(value) -> bytes:
@@ -101,7 +105,7 @@ class PeerPutReply(ReplyMessage):
 @peer_reply
 class PeerLookupReply(ReplyMessage):
     metas: tuple  # (RemoteMeta | None, ...) in the order of the request's ids
-    _codecs: ClassVar = {"metas": (_metas, lambda metas: [_meta_wire(m) for m in metas])}
+    _codecs: ClassVar = {"metas": (_metas, _metas_wire)}
 
 
 @peer_reply
