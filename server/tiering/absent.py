@@ -77,6 +77,9 @@ class NoNvme:
     async def open(self) -> dict:
         return {}
 
+    def compact(self) -> bool:
+        return False
+
     async def flush_host(self) -> int:
         return 0
 

@@ -27,7 +27,7 @@ from kvstore.messages import Reserve
 from kvstore.ranges import check_within
 from kvstore.replies import MISS, CommitReply, GetReply, ReserveReply
 from server.tiering.absent import NoCluster, NoGpu, NoNvme
-from server.tiering.host import HostTier, Namespace
+from server.tiering.host import HostTier, Namespace, give_back_heap
 from server.tiering.index_ops import IndexOps
 from server.later import MaybeAwaitable, is_ready, resolve
 from server.tiering.objects import ObjectEntry, PendingPut, check_same_object
@@ -309,6 +309,8 @@ class TierManager:
             log.warning("event=lease_expired lease=%d owner=%s mode=%s", lease.lease_id, lease.owner, lease.mode)
             self._end_lease(lease)
         self.host.expire_objects()
+        if self.mover.compact():
+            give_back_heap()
 
     def check_integrity(self) -> None:
         """Raise RuntimeError if the index, leases, policy and arenas disagree."""

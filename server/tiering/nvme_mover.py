@@ -28,6 +28,7 @@ from kvstore.identity import ObjectId
 from kvstore.peer_messages import RemoteMeta
 from kvstore.replies import IN_MEMORY, CommitReply
 from kvstore.policy import make_policy
+from kvstore.policy.base import sparse
 from kvstore.policy.admission import FrequencyAdmission
 from server.later import MaybeAwaitable
 from server.tiering.nvme_flush import flush_host
@@ -63,6 +64,7 @@ class TierMover:
         self.config = config
         self.nvme: NvmeTier | None = None
         self.sizes: dict[tuple[str, bytes], int] = {}  # what NVMe holds: (namespace, id) -> size
+        self._peak = 0  # the most objects `sizes` held since it was last rebuilt
         self.used_bytes = 0
         self.policy = make_policy("s3fifo", self.config.capacity_bytes)
         self.admission = FrequencyAdmission(min_hits=self.config.admit_min_hits)
@@ -336,8 +338,18 @@ class TierMover:
             self.counters.num_promotions += 1
         return entry
 
+    def compact(self) -> bool:
+        """Rebuild the index's and the policy's tables once evictions and deletes left them
+        sparse (as the host tier does: Python dicts never shrink). True if anything was."""
+        rebuilt = sparse(len(self.sizes), self._peak)
+        if rebuilt:
+            self.sizes = dict(self.sizes)  # nobody keeps a reference across an await
+            self._peak = len(self.sizes)
+        return self.policy.compact() or rebuilt
+
     def _remember(self, key, size: int) -> None:
         self.sizes[key] = size
+        self._peak = max(self._peak, len(self.sizes))
         self.used_bytes += size
         self.policy.on_insert(key, size)
 
