@@ -1,6 +1,6 @@
 """Thin in-process client for the kvstore daemon (sync and asyncio)."""
 
-from client.core import LookupResult, PutResult
+from client.results import LookupResult, PutResult
 from client.lease import ReadLease
 from client.aio import AsyncClient
 from client.sync import Client

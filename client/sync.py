@@ -13,7 +13,8 @@ from kvstore.hints import Hints
 from kvstore.identity import StateDescriptor
 from kvstore.protocol import NEED_DATA, BadFrame, Fatal, Reply
 from kvstore.replies import GpuHandleReply, HelloReply
-from client.core import ClientCore, LookupResult, PutResult
+from client.core import ClientCore
+from client.results import LookupResult, PutResult
 from client.gpu import op_get_into_device
 from client.lease import ReadLease
 
