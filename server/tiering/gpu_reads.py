@@ -53,18 +53,25 @@ class GpuReads:
 
     async def _copy_in(self, ns: Namespace, entry: ObjectEntry, extent: Extent) -> Extent | None:
         digest = entry.object_id.digest
-        copied = False
+        self.host.hold(entry)  # its host extent stays put under the copy
+        src = np.frombuffer(ns.arena.view(entry.extent)[:entry.size], dtype=np.uint8)
+        copy = asyncio.get_running_loop().run_in_executor(None, self.device.copy_from_host, extent, src)
+
+        def copied(done: asyncio.Future) -> None:
+            """On the loop, once the copy thread stopped (even if the get that started it was
+            cancelled meanwhile: the room and the hold are given back only then)."""
+            self.host.release_hold(entry)
+            error = None if done.cancelled() else done.exception()
+            if error is not None:  # a CUDA error: the host copy serves readers instead
+                log.warning("event=gpu_copy_failed namespace=%s object=%s error=%r", ns.name, entry.object_id.hex,
+                            error)
+            self.copies.finish_copy(ns.name, digest, not done.cancelled() and error is None)
+        copy.add_done_callback(copied)
         try:
-            with self.host.held_view(entry) as view:  # its extent stays put under the copy
-                src = np.frombuffer(view, dtype=np.uint8)
-                await asyncio.get_running_loop().run_in_executor(None, self.device.copy_from_host, extent, src)
-                del src
-            copied = True
-        except Exception as exc:  # a CUDA error: the host copy serves this reader instead
-            log.warning("event=gpu_copy_failed namespace=%s object=%s error=%r", ns.name, entry.object_id.hex, exc)
-        finally:  # a failed or cancelled copy gives its room back
-            readable = self.copies.finish_copy(ns.name, digest, copied)
-        return self.copies.acquire(ns.name, digest) if readable else None
+            await asyncio.shield(copy)
+        except Exception:  # logged by copied()
+            return None
+        return self.copies.acquire(ns.name, digest)  # None if forgotten meanwhile
 
     def release(self, namespace: str, digest: bytes) -> None:
         self.copies.release(namespace, digest)

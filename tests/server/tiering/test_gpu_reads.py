@@ -132,3 +132,37 @@ def test_without_a_gpu_tier_gpu_gets_are_host_gets_and_the_handle_is_refused():
     with pytest.raises(InvalidArgument, match="runs no GPU tier"):
         manager.gpu.handle()
     manager.check_integrity()
+
+
+def test_a_get_cancelled_mid_copy_keeps_the_room_until_the_copy_thread_stops():
+    """The copy runs in a thread that a cancelled get cannot stop: its device extent and the
+    host hold are given back only once the thread is done, so nothing is placed where it
+    still writes."""
+    import threading
+    manager, device = manager_with_gpu()
+    gate, started = threading.Event(), threading.Event()
+    plain_copy = device.copy_from_host
+
+    def slow_copy(extent, src):
+        started.set()
+        gate.wait(10)
+        plain_copy(extent, src)
+    device.copy_from_host = slow_copy
+
+    async def scenario():
+        oid = await put(manager, 6)
+        get = asyncio.ensure_future(resolve(manager.get("me", "t", oid, gpu=True)))
+        while not started.is_set():
+            await asyncio.sleep(0.01)
+        get.cancel()
+        await asyncio.gather(get, return_exceptions=True)
+        assert manager.gpu.stats()["copying"] == 1 and device.allocator.used_bytes > 0  # still the thread's
+        assert manager.host.num_holds == 1  # and the host bytes under it stay put
+        gate.set()
+        while manager.gpu.stats()["copying"]:
+            await asyncio.sleep(0.01)
+        return oid, await resolve(manager.get("me", "t", oid, gpu=True))
+    oid, reply = asyncio.run(scenario())
+    assert reply.tier == "gpu" and manager.host.num_holds == 0  # the finished copy was kept
+    assert np.array_equal(device.buffer[reply.offset:reply.offset + reply.size], payload(2 * KiB, oid))
+    manager.check_integrity()
