@@ -166,8 +166,8 @@ def op_get_into_device(core, key, out, namespace: str | None, expect=None):
     if core.gpu_mapping is None:
         try:
             core.gpu_mapping = GpuMapping((yield from core.op_simple(m.GpuHandle())))
-        except InvalidArgument:  # the daemon runs no GPU tier: every read is a host read
-            core.gpu_mapping = False
+        except (InvalidArgument, ServiceError):  # the daemon runs no GPU tier, or this process
+            core.gpu_mapping = False               # cannot map it (no CUDA): host reads
     mapping = core.gpu_mapping or None
     lease = yield from core.op_get(key, namespace, None, None, expect, gpu=mapping is not None)
     if lease is None:

@@ -233,3 +233,28 @@ def test_get_into_device_reads_the_daemons_device_copy(daemon_factory):
         gpu = c.stats()["gpu"]
         assert gpu["num_copies_in"] == 1 and gpu["num_gpu_hits"] == 2 and gpu["readers"] == 0, gpu
         c.check_integrity()
+
+
+@pytest.mark.skipif(CUDA, reason="the case of a process without CUDA")
+def test_a_client_without_cuda_reads_from_the_host_even_where_the_daemon_runs_a_gpu_tier():
+    """The daemon exports its buffer, but this process cannot map it (no CUDA here): the get
+    goes out without gpu, so the daemon answers with a host lease."""
+    asked = []
+
+    class Core:  # the ClientCore calls op_get_into_device makes, answered as a GPU daemon would
+        gpu_mapping = None
+
+        def op_simple(self, msg):
+            return handle()
+            yield  # a generator, like ClientCore's ops
+
+        def op_get(self, key, namespace, accept, ranges, expect, gpu=False):
+            asked.append(gpu)
+            return None  # a miss ends the call here
+            yield
+
+    core = Core()
+    run = client.gpu.op_get_into_device(core, b"k" * 32, torch.zeros(4), None)
+    with pytest.raises(StopIteration) as stop:
+        next(run)
+    assert stop.value.value is None and asked == [False] and core.gpu_mapping is False
