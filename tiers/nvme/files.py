@@ -279,21 +279,20 @@ def _hash(whole, sums: array | None, view: memoryview) -> None:
 
 
 def _pwritev_all(fd: int, buffers: list, offset: int) -> None:
-    pending = list(buffers)
-    while pending:
-        done = os.pwritev(fd, pending, offset)
-        if done <= 0:
-            raise OSError(errno.EIO, "write made no progress")
-        offset += done
-        _advance(pending, done)
+    _vectored_all(os.pwritev, fd, buffers, offset, "write made no progress")
 
 
 def _preadv_all(fd: int, buffers: list, offset: int) -> None:
+    _vectored_all(os.preadv, fd, buffers, offset, "short read: the extent lies past the end of the file")
+
+
+def _vectored_all(io, fd: int, buffers: list, offset: int, stalled: str) -> None:
+    """os.pwritev / os.preadv until every buffer is done; EIO (`stalled`) if a call moves nothing."""
     pending = list(buffers)
     while pending:
-        done = os.preadv(fd, pending, offset)
+        done = io(fd, pending, offset)
         if done <= 0:
-            raise OSError(errno.EIO, "short read: the extent lies past the end of the file")
+            raise OSError(errno.EIO, stalled)
         offset += done
         _advance(pending, done)
 
