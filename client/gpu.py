@@ -127,19 +127,7 @@ class GpuMapping:
         import torch
 
         self._check_range(offset, size)
-        if not isinstance(out, torch.Tensor):
-            raise InvalidArgument(f"out must be a torch.Tensor on {self.device}, not {type(out).__name__}")
-        if out.device != self.device:
-            raise InvalidArgument(f"out is on {out.device}, but the daemon's GPU tier is on {self.device} "
-                                  f"in this process: allocate out on {self.device}")
-        if not out.is_contiguous():
-            raise InvalidArgument("out is not contiguous: pass a contiguous tensor (copy into a contiguous "
-                                  "one, then into your strided view)")
-        out_bytes = out.numel() * out.element_size()
-        if out_bytes < size:
-            raise InvalidArgument(f"the object is {size} bytes, out only {out_bytes} "
-                                  f"({tuple(out.shape)} {out.dtype}): pass a larger tensor")
-        out.reshape(-1).view(torch.uint8)[:size].copy_(self._buffer[offset : offset + size])
+        _front_bytes(out, size, self.device).copy_(self._buffer[offset : offset + size])
         if synchronize and self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
         return size
@@ -191,15 +179,29 @@ def host_tensor(array):
 
 
 def _host_to_tensor(src, out) -> int:
+    _front_bytes(out, src.size).copy_(host_tensor(src))
+    return src.size
+
+
+def _front_bytes(out, size: int, device=None):
+    """The first `size` bytes of `out` as a uint8 tensor to copy into; InvalidArgument when
+    `out` is no contiguous torch tensor (on `device`, if given) of at least that many bytes."""
     import torch
 
-    if not isinstance(out, torch.Tensor) or not out.is_contiguous():
-        raise InvalidArgument("out must be a contiguous torch.Tensor")
+    if not isinstance(out, torch.Tensor):
+        where = "" if device is None else f" on {device}"
+        raise InvalidArgument(f"out must be a torch.Tensor{where}, not {type(out).__name__}")
+    if device is not None and out.device != device:
+        raise InvalidArgument(f"out is on {out.device}, but the daemon's GPU tier is on {device} "
+                              f"in this process: allocate out on {device}")
+    if not out.is_contiguous():
+        raise InvalidArgument("out is not contiguous: pass a contiguous tensor (copy into a contiguous "
+                              "one, then into your strided view)")
     out_bytes = out.numel() * out.element_size()
-    if out_bytes < src.size:
-        raise InvalidArgument(f"the object is {src.size} bytes, out only {out_bytes}: pass a larger tensor")
-    out.reshape(-1).view(torch.uint8)[:src.size].copy_(host_tensor(src))
-    return src.size
+    if out_bytes < size:
+        raise InvalidArgument(f"the object is {size} bytes, out only {out_bytes} "
+                              f"({tuple(out.shape)} {out.dtype}): pass a larger tensor")
+    return out.reshape(-1).view(torch.uint8)[:size]
 
 
 def _uuid(value) -> str:
