@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Callable
+from typing import Awaitable, Callable
 
 import xxhash
 
@@ -59,7 +59,7 @@ class TierManager:
         self.host_bandwidth_bytes_s = 8e9  # replaced by a measurement at start
         # The host tier's surface, as the other tiers and the admin API use it.
         h = self.host
-        self.namespaces, self.namespace, self.open_namespace = h.namespaces, h.namespace, h.open_namespace
+        self.namespaces, self.open_namespace = h.namespaces, h.open_namespace
         self.publish, self.hold, self.release_hold, self.held_view = h.publish, h.hold, h.release_hold, h.held_view
         self.drop, self.track_transient, self.stopping = h.drop, h.track_transient, h.stopping
         # The chain below the host arena, and where host victims go: written down to NVMe
@@ -83,7 +83,7 @@ class TierManager:
         """The GPU tier joins the chain (made at start: it needs the probe, and device memory)."""
         self.gpu = gpu
 
-    def allocate(self, ns: Namespace, size: int) -> MaybeAwaitable[Extent]:
+    def allocate(self, ns: Namespace, size: int) -> Awaitable[Extent]:
         """An extent in the host arena, room made for it by the chain's sink."""
         return self.host.make_room(ns, size, self.sink)
 
@@ -205,8 +205,8 @@ class TierManager:
     def _lease(self, owner: Owner, ns: Namespace, entry: ObjectEntry, on_gpu: Extent | None = None) -> GetReply:
         """A read lease on the host entry, or on its device copy (`on_gpu`, acquired for it)."""
         oid = entry.object_id
-        lease = self.leases.grant(owner, oid, on_gpu or entry.extent, "read", self.limits_config.lease_ttl_s,
-                                  self.clock())
+        extent = entry.extent if on_gpu is None else on_gpu
+        lease = self.leases.grant(owner, oid, extent, "read", self.limits_config.lease_ttl_s, self.clock())
         entry.num_hits += 1
         ns.policy.on_access(oid)
         ns.counters.num_hits += 1
@@ -233,8 +233,8 @@ class TierManager:
 
     def _served(self, brought, owner: Owner, ns: Namespace, oid: ObjectId, accept, ranges, expect, gpu: bool,
                 copied: bool) -> MaybeAwaitable[GetReply]:
-        entry = ns.objects.get(oid)
         if copied and brought is not None:
+            entry = ns.objects.get(oid)
             if entry is not None:
                 return self._lease(owner, ns, entry, brought)
             self.gpu.release(ns.name, oid.digest)  # gone meanwhile: forgotten with its last reader
