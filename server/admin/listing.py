@@ -19,7 +19,7 @@ import math
 from kvstore.errors import InvalidArgument, NotFound
 from kvstore.identity import ObjectId
 from server.admin.http import Conflict
-from server.tiering.objects import ObjectEntry
+from server.tiering.objects import ObjectEntry, live_in
 
 
 def tiers_of(manager) -> tuple[str, ...]:
@@ -83,17 +83,6 @@ def doc(manager, view, now: float) -> dict:
     return object_doc(manager, view, now) if isinstance(view, ObjectEntry) else nvme_doc(view)
 
 
-def _live_entry(manager, namespace: str, oid: ObjectId, now: float):
-    ns = manager.namespaces.get(namespace)
-    entry = ns.objects.get(oid) if ns is not None else None
-    return entry if entry is not None and entry.is_live(now) else None
-
-
-async def nvme_metas(manager, keys) -> list:
-    """NvmeMeta (None where gone meanwhile) of (namespace, raw id) keys, read in the NVMe pool."""
-    return await manager.mover.metas(keys)
-
-
 def _in_order(items: list):
     """The items in order, sorted lazily: a page takes a few of a million NVMe keys."""
     heapq.heapify(items)
@@ -128,14 +117,14 @@ async def list_page(manager, namespace: str | None, flt, after, limit: int, tier
     if tier in (None, "nvme"):
         nvme_only = [(key, None) for key in mover.keys()
                      if wanted(key[0]) and (after is None or key > after)
-                     and _live_entry(manager, key[0], ObjectId(key[1]), now) is None]
+                     and live_in(manager.namespaces.get(key[0]), ObjectId(key[1]), now) is None]
     merged = heapq.merge(host, _in_order(nvme_only), key=lambda item: item[0])
     page: list = []
     while len(page) <= limit:
         batch = list(itertools.islice(merged, limit + 1 - len(page)))
         if not batch:
             break
-        metas = iter(await nvme_metas(manager, [key for key, view in batch if view is None]))
+        metas = iter(await manager.mover.metas([key for key, view in batch if view is None]))
         for key, view in batch:
             if view is None:
                 view = next(metas)
@@ -165,12 +154,12 @@ async def find_object(manager, oid: ObjectId, namespace: str | None):
     found = []
     nvme_keys = []
     for name in names:
-        entry = _live_entry(manager, name, oid, now)
+        entry = live_in(manager.namespaces.get(name), oid, now)
         if entry is not None:
             found.append(entry)
         elif mover.holds(name, oid):
             nvme_keys.append((name, oid.digest))
-    found += [meta for meta in await nvme_metas(manager, nvme_keys) if meta is not None]
+    found += [meta for meta in await manager.mover.metas(nvme_keys) if meta is not None]
     if not found:
         where = f"namespace {namespace!r}" if namespace is not None else "any namespace"
         raise NotFound(f"no object {oid.hex} in {where} on this node (host or NVMe)")

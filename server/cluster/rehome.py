@@ -35,6 +35,7 @@ from dataclasses import asdict, dataclass
 
 from kvstore.identity import ObjectId
 from kvstore.ownership import home_nodes, new_homes
+from server.tiering.objects import live_in
 
 log = logging.getLogger("kvstore.rehome")
 # Sends started together (they queue on the cluster link's gate).
@@ -249,9 +250,8 @@ class Rehomer:
     async def _copy_to(self, node: str, namespace: str, oid: ObjectId) -> int | bool | None:
         """Bytes sent (the object's size), False when the send failed, None when it is gone."""
         manager, remote = self.link.manager, self.link.remote
-        ns = manager.namespaces.get(namespace)
-        entry = ns.objects.get(oid) if ns is not None else None
-        if entry is not None and entry.is_live(manager.clock()):
+        entry = live_in(manager.namespaces.get(namespace), oid, manager.clock())
+        if entry is not None:
             with self.link.held_view(entry) as view:
                 ok = await remote.put_to(node, namespace, oid, self.link.meta(entry), view)
             return ok and entry.size

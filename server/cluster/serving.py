@@ -13,7 +13,7 @@ import contextvars
 
 from kvstore.errors import ChecksumError
 from kvstore.peer_messages import RemoteMeta
-from server.tiering.objects import ObjectEntry, check_same_object
+from server.tiering.objects import ObjectEntry, check_same_object, live_in
 from server.peer.service import PeerRead, PeerWrite
 
 # Set in the task that makes room for a peer's put (and inherited by the sends it starts).
@@ -33,9 +33,7 @@ class PeerServing:
         return RemoteMeta(entry.size, entry.checksum, entry.descriptor, entry.hints)
 
     def _live(self, ns, object_id) -> ObjectEntry | None:
-        """The entry, unless absent or past its TTL (a local get would drop it as expired)."""
-        entry = ns.objects.get(object_id) if ns is not None else None
-        return entry if entry is not None and entry.is_live(self.manager.clock()) else None
+        return live_in(ns, object_id, self.manager.clock())
 
     def read(self, namespace: str, object_id) -> PeerRead | None | object:
         ns = self.manager.namespaces.get(namespace)

@@ -90,6 +90,14 @@ class PendingPut:
     tier: str = "host"  # "remote": the commit sends it to its home nodes
 
 
+def live_in(ns, oid: ObjectId, now: float) -> ObjectEntry | None:
+    """The entry of `oid` in namespace `ns` (None: not open here), unless absent or past its
+    TTL at `now`. Reads only: a get drops an expired entry (HostTier.live_entry); peers, the
+    admin API and re-homing merely do not see it."""
+    entry = ns.objects.get(oid) if ns is not None else None
+    return entry if entry is not None and entry.is_live(now) else None
+
+
 def check_same_object(oid: ObjectId, size: int, descriptor, new_size: int, new_descriptor) -> None:
     """A put of an id already stored: the same state (dedup), or Conflict if it differs."""
     if size != new_size or descriptor != new_descriptor:
