@@ -122,6 +122,9 @@ class NoCluster:
     def must_send(self, namespace: str, oid) -> bool:
         return False
 
+    async def demote_from_nvme(self, namespace: str, oids) -> None:
+        pass
+
     def delete_everywhere(self, namespace: str, ids, found: MaybeAwaitable[list[bool]]) -> MaybeAwaitable[int]:
         return then(found, sum)
 

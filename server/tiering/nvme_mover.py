@@ -220,7 +220,7 @@ class TierMover:
         cluster = self.manager.cluster
         leaving: dict[str, list] = {}  # those leaving the node go to their homes first
         for key in victims:
-            if self._host_entry(key) is None and cluster.must_send(key[0], ObjectId(key[1])):
+            if self._host_entry(key) is None:  # the cluster sends those the homes may lack
                 leaving.setdefault(key[0], []).append(ObjectId(key[1]))
         try:
             await asyncio.gather(*(cluster.demote_from_nvme(ns, oids) for ns, oids in leaving.items()))
