@@ -17,6 +17,7 @@ from kvstore.identity import StateDescriptor
 from kvstore.protocol import NEED_DATA, BadFrame, Fatal, Reply
 from kvstore.replies import GpuHandleReply, HelloReply
 from client.core import ClientCore
+from client import batched
 from client.results import LookupResult, PutResult
 from client.gpu import op_get_into_device
 from client.lease import ReadLease
@@ -188,11 +189,11 @@ class AsyncClient:
 
     async def put(self, key, data, desc: StateDescriptor | None = None, hints: Hints | None = None,
                   tier: str = "host") -> PutResult:
-        return await self._run(self.core.op_put(key, data, desc, hints, tier))
+        return await self._run(batched.put(self.core, key, data, desc, hints, tier))
 
     async def put_many(self, items, desc: StateDescriptor | None = None, hints: Hints | None = None,
                        tier: str = "host") -> list[PutResult]:
-        return await self._run(self.core.op_put_many(list(items), desc, hints, tier))
+        return await self._run(batched.put_many(self.core, list(items), desc, hints, tier))
 
     async def get(self, key, namespace: str | None = None, accept=None, ranges=None,
                   expect: StateDescriptor | None = None) -> ReadLease | None:
@@ -206,7 +207,16 @@ class AsyncClient:
     async def get_many_into(self, items, namespace: str | None = None,
                             expect: StateDescriptor | None = None) -> list[int | None]:
         """As Client.get_many_into."""
-        return await self._run(self.core.op_get_many_into(list(items), namespace, expect))
+        return await self._run(batched.get_many_into(self.core, list(items), namespace, expect))
+
+    async def get_many(self, keys, namespace: str | None = None,
+                       expect: StateDescriptor | None = None) -> list[ReadLease | None]:
+        """As Client.get_many."""
+        return await self._run(batched.get_many(self.core, list(keys), namespace, expect))
+
+    async def release_many(self, leases) -> None:
+        """As Client.release_many."""
+        await self._run(batched.release_many(self.core, list(leases)))
 
     async def lookup(self, keys, namespace: str | None = None,
                      expect: StateDescriptor | None = None) -> LookupResult:

@@ -20,14 +20,13 @@ import xxhash
 from kvstore import messages as m
 from kvstore import replies as r
 from kvstore.errors import ChecksumError, InvalidArgument, ProtocolError, from_wire
-from kvstore.hints import Hints
 from kvstore.identity import ChunkKey, ObjectId, StateDescriptor, descriptor_differences
 from kvstore.protocol import MAX_BATCH, FrameCodec, Reply, Request
 from kvstore.ranges import normalize as normalize_ranges
 from client.buffers import as_u8, as_writable_u8
 from client.lease import ReadLease
 from client.pinning import pin_for_cuda
-from client.results import LookupResult, PutResult
+from client.results import LookupResult
 
 # Bytes of reserved-but-uncommitted puts one put_many keeps in flight.
 PUT_WINDOW_BYTES = 64 << 20
@@ -70,13 +69,7 @@ def to_object_id(key) -> ObjectId:
     raise InvalidArgument(f"a key is an ObjectId, ChunkKey, 32 bytes or 64 hex chars, not {type(key).__name__}")
 
 
-# Gets one get_many_into sends before it reads their replies: far below the daemon's lease
-# quota per client (limits.max_leases_per_client, 4,096 by default), with room for the leases
-# an engine holds at the same time.
-GET_MANY_BATCH = 1024
-
-
-def _expectation(key, expect: StateDescriptor | None) -> StateDescriptor | None:
+def expectation(key, expect: StateDescriptor | None) -> StateDescriptor | None:
     """What a read of `key` expects: `expect`, else the descriptor a ChunkKey carries."""
     if expect is not None and not isinstance(expect, StateDescriptor):
         raise InvalidArgument(f"expect must be a StateDescriptor, not {type(expect).__name__}")
@@ -125,8 +118,9 @@ class ClientCore:
         self.pinned: dict[str, str] = {}  # namespace -> whether its arena is pinned for CUDA, and why not
         self.gpu_mapping = None  # client.gpu.GpuMapping of the daemon's GPU tier; False: it runs none
         self._ids = itertools.count(1)
-        self._release_cb = release
+        self.release_cb = release
         self.max_inflight_bytes = PUT_WINDOW_BYTES  # the daemon's limit, from hello
+        self.max_leases: int | None = None  # the daemon's lease quota per client, from hello
         self.closed = False  # the connection is gone: so are its leases
         self.lease_ttl_s: float | None = None  # the daemon's, from hello
 
@@ -157,6 +151,7 @@ class ClientCore:
         (reply,) = yield [self.request(m.Hello(name, os.getpid()))]
         info = self.result(reply, r.HelloReply)
         self.max_inflight_bytes = info.limits.max_inflight_bytes or PUT_WINDOW_BYTES
+        self.max_leases = info.limits.max_leases
         self.lease_ttl_s = info.limits.lease_ttl_s
         return info
 
@@ -185,7 +180,7 @@ class ClientCore:
     def _descriptor(self, desc: StateDescriptor | None) -> StateDescriptor:
         return desc or _opaque(self.namespace)
 
-    def _put_item(self, key, data, desc: StateDescriptor | None):
+    def put_item(self, key, data, desc: StateDescriptor | None):
         """(object id, descriptor, bytes) of one put item; InvalidArgument names its problem."""
         oid = to_object_id(key)
         carried = key.descriptor if isinstance(key, ChunkKey) else None
@@ -199,71 +194,9 @@ class ClientCore:
             raise InvalidArgument(f"object {oid.hex}: cannot store an empty object")
         return oid, carried or self._descriptor(desc), src
 
-    def op_put_many(self, items, desc: StateDescriptor | None, hints: Hints | None, tier: str = "host"):
-        """Per item a PutResult; an item that cannot be stored carries its error (its
-        object_id is None when the key itself is not one) and the others are stored."""
-        hints = hints or Hints()
-        if tier not in m.PUT_TIERS:
-            raise InvalidArgument(f"put tier must be one of {m.PUT_TIERS}, got {tier!r}")
-        results: list[PutResult | None] = [None] * len(items)
-        sources = []  # (index, oid, descriptor, bytes) of the items to send
-        for i, (key, data) in enumerate(items):
-            try:
-                sources.append((i, *self._put_item(key, data, desc)))
-            except InvalidArgument as exc:
-                oid = key.object_id if isinstance(key, ChunkKey) else key if isinstance(key, ObjectId) else None
-                results[i] = PutResult(oid, False, error=exc)
-        for namespace in {d.namespace for _, _, d, _ in sources}:
-            yield from self.op_open(namespace)
-        # Reservations hold arena space until committed: pipeline a window of them, not
-        # the whole batch, so a large batch cannot fill the arena with its own leases.
-        arena_bytes = min((self.arenas[d.namespace].size for _, _, d, _ in sources), default=0)
-        limit = max(1, min(PUT_WINDOW_BYTES, arena_bytes // 4, self.max_inflight_bytes))
-        window, window_bytes = [], 0
-        for item in sources:
-            if window and window_bytes + item[3].size > limit:
-                yield from self._put_window(window, hints, tier, results)
-                window, window_bytes = [], 0
-            window.append(item)
-            window_bytes += item[3].size
-        if window:
-            yield from self._put_window(window, hints, tier, results)
-        return results
-
-    def _put_window(self, sources, hints: Hints, tier: str, results: list):
-        replies = yield [self.request(m.Reserve(d.namespace, oid, src.size, d, hints, tier))
-                         for _, oid, d, src in sources]
-        commits, committed = [], []
-        for (i, oid, d, src), reply in zip(sources, replies):
-            if reply.error is not None:
-                results[i] = PutResult(oid, False, error=from_wire(reply.error))
-                continue
-            reserved = r.ReserveReply.from_wire(reply.result)
-            if reserved.exists:
-                results[i] = PutResult(oid, True)
-                continue
-            arena = self.arenas[d.namespace]
-            checksum = copy_and_hash(arena[reserved.offset:reserved.offset + src.size], src)
-            commits.append(self.request(m.Commit(reserved.lease, checksum)))
-            committed.append((i, oid))
-        replies = (yield commits) if commits else []
-        for (i, oid), reply in zip(committed, replies):
-            if reply.error is not None:
-                results[i] = PutResult(oid, False, error=from_wire(reply.error))
-            else:
-                put = r.CommitReply.from_wire(reply.result)
-                results[i] = PutResult(oid, put.exists, put.tier, put.durability, homes=put.homes or ())
-
-    def op_put(self, key, data, desc, hints, tier: str = "host"):
-        oid, d, src = self._put_item(key, data, desc)  # the caller's mistakes raise here
-        (result,) = yield from self.op_put_many([(oid, src)], d, hints, tier)
-        if result.error is not None:
-            raise result.error
-        return result
-
     def op_get(self, key, namespace: str | None, accept, ranges=None, expect: StateDescriptor | None = None,
                gpu: bool = False):
-        expect = _expectation(key, expect)
+        expect = expectation(key, expect)
         namespace = namespace or self.namespace
         yield from self.op_open(namespace, create=False)
         accept = tuple(accept) if accept else None
@@ -282,7 +215,7 @@ class ClientCore:
         """The ReadLease of a get hit (None, released, if it is not the expected state)."""
         on_gpu = got.tier == "gpu"  # its bytes are in the GPU buffer (client/gpu.py), not the arena
         array = None if on_gpu else self.arenas[namespace][got.offset:got.offset + got.size]
-        lease = ReadLease(self._release_cb, got.lease, oid, got.size, got.checksum, got.descriptor, got.tier,
+        lease = ReadLease(self.release_cb, got.lease, oid, got.size, got.checksum, got.descriptor, got.tier,
                           array, got.ranges, self, asked_ranges=ranges is not None, device_offset=on_gpu and got.offset)
         if expect is not None and lease.descriptor != expect:  # a daemon that answered for another one
             lease.release()
@@ -302,51 +235,11 @@ class ClientCore:
                 raise ChecksumError(f"object {lease.object_id.hex}: copied bytes fail their checksum")
         return lease.size
 
-    def op_get_many_into(self, items, namespace: str | None, expect: StateDescriptor | None = None):
-        """Copy many objects into caller buffers: the gets of up to GET_MANY_BATCH items go
-        out pipelined (one round trip), then each hit is copied and its lease released.
-        Returns each item's size, or None on a miss. Every lease is released before an
-        error (a buffer too small, a refused get) is raised for the first item that had one."""
-        namespace = namespace or self.namespace
-        yield from self.op_open(namespace, create=False)
-        prepared = [(to_object_id(key), as_writable_u8(out), _expectation(key, expect)) for key, out in items]
-        sizes: list[int | None] = []
-        first_error = None
-        for start in range(0, len(prepared), GET_MANY_BATCH):
-            batch = prepared[start:start + GET_MANY_BATCH]
-            replies = yield [self.request(m.Get(namespace, oid, None, None, want)) for oid, _, want in batch]
-            gots = [None if reply.error is not None else r.GetReply.from_wire(reply.result) for reply in replies]
-            if namespace not in self.arenas and any(got is not None and got.hit for got in gots):
-                yield from self.op_open(namespace)  # made since we opened
-            for (oid, dst, want), reply, got in zip(batch, replies, gots):
-                if got is None:
-                    first_error = first_error or from_wire(reply.error)
-                    sizes.append(None)
-                    continue
-                if not got.hit:
-                    sizes.append(None)
-                    continue
-                lease = self._lease(got, namespace, oid, None, want)
-                if lease is None:
-                    sizes.append(None)
-                    continue
-                with lease:
-                    if lease.size > dst.size:
-                        first_error = first_error or InvalidArgument(
-                            f"object {oid.hex} is {lease.size} bytes, its output buffer only {dst.size}")
-                        sizes.append(None)
-                        continue
-                    np.copyto(dst[:lease.size], lease.numpy())
-                    sizes.append(lease.size)
-        if first_error is not None:
-            raise first_error
-        return sizes
-
     def op_lookup(self, keys, namespace: str | None, expect: StateDescriptor | None = None):
         if expect is None:
             wanted = [k.descriptor if type(k) is ChunkKey else None for k in keys]
         else:
-            wanted = [_expectation(None, expect)] * len(keys)
+            wanted = [expectation(None, expect)] * len(keys)
         namespace = namespace or self.namespace
         yield from self.op_open(namespace, create=False)
         ids = [to_object_id(k) for k in keys]

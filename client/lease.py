@@ -138,15 +138,23 @@ class ReadLease:
         return xxhash.xxh3_128_digest(self._array) == self.checksum
 
     def release(self) -> None:
-        if not self._done:
-            self._done = True
-            for view in self._views:
-                try:
-                    view.release()
-                except BufferError:
-                    pass  # something (a numpy array) still exports it: it stays readable
-            self._views.clear()
-            self._release(self.lease_id)
+        lease_id = self.detach()
+        if lease_id is not None:
+            self._release(lease_id)
+
+    def detach(self) -> int | None:
+        """End the lease here without telling the daemon, and return its id for a caller
+        that releases many in one frame (Client.release_many); None if it had ended."""
+        if self._done:
+            return None
+        self._done = True
+        for view in self._views:
+            try:
+                view.release()
+            except BufferError:
+                pass  # something (a numpy array) still exports it: it stays readable
+        self._views.clear()
+        return self.lease_id
 
     def __enter__(self) -> ReadLease:
         return self

@@ -14,6 +14,7 @@ from kvstore.identity import StateDescriptor
 from kvstore.protocol import NEED_DATA, BadFrame, Fatal, Reply
 from kvstore.replies import GpuHandleReply, HelloReply
 from client.core import ClientCore
+from client import batched
 from client.results import LookupResult, PutResult
 from client.gpu import op_get_into_device
 from client.lease import ReadLease
@@ -198,15 +199,16 @@ class Client:
         hold it, and this node keeps no copy unless it is a home; `result.tier` says where
         it ended up ("host" if no home could take it) and `result.homes` names the homes.
         """
-        return self._run(self.core.op_put(key, data, desc, hints, tier))
+        return self._run(batched.put(self.core, key, data, desc, hints, tier))
 
     def put_many(self, items, desc: StateDescriptor | None = None, hints: Hints | None = None,
                  tier: str = "host") -> list[PutResult]:
-        """Store many `(key, data)` pairs in two pipelined round trips. Never raises for one
+        """Store many `(key, data)` pairs: per window of up to 1,024 objects one reserve_many
+        and one commit_many round trip (packed columns, one frame each). Never raises for one
         item's failure (an empty item, a key whose descriptor differs, a Conflict, no room):
         each result carries its own `error` (None on success; `object_id` None when the key
         itself was not one) and the other items are stored."""
-        return self._run(self.core.op_put_many(list(items), desc, hints, tier))
+        return self._run(batched.put_many(self.core, list(items), desc, hints, tier))
 
     def get(self, key, namespace: str | None = None, accept=None, ranges=None,
             expect: StateDescriptor | None = None) -> ReadLease | None:
@@ -231,10 +233,21 @@ class Client:
     def get_many_into(self, items, namespace: str | None = None,
                       expect: StateDescriptor | None = None) -> list[int | None]:
         """Copy many objects into their buffers: `items` is (key, out) pairs; returns each
-        one's size, or None on a miss. The gets go out pipelined, 1,024 per round trip, so
-        many small objects cost about one round trip, not one each. A buffer too small (or
+        one's size, or None on a miss. The gets go out as one get_many frame per 1,024 keys,
+        so many small objects cost about one round trip, not one each. A buffer too small (or
         a refused get) raises after every other item was copied and every lease released."""
-        return self._run(self.core.op_get_many_into(list(items), namespace, expect))
+        return self._run(batched.get_many_into(self.core, list(items), namespace, expect))
+
+    def get_many(self, keys, namespace: str | None = None,
+                 expect: StateDescriptor | None = None) -> list[ReadLease | None]:
+        """A zero-copy read lease per key (None on a miss), 1,024 per round trip: `get` for
+        many keys. End them together with `release_many(leases)`, which sends one frame,
+        or each with `release()`. A refused get raises after every lease was released."""
+        return self._run(batched.get_many(self.core, list(keys), namespace, expect))
+
+    def release_many(self, leases) -> None:
+        """Release many leases in one frame; None entries and released leases are skipped."""
+        self._run(batched.release_many(self.core, list(leases)))
 
     def lookup(self, keys, namespace: str | None = None, expect: StateDescriptor | None = None) -> LookupResult:
         """How many leading keys hit, each key's tier, and the estimated load time (one round trip per 4096 keys).

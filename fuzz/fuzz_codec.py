@@ -49,6 +49,10 @@ VALID = {
     "pin": {"namespace": "t", "ids": [_ID], "ttl_s": 2.0}, "unpin": {"namespace": "t", "ids": [_ID]},
     "prefetch": {"namespace": "t", "ids": [_ID], "tier": "host", "policy": "wait", "timeout_s": 0.1},
     "stats": {}, "check": {}, "gpu_handle": {},
+    "reserve_many": {"namespace": "t", "ids": _ID * 2, "sizes": (2048).to_bytes(8, "little") * 2, "descriptor": _DESC},
+    "commit_many": {"leases": (1).to_bytes(8, "little"), "checksums": b"\x00" * 16},
+    "get_many": {"namespace": "t", "ids": _ID * 3, "expect": _DESC},
+    "release_many": {"leases": (1).to_bytes(8, "little") * 2},
 }
 
 

@@ -161,8 +161,9 @@ class StateDescriptor:
 
     @property
     def object_bytes(self) -> int:
-        """Size of one object of this descriptor."""
-        return self.layout.total_bytes(self.dtype, self.chunk_tokens)
+        """Size of one object of this descriptor (every put checks it: computed once per
+        layout, dtype and chunk size)."""
+        return _object_bytes(self.layout, self.dtype, self.chunk_tokens)
 
     def to_wire(self) -> dict:
         return {
@@ -300,3 +301,8 @@ def chunk_keys(
         parent = chain_hash(salt, parent, tokens[index * size:(index + 1) * size], extras)
         keys.append(ChunkKey(index, (index + 1) * size, parent, object_id(salt, parent, desc), desc))
     return keys
+
+
+@functools.lru_cache(maxsize=1024)
+def _object_bytes(layout: Layout, dtype: DType, chunk_tokens: int) -> int:
+    return layout.total_bytes(dtype, chunk_tokens)

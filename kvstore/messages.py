@@ -3,160 +3,24 @@
 Each op is a frozen dataclass; `decode_request(Request)` validates a wire request into
 one (raising InvalidArgument / ProtocolError that name the bad field), and
 `message.to_args()` is what a client sends. Client and daemon share these classes, so
-the two ends cannot drift apart.
+the two ends cannot drift apart. The field codecs are in kvstore/fields.py.
 """
 
 from __future__ import annotations
 
-import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar
+from typing import Any, ClassVar
 
-from kvstore.ranges import CODEC as RANGES
-from kvstore.dtypes import DType
 from kvstore.errors import InvalidArgument, ProtocolError
+from kvstore.fields import (  # noqa: F401 (its constants are part of this module's interface)
+    ACCEPT, BOOL, CHECKSUM, DESCRIPTOR, EXPECT, EXPECT_LIST, EXPECT_OF, FLOAT, HINTS, IDS, LEASE,
+    MAX_EXPECTED_DESCRIPTORS, MAX_OBJECT_BYTES, NAMESPACE, NO_EXPECTATION, OID, OPT_STR, PIN_TTL,
+    PACKED_CHECKSUMS, PACKED_IDS, PACKED_U64, PREFETCH_POLICIES, PUT_TIERS, RANGES, RAW_IDS, SCOPES, SIZE, STR, TIERS,
+    _choice, _int, pack_uints, unpack_uints)
 from kvstore.hints import Hints
-from kvstore.identity import ObjectId, StateDescriptor, _check_name
-from kvstore.protocol import MAX_BATCH, MAX_STR_CHARS, Request
-
-CHECKSUM_BYTES = 16  # xxh3-128
-# One object may not exceed this; arenas are sized far below it in practice.
-MAX_OBJECT_BYTES = 1 << 40
-TIERS = ("gpu", "host", "nvme", "remote")
-PUT_TIERS = ("host", "remote")  # where a put may ask its object to go
-SCOPES = ("cluster", "node")  # of a delete, pin or unpin
-PREFETCH_POLICIES = ("best_effort", "wait", "timeout")
-
-
-# --- field codecs: (decode wire -> python, encode python -> wire) -----------------
-
-def _int(lo: int, hi: int):
-    def dec(v):
-        if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
-            raise InvalidArgument(f"must be an integer in {lo}..{hi}, got {v!r}"[:200])
-        return v
-    return dec, lambda v: v
-
-
-def _float(v):
-    if v is None:
-        return None
-    if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v < 0:
-        raise InvalidArgument(f"must be a finite number >= 0, got {v!r}"[:200])
-    return float(v)
-
-
-def _bool_dec(v):
-    if not isinstance(v, bool):
-        raise InvalidArgument(f"must be true or false, got {v!r}"[:200])
-    return v
-
-
-def _str_dec(v):
-    if not isinstance(v, str) or len(v) > MAX_STR_CHARS:
-        raise InvalidArgument(f"must be a string of at most {MAX_STR_CHARS} characters")
-    return v
-
-
-def _opt_str_dec(v):
-    return None if v is None else _str_dec(v)
-
-
-def _ns_dec(v):
-    _check_name("namespace", v)
-    return v
-
-
-def _oid_dec(v):
-    if not isinstance(v, bytes):
-        raise InvalidArgument("object id must be 32 bytes (msgpack bin)")
-    return ObjectId(v)
-
-
-def _ids_dec(v):
-    if not isinstance(v, list) or len(v) > MAX_BATCH:
-        raise InvalidArgument(f"ids must be a list of at most {MAX_BATCH} object ids")
-    return tuple(_oid_dec(x) for x in v)
-
-
-def _raw_ids_dec(v):
-    """Ids as validated raw 32-byte digests: the hot batch path builds no objects."""
-    if not isinstance(v, list) or len(v) > MAX_BATCH:
-        raise InvalidArgument(f"ids must be a list of at most {MAX_BATCH} object ids")
-    if not all(type(x) is bytes and len(x) == 32 for x in v):
-        raise InvalidArgument("every object id must be 32 bytes (msgpack bin)")
-    return tuple(v)
-
-
-def _checksum_dec(v):
-    if not isinstance(v, bytes) or len(v) != CHECKSUM_BYTES:
-        raise InvalidArgument(f"checksum must be {CHECKSUM_BYTES} bytes (xxh3-128)")
-    return v
-
-
-def _choice(options):
-    def dec(v):
-        if v not in options:
-            raise InvalidArgument(f"must be one of {options}, got {v!r}"[:200])
-        return v
-    return dec, lambda v: v
-
-
-def _accept_dec(v):
-    if v is None:
-        return None
-    if not isinstance(v, list) or not 0 < len(v) <= len(DType):
-        raise InvalidArgument("accept must be a non-empty list of dtypes")
-    return tuple(DType.parse(x) for x in v)
-
-
-_ANY = (lambda v: v, lambda v: v)
-NAMESPACE = (_ns_dec, lambda v: v)
-OID = (_oid_dec, lambda v: v.digest)
-IDS = (_ids_dec, lambda v: [x.digest for x in v])
-RAW_IDS = (_raw_ids_dec, lambda v: [x.digest if isinstance(x, ObjectId) else x for x in v])
-LEASE = _int(1, 2**63 - 1)
-SIZE = _int(1, MAX_OBJECT_BYTES)
-FLOAT = (_float, lambda v: v)
-
-
-def _pin_ttl(v):
-    v = _float(v)
-    if v == 0:
-        raise InvalidArgument("must be > 0 (seconds), or null to pin until unpinned")
-    return v
-
-
-PIN_TTL = (_pin_ttl, lambda v: v)
-STR = (_str_dec, lambda v: v)
-BOOL = (_bool_dec, lambda v: v)
-OPT_STR = (_opt_str_dec, lambda v: v)
-CHECKSUM = (_checksum_dec, lambda v: v)
-DESCRIPTOR = (StateDescriptor.from_wire, lambda v: v.to_wire())
-EXPECT = (lambda v: None if v is None else StateDescriptor.from_wire(v), lambda v: None if v is None else v.to_wire())
-# Distinct descriptors one lookup may expect (a request mixes a few kinds of state, not more).
-MAX_EXPECTED_DESCRIPTORS = 16
-NO_EXPECTATION = 255  # in Lookup.expect_of: this id expects nothing
-
-
-def _expect_list_dec(v):
-    if v is None:
-        return None
-    if not isinstance(v, list) or not 0 < len(v) <= MAX_EXPECTED_DESCRIPTORS:
-        raise InvalidArgument(f"must be a list of 1..{MAX_EXPECTED_DESCRIPTORS} descriptors")
-    return tuple(StateDescriptor.from_wire(d) for d in v)
-
-
-def _expect_of_dec(v):
-    if v is not None and not isinstance(v, bytes):
-        raise InvalidArgument("must be bytes: per id, an index into expect (255: none)")
-    return v
-
-
-EXPECT_LIST = (_expect_list_dec, lambda v: None if v is None else [d.to_wire() for d in v])
-EXPECT_OF = (_expect_of_dec, lambda v: v)
-HINTS = (Hints.from_wire, lambda v: v.to_wire())
-ACCEPT = (_accept_dec, lambda v: None if v is None else [DType.parse(d).value for d in v])
+from kvstore.identity import ObjectId, StateDescriptor
+from kvstore.protocol import Request
 
 
 class Message:
@@ -384,10 +248,113 @@ class GpuHandle(Message):
     _codecs: ClassVar = {}
 
 
+# --- batched ops: many objects in one frame, served in one pass ------------------------
+#
+# Each carries its per-object fields as packed columns (kvstore.fields): n 32-byte ids,
+# n little-endian u64 sizes or leases, n 16-byte checksums. Every item is handled as its
+# single op would be, in order; one item's error is reported in its place (the reply's
+# `errors`) and does not stop the others.
+
+
+def _ids_of(packed: bytes) -> list[ObjectId]:
+    return [ObjectId(packed[i:i + 32]) for i in range(0, len(packed), 32)]
+
+
+@dataclass(frozen=True, slots=True)
+class ReserveMany(Message):
+    """Phase one of many puts of one descriptor: per id a write lease on `size` bytes (a
+    Reserve each). Build it with `ReserveMany.of(...)`."""
+    namespace: str
+    ids: bytes
+    sizes: bytes
+    descriptor: StateDescriptor
+    hints: Hints = Hints()
+    tier: str = "host"
+    op: ClassVar[str] = "reserve_many"
+    _codecs: ClassVar = {"namespace": NAMESPACE, "ids": PACKED_IDS, "sizes": PACKED_U64,
+                         "descriptor": DESCRIPTOR, "hints": HINTS, "tier": _choice(PUT_TIERS)}
+    _defaults: ClassVar = {"hints": Hints(), "tier": "host"}
+
+    def __post_init__(self) -> None:
+        if len(self.sizes) // 8 != len(self.ids) // 32:
+            raise InvalidArgument(f"{self.op}: {len(self.ids) // 32} ids but {len(self.sizes) // 8} sizes")
+        sizes = unpack_uints(self.sizes)
+        if not 1 <= min(sizes) <= max(sizes) <= MAX_OBJECT_BYTES:
+            raise InvalidArgument(f"{self.op}.sizes: every size must be in 1..{MAX_OBJECT_BYTES}")
+
+    @classmethod
+    def of(cls, namespace: str, ids, sizes, descriptor: StateDescriptor, hints: Hints = Hints(),
+           tier: str = "host") -> ReserveMany:
+        return cls(namespace, b"".join(oid.digest for oid in ids), pack_uints(sizes),
+                   descriptor, hints, tier)
+
+    def items(self) -> list[Reserve]:
+        """The single reserves this batch stands for."""
+        return [Reserve(self.namespace, oid, size, self.descriptor, self.hints, self.tier)
+                for oid, size in zip(_ids_of(self.ids), unpack_uints(self.sizes))]
+
+
+@dataclass(frozen=True, slots=True)
+class CommitMany(Message):
+    """Phase two of many puts: per write lease, the checksum of the bytes written."""
+    leases: bytes
+    checksums: bytes
+    op: ClassVar[str] = "commit_many"
+    _codecs: ClassVar = {"leases": PACKED_U64, "checksums": PACKED_CHECKSUMS}
+
+    def __post_init__(self) -> None:
+        if len(self.leases) // 8 != len(self.checksums) // 16:
+            raise InvalidArgument(
+                f"{self.op}: {len(self.leases) // 8} leases but {len(self.checksums) // 16} checksums")
+
+    @classmethod
+    def of(cls, leases, checksums) -> CommitMany:
+        return cls(pack_uints(leases), b"".join(checksums))
+
+    def items(self) -> list[tuple[int, bytes]]:
+        sums = self.checksums
+        return [(lease, sums[16 * i:16 * i + 16]) for i, lease in enumerate(unpack_uints(self.leases))]
+
+
+@dataclass(frozen=True, slots=True)
+class GetMany(Message):
+    """A read lease per id, or a miss (a Get each, whole objects, host leases). `expect`:
+    the descriptor every id must be stored under (any other is a miss)."""
+    namespace: str
+    ids: bytes
+    expect: StateDescriptor | None = None
+    op: ClassVar[str] = "get_many"
+    _codecs: ClassVar = {"namespace": NAMESPACE, "ids": PACKED_IDS, "expect": EXPECT}
+    _defaults: ClassVar = {"expect": None}
+
+    @classmethod
+    def of(cls, namespace: str, ids, expect: StateDescriptor | None = None) -> GetMany:
+        return cls(namespace, b"".join(oid.digest for oid in ids), expect)
+
+    def object_ids(self) -> list[ObjectId]:
+        return _ids_of(self.ids)
+
+
+@dataclass(frozen=True, slots=True)
+class ReleaseMany(Message):
+    """End many read leases (sent without waiting for a reply; an error names the leases
+    that were not held)."""
+    leases: bytes
+    op: ClassVar[str] = "release_many"
+    _codecs: ClassVar = {"leases": PACKED_U64}
+
+    @classmethod
+    def of(cls, leases) -> ReleaseMany:
+        return cls(pack_uints(leases))
+
+    def items(self) -> list[int]:
+        return unpack_uints(self.leases)
+
+
 OPS: dict[str, type[Message]] = {
     cls.op: cls
     for cls in (Hello, OpenNamespace, Reserve, Commit, Abort, Get, Release, Lookup,
-                Delete, Pin, Unpin, Prefetch, Stats, Check, GpuHandle)
+                Delete, Pin, Unpin, Prefetch, Stats, Check, GpuHandle, ReserveMany, CommitMany, GetMany, ReleaseMany)
 }
 
 

@@ -25,7 +25,8 @@ from kvstore.ranges import CODEC as RANGES
 from kvstore.errors import InvalidArgument, ProtocolError
 from kvstore.hints import Hints
 from kvstore.identity import ObjectId, StateDescriptor
-from kvstore.messages import CHECKSUM, DESCRIPTOR, HINTS, IDS, NAMESPACE, OID, PIN_TTL, SIZE, Message
+from kvstore.fields import CHECKSUM, DESCRIPTOR, HINTS, IDS, NAMESPACE, OID, PIN_TTL, SIZE
+from kvstore.messages import Message
 
 # Descriptors and hints repeat across objects (one model, a few layouts): their parsed and
 # encoded forms are cached, which took decoding a meta from ~58 us to a few. Cached wire

@@ -275,10 +275,66 @@ class GpuHandleReply(ReplyMessage):
     device_uuid: str | None = None
 
 
+# --- replies of the batched ops (kvstore/messages.py): per item, packed columns ----------
+# `errors` lists [index, error map] for the items that failed; their column entries are 0.
+
+
+@reply
+class ReserveManyReply(ReplyMessage):
+    """Per item: its write lease and arena offset (u64 columns), or `exists` (a byte each:
+    1, stored already, nothing to write)."""
+    leases: bytes
+    offsets: bytes
+    exists: bytes
+    errors: tuple = ()
+    _codecs: ClassVar = {"errors": TUPLE}
+
+
+STORED = 0  # CommitManyReply.codes: held in host memory (IN_MEMORY)
+EXISTED = 1  # stored already (a concurrent put of the same id)
+FAILED = 2  # see errors
+OTHER = 3  # see others: anything else (NVMe write-through reached, a tier="remote" put)
+
+
+@reply
+class CommitManyReply(ReplyMessage):
+    """Per item a code byte (STORED, EXISTED, FAILED, OTHER); `others` lists [index,
+    CommitReply map] for the OTHER items."""
+    codes: bytes
+    others: tuple = ()
+    errors: tuple = ()
+    _codecs: ClassVar = {"others": TUPLE, "errors": TUPLE}
+
+    def results(self) -> list[CommitReply | None]:
+        """Per item its CommitReply (None: failed, see errors)."""
+        table = (IN_MEMORY, CommitReply(True), None, None)
+        out = [table[code] for code in self.codes]
+        for index, wire in self.others:
+            out[index] = CommitReply.from_wire(wire)
+        return out
+
+
+@reply
+class GetManyReply(ReplyMessage):
+    """Per item: `hits` (a byte each), and for a hit its read lease, arena offset, size
+    (u64 columns), checksum (16 bytes each) and descriptor: `descriptor_of` (u16 each)
+    indexes `descriptors`, the distinct descriptors of the batch in their wire form."""
+    hits: bytes
+    leases: bytes
+    offsets: bytes
+    sizes: bytes
+    checksums: bytes
+    descriptors: tuple
+    descriptor_of: bytes
+    errors: tuple = ()
+    _codecs: ClassVar = {"descriptors": TUPLE, "errors": TUPLE}
+
+
 # What each op answers; release and abort answer nothing (None).
 REPLIES: dict[str, type[ReplyMessage] | None] = {
     "hello": HelloReply, "open": OpenReply, "reserve": ReserveReply, "commit": CommitReply,
     "abort": None, "get": GetReply, "release": None, "lookup": LookupReply, "delete": DeleteReply,
     "pin": PinReply, "unpin": UnpinReply, "prefetch": PrefetchReply, "stats": StatsReply, "check": CheckReply,
-    "gpu_handle": GpuHandleReply,
+    "gpu_handle": GpuHandleReply, "reserve_many": ReserveManyReply, "commit_many": CommitManyReply,
+    "get_many": GetManyReply, "release_many": None,
 }

@@ -41,3 +41,41 @@ def then(value: MaybeAwaitable[T], fn: Callable[[T], U]) -> MaybeAwaitable[U]:
     async def later() -> U:
         return fn(await value)
     return later()
+
+
+def each(items, run: Callable, done: Callable) -> MaybeAwaitable[None]:
+    """run(item) for every item, in order, then done(item, answer, None), or done(item,
+    None, exc) when run raised; a run that must wait for I/O is awaited before the next
+    starts. None when no run had to wait (the fast path), else an awaitable of None.
+
+        for item in items:
+            try: done(item, await resolve(run(item)), None)
+            except Exception as exc: done(item, None, exc)
+    """
+    items = iter(items)
+    waiting = _run_until_wait(items, run, done)
+    return None if waiting is None else _each_later(waiting, items, run, done)
+
+
+def _run_until_wait(items, run: Callable, done: Callable):
+    """Run items until one must wait: (that item, its awaitable), or None when all answered."""
+    for item in items:
+        try:
+            answer = run(item)
+        except Exception as exc:
+            done(item, None, exc)
+            continue
+        if not is_ready(answer):
+            return item, answer
+        done(item, answer, None)
+    return None
+
+
+async def _each_later(waiting, items, run: Callable, done: Callable) -> None:
+    while waiting is not None:
+        item, pending = waiting
+        try:
+            done(item, await pending, None)
+        except Exception as exc:
+            done(item, None, exc)
+        waiting = _run_until_wait(items, run, done)

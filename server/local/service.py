@@ -19,9 +19,11 @@ import struct
 
 from kvstore import messages as m
 from kvstore import replies as r
-from kvstore.errors import KVStoreError, LimitExceeded, PermissionDenied, ProtocolError
+from kvstore.errors import LimitExceeded, PermissionDenied, ProtocolError
 from kvstore.protocol import NEED_DATA, BadFrame, Fatal, FrameCodec, Reply, Request
 from server.later import is_ready, resolve, then
+from server.local import batches
+from server.local.errors import error_wire
 
 log = logging.getLogger("kvstore.local")
 _conn_ids = itertools.count(1)
@@ -163,13 +165,8 @@ class LocalConnection(asyncio.Protocol):
             if error is not None:
                 raise error
             reply = Reply(request.id, None if result is None else result.to_wire())
-        except KVStoreError as exc:
-            log.info("event=request_error conn=%d op=%s code=%s error=%r",
-                     self.conn_id, request.op[:32], exc.code, exc.message)
-            reply = Reply(request.id, error=exc.to_wire())
-        except Exception as exc:  # a bug: answer it, log it, keep serving
-            log.error("event=internal_error conn=%d op=%s", self.conn_id, request.op[:32], exc_info=exc)
-            reply = Reply(request.id, error={"code": "internal", "message": f"internal error: {type(exc).__name__}: {exc}"})
+        except Exception as exc:  # a refusal, or a bug: answer it, log it, keep serving
+            reply = Reply(request.id, error=error_wire(exc, self.conn_id, request.op))
         if request.no_reply and reply.ok:
             return
         frame = self.codec.send_reply(reply)
@@ -235,6 +232,17 @@ class LocalConnection(asyncio.Protocol):
                 return r.CheckReply(True), None
             case m.GpuHandle():
                 return mgr.gpu.handle(), None
+            case m.ReserveMany():
+                self._ns(msg.namespace)
+                return batches.reserve_many(mgr, owner, msg), None
+            case m.CommitMany():
+                return batches.commit_many(mgr, owner, msg), None
+            case m.GetMany():
+                self._ns(msg.namespace)
+                return batches.get_many(mgr, owner, msg), None
+            case m.ReleaseMany():
+                batches.release_many(mgr, owner, msg)
+                return None, None
         raise ProtocolError(f"op {msg.op} not served on the local socket")
 
     async def _open_later(self, msg: m.OpenNamespace):

@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import Awaitable, Callable, Protocol
 
 from kvstore.errors import InvalidArgument, ProtocolError
-from kvstore.messages import MAX_OBJECT_BYTES
+from kvstore.fields import MAX_OBJECT_BYTES
 from kvstore.protocol import NEED_DATA, BadFrame, Fatal, FrameCodec, Reply, Request
 
 # Payloads nobody wants are read and dropped in pieces of this size.

@@ -73,6 +73,11 @@ messages = st.one_of(
     st.builds(m.Unpin, names, id_batches, st.sampled_from(m.SCOPES)),
     st.builds(m.Prefetch, names, id_batches, st.sampled_from(m.TIERS), st.sampled_from(m.PREFETCH_POLICIES), no_neg),
     st.just(m.Stats()), st.just(m.Check()),
+    st.builds(lambda d, o, h: m.ReserveMany.of(d.namespace, o, [1 + i for i in range(len(o))], d, h),
+              descriptors, st.lists(oids, min_size=1, max_size=8), hints),
+    st.builds(lambda ls: m.CommitMany.of(ls, [bytes(16)] * len(ls)), st.lists(leases, min_size=1, max_size=8)),
+    st.builds(m.GetMany.of, names, st.lists(oids, min_size=1, max_size=8), st.none() | descriptors),
+    st.builds(m.ReleaseMany.of, st.lists(leases, min_size=1, max_size=8)),
 )
 
 

@@ -1,0 +1,248 @@
+"""Many objects per frame: put_many, get_many_into, get_many and release_many.
+
+Generators over a ClientCore, driven like its op_* (client/core.py). Each batch is one
+request of a batched op (kvstore/messages.py) and one reply of packed columns:
+
+    put_many:       reserve_many  -> copy + hash each item into the arena -> commit_many
+    get_many_into:  get_many      -> copy each hit into its buffer        -> release_many (no reply)
+    get_many:       get_many      -> a ReadLease per hit (release_many ends many at once)
+
+so 1,000 objects cost two frames each way, not two thousand, and the daemon serves each
+frame in one pass.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvstore import messages as m
+from kvstore import replies as r
+from kvstore.errors import InvalidArgument, from_wire
+from kvstore.fields import unpack_uints
+from kvstore.hints import Hints
+from kvstore.identity import ChunkKey, ObjectId, StateDescriptor
+from kvstore.protocol import MAX_BATCH
+from client.buffers import as_writable_u8
+from client.core import PUT_WINDOW_BYTES, ClientCore, copy_and_hash, expectation, to_object_id
+from client.lease import ReadLease
+from client.results import PutResult
+
+# Objects one window of put_many (or one batch of get_many) keeps leased at once: at most
+# half the daemon's lease quota per client (limits.max_leases_per_client, 4,096 by default),
+# leaving room for the leases an engine holds at the same time.
+WINDOW_ITEMS = 1024
+
+
+def _window(core: ClientCore) -> int:
+    return max(1, min(WINDOW_ITEMS, (core.max_leases or 2 * WINDOW_ITEMS) // 2))
+
+
+def _errors(reply: r.ReserveManyReply | r.CommitManyReply | r.GetManyReply) -> dict[int, Exception]:
+    return {index: from_wire(error) for index, error in reply.errors}
+
+
+def _groups(items: list, key) -> list[list]:
+    """`items` split by key(item) (an identity: id() of a descriptor), each group in order."""
+    groups: dict[object, list] = {}
+    for item in items:
+        groups.setdefault(key(item), []).append(item)
+    return list(groups.values())
+
+
+# --- put_many ---------------------------------------------------------------------
+
+
+def put_many(core: ClientCore, items, desc: StateDescriptor | None, hints: Hints | None, tier: str = "host"):
+    """Per item a PutResult; an item that cannot be stored carries its error (its
+    object_id is None when the key itself is not one) and the others are stored."""
+    hints = hints or Hints()
+    if tier not in m.PUT_TIERS:
+        raise InvalidArgument(f"put tier must be one of {m.PUT_TIERS}, got {tier!r}")
+    results: list[PutResult | None] = [None] * len(items)
+    sources = []  # (index, oid, descriptor, bytes) of the items to send
+    for i, (key, data) in enumerate(items):
+        try:
+            sources.append((i, *core.put_item(key, data, desc)))
+        except InvalidArgument as exc:
+            oid = key.object_id if isinstance(key, ChunkKey) else key if isinstance(key, ObjectId) else None
+            results[i] = PutResult(oid, False, error=exc)
+    for namespace in {d.namespace for _, _, d, _ in sources}:
+        yield from core.op_open(namespace)
+    # Reservations hold arena space until committed: a window of them at a time, not the
+    # whole batch, so a large batch cannot fill the arena (or the lease quota) by itself.
+    arena_bytes = min((core.arenas[d.namespace].size for _, _, d, _ in sources), default=0)
+    limit = max(1, min(PUT_WINDOW_BYTES, arena_bytes // 4, core.max_inflight_bytes))
+    window, window_bytes, most = [], 0, _window(core)
+    for item in sources:
+        if window and (window_bytes + item[3].size > limit or len(window) == most):
+            yield from _put_window(core, window, hints, tier, results)
+            window, window_bytes = [], 0
+        window.append(item)
+        window_bytes += item[3].size
+    if window:
+        yield from _put_window(core, window, hints, tier, results)
+    return results
+
+
+def _put_window(core: ClientCore, sources: list, hints: Hints, tier: str, results: list):
+    groups = _groups(sources, lambda item: id(item[2]))  # one reserve_many per descriptor
+    replies = yield [core.request(m.ReserveMany.of(g[0][2].namespace, [oid for _, oid, _, _ in g],
+                                                   [src.size for _, _, _, src in g], g[0][2], hints, tier))
+                     for g in groups]
+    commits, committed = [], []
+    for group, reply in zip(groups, replies):
+        if reply.error is not None:  # the whole request was refused
+            for i, oid, _, _ in group:
+                results[i] = PutResult(oid, False, error=from_wire(reply.error))
+            continue
+        reserved = r.ReserveManyReply.from_wire(reply.result)
+        errors = _errors(reserved)
+        arena = core.arenas[group[0][2].namespace]
+        leases, checksums, written = [], [], []
+        for k, (lease, offset, (i, oid, _, src)) in enumerate(zip(unpack_uints(reserved.leases),
+                                                                  unpack_uints(reserved.offsets), group)):
+            if k in errors:
+                results[i] = PutResult(oid, False, error=errors[k])
+            elif reserved.exists[k]:
+                results[i] = PutResult(oid, True)
+            else:
+                checksums.append(copy_and_hash(arena[offset:offset + src.size], src))
+                leases.append(lease)
+                written.append((i, oid))
+        if leases:
+            commits.append(core.request(m.CommitMany.of(leases, checksums)))
+            committed.append(written)
+    replies = (yield commits) if commits else []
+    for written, reply in zip(committed, replies):
+        if reply.error is not None:
+            for i, oid in written:
+                results[i] = PutResult(oid, False, error=from_wire(reply.error))
+            continue
+        done = r.CommitManyReply.from_wire(reply.result)
+        errors = _errors(done)
+        for k, ((i, oid), put) in enumerate(zip(written, done.results())):
+            if put is None:
+                results[i] = PutResult(oid, False, error=errors.get(k) or InvalidArgument("commit failed"))
+            else:
+                results[i] = PutResult(oid, put.exists, put.tier, put.durability, homes=put.homes or ())
+
+
+def put(core: ClientCore, key, data, desc: StateDescriptor | None, hints: Hints | None, tier: str = "host"):
+    """One object: a put_many of one, whose error is raised."""
+    oid, d, src = core.put_item(key, data, desc)  # the caller's mistakes raise here
+    (result,) = yield from put_many(core, [(oid, src)], d, hints, tier)
+    if result.error is not None:
+        raise result.error
+    return result
+
+
+# --- get_many ---------------------------------------------------------------------
+
+
+class _Got:
+    """One get_many reply, read by column: hits, leases, offsets, sizes, checksums."""
+
+    def __init__(self, reply: r.GetManyReply):
+        self.hits = reply.hits
+        self.leases, self.offsets = unpack_uints(reply.leases), unpack_uints(reply.offsets)
+        self.sizes = unpack_uints(reply.sizes)
+        self.checksums, self.descriptors = reply.checksums, reply.descriptors
+        self.descriptor_of = unpack_uints(reply.descriptor_of, 2)
+        self.errors = _errors(reply)
+
+    def expected(self, k: int, want: StateDescriptor | None) -> bool:
+        """Item k's descriptor is `want` (a daemon that answered for another one is a miss)."""
+        return want is None or self.descriptors[self.descriptor_of[k]] == want.to_wire()
+
+    def hit(self, k: int, position: int, oid: ObjectId) -> tuple:
+        return (position, oid, self.leases[k], self.offsets[k], self.sizes[k], self.checksums[16 * k:16 * k + 16],
+                self.descriptors[self.descriptor_of[k]])
+
+
+def _get_window(core: ClientCore, keys: list, namespace: str, expect):
+    """get_many requests for `keys` (one per expectation). Returns (hits, unwanted, error):
+    per expected hit (position in keys, oid, lease, offset, size, checksum, descriptor), the
+    leases of hits stored under another descriptor, and the first error of a refused get."""
+    wanted = [(p, to_object_id(key), expectation(key, expect)) for p, key in enumerate(keys)]
+    batches = _groups(wanted, lambda item: id(item[2]))
+    replies = yield [core.request(m.GetMany.of(namespace, [oid for _, oid, _ in b], b[0][2])) for b in batches]
+    if namespace not in core.arenas and any(reply.error is None for reply in replies):
+        yield from core.op_open(namespace)  # made since we opened (a promotion for this get)
+    hits, unwanted, first_error = [], [], None
+    for batch, reply in zip(batches, replies):
+        if reply.error is not None:
+            first_error = first_error or from_wire(reply.error)
+            continue
+        got = _Got(r.GetManyReply.from_wire(reply.result))
+        for k, (p, oid, want) in enumerate(batch):
+            if k in got.errors:
+                first_error = first_error or got.errors[k]
+            if got.hits[k]:
+                if got.expected(k, want):
+                    hits.append(got.hit(k, p, oid))
+                else:
+                    unwanted.append(got.leases[k])
+    return hits, unwanted, first_error
+
+
+def get_many_into(core: ClientCore, items, namespace: str | None, expect: StateDescriptor | None = None):
+    """Copy many objects into caller buffers: per item its size, or None on a miss. Every
+    lease is released (one release_many, no reply awaited) before an error (a buffer too
+    small, a refused get) is raised for the first item that had one."""
+    namespace = namespace or core.namespace
+    yield from core.op_open(namespace, create=False)
+    outs = [as_writable_u8(out) for _, out in items]
+    sizes: list[int | None] = [None] * len(outs)
+    first_error = None
+    step = _window(core)
+    for start in range(0, len(outs), step):
+        hits, leased, error = yield from _get_window(core, [key for key, _ in items[start:start + step]],
+                                                     namespace, expect)
+        first_error = first_error or error
+        arena = core.arenas.get(namespace)
+        for p, oid, lease, offset, size, _, _ in hits:
+            leased.append(lease)
+            dst = outs[start + p]
+            if size > dst.size:
+                first_error = first_error or InvalidArgument(
+                    f"object {oid.hex} is {size} bytes, its output buffer only {dst.size}")
+                continue
+            np.copyto(dst[:size], arena[offset:offset + size])
+            sizes[start + p] = size
+        if leased:
+            yield [core.request(m.ReleaseMany.of(leased), no_reply=True)]
+    if first_error is not None:
+        raise first_error
+    return sizes
+
+
+def get_many(core: ClientCore, keys, namespace: str | None, expect: StateDescriptor | None = None):
+    """Per key a ReadLease, or None on a miss; end them with release_many (or each with
+    release()). Raises the first refused get's error after releasing what was leased."""
+    namespace = namespace or core.namespace
+    yield from core.op_open(namespace, create=False)
+    leases: list[ReadLease | None] = [None] * len(keys)
+    first_error, unwanted = None, []
+    step = _window(core)
+    for start in range(0, len(keys), step):
+        hits, refused, error = yield from _get_window(core, keys[start:start + step], namespace, expect)
+        first_error, unwanted = first_error or error, unwanted + refused
+        arena = core.arenas.get(namespace)
+        for p, oid, lease, offset, size, checksum, descriptor in hits:
+            leases[start + p] = ReadLease(core.release_cb, lease, oid, size, checksum, descriptor, "host",
+                                          arena[offset:offset + size], core=core)
+    if first_error is not None:
+        unwanted += [lease.detach() for lease in leases if lease is not None]
+    if unwanted:
+        yield [core.request(m.ReleaseMany.of(unwanted), no_reply=True)]
+    if first_error is not None:
+        raise first_error
+    return leases
+
+
+def release_many(core: ClientCore, leases):
+    """End many read leases in one frame (no reply awaited); None entries and leases
+    already ended are skipped."""
+    ids = [lease_id for lease in leases if lease is not None and (lease_id := lease.detach()) is not None]
+    for start in range(0, len(ids), MAX_BATCH):
+        yield [core.request(m.ReleaseMany.of(ids[start:start + MAX_BATCH]), no_reply=True)]

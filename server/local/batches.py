@@ -1,0 +1,145 @@
+"""The batched ops of the local socket (kvstore/messages.py: reserve_many, commit_many,
+get_many, release_many): one frame carries many objects, and the daemon serves them in
+one pass, each item exactly as its single op would be, in order:
+
+    for i, item in enumerate(batch):
+        try:    answer = await resolve(single_op(item))   # waits only where that op would
+        except: errors.append([i, error]); continue        # this item fails, the rest go on
+        columns[i] = answer's fields
+
+The reply packs the per-item fields into columns (kvstore/replies.py). Refusals are
+logged once per batch, not once per item.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from kvstore import messages as m
+from kvstore import replies as r
+from kvstore.errors import NotFound
+from kvstore.fields import pack_uints
+from server.later import MaybeAwaitable, each, resolve, then
+from server.local.errors import error_wire
+
+log = logging.getLogger("kvstore.local")
+_NO_CHECKSUM = bytes(16)
+
+
+class _Errors:
+    """The failed items of one batch: [index, error map], and one log line for all."""
+
+    def __init__(self, conn_id: int, op: str):
+        self.conn_id, self.op, self.items = conn_id, op, []
+
+    def add(self, index: int, exc: Exception) -> None:
+        self.items.append([index, error_wire(exc, self.conn_id, self.op, quiet=bool(self.items))])
+
+    def logged(self, count: int) -> tuple:
+        if len(self.items) > 1:
+            log.info("event=batch_errors conn=%d op=%s failed=%d of=%d", self.conn_id, self.op, len(self.items), count)
+        return tuple(self.items)
+
+
+def reserve_many(mgr, owner: int, msg: m.ReserveMany) -> MaybeAwaitable[r.ReserveManyReply]:
+    items = msg.items()
+    leases, offsets, exists = [0] * len(items), [0] * len(items), bytearray(len(items))
+    errors = _Errors(owner, msg.op)
+
+    def done(item, reply: r.ReserveReply | None, exc) -> None:
+        i = item[0]
+        if exc is not None:
+            errors.add(i, exc)
+        elif reply.exists:
+            exists[i] = 1
+        else:
+            leases[i], offsets[i] = reply.lease, reply.offset
+    return then(each(enumerate(items), lambda item: mgr.reserve(owner, item[1]), done),
+                lambda _: r.ReserveManyReply(pack_uints(leases), pack_uints(offsets), bytes(exists), errors.logged(len(items))))
+
+
+def commit_many(mgr, owner: int, msg: m.CommitMany) -> MaybeAwaitable[r.CommitManyReply]:
+    items = msg.items()
+    codes, others = bytearray(len(items)), []
+    errors = _Errors(owner, msg.op)
+    existed = r.CommitReply(True)
+
+    def done(item, reply: r.CommitReply | None, exc) -> None:
+        i = item[0]
+        if exc is not None:
+            codes[i] = r.FAILED
+            errors.add(i, exc)
+        elif reply is r.IN_MEMORY or reply == r.IN_MEMORY:
+            codes[i] = r.STORED
+        elif reply == existed:
+            codes[i] = r.EXISTED
+        else:
+            codes[i] = r.OTHER
+            others.append([i, reply.to_wire()])
+    return then(each(enumerate(items), lambda item: mgr.commit(owner, *item[1]), done),
+                lambda _: r.CommitManyReply(bytes(codes), tuple(others), errors.logged(len(items))))
+
+
+def get_many(mgr, owner: int, msg: m.GetMany) -> MaybeAwaitable[r.GetManyReply]:
+    ids = msg.object_ids()
+    if msg.namespace not in mgr.namespaces:
+        return _get_many_without_arena(mgr, owner, msg, ids) if mgr.tiered else _misses(len(ids))
+    n = len(ids)
+    hits, leases, offsets, sizes = bytearray(n), [0] * n, [0] * n, [0] * n
+    checksums, descriptor_of = [_NO_CHECKSUM] * n, [0] * n
+    descriptors: list[dict] = []
+    seen: dict[int, int] = {}  # id() of a descriptor map -> its index in descriptors
+    errors = _Errors(owner, msg.op)
+
+    def done(item, reply: r.GetReply | None, exc) -> None:
+        i = item[0]
+        if exc is not None:
+            errors.add(i, exc)
+            return
+        if not reply.hit:
+            return
+        hits[i], leases[i], offsets[i], sizes[i], checksums[i] = 1, reply.lease, reply.offset, reply.size, reply.checksum
+        wire = reply.descriptor
+        at = seen.get(id(wire))
+        if at is None:  # each object keeps its own map: equal ones are sent once
+            at = next((j for j, d in enumerate(descriptors) if d == wire), len(descriptors))
+            if at == len(descriptors):
+                descriptors.append(wire)
+            seen[id(wire)] = at
+        descriptor_of[i] = at
+
+    def reply(_) -> r.GetManyReply:
+        return r.GetManyReply(bytes(hits), pack_uints(leases), pack_uints(offsets), pack_uints(sizes), b"".join(checksums),
+                              tuple(descriptors), pack_uints(descriptor_of, 2),
+                              errors.logged(n))
+    get = mgr.get
+    return then(each(enumerate(ids), lambda item: get(owner, msg.namespace, item[1], None, None, msg.expect), done),
+                reply)
+
+
+def _misses(n: int) -> r.GetManyReply:
+    zeros = bytes(8 * n)
+    return r.GetManyReply(bytes(n), zeros, zeros, zeros, bytes(16 * n), (), bytes(2 * n))
+
+
+async def _get_many_without_arena(mgr, owner: int, msg: m.GetMany, ids) -> r.GetManyReply:
+    """A namespace with no arena here: its objects may still be on NVMe or at a peer, and
+    their bytes need an arena to land in. Make one only if one of them is found there."""
+    found = await resolve(mgr.lookup(msg.namespace, tuple(oid.digest for oid in ids)))
+    if found.hits == 0 and all(tier is None for tier in found.tiers):
+        return _misses(len(ids))
+    await mgr.open_namespace(msg.namespace)
+    return await resolve(get_many(mgr, owner, msg))
+
+
+def release_many(mgr, owner: int, msg: m.ReleaseMany) -> None:
+    """End every lease held; then a NotFound naming those that were not."""
+    missing = []
+    for lease in msg.items():
+        try:
+            mgr.release(owner, lease)
+        except NotFound:
+            missing.append(lease)
+    if missing:
+        raise NotFound(f"{len(missing)} of {len(msg.items())} leases were not held by this client "
+                       f"(expired or already released), e.g. {missing[:4]}")

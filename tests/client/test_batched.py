@@ -1,0 +1,193 @@
+"""The batched ops (reserve_many, commit_many, get_many, release_many) against a real daemon:
+per-item results and errors, leases accounted, bad frames refused by name, nothing lost."""
+
+import signal
+import socket
+
+import numpy as np
+import pytest
+
+from kvstore import StateDescriptor
+from kvstore import messages as m
+from kvstore.fields import unpack_uints
+from kvstore.errors import Conflict, InvalidArgument, LimitExceeded, NotFound, PermissionDenied
+from kvstore.identity import ObjectId
+from kvstore.protocol import MAX_BATCH, FrameCodec, Reply, Request
+from kvs_testing import payload
+
+MiB = 1 << 20
+
+
+def ids(n, seed=0):
+    rng = np.random.default_rng(seed)
+    return [ObjectId(rng.bytes(32)) for _ in range(n)]
+
+
+def test_get_many_leases_every_hit_bit_exact_and_release_many_ends_them(daemon):
+    keys = ids(1300, 1)  # more than one batch (1,024)
+    with daemon.client() as c:
+        assert all(r.error is None for r in c.put_many([(k, payload(512 + i, i)) for i, k in enumerate(keys)
+                                                        if i % 5]))
+        leases = c.get_many(keys)
+        assert [lease is None for lease in leases] == [i % 5 == 0 for i in range(len(keys))]
+        for i, lease in enumerate(leases):
+            if lease is not None:
+                assert lease.size == 512 + i and lease.verify()
+                assert np.array_equal(lease.numpy(), payload(512 + i, i)), i
+        assert c.stats()["leases"] == sum(lease is not None for lease in leases)
+        leases[1].release()  # released already: release_many skips it
+        c.release_many(leases)
+        assert c.stats()["leases"] == 0
+        assert all(lease is None or lease.closed for lease in leases)
+        c.release_many(leases)  # again: nothing is sent twice
+        assert c.stats()["leases"] == 0
+        c.check_integrity()
+
+
+def test_one_items_failure_stays_in_its_place_and_the_rest_are_stored(daemon):
+    keys = ids(5, 2)
+    with daemon.client() as c:
+        c.put(keys[2], payload(100, 0))
+        results = c.put_many([(k, payload(200, i)) for i, k in enumerate(keys)])
+        assert isinstance(results[2].error, Conflict) and "100" in str(results[2].error)
+        assert [r.error is None for r in results] == [True, True, False, True, True]
+        for i in (0, 1, 3, 4):
+            with c.get(keys[i]) as lease:
+                assert np.array_equal(lease.numpy(), payload(200, i))
+        with c.get(keys[2]) as lease:  # the stored object is untouched
+            assert np.array_equal(lease.numpy(), payload(100, 0))
+        assert c.put_many([(k, payload(200, i)) for i, k in enumerate(keys[:2])])[0].existed
+
+
+def test_a_commit_many_with_a_lease_not_held_fails_that_item_only(daemon):
+    keys = ids(2, 3)
+    desc = StateDescriptor("default", "opaque", "0")
+    with daemon.client() as c:
+        c._run(c.core.op_open("default"))
+        reserved = c._run(c.core.op_simple(m.ReserveMany.of("default", keys, [64, 64], desc)))
+        leases = unpack_uints(reserved.leases)
+        offsets = unpack_uints(reserved.offsets)
+        import xxhash
+        arena = c.core.arenas["default"]
+        arena[offsets[0]:offsets[0] + 64] = 9
+        good = xxhash.xxh3_128_digest(arena[offsets[0]:offsets[0] + 64])
+        done = c._run(c.core.op_simple(m.CommitMany.of([leases[0], 999_999], [good, bytes(16)])))
+        assert list(done.codes) == [0, 2] and done.errors[0][0] == 1
+        assert done.errors[0][1]["code"] == "not_found"
+        with c.get(keys[0]) as lease:
+            assert bytes(lease.buffer) == b"\x09" * 64
+        assert c.get(keys[1]) is None
+        assert c.stats()["leases"] == 1  # keys[1]'s write lease: still the client's to commit or abort
+        c._run(c.core.op_simple(m.Abort(leases[1])))
+        assert c.stats()["leases"] == 0
+        c.check_integrity()
+
+
+def _raw(daemon, requests):
+    """Send raw requests on a fresh connection; their replies, in order."""
+    sock = socket.socket(socket.AF_UNIX)
+    sock.connect(daemon.socket)
+    sock.settimeout(20)
+    codec = FrameCodec()
+    sock.sendall(b"".join(codec.send_request(r) for r in requests))
+    replies = []
+    while len(replies) < len(requests):
+        codec.receive_data(sock.recv(1 << 16))
+        while isinstance(event := codec.next_event(), Reply):
+            replies.append(event)
+    sock.close()
+    return replies
+
+
+@pytest.mark.parametrize("op, args, named", [
+    ("reserve_many", {"ids": b"x" * 33, "sizes": bytes(8)}, "reserve_many.ids: must be"),
+    ("reserve_many", {"ids": b"x" * 64, "sizes": (1).to_bytes(8, "little")}, "2 ids but 1 sizes"),
+    ("reserve_many", {"ids": b"x" * 32, "sizes": bytes(8)}, "every size must be"),
+    ("reserve_many", {"ids": b"x" * 32 * (MAX_BATCH + 1), "sizes": (1).to_bytes(8, "little") * (MAX_BATCH + 1)},
+     f"1..{MAX_BATCH}"),
+    ("reserve_many", {"ids": [b"x" * 32], "sizes": bytes(8)}, "msgpack bin"),
+    ("commit_many", {"leases": bytes(16), "checksums": bytes(16)}, "2 leases but 1 checksums"),
+    ("commit_many", {"leases": bytes(8), "checksums": bytes(15)}, "commit_many.checksums: must be"),
+    ("get_many", {"ids": b""}, "get_many.ids: must be"),
+    ("get_many", {"ids": b"x" * 32, "expect": "opaque"}, "get_many.expect"),
+    ("release_many", {"leases": 5}, "release_many.leases: must be"),
+])
+def test_malformed_batches_are_refused_by_field_and_nothing_changes(daemon, op, args, named):
+    desc = StateDescriptor("default", "opaque", "0").to_wire()
+    key = ids(1, 4)[0]
+    with daemon.client() as c:
+        c.put(key, payload(4096, 4))
+        if op == "reserve_many":
+            args = {"namespace": "default", "descriptor": desc, **args}
+        elif op == "get_many":
+            args = {"namespace": "default", **args}
+        opened, reply = _raw(daemon, [Request(1, "open", {"namespace": "default"}), Request(2, op, args)])
+        assert opened.ok
+        assert reply.error["code"] == "invalid_argument" and named in reply.error["message"], reply.error
+        with c.get(key) as lease:
+            assert np.array_equal(lease.numpy(), payload(4096, 4))
+        assert c.stats()["leases"] == 0
+        c.check_integrity()
+
+
+def test_a_namespace_not_opened_is_refused_and_one_in_another_tenant_is_not_readable(daemon):
+    key = ids(1, 5)[0]
+    with daemon.client(namespace="alpha") as c:
+        c.put(key, payload(64, 5))
+    (reply,) = _raw(daemon, [Request(1, "get_many", {"namespace": "alpha", "ids": key.digest})])
+    assert reply.error["code"] == "permission_denied" and "not open" in reply.error["message"]
+    with daemon.client(namespace="beta") as c:
+        assert c.get_many([key]) == [None]  # ids are per namespace
+        with pytest.raises(PermissionDenied):
+            c._run(c.core.op_simple(m.GetMany.of("alpha", [key])))
+
+
+def test_release_many_ends_what_it_holds_and_names_what_it_did_not(daemon):
+    keys = ids(3, 6)
+    with daemon.client() as c:
+        c.put_many([(k, payload(64, i)) for i, k in enumerate(keys)])
+        leases = c.get_many(keys)
+        held = [lease.lease_id for lease in leases]
+        with pytest.raises(NotFound, match="1 of 4 leases were not held"):
+            c._run(c.core.op_simple(m.ReleaseMany.of(held + [424242])))
+        assert c.stats()["leases"] == 0
+
+
+def test_get_many_past_the_lease_quota_raises_and_keeps_no_lease(daemon_factory):
+    d = daemon_factory(config={"limits": {"max_leases_per_client": 3}})
+    keys = ids(5, 7)
+    with d.client() as c:
+        c.put_many([(k, payload(64, i)) for i, k in enumerate(keys)])
+        with pytest.raises(LimitExceeded, match="max_leases_per_client"):
+            c.get_many(keys)
+        assert c.stats()["leases"] == 0
+        outs = [np.zeros(64, np.uint8) for _ in keys[:3]]
+        assert c.get_many_into(list(zip(keys[:3], outs))) == [64] * 3
+
+
+def test_get_many_promotes_from_nvme_after_a_restart(daemon_factory):
+    config = {"nvme": {"enabled": True, "capacity_bytes": "64MiB", "file_bytes": "16MiB"}}
+    d = daemon_factory("16MiB", config=config)
+    keys = ids(4, 8)
+    with d.client() as c:
+        c.put_many([(k, payload(MiB, i)) for i, k in enumerate(keys)])
+    assert d.stop(signal.SIGTERM) == 0  # flushed to NVMe on shutdown
+    d.start("16MiB")
+    with d.client() as c:  # the namespace has no arena yet: get_many makes one for what NVMe holds
+        leases = c.get_many(keys + ids(1, 9))
+        assert leases[-1] is None
+        for i, lease in enumerate(leases[:4]):
+            assert np.array_equal(lease.numpy(), payload(MiB, i))
+        c.release_many(leases)
+        assert c.stats()["leases"] == 0
+        c.check_integrity()
+
+
+def test_an_empty_or_odd_item_in_put_many_is_named_and_the_rest_stored(daemon):
+    keys = ids(3, 10)
+    with daemon.client() as c:
+        results = c.put_many([(keys[0], b""), (keys[1], payload(64, 1)), ("not-a-key", b"x")])
+        assert isinstance(results[0].error, InvalidArgument) and "empty" in str(results[0].error)
+        assert results[1].error is None
+        assert isinstance(results[2].error, InvalidArgument) and results[2].object_id is None
+        assert c.get_many([keys[0], keys[1]])[0] is None
