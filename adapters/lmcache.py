@@ -187,36 +187,44 @@ class _Connector:
             return None
         return desc, [(data_id, data), (meta_id, header)]
 
-    def _get_blocking(self, key):
-        """A MemoryObj from the local CPU backend holding the chunk, or None."""
-        ids = self._ids(key)
-        if ids is None:
-            return None
-        data_id, meta_id, _ = ids
-        header = bytearray(self.remote_metadata_bytes)
-        if not self.store.get_into(meta_id, header):
-            return None
+    def _get_many_blocking(self, keys) -> list:
+        """Per key a MemoryObj from the local CPU backend holding the chunk, or None: the
+        headers of all keys in one get_many_into, then the data of the hits in another."""
+        ids = [self._ids(key) for key in keys]
+        asked = [i for i, item in enumerate(ids) if item is not None]
+        headers = {i: bytearray(self.remote_metadata_bytes) for i in asked}
+        got = self.store.get_many_into([(ids[i][1], headers[i]) for i in asked])
         from lmcache.v1.protocol import RemoteMetadata
+        out: list = [None] * len(keys)
+        for i, found in zip(asked, got):
+            if not found:
+                continue
+            try:
+                meta = RemoteMetadata.deserialize(bytes(headers[i]))
+                # no busy loop: waiting here for memory that puts queued behind us would free is
+                # a deadlock; without memory the chunk is a miss and LMCache recomputes it
+                memory_obj = self.local_cpu_backend.allocate(meta.shapes, meta.dtypes, meta.fmt, busy_loop=False)
+            except Exception as exc:
+                self._refuse(f"an LMCache chunk is not loaded: {type(exc).__name__}: {exc}")
+                continue
+            if memory_obj is None:
+                self.num_no_memory += 1
+                continue
+            if len(memory_obj.byte_array) != meta.length:
+                memory_obj.ref_count_down()
+                continue
+            out[i] = memory_obj
+        loading = [i for i, memory_obj in enumerate(out) if memory_obj is not None]
         try:
-            meta = RemoteMetadata.deserialize(bytes(header))
-            # no busy loop: waiting here for memory that puts queued behind us would free is a
-            # deadlock; without memory the chunk is a miss and LMCache recomputes it
-            memory_obj = self.local_cpu_backend.allocate(meta.shapes, meta.dtypes, meta.fmt, busy_loop=False)
+            loaded = self.store.get_many_into([(ids[i][0], out[i].byte_array) for i in loading])
         except Exception as exc:
-            self._refuse(f"an LMCache chunk is not loaded: {type(exc).__name__}: {exc}")
-            return None
-        if memory_obj is None:
-            self.num_no_memory += 1
-            return None
-        try:
-            loaded = len(memory_obj.byte_array) == meta.length and self.store.get_into(data_id, memory_obj.byte_array)
-        except Exception as exc:
-            self._refuse(f"an LMCache chunk is not loaded: {type(exc).__name__}: {exc}")
-            loaded = False
-        if not loaded:
-            memory_obj.ref_count_down()
-            return None
-        return memory_obj
+            self._refuse(f"LMCache chunks are not loaded: {type(exc).__name__}: {exc}")
+            loaded = [False] * len(loading)
+        for i, ok in zip(loading, loaded):
+            if not ok:
+                out[i].ref_count_down()
+                out[i] = None
+        return out
 
     def _submit(self, fn, *args) -> Future | None:
         """fn(*args) on the I/O threads; None once closed."""
@@ -275,8 +283,24 @@ class _Connector:
         return 0 if job is None else await self._await(job)
 
     async def get(self, key):
-        job = self._submit(self._get_blocking, key)
-        return None if job is None else await self._await(job, on_abandoned=_release)
+        return (await self.batched_get([key]))[0]
+
+    def support_batched_get(self) -> bool:
+        return True
+
+    async def batched_get(self, keys) -> list:
+        """Per key its MemoryObj or None, in two round trips for all of them."""
+        job = self._submit(self._get_many_blocking, list(keys))
+        if job is None:
+            return [None] * len(keys)
+        return await self._await(job, on_abandoned=_release_all)
+
+    async def batched_get_non_blocking(self, lookup_id: str, keys) -> list:
+        """The leading chunks found, in order; those found after the first miss are released."""
+        got = await self.batched_get(keys)
+        leading = next((i for i, memory_obj in enumerate(got) if memory_obj is None), len(got))
+        _release_all(got[leading:])
+        return got[:leading]
 
     async def put(self, key, memory_obj) -> None:
         await self.batched_put([key], [memory_obj])
@@ -304,9 +328,10 @@ class _Connector:
         self.store.close()
 
 
-def _release(memory_obj) -> None:
-    if memory_obj is not None:
-        memory_obj.ref_count_down()
+def _release_all(memory_objs) -> None:
+    for memory_obj in memory_objs:
+        if memory_obj is not None:
+            memory_obj.ref_count_down()
 
 
 def _plugin_name(config) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import time
@@ -35,7 +36,7 @@ class ObjectEntry:
     readers: int = 0  # read leases on this entry
     deleted: bool = False  # removed from the index, extent freed when the last reader leaves
     on_nvme: bool = False  # a verified copy is on the NVMe tier too
-    descriptor_wire: dict | None = None  # descriptor.to_wire(), built once: every get sends it
+    descriptor_wire: dict | None = None  # descriptor.to_wire(), shared by equal descriptors: every get sends it
     serial: int = field(default_factory=lambda: next(_SERIALS))  # this copy, never reused
 
     @classmethod
@@ -57,7 +58,7 @@ class ObjectEntry:
         """What a get hit sends: where to read (the host arena; tier "gpu": `offset` into the
         GPU buffer), how to check it, and what it is."""
         if self.descriptor_wire is None:
-            self.descriptor_wire = self.descriptor.to_wire()
+            self.descriptor_wire = _wire_of(self.descriptor)
         return GetReply(True, lease=lease_id, offset=self.extent.offset if offset is None else offset, size=self.size,
                         checksum=self.checksum, tier=tier, descriptor=self.descriptor_wire)
 
@@ -108,3 +109,9 @@ def check_same_object(oid: ObjectId, size: int, descriptor, new_size: int, new_d
             + (f" ({diff}; stored != put)" if diff else "")
             + "; an id names one state: delete it first, or compute the key from the put's descriptor"
         )
+
+
+@functools.lru_cache(maxsize=4096)
+def _wire_of(descriptor: StateDescriptor) -> dict:
+    """One wire map per distinct descriptor (never mutated): a get_many reply sends each once."""
+    return descriptor.to_wire()
