@@ -13,21 +13,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import functools
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Awaitable, Callable
 
 from kvstore.config import HostTierConfig
 from kvstore.errors import CapacityError, NotFound
 from kvstore.identity import ObjectId
 from kvstore.policy import make_policy
-from kvstore.policy.base import EvictionPolicy, sparse
 from server.host_memory import check_new_arena, host_memory
 from server.tiering.expiry import ExpiryQueue
+from server.tiering.namespace import Namespace, give_back_heap
 from server.tiering.objects import ObjectEntry
 from tiers.allocator import Extent
 from tiers.arena import HostArena
@@ -37,48 +35,6 @@ log = logging.getLogger("kvstore.tiers")
 # Where host victims go (TierMover.take_victims, or the cluster's send-home): each victim must
 # end evicted (`evict`), or tracked by the policy again (`retrack_victims`).
 Sink = Callable[["Namespace", list[ObjectEntry]], Awaitable[None]]
-
-
-@dataclass(slots=True)
-class TierCounters:
-    num_puts: int = 0
-    num_dedup_puts: int = 0
-    num_gets: int = 0
-    num_hits: int = 0
-    num_misses: int = 0
-    num_evictions: int = 0
-    num_expired: int = 0
-    num_deletes: int = 0
-    num_checksum_failures: int = 0
-    bytes_in: int = 0
-    bytes_out: int = 0
-
-
-def give_back_heap() -> None:
-    """Return the C heap's free pages to the OS (glibc's malloc_trim); a no-op elsewhere."""
-    try:
-        ctypes.CDLL(None).malloc_trim(0)
-    except (AttributeError, OSError):
-        pass
-
-
-@dataclass(slots=True)
-class Namespace:
-    name: str
-    arena: HostArena
-    policy: EvictionPolicy
-    objects: dict[ObjectId, ObjectEntry] = field(default_factory=dict)
-    counters: TierCounters = field(default_factory=TierCounters)
-    peak_objects: int = 0  # the most objects indexed since the index was last compacted
-
-    def compact(self) -> bool:
-        """Rebuild the index's and the policy's tables once removals left them sparse (Python
-        dicts never shrink). True if anything was rebuilt."""
-        rebuilt = sparse(len(self.objects), self.peak_objects)
-        if rebuilt:
-            self.objects = dict(self.objects)  # nobody keeps a reference across an await
-            self.peak_objects = len(self.objects)
-        return self.policy.compact() or rebuilt
 
 
 class HostTier:

@@ -1,0 +1,57 @@
+"""One namespace of the host tier: its arena, index and policy, and the counters behind its stats.
+
+The host tier (server/tiering/host.py) owns every Namespace and changes it on the daemon's
+event loop thread only.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass, field
+
+from kvstore.identity import ObjectId
+from kvstore.policy.base import EvictionPolicy, sparse
+from server.tiering.objects import ObjectEntry
+from tiers.arena import HostArena
+
+
+@dataclass(slots=True)
+class TierCounters:
+    num_puts: int = 0
+    num_dedup_puts: int = 0
+    num_gets: int = 0
+    num_hits: int = 0
+    num_misses: int = 0
+    num_evictions: int = 0
+    num_expired: int = 0
+    num_deletes: int = 0
+    num_checksum_failures: int = 0
+    bytes_in: int = 0
+    bytes_out: int = 0
+
+
+def give_back_heap() -> None:
+    """Return the C heap's free pages to the OS (glibc's malloc_trim); a no-op elsewhere."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (AttributeError, OSError):
+        pass
+
+
+@dataclass(slots=True)
+class Namespace:
+    name: str
+    arena: HostArena
+    policy: EvictionPolicy
+    objects: dict[ObjectId, ObjectEntry] = field(default_factory=dict)
+    counters: TierCounters = field(default_factory=TierCounters)
+    peak_objects: int = 0  # the most objects indexed since the index was last compacted
+
+    def compact(self) -> bool:
+        """Rebuild the index's and the policy's tables once removals left them sparse (Python
+        dicts never shrink). True if anything was rebuilt."""
+        rebuilt = sparse(len(self.objects), self.peak_objects)
+        if rebuilt:
+            self.objects = dict(self.objects)  # nobody keeps a reference across an await
+            self.peak_objects = len(self.objects)
+        return self.policy.compact() or rebuilt
