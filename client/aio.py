@@ -7,6 +7,7 @@ go straight to the non-blocking socket and are queued only when it is full.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 
 from kvstore import messages as m
@@ -28,7 +29,8 @@ class AsyncClient:
     """Asyncio twin of `client.Client`; see its docstrings. One event loop per client."""
 
     def __init__(self, socket_path: str | None, namespace: str, token: str | None,
-                 timeout_s: float, client_name: str):
+                 timeout_s: float, client_name: str, shared_index: bool = True):
+        self.shared_index = shared_index
         self.socket_path = socket_path or default_socket_path()
         self.namespace = namespace
         self.token = token
@@ -42,8 +44,9 @@ class AsyncClient:
 
     @classmethod
     async def connect(cls, socket_path: str | None = None, namespace: str = "default", token: str | None = None,
-                      timeout_s: float = 30.0, client_name: str = "python-asyncio") -> AsyncClient:
-        self = cls(socket_path, namespace, token, timeout_s, client_name)
+                      timeout_s: float = 30.0, client_name: str = "python-asyncio",
+                      shared_index: bool = True) -> AsyncClient:
+        self = cls(socket_path, namespace, token, timeout_s, client_name, shared_index)
         await self._connect()
         return self
 
@@ -59,7 +62,7 @@ class AsyncClient:
                 f"no kvstore daemon at {self.socket_path} ({exc}); start one with `kvstore serve`"
             ) from None
         self._sock = sock
-        self.core = ClientCore(self.namespace, self.token, self._release)
+        self.core = ClientCore(self.namespace, self.token, self._release, self.shared_index)
         self._loop.add_reader(sock.fileno(), self._on_readable)
         self.server_info = await self._run(self.core.op_hello(self.client_name))
 
@@ -68,6 +71,9 @@ class AsyncClient:
         await self._connect()
 
     async def close(self) -> None:
+        if self._sock is not None and self.core.shared.num_pending:  # hits read from the shared index
+            with contextlib.suppress(DaemonUnavailable):
+                self._send(b"".join(map(self.core.codec.send_request, self.core.shared.reports())))
         self._drop(DaemonUnavailable("client closed"))
 
     async def __aenter__(self) -> AsyncClient:

@@ -192,23 +192,25 @@ def get_many_into(core: ClientCore, items, namespace: str | None, expect: StateD
     namespace = namespace or core.namespace
     yield from core.op_open(namespace, create=False)
     outs = [as_writable_u8(out) for _, out in items]
-    sizes: list[int | None] = [None] * len(outs)
+    sizes: list[int | None] = yield from core.shared.op_read_many(  # hits from the shared index first
+        namespace, [(to_object_id(key), out, expectation(key, expect)) for (key, _), out in zip(items, outs)])
+    asked = [i for i, size in enumerate(sizes) if size is None]  # the rest: asked of the daemon
     first_error = None
     step = _window(core)
-    for start in range(0, len(outs), step):
-        hits, leased, error = yield from _get_window(core, [key for key, _ in items[start:start + step]],
-                                                     namespace, expect)
+    for start in range(0, len(asked), step):
+        window = asked[start:start + step]
+        hits, leased, error = yield from _get_window(core, [items[i][0] for i in window], namespace, expect)
         first_error = first_error or error
         arena = core.arenas.get(namespace)
         for p, oid, lease, offset, size, _, _ in hits:
             leased.append(lease)
-            dst = outs[start + p]
+            dst = outs[window[p]]
             if size > dst.size:
                 first_error = first_error or InvalidArgument(
                     f"object {oid.hex} is {size} bytes, its output buffer only {dst.size}")
                 continue
             np.copyto(dst[:size], arena[offset:offset + size])
-            sizes[start + p] = size
+            sizes[window[p]] = size
         if leased:
             yield [core.request(m.ReleaseMany.of(leased), no_reply=True)]
     if first_error is not None:

@@ -21,12 +21,13 @@ from kvstore import messages as m
 from kvstore import replies as r
 from kvstore.errors import ChecksumError, InvalidArgument, ProtocolError, from_wire
 from kvstore.identity import ChunkKey, ObjectId, StateDescriptor, descriptor_differences
-from kvstore.protocol import MAX_BATCH, FrameCodec, Reply, Request
+from kvstore.protocol import MAX_BATCH, Reply, Request
 from kvstore.ranges import normalize as normalize_ranges
 from client.buffers import as_u8, as_writable_u8
 from client.lease import ReadLease
 from client.pinning import pin_for_cuda
 from client.results import LookupResult
+from client.shared_reads import ReportingCodec, SharedReads
 
 # Bytes of reserved-but-uncommitted puts one put_many keeps in flight.
 PUT_WINDOW_BYTES = 64 << 20
@@ -107,10 +108,11 @@ def _batches(ids):
 class ClientCore:
     """State of one connection: request ids, the codec, mapped arenas, received fds."""
 
-    def __init__(self, namespace: str, token: str | None, release):
+    def __init__(self, namespace: str, token: str | None, release, shared_index: bool = True):
         self.namespace = namespace
         self.token = token
-        self.codec = FrameCodec()
+        self.shared = SharedReads(self, shared_index, _opaque)  # hits read without a round trip
+        self.codec = ReportingCodec(self.shared)
         self.fds: deque[int] = deque()  # arrived with SCM_RIGHTS, in order
         self.arenas: dict[str, np.ndarray] = {}
         self._unmapped: set[str] = set()  # opened to read, but no arena there yet
@@ -139,6 +141,7 @@ class ClientCore:
 
     def close(self) -> None:
         self.closed = True
+        self.shared.close()
         while self.fds:
             os.close(self.fds.popleft())
         # Mappings stay valid for leases still in the caller's hands; the GC unmaps them.
@@ -153,6 +156,7 @@ class ClientCore:
         self.max_inflight_bytes = info.limits.max_inflight_bytes or PUT_WINDOW_BYTES
         self.max_leases = info.limits.max_leases
         self.lease_ttl_s = info.limits.lease_ttl_s
+        self.shared.offered = info.shared_index
         return info
 
     def op_open(self, namespace: str, create: bool = True):
@@ -160,8 +164,9 @@ class ClientCore:
         into has no arena (the daemon makes none for a read), and its reads are misses."""
         if namespace in self.arenas or (not create and namespace in self._unmapped):
             return
-        (reply,) = yield [self.request(m.OpenNamespace(namespace, self.token, create))]
-        size = self.result(reply, r.OpenReply).arena_bytes
+        (reply,) = yield [self.request(m.OpenNamespace(namespace, self.token, create, self.shared.wanted))]
+        opened = self.result(reply, r.OpenReply)
+        size = opened.arena_bytes
         if size == 0:  # no arena there yet: nothing to map
             self._unmapped.add(namespace)
             return
@@ -169,6 +174,7 @@ class ClientCore:
         if not self.fds:
             raise ProtocolError("open succeeded but no arena fd arrived with the reply")
         fd = self.fds.popleft()
+        self.shared.attach(namespace, opened.index_bytes, self.fds)  # its fd came after the arena's
         try:
             mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
         finally:
@@ -203,6 +209,8 @@ class ClientCore:
         oid = to_object_id(key)
         if ranges is not None:
             ranges = normalize_ranges(ranges)  # InvalidArgument before anything is sent
+        if (hit := (yield from self.shared.op_get(namespace, oid, accept, ranges, expect, gpu))) is not None:
+            return hit
         (reply,) = yield [self.request(m.Get(namespace, oid, accept, ranges, expect, gpu))]
         got = self.result(reply, r.GetReply)
         if not got.hit:
@@ -224,6 +232,9 @@ class ClientCore:
 
     def op_get_into(self, key, out, namespace, verify: bool, expect: StateDescriptor | None = None):
         dst = as_writable_u8(out)
+        want, oid = expectation(key, expect), to_object_id(key)
+        if (size := (yield from self.shared.op_read_into(namespace or self.namespace, oid, dst, want))) is not None:
+            return size
         lease = yield from self.op_get(key, namespace, None, None, expect)
         if lease is None:
             return None

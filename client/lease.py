@@ -144,7 +144,8 @@ class ReadLease:
 
     def detach(self) -> int | None:
         """End the lease here without telling the daemon, and return its id for a caller
-        that releases many in one frame (Client.release_many); None if it had ended."""
+        that releases many in one frame (Client.release_many); None if it had ended, or if it
+        never was the daemon's (lease_id 0: a copy read from the shared index)."""
         if self._done:
             return None
         self._done = True
@@ -154,7 +155,7 @@ class ReadLease:
             except BufferError:
                 pass  # something (a numpy array) still exports it: it stays readable
         self._views.clear()
-        return self.lease_id
+        return self.lease_id or None
 
     def __enter__(self) -> ReadLease:
         return self

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import array
+import contextlib
 import socket
 import threading
 
@@ -58,10 +59,14 @@ class Client:
     Every call raises `DaemonUnavailable` once the daemon is unreachable (never hangs
     longer than `timeout_s`); call `reconnect()` when it is back. Leases held across a
     reconnect are gone on the daemon side (their views still read the old mapping).
+    `shared_index` (default on): resolve hits from the daemon's shared index, without a
+    round trip, where the daemon publishes one (client/shared_reads.py).
     """
 
     def __init__(self, socket_path: str | None = None, namespace: str = "default",
-                 token: str | None = None, timeout_s: float = 30.0, client_name: str = "python"):
+                 token: str | None = None, timeout_s: float = 30.0, client_name: str = "python",
+                 shared_index: bool = True):
+        self.shared_index = shared_index
         self.socket_path = socket_path or default_socket_path()
         self.namespace = namespace
         self.token = token
@@ -90,7 +95,7 @@ class Client:
                 f"no kvstore daemon at {self.socket_path} ({exc.strerror or exc}); start one with `kvstore serve`"
             ) from None
         self._sock = sock
-        self.core = ClientCore(self.namespace, self.token, self._release)
+        self.core = ClientCore(self.namespace, self.token, self._release, self.shared_index)
         self.server_info = self._run(self.core.op_hello(self.client_name))
 
     def reconnect(self) -> None:
@@ -100,6 +105,9 @@ class Client:
 
     def close(self) -> None:
         with self._lock:
+            if self._sock is not None and self.core.shared.num_pending:  # hits read from the shared index
+                with contextlib.suppress(DaemonUnavailable):
+                    self._send(b"".join(map(self.core.codec.send_request, self.core.shared.reports())))
             self._drop()
 
     def _drop(self) -> None:

@@ -76,6 +76,8 @@ class HostTierConfig:
     policy: str = "cost_aware"
     # Namespaces whose arenas are made at start, so no client waits for them.
     namespaces: tuple = ("default",)
+    # Publish resident objects in a table clients map read-only, so hits need no round trip.
+    shared_index: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "arena_bytes", parse_size(self.arena_bytes, "host.arena_bytes"))

@@ -73,13 +73,15 @@ class OpenNamespace(Message):
 
     create False (a reader): a namespace with no arena yet stays without one, and the reply
     says arena_bytes 0 with no fd; the connection may still look up and get there (misses).
-    Only a writer's open (create True, the default) makes the arena."""
+    Only a writer's open (create True, the default) makes the arena. index: send the shared
+    index's fd too (kvstore/shared_index.py; a client asks only a daemon whose hello offered it)."""
     namespace: str
     token: str | None = None
     create: bool = True
+    index: bool = False
     op: ClassVar[str] = "open"
-    _codecs: ClassVar = {"namespace": NAMESPACE, "token": OPT_STR, "create": BOOL}
-    _defaults: ClassVar = {"token": None, "create": True}
+    _codecs: ClassVar = {"namespace": NAMESPACE, "token": OPT_STR, "create": BOOL, "index": BOOL}
+    _defaults: ClassVar = {"token": None, "create": True, "index": False}
 
 
 @dataclass(frozen=True, slots=True)
@@ -351,10 +353,22 @@ class ReleaseMany(Message):
         return unpack_uints(self.leases)
 
 
+@dataclass(frozen=True, slots=True)
+class Touch(Message):
+    """Hits a client read from the shared index (client/shared_reads.py), which the daemon
+    never saw as gets: it counts them as hits and touches each object still there, as a get
+    would (server/tiering/shared_index.py: count_shared_hits). Sent without waiting for a
+    reply. `ids` decode to raw 32-byte digests (each equal to its ObjectId)."""
+    namespace: str
+    ids: tuple
+    op: ClassVar[str] = "touch"
+    _codecs: ClassVar = {"namespace": NAMESPACE, "ids": RAW_IDS}
+
+
 OPS: dict[str, type[Message]] = {
     cls.op: cls
-    for cls in (Hello, OpenNamespace, Reserve, Commit, Abort, Get, Release, Lookup,
-                Delete, Pin, Unpin, Prefetch, Stats, Check, GpuHandle, ReserveMany, CommitMany, GetMany, ReleaseMany)
+    for cls in (Hello, OpenNamespace, Reserve, Commit, Abort, Get, Release, Lookup, Delete, Pin, Unpin, Prefetch,
+                Stats, Check, GpuHandle, ReserveMany, CommitMany, GetMany, ReleaseMany, Touch)
 }
 
 

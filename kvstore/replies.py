@@ -120,14 +120,17 @@ class HelloReply(ReplyMessage):
     protocol: int
     conn: int
     limits: ClientLimits = ClientLimits()
+    shared_index: bool = False  # the daemon publishes shared indexes (open may ask for one)
     _codecs: ClassVar = {"limits": (ClientLimits.from_wire, ClientLimits.to_wire)}
 
 
 @reply
 class OpenReply(ReplyMessage):
-    """arena_bytes 0: a reader's open of a namespace with no arena yet (no fd comes with it)."""
+    """arena_bytes 0: a reader's open of a namespace with no arena yet (no fd comes with it).
+    index_bytes > 0: the shared index's fd came too, after the arena's."""
     namespace: str
     arena_bytes: int
+    index_bytes: int = 0
 
 
 @reply
@@ -336,5 +339,5 @@ REPLIES: dict[str, type[ReplyMessage] | None] = {
     "abort": None, "get": GetReply, "release": None, "lookup": LookupReply, "delete": DeleteReply,
     "pin": PinReply, "unpin": UnpinReply, "prefetch": PrefetchReply, "stats": StatsReply, "check": CheckReply,
     "gpu_handle": GpuHandleReply, "reserve_many": ReserveManyReply, "commit_many": CommitManyReply,
-    "get_many": GetManyReply, "release_many": None,
+    "get_many": GetManyReply, "release_many": None, "touch": None,
 }

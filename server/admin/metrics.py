@@ -18,6 +18,7 @@ COUNTERS = {
     "num_dedup_puts": ("kvstore_dedup_puts", "Puts of an id already stored (nothing copied)"),
     "num_gets": ("kvstore_gets", "Get requests (reads)"),
     "num_hits": ("kvstore_hits", "Gets that found the object"),
+    "num_shared_hits": ("kvstore_shared_hits", "Hits clients read from the shared index (in kvstore_hits too)"),
     "num_misses": ("kvstore_misses", "Gets that did not find the object"),
     "num_evictions": ("kvstore_evictions", "Objects evicted to make room or by an operator"),
     "num_expired": ("kvstore_expired", "Objects dropped when their ttl passed"),

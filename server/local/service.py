@@ -24,6 +24,7 @@ from kvstore.protocol import NEED_DATA, BadFrame, Fatal, FrameCodec, Reply, Requ
 from server.later import is_ready, resolve, then
 from server.local import batches
 from server.local.errors import error_wire
+from server.tiering.shared_index import count_shared_hits
 
 log = logging.getLogger("kvstore.local")
 _conn_ids = itertools.count(1)
@@ -181,9 +182,10 @@ class LocalConnection(asyncio.Protocol):
         return name
 
     def _dispatch(self, msg: m.Message):
-        """(reply, fd): the request's typed reply (kvstore.replies), None for release and
-        abort, or an awaitable of either (server/later.py: answered after I/O); fd is an
-        arena's, sent with the reply (SCM_RIGHTS), or None."""
+        """(reply, fd): the request's typed reply (kvstore.replies), None for release, abort
+        and touch, or an awaitable of either (server/later.py: answered after I/O); fd is an
+        arena's (or a tuple: the arena's and its shared index's), sent with the reply
+        (SCM_RIGHTS), or None."""
         mgr, owner = self.manager, self.conn_id
         match msg:
             case m.Get():
@@ -221,10 +223,17 @@ class LocalConnection(asyncio.Protocol):
                 if ns is None:  # first open: the arena is made off the loop, then we retry
                     return self._open_later(msg), None
                 self.opened.add(msg.namespace)
+                if msg.index and ns.shared.enabled:  # only to a connection authorised just above
+                    opened = r.OpenReply(msg.namespace, ns.arena.capacity_bytes, ns.shared.size_bytes)
+                    return opened, (ns.arena.fd, ns.shared.fd)
                 return r.OpenReply(msg.namespace, ns.arena.capacity_bytes), ns.arena.fd
             case m.Hello():
                 self.client_name = msg.client
-                return r.HelloReply(SERVER_VERSION, 1, self.conn_id, self.daemon.limits_for_clients()), None
+                return r.HelloReply(SERVER_VERSION, 1, self.conn_id, self.daemon.limits_for_clients(),
+                                    mgr.host.config.shared_index), None
+            case m.Touch():
+                count_shared_hits(mgr, self._ns(msg.namespace), msg.ids)
+                return None, None
             case m.Stats():
                 return r.StatsReply(self.daemon.client_stats(owner, self.opened)), None
             case m.Check():
@@ -266,7 +275,7 @@ class LocalConnection(asyncio.Protocol):
         elif not self.transport.is_closing():
             self.transport.write(frame)
 
-    def _write_with_fd(self, frame: bytes, fd: int) -> None:
+    def _write_with_fd(self, frame: bytes, fd: int | tuple) -> None:
         """Send `frame` with `fd` attached, never interleaved with other buffered bytes."""
         if self._held is None and self.transport.get_write_buffer_size() == 0:
             if self._try_sendmsg(frame, fd):
@@ -276,9 +285,10 @@ class LocalConnection(asyncio.Protocol):
             asyncio.get_running_loop().create_task(self._flush_held())
         self._held.append((frame, fd))
 
-    def _try_sendmsg(self, frame: bytes, fd: int) -> bool:
+    def _try_sendmsg(self, frame: bytes, fd: int | tuple) -> bool:
+        fds = array.array("i", fd if isinstance(fd, tuple) else (fd,))
         try:
-            sent = self._fd_sock.sendmsg([frame], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))])
+            sent = self._fd_sock.sendmsg([frame], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds)])
         except (BlockingIOError, InterruptedError):
             return False
         except OSError:

@@ -27,6 +27,7 @@ from server.host_memory import check_new_arena, host_memory
 from server.tiering.expiry import ExpiryQueue
 from server.tiering.namespace import Namespace, give_back_heap
 from server.tiering.objects import ObjectEntry
+from server.tiering.shared_index import shared_index
 from tiers.allocator import Extent
 from tiers.arena import HostArena
 
@@ -91,7 +92,8 @@ class HostTier:
                 None, functools.partial(HostArena, name, config.arena_bytes, config.prefault, cancel=self.stopping))
         finally:
             del self._creating[name]
-        ns = Namespace(name, arena, make_policy(config.policy, config.arena_bytes))
+        ns = Namespace(name, arena, make_policy(config.policy, config.arena_bytes),
+                       shared=shared_index(config.shared_index, name, config.arena_bytes))
         self.namespaces[name] = ns
         log.info("event=namespace_open namespace=%s arena_bytes=%d", name, config.arena_bytes)
         return ns
@@ -197,6 +199,7 @@ class HostTier:
             ns.peak_objects = len(ns.objects)
         ns.policy.on_insert(entry.object_id, entry.size, entry.hints.recompute_cost_ms, entry.hints.priority)
         self.expiry.add(entry)
+        ns.shared.publish(entry)
 
     def publish(self, ns: Namespace, oid: ObjectId, extent: Extent, size: int, checksum: bytes, descriptor,
                 hints, pin_hint: bool = False, created_at: float | None = None,
@@ -277,6 +280,7 @@ class HostTier:
 
     def _remove(self, ns: Namespace, entry: ObjectEntry, tracked: bool = True) -> None:
         """Drop an entry from the index; its extent is freed now or when its last reader leaves."""
+        ns.shared.remove(entry)  # first: clients must stop reading the extent before it can be reused
         del ns.objects[entry.object_id]
         if tracked:  # victims() already stopped tracking evicted keys
             ns.policy.on_remove(entry.object_id)
@@ -291,7 +295,7 @@ class HostTier:
 
     def expire_objects(self) -> None:
         """Drop objects past their TTL (only those due: server/tiering/expiry.py); rebuild
-        tables that removals left sparse."""
+        tables that removals left sparse; tell clients the shared indexes are still kept."""
         for name, oid, serial in self.expiry.due(self.clock()):
             ns = self.namespaces.get(name)
             entry = ns.objects.get(oid) if ns is not None else None
@@ -302,6 +306,7 @@ class HostTier:
         compacted = False
         for ns in self.namespaces.values():
             compacted = ns.compact() or compacted
+            ns.shared.keep_alive()
         if compacted:
             give_back_heap()
 
@@ -316,6 +321,7 @@ class HostTier:
         for ns in self.namespaces.values():
             ns.arena.check_integrity()
             ns.policy.check_integrity()
+            ns.shared.check_integrity(ns.objects)
             if len(ns.policy) != len(ns.objects) or any(oid not in ns.policy for oid in ns.objects):
                 raise RuntimeError(f"namespace {ns.name}: policy tracks {len(ns.policy)} keys, index has {len(ns.objects)}")
             live = [e.extent for e in ns.objects.values()]
@@ -353,4 +359,5 @@ class HostTier:
     def close(self) -> None:
         for ns in self.namespaces.values():
             ns.arena.close()
+            ns.shared.close()
         self.namespaces.clear()

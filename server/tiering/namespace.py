@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from kvstore.identity import ObjectId
 from kvstore.policy.base import EvictionPolicy, sparse
 from server.tiering.objects import ObjectEntry
+from server.tiering.shared_index import NO_SHARED_INDEX, NoSharedIndex, SharedIndex
 from tiers.arena import HostArena
 
 
@@ -26,6 +27,7 @@ class TierCounters:
     num_expired: int = 0
     num_deletes: int = 0
     num_checksum_failures: int = 0
+    num_shared_hits: int = 0  # hits clients resolved from the shared index (in num_hits too)
     bytes_in: int = 0
     bytes_out: int = 0
 
@@ -46,6 +48,7 @@ class Namespace:
     objects: dict[ObjectId, ObjectEntry] = field(default_factory=dict)
     counters: TierCounters = field(default_factory=TierCounters)
     peak_objects: int = 0  # the most objects indexed since the index was last compacted
+    shared: SharedIndex | NoSharedIndex = NO_SHARED_INDEX  # what clients read without asking
 
     def compact(self) -> bool:
         """Rebuild the index's and the policy's tables once removals left them sparse (Python

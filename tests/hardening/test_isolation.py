@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import array
 import json
+import mmap
 import os
 import socket
 import stat
@@ -52,12 +53,13 @@ def test_tokens_never_show_in_the_config_repr():
     assert config.auth.namespaces["t"].token == TOKEN_A and TOKEN_A not in repr(config)
 
 
-def open_raw(path: str, namespace: str, token: str | None = None) -> tuple[Reply, list[int]]:
-    """Ask for a namespace on a fresh connection: the reply and the fds that came with it."""
+def open_raw(path: str, namespace: str, token: str | None = None, index: bool = False) -> tuple[Reply, list[int]]:
+    """Ask for a namespace on a fresh connection: the reply and the fds that came with it
+    (index: the shared index's too)."""
     sock = socket.socket(socket.AF_UNIX)
     sock.settimeout(20)
     sock.connect(path)
-    sock.sendall(FrameCodec().send_request(Request(1, "open", m.OpenNamespace(namespace, token).to_args())))
+    sock.sendall(FrameCodec().send_request(Request(1, "open", m.OpenNamespace(namespace, token, index=index).to_args())))
     codec, fds = FrameCodec(), []
     try:
         while not isinstance(event := codec.next_event(), Reply):
@@ -129,6 +131,32 @@ def test_a_client_receives_only_the_arena_fds_it_may_use(make_daemon):
         arenas[ns] = os.fstat(fds[0]).st_ino
         os.close(fds[0])
     assert arenas["tenant-a"] != arenas["tenant-b"]
+
+
+def test_a_tenant_receives_only_its_own_shared_index_and_can_only_read_it(make_daemon):
+    d = make_daemon(extra_toml=AUTH)
+    secret = key("secret", 0)
+    with d.client(namespace="tenant-a", token=TOKEN_A) as a:
+        a.put(secret, content(secret, 4096), StateDescriptor("tenant-a", "m", "r"))
+    refused, fds = open_raw(d.socket, "tenant-a", TOKEN_B, index=True)
+    assert refused.error["code"] == "permission_denied" and fds == []
+    indexes = {}
+    for ns, token in (("tenant-a", TOKEN_A), ("tenant-b", TOKEN_B)):
+        reply, fds = open_raw(d.socket, ns, token, index=True)
+        assert reply.ok and len(fds) == 2 and reply.result["index_bytes"] > 0
+        assert os.readlink(f"/proc/self/fd/{fds[1]}").startswith(f"/memfd:kvstore-index-{ns}")
+        indexes[ns] = os.fstat(fds[1]).st_ino
+        with pytest.raises(PermissionError):  # sealed: only the daemon writes it
+            mmap.mmap(fds[1], reply.result["index_bytes"], flags=mmap.MAP_SHARED)
+        for fd in fds:
+            os.close(fd)
+    assert indexes["tenant-a"] != indexes["tenant-b"]
+    with d.client(namespace="tenant-b", token=TOKEN_B) as b:
+        b.put(key("mine", 0), b"b's own" * 100, StateDescriptor("tenant-b", "m", "r"))
+        assert b.get(secret) is None and b.get_into(secret, np.empty(4096, np.uint8)) is None
+        with pytest.raises(PermissionDenied, match="token given is wrong"):  # its open is refused
+            b.get_into(secret, np.empty(4096, np.uint8), namespace="tenant-a")
+        assert set(b.core.arenas) == {"tenant-b"} and b.core.shared.wanted
 
 
 def test_admin_api_is_operator_scope_and_tenant_tokens_are_not_admin_tokens(make_daemon):

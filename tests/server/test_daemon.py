@@ -175,7 +175,7 @@ def test_lease_released_when_client_dies(daemon_factory):
 
 def test_lease_expires_when_client_never_releases(daemon_factory):
     d = daemon_factory(config={"limits": {"lease_ttl_s": 2.0}})
-    with d.client() as c:
+    with d.client(shared_index=False) as c:  # every get a daemon lease (small ones are copies otherwise)
         key = ids(1)[0]
         c.put(key, b"x" * 10)
         c.get(key)  # never released
@@ -200,7 +200,7 @@ def test_pins_extend_never_shorten_and_expired_pins_are_not_unpinned(daemon):
 
 def test_lease_quota_per_client(daemon_factory):
     d = daemon_factory(config={"limits": {"max_leases_per_client": 3}})
-    with d.client() as c, d.client() as other:
+    with d.client(shared_index=False) as c, d.client(shared_index=False) as other:  # daemon leases, as above
         key = ids(1)[0]
         c.put(key, b"x" * 10)
         held = [c.get(key) for _ in range(3)]

@@ -1,0 +1,223 @@
+"""Hits without a round trip: the client's side of the shared index.
+
+The daemon publishes each namespace's resident objects in a table this client maps
+read-only (kvstore/shared_index.py is the layout; server/tiering/shared_index.py explains
+the daemon's side and why a reader never accepts recycled or half-written bytes). A get is
+then resolved here, with no message to the daemon:
+
+    s1 = record.seq                        even, else ask the daemon
+    record's id, flags, descriptor digest (against `expect`), expires_at (CLOCK_MONOTONIC)
+    copy arena[offset:offset + size] into the caller's buffer
+    xxh3-128(copy) == record.checksum and record.seq == s1, else ask the daemon
+    (and first: the header's alive_until is ahead, else the daemon stopped keeping the table)
+
+Anything else asks the daemon, as before: an id not in the table, a record being changed,
+an object past READ_INTO_MAX_BYTES (checking a copy costs more than a round trip there), a
+buffer too small (the daemon's answer raises the right error), ranges, `accept`, GPU reads,
+a namespace not mapped yet, and any CPU but x86-64 (the seqlock argument relies on its
+ordering of loads and stores). `get` of an object up to GET_COPY_MAX_BYTES copies it into a
+private buffer and returns a lease over that copy (nothing to release at the daemon);
+bigger ones keep the zero-copy lease.
+
+The daemon does not see these hits, so they are queued and reported in one no-reply
+`touch` request (kvstore/messages.py: Touch): every HITS_PER_REPORT hits or once the oldest is
+REPORT_AFTER_S old (checked at the next hit), ahead of any other request the client sends
+(ReportingCodec), and at close. A miss from here may leave the caller's buffer partly
+written when the object was removed while it was being copied.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import platform
+import time
+
+import numpy as np
+import xxhash
+
+from kvstore.identity import StateDescriptor
+from kvstore.messages import Touch
+from kvstore.protocol import MAX_BATCH, FrameCodec, Request
+from kvstore.shared_index import (
+    ALIVE, ALIVE_AT, HEADER, HEADER_BYTES, MAGIC, OCCUPIED, PROBE_SLOTS, RECORD, RECORD_BYTES, SEQ, VERSION, descriptor_digest,
+    file_bytes, home_slot,
+)
+from client.lease import ReadLease
+
+# The seqlock argument needs x86's ordering (loads not reordered with loads, stores in order).
+ORDERED_MACHINES = ("x86_64", "amd64")
+# get_into/get_many_into read objects up to this size from the index: the copy's xxh3-128
+# costs ~40 us a MiB here, a round trip ~50 us, and larger reads skip that check today.
+READ_INTO_MAX_BYTES = 1 << 20
+# get() of objects up to this size returns a lease over a private copy; bigger ones keep
+# the zero-copy lease of a round trip (their copy would cost more than the trip).
+GET_COPY_MAX_BYTES = 64 << 10
+# Hits are reported once this many are queued, or once the oldest is this old (checked at
+# the next hit; any other request and close report them too).
+HITS_PER_REPORT = 64
+REPORT_AFTER_S = 0.05
+# Descriptor digests remembered by the descriptor object (engines reuse a few objects).
+MAX_KNOWN_DESCRIPTORS = 256
+
+
+class SharedReads:
+    """The shared indexes of one connection's namespaces, and the hits not reported yet.
+
+    Owned by one ClientCore and called on its driver's thread (the sync client's lock, the
+    asyncio client's loop). `enabled`: the client's switch (Client(shared_index=...));
+    `offered`: the daemon's hello said it publishes indexes."""
+
+    def __init__(self, core, enabled: bool, opaque):
+        self._core = core  # its arenas (namespace -> mapped uint8 array) and request()
+        self._opaque = opaque  # namespace -> the descriptor of a put that gave none
+        self.enabled = enabled and platform.machine().lower() in ORDERED_MACHINES
+        self.offered = False
+        self._tables: dict[str, tuple[mmap.mmap, int]] = {}  # namespace -> (mapping, slots - 1)
+        self._hits: dict[str, list[bytes]] = {}  # namespace -> ids hit, not reported yet
+        self.num_pending = 0
+        self._oldest = 0.0  # when the oldest unreported hit was
+        self._digests: dict[int, tuple[StateDescriptor, int]] = {}  # id(descriptor) -> (it, its digest)
+
+    @property
+    def wanted(self) -> bool:
+        """Ask for the index when opening a namespace."""
+        return self.enabled and self.offered
+
+    def attach(self, namespace: str, index_bytes: int, fds) -> None:
+        """The open reply said an index fd came after the arena's (index_bytes > 0): take it
+        from `fds` and map it read-only. A table of another layout is not used."""
+        if not index_bytes or not fds:
+            return
+        fd = fds.popleft()
+        try:
+            table = mmap.mmap(fd, index_bytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+        finally:
+            os.close(fd)
+        magic, version, slots, record_bytes, _ = HEADER.unpack_from(table, 0)
+        if (magic, version, record_bytes) != (MAGIC, VERSION, RECORD_BYTES) or file_bytes(slots) > index_bytes:
+            table.close()
+            return
+        self._tables[namespace] = (table, slots - 1)
+
+    def close(self) -> None:
+        for table, _ in self._tables.values():
+            table.close()  # nothing exports it: reads copy out of it
+        self._tables.clear()
+
+    # --- reads ---------------------------------------------------------------------
+
+    def _digest(self, descriptor: StateDescriptor) -> int:
+        known = self._digests.get(id(descriptor))
+        if known is None or known[0] is not descriptor:
+            if len(self._digests) >= MAX_KNOWN_DESCRIPTORS:
+                self._digests.clear()
+            known = self._digests[id(descriptor)] = (descriptor, descriptor_digest(descriptor))
+        return known[1]
+
+    def _copy(self, namespace: str, digest: bytes, want, limit: int, out):
+        """(size, the copy, descriptor digest) of a verified hit, copied into `out` (None: a new
+        array), or None: ask the daemon."""
+        found = self._tables.get(namespace)
+        arena = self._core.arenas.get(namespace)
+        if found is None or arena is None:
+            return None
+        table, mask = found
+        now = time.monotonic()
+        if ALIVE.unpack_from(table, ALIVE_AT)[0] <= now:  # the daemon stopped keeping it (or died)
+            return None
+        home = home_slot(digest, mask + 1)
+        for i in range(PROBE_SLOTS):
+            at = HEADER_BYTES + ((home + i) & mask) * RECORD_BYTES
+            if table[at + 8:at + 40] != digest:
+                continue
+            s1 = SEQ.unpack_from(table, at)[0]  # before any field (x86: later loads stay later)
+            _, oid, offset, size, checksum, desc, expires_at, flags = RECORD.unpack_from(table, at)
+            if (s1 & 1 or oid != digest or flags != OCCUPIED or size > limit or offset + size > arena.size
+                    or (want is not None and desc != self._digest(want))
+                    or expires_at <= now):
+                return None
+            if out is None:
+                out = np.empty(size, np.uint8)
+            elif out.size < size:
+                return None
+            copy = out[:size]
+            np.copyto(copy, arena[offset:offset + size])
+            if xxhash.xxh3_128_digest(copy) != checksum or SEQ.unpack_from(table, at)[0] != s1:
+                return None
+            self._hit(namespace, digest)
+            return size, copy, checksum, desc
+        return None
+
+    def op_read_into(self, namespace: str, oid, dst: np.ndarray, want):
+        """get_into from the index: the size copied into `dst`, or None (ask the daemon)."""
+        if not self._tables:
+            return None
+        found = self._copy(namespace, oid.digest, want, READ_INTO_MAX_BYTES, dst)
+        if found is not None and self._due():
+            yield self.reports()
+        return None if found is None else found[0]
+
+    def op_get(self, namespace: str, oid, accept, ranges, want, gpu: bool):
+        """get from the index: a lease over a private copy, or None (ask the daemon)."""
+        if not self._tables or accept is not None or ranges is not None or gpu:
+            return None
+        # The lease names the object's descriptor: `want`, else the one of a put that gave none
+        # (stored under any other, it is read through the daemon, whose reply names it).
+        descriptor = want if want is not None else self._opaque(namespace)
+        found = self._copy(namespace, oid.digest, descriptor, GET_COPY_MAX_BYTES, None)
+        if found is None:
+            return None
+        size, copy, checksum, _ = found
+        if self._due():
+            yield self.reports()
+        return ReadLease(self._core.release_cb, 0, oid, size, checksum, descriptor, "host", copy)  # 0: not the daemon's
+
+    def op_read_many(self, namespace: str, prepared: list):
+        """get_many_into from the index: per (oid, dst, want) item the size copied into dst,
+        or None (ask the daemon)."""
+        if namespace not in self._tables:
+            return [None] * len(prepared)
+        sizes = [None if (found := self._copy(namespace, oid.digest, want, READ_INTO_MAX_BYTES, dst)) is None
+                 else found[0] for oid, dst, want in prepared]
+        if self._due():
+            yield self.reports()
+        return sizes
+
+    # --- reporting hits ----------------------------------------------------------------
+
+    def _hit(self, namespace: str, digest: bytes) -> None:
+        hits = self._hits.get(namespace)
+        if hits is None:
+            hits = self._hits[namespace] = []
+        hits.append(digest)
+        self.num_pending += 1
+        if self.num_pending == 1:
+            self._oldest = time.monotonic()
+
+    def _due(self) -> bool:
+        return self.num_pending >= HITS_PER_REPORT or (
+            self.num_pending > 0 and time.monotonic() - self._oldest >= REPORT_AFTER_S)
+
+    def reports(self) -> list[Request]:
+        """The `touch` requests (no reply) of every hit not reported yet; they count as reported."""
+        requests = [self._core.request(Touch(namespace, tuple(ids[start:start + MAX_BATCH])), no_reply=True)
+                    for namespace, ids in self._hits.items() for start in range(0, len(ids), MAX_BATCH)]
+        self._hits.clear()
+        self.num_pending = 0
+        return requests
+
+
+class ReportingCodec(FrameCodec):
+    """The connection's codec: any request it frames carries the hits not reported yet ahead
+    of it, so a request the daemon serves (a stats call, another get) sees them counted."""
+
+    def __init__(self, shared: SharedReads):
+        super().__init__()
+        self._shared = shared
+
+    def send_request(self, request: Request) -> bytes:
+        frame = super().send_request(request)
+        if self._shared.num_pending and request.op != Touch.op:
+            return b"".join(FrameCodec.send_request(self, r) for r in self._shared.reports()) + frame
+        return frame

@@ -1,0 +1,216 @@
+"""Hits without a round trip: the daemon's side of a namespace's shared index.
+
+A get costs two Python event loops and a socket each way, about what a whole Redis GET
+costs. So the daemon also publishes where each resident object is, in a second memfd per
+namespace that clients map read-only (sent with the `open` reply, beside the arena, only to
+connections authorised for that namespace), and a client resolves a hit by itself: look the
+id up, copy the bytes out of the arena, check them (client/shared_reads.py). The layout is
+kvstore/shared_index.py. The daemon stays the only writer of the index, and of this table.
+
+Each record is a seqlock: `seq` is odd while the daemon writes the record, and grows by two
+with every change, so a reader that sees the same even `seq` before and after it read the
+record and copied the bytes knows neither changed meanwhile:
+
+    publish(entry):                         # HostTier.insert: the entry is committed
+        slot = first free slot of the id's PROBE_SLOTS   (none: do not publish)
+        seq += 1                            # odd: a reader of this slot gives up
+        write id, offset, size, checksum, descriptor digest, expires_at, OCCUPIED
+        seq += 1                            # even: readable
+    remove(entry):                          # HostTier._remove, BEFORE the extent is freed
+        seq += 1; clear the record; seq += 1
+
+    reader:                                 # client/shared_reads.py
+        s1 = seq; if odd: ask the daemon
+        read the record; its id, flags, descriptor, expires_at must match the request
+        copy arena[offset:offset+size] into the caller's buffer
+        xxh3-128(copy) == checksum, else ask the daemon
+        s2 = seq; s2 == s1, else ask the daemon
+
+Why a reader never accepts recycled or half-written bytes: an extent is freed (and so can
+be reserved and written again) only after `remove` stored the odd `seq`, on this thread,
+and the new writer learns of the extent only after that (a reply over the socket). On x86
+stores become visible in program order (TSO), and loads are not reordered with other loads:
+a reader's load of s2 comes after its loads of the copied bytes. So if any copied byte was
+written after the extent was reused, the `seq` store that preceded the free is visible to
+the s2 load, and s2 != s1. A record read between the two odd/even stores has an odd or a
+different `seq`, so torn records are refused too. Objects are immutable once committed (a
+put's bytes are written before its commit publishes them), so bytes read under a stable
+`seq` are the object's. The xxh3-128 check covers whatever this argument missed (a store
+reordered by a string instruction, a client writing into a committed extent): a copy that
+fails it is a miss, never bytes handed out. Other CPUs (no TSO): the client does not use the
+index (client/shared_reads.py checks the machine).
+
+What is published: every object that enters the host index (HostTier.insert: commits, a
+peer's put, fetches, NVMe promotions), whether pinned or not; what leaves it (evicted,
+demoted to NVMe, expired, deleted, dropped, replaced) is cleared first, on the same call.
+A full window is just not published (readers ask the daemon). The reader checks TTLs
+itself: expires_at is CLOCK_MONOTONIC (system-wide), as time.monotonic() in both processes.
+
+The memfd is sealed against growing, shrinking and, once the daemon mapped it writable,
+any further writable mapping or write() (F_SEAL_FUTURE_WRITE): clients can only read it.
+Runs on the daemon's event loop thread only, like the rest of the host tier.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import logging
+import mmap
+import os
+import time
+
+import numpy as np
+
+from kvstore.shared_index import (
+    ALIVE, ALIVE_AT, ALIVE_S, HEADER, HEADER_BYTES, MAGIC, OCCUPIED, PROBE_SLOTS, RECORD, RECORD_BYTES, SEQ, VERSION, descriptor_digest, file_bytes,
+    home_slot, record_at, slots_for,
+)
+from server.tiering.objects import ObjectEntry
+
+log = logging.getLogger("kvstore.tiers")
+
+F_SEAL_FUTURE_WRITE = getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x0010)  # Linux 5.1+; Python does not name it
+_FLAGS_AT = RECORD_BYTES - 8  # the flags field, the record's last
+_EMPTY = (b"\0" * 32, 0, 0, b"\0" * 16, 0, 0.0, 0)
+# kvstore.shared_index.RECORD as a numpy record, for whole-table checks.
+RECORD_DTYPE = np.dtype([("seq", "<u8"), ("id", "V32"), ("offset", "<u8"), ("size", "<u8"), ("checksum", "V16"),
+                         ("descriptor", "<u8"), ("expires_at", "<f8"), ("flags", "<u8")])
+
+
+class SharedIndex:
+    """One namespace's table. `fd` goes to clients with the open reply (the index owns it:
+    send it, never close it); `size_bytes` is what they map."""
+
+    enabled = True
+
+    def __init__(self, namespace: str, arena_bytes: int):
+        self.slots = slots_for(arena_bytes)
+        self.size_bytes = file_bytes(self.slots)
+        self.num_published = 0
+        self.num_unpublished = 0  # objects whose slots were all taken: readers ask the daemon
+        self.fd = os.memfd_create(f"kvstore-index-{namespace}"[:240], os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            os.ftruncate(self.fd, self.size_bytes)
+            fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
+            self._map = mmap.mmap(self.fd, self.size_bytes, flags=mmap.MAP_SHARED)
+            HEADER.pack_into(self._map, 0, MAGIC, VERSION, self.slots, RECORD_BYTES, time.monotonic() + ALIVE_S)
+            try:
+                fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, F_SEAL_FUTURE_WRITE)
+            except OSError as exc:  # a kernel before 5.1: clients could write; only their own tenant's reads
+                if exc.errno != errno.EINVAL:
+                    raise
+                log.warning("event=shared_index_unsealed namespace=%s reason=no_F_SEAL_FUTURE_WRITE", namespace)
+        except BaseException:
+            os.close(self.fd)
+            raise
+
+    def _slots_of(self, digest: bytes):
+        home, mask = home_slot(digest, self.slots), self.slots - 1
+        return (record_at((home + i) & mask) for i in range(PROBE_SLOTS))
+
+    def _write(self, at: int, fields: tuple) -> None:
+        """The seqlock write: seq odd, the record, seq even (each store after the one before)."""
+        seq = SEQ.unpack_from(self._map, at)[0]
+        SEQ.pack_into(self._map, at, seq + 1)
+        RECORD.pack_into(self._map, at, seq + 1, *fields)
+        SEQ.pack_into(self._map, at, seq + 2)
+
+    def publish(self, entry: ObjectEntry) -> bool:
+        """Make a committed host entry readable by clients; False when its slots are taken."""
+        for at in self._slots_of(entry.object_id.digest):
+            if SEQ.unpack_from(self._map, at + _FLAGS_AT)[0] != OCCUPIED:
+                self._write(at, (entry.object_id.digest, entry.extent.offset, entry.size, entry.checksum,
+                                 descriptor_digest(entry.descriptor), entry.expires_at, OCCUPIED))
+                self.num_published += 1
+                return True
+        self.num_unpublished += 1
+        return False
+
+    def remove(self, entry: ObjectEntry) -> None:
+        """Clear the entry's record; call before its extent can be freed or reused."""
+        digest = entry.object_id.digest
+        for at in self._slots_of(digest):
+            if SEQ.unpack_from(self._map, at + _FLAGS_AT)[0] == OCCUPIED and self._map[at + 8:at + 40] == digest:
+                self._write(at, _EMPTY)
+                self.num_published -= 1
+                return
+
+    def keep_alive(self) -> None:
+        """Tell readers the daemon still keeps this table (every housekeeping pass)."""
+        ALIVE.pack_into(self._map, ALIVE_AT, time.monotonic() + ALIVE_S)  # the readers' clock, not an injected one
+
+    def check_integrity(self, objects: dict) -> None:
+        """Raise RuntimeError unless every record names an indexed entry's extent, size and checksum."""
+        table = np.frombuffer(self._map, RECORD_DTYPE, self.slots, HEADER_BYTES)
+        if np.any(table["seq"] & 1) or np.any((table["flags"] != 0) & (table["flags"] != OCCUPIED)):
+            raise RuntimeError("shared index: a record left half-written, or with unknown flags")
+        used = np.flatnonzero(table["flags"] == OCCUPIED)
+        if len(used) != self.num_published:
+            raise RuntimeError(f"shared index: {len(used)} records, {self.num_published} counted")
+        for slot in used.tolist():
+            _, digest, offset, size, checksum, _, _, _ = RECORD.unpack_from(self._map, record_at(slot))
+            entry = objects.get(digest)
+            if entry is None or (entry.extent.offset, entry.size, entry.checksum) != (offset, size, checksum):
+                raise RuntimeError(f"shared index slot {slot}: a record for {digest.hex()} the index does not hold")
+        del table  # a live export of the mapping would keep close() from unmapping it
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            ALIVE.pack_into(self._map, ALIVE_AT, 0.0)  # readers stop now: their next read asks (and finds us gone)
+            try:
+                self._map.close()
+            except BufferError:  # a view still exports it (a failed check's traceback): unmapped with it
+                pass
+            os.close(self.fd)
+            self.fd = -1
+
+
+class NoSharedIndex:
+    """The index switched off (`[host] shared_index = false`): every get is a round trip."""
+
+    enabled = False
+    fd = -1
+    size_bytes = 0
+
+    def publish(self, entry: ObjectEntry) -> bool:
+        return False
+
+    def keep_alive(self) -> None:
+        pass
+
+    def remove(self, entry: ObjectEntry) -> None:
+        pass
+
+    def check_integrity(self, objects: dict) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+NO_SHARED_INDEX = NoSharedIndex()
+
+
+def shared_index(enabled: bool, namespace: str, arena_bytes: int) -> SharedIndex | NoSharedIndex:
+    return SharedIndex(namespace, arena_bytes) if enabled else NO_SHARED_INDEX
+
+
+def count_shared_hits(manager, namespace: str, ids: tuple) -> None:
+    """A client's report of hits it resolved from the index (op `touch`): counted as hits,
+    and each object still here is touched as a get would (policy, hit count, NVMe's
+    admission and selective writes)."""
+    ns = manager.namespaces.get(namespace)
+    if ns is None:
+        return
+    counters = ns.counters
+    counters.num_gets += len(ids)
+    counters.num_hits += len(ids)
+    counters.num_shared_hits += len(ids)
+    for digest in ids:
+        entry = ns.objects.get(digest)  # an id equals its digest (kvstore.identity.ObjectId)
+        if entry is not None:
+            entry.num_hits += 1
+            ns.policy.on_access(entry.object_id)
+            counters.bytes_out += entry.size
+            manager.mover.on_hit(entry)
