@@ -69,14 +69,14 @@ class MemcpySide:
 
 
 class KVStoreSide:
-    def __init__(self, socket_path: str, reps: int):
+    def __init__(self, socket_path: str, reps: int, shared_index: bool = True):
         from client import Client
         self.reps = reps
-        self.client = Client.connect(socket_path, namespace="bench")
+        self.client = Client.connect(socket_path, namespace="bench", shared_index=shared_index)
         start = time.perf_counter()
         self.client.lookup([])  # opens the namespace: the daemon creates and pre-faults its arena
         self.open_ms = (time.perf_counter() - start) * 1e3
-        self.small_key = keys_for("small", 1)[0]
+        self.small_key = keys_for(f"small/{shared_index}", 1)[0]
         self.client.put(self.small_key, touched(SMALL))
         self.small_out = touched(SMALL, seed=1)
 
