@@ -95,8 +95,9 @@ def main(argv=None) -> int:
             progress(f"redis SKIPPED: {exc}")
         progress(f"{args.iters} calls per side and kind, in {BLOCKS} blocks")
         out = measure(sides, args.iters)
-    report(SUITE, build_rows(out), TARGETS, skipped,
-           {"iters": args.iters, "blocks": BLOCKS, "arena": "64MiB", "elapsed_s": round(time.perf_counter() - started, 1)})
+    settings = {"iters": args.iters, "blocks": BLOCKS, "arena": "64MiB",
+                "elapsed_s": round(time.perf_counter() - started, 1)}
+    report(SUITE, build_rows(out), TARGETS, skipped, settings)
     return 0
 
 

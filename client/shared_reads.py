@@ -40,8 +40,8 @@ from kvstore.identity import StateDescriptor
 from kvstore.messages import Touch
 from kvstore.protocol import MAX_BATCH, FrameCodec, Request
 from kvstore.shared_index import (
-    ALIVE, ALIVE_AT, HEADER, HEADER_BYTES, MAGIC, OCCUPIED, PROBE_SLOTS, RECORD, RECORD_BYTES, SEQ, VERSION, descriptor_digest,
-    file_bytes, home_slot,
+    ALIVE, ALIVE_AT, HEADER, HEADER_BYTES, MAGIC, OCCUPIED, PROBE_SLOTS, RECORD, RECORD_BYTES, SEQ, VERSION,
+    descriptor_digest, file_bytes, home_slot,
 )
 from client.lease import ReadLease
 
@@ -115,9 +115,10 @@ class SharedReads:
             known = self._digests[id(descriptor)] = (descriptor, descriptor_digest(descriptor))
         return known[1]
 
-    def _copy(self, namespace: str, digest: bytes, want, limit: int, out):
-        """(size, the copy, descriptor digest) of a verified hit, copied into `out` (None: a new
-        array), or None: ask the daemon."""
+    def _read(self, namespace: str, digest: bytes, want, limit: int, out):
+        """(size, the copy, checksum) of a hit of at most `limit` bytes stored under `want`
+        (None: any descriptor), copied into `out` (None: a new array) and verified; or None:
+        ask the daemon. The hit is queued for the next report."""
         found = self._tables.get(namespace)
         arena = self._core.arenas.get(namespace)
         if found is None or arena is None:
@@ -146,14 +147,14 @@ class SharedReads:
             if xxhash.xxh3_128_digest(copy) != checksum or SEQ.unpack_from(table, at)[0] != s1:
                 return None
             self._hit(namespace, digest)
-            return size, copy, checksum, desc
+            return size, copy, checksum
         return None
 
     def op_read_into(self, namespace: str, oid, dst: np.ndarray, want):
         """get_into from the index: the size copied into `dst`, or None (ask the daemon)."""
         if not self._tables:
             return None
-        found = self._copy(namespace, oid.digest, want, READ_INTO_MAX_BYTES, dst)
+        found = self._read(namespace, oid.digest, want, READ_INTO_MAX_BYTES, dst)
         if found is not None and self._due():
             yield self.reports()
         return None if found is None else found[0]
@@ -165,20 +166,20 @@ class SharedReads:
         # The lease names the object's descriptor: `want`, else the one of a put that gave none
         # (stored under any other, it is read through the daemon, whose reply names it).
         descriptor = want if want is not None else self._opaque(namespace)
-        found = self._copy(namespace, oid.digest, descriptor, GET_COPY_MAX_BYTES, None)
+        found = self._read(namespace, oid.digest, descriptor, GET_COPY_MAX_BYTES, None)
         if found is None:
             return None
-        size, copy, checksum, _ = found
+        size, copy, checksum = found
         if self._due():
             yield self.reports()
-        return ReadLease(self._core.release_cb, 0, oid, size, checksum, descriptor, "host", copy)  # 0: not the daemon's
+        return ReadLease(self._core.release_cb, 0, oid, size, checksum, descriptor, "host", copy)  # 0: no daemon lease
 
     def op_read_many(self, namespace: str, prepared: list):
         """get_many_into from the index: per (oid, dst, want) item the size copied into dst,
         or None (ask the daemon)."""
         if namespace not in self._tables:
             return [None] * len(prepared)
-        sizes = [None if (found := self._copy(namespace, oid.digest, want, READ_INTO_MAX_BYTES, dst)) is None
+        sizes = [None if (found := self._read(namespace, oid.digest, want, READ_INTO_MAX_BYTES, dst)) is None
                  else found[0] for oid, dst, want in prepared]
         if self._due():
             yield self.reports()

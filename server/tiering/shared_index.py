@@ -5,7 +5,7 @@ costs. So the daemon also publishes where each resident object is, in a second m
 namespace that clients map read-only (sent with the `open` reply, beside the arena, only to
 connections authorised for that namespace), and a client resolves a hit by itself: look the
 id up, copy the bytes out of the arena, check them (client/shared_reads.py). The layout is
-kvstore/shared_index.py. The daemon stays the only writer of the index, and of this table.
+kvstore/shared_index.py. The daemon stays the only writer of its index and of this table.
 
 Each record is a seqlock: `seq` is odd while the daemon writes the record, and grows by two
 with every change, so a reader that sees the same even `seq` before and after it read the
@@ -26,19 +26,24 @@ record and copied the bytes knows neither changed meanwhile:
         xxh3-128(copy) == checksum, else ask the daemon
         s2 = seq; s2 == s1, else ask the daemon
 
-Why a reader never accepts recycled or half-written bytes: an extent is freed (and so can
-be reserved and written again) only after `remove` stored the odd `seq`, on this thread,
-and the new writer learns of the extent only after that (a reply over the socket). On x86
-stores become visible in program order (TSO), and loads are not reordered with other loads:
-a reader's load of s2 comes after its loads of the copied bytes. So if any copied byte was
-written after the extent was reused, the `seq` store that preceded the free is visible to
-the s2 load, and s2 != s1. A record read between the two odd/even stores has an odd or a
-different `seq`, so torn records are refused too. Objects are immutable once committed (a
-put's bytes are written before its commit publishes them), so bytes read under a stable
-`seq` are the object's. The xxh3-128 check covers whatever this argument missed (a store
-reordered by a string instruction, a client writing into a committed extent): a copy that
-fails it is a miss, never bytes handed out. Other CPUs (no TSO): the client does not use the
-index (client/shared_reads.py checks the machine).
+Why a reader never accepts recycled or half-written bytes. (1) A record turns readable (even
+`seq`) only after its object's bytes are complete: a client's put wrote them before its
+commit reached the daemon (a message over the socket), and the daemon's own fills (a
+promotion from NVMe, a fetch from a peer) finished before `publish` runs on this thread.
+Committed objects are immutable. (2) An extent is freed, and so can be reserved and written
+again, only after `remove` stored the odd `seq`, on this thread, and its next writer learns
+of it only after that (a reply over the socket). On x86 stores become visible in program
+order (TSO) and loads are not reordered with other loads, so a reader's load of s2 comes
+after its loads of the copied bytes: if any copied byte was written after the extent was
+reused, the `seq` store that preceded the free is visible to the s2 load, and s2 != s1.
+(3) A record read between a write's two `seq` stores has an odd or a different `seq`, so a
+torn record (one object's id with another's offset) is refused too. The xxh3-128 check of
+the copy covers what this argument might miss (a store reordered inside a string
+instruction, a client writing into a committed extent of its own namespace): a copy that
+fails it is a miss, never bytes handed out. CPUs without TSO: the client does not read the
+index (client/shared_reads.py checks the machine). A daemon that stops or dies: the header's
+alive_until (moved ahead every housekeeping pass, zeroed at close) lapses, and readers ask
+the daemon, which raises DaemonUnavailable as every other call does.
 
 What is published: every object that enters the host index (HostTier.insert: commits, a
 peer's put, fetches, NVMe promotions), whether pinned or not; what leaves it (evicted,
@@ -63,8 +68,8 @@ import time
 import numpy as np
 
 from kvstore.shared_index import (
-    ALIVE, ALIVE_AT, ALIVE_S, HEADER, HEADER_BYTES, MAGIC, OCCUPIED, PROBE_SLOTS, RECORD, RECORD_BYTES, SEQ, VERSION, descriptor_digest, file_bytes,
-    home_slot, record_at, slots_for,
+    ALIVE, ALIVE_AT, ALIVE_S, HEADER, HEADER_BYTES, MAGIC, OCCUPIED, PROBE_SLOTS, RECORD, RECORD_BYTES, SEQ, VERSION,
+    descriptor_digest, file_bytes, home_slot, record_at, slots_for,
 )
 from server.tiering.objects import ObjectEntry
 

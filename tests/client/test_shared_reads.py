@@ -121,7 +121,8 @@ def test_another_descriptor_never_hits(daemon):
         trips = round_trips(c)
         assert c.get_into(mine[0], out) == DESC.object_bytes and trips == []
         with c.get(mine[1]) as lease:
-            assert lease.descriptor == DESC and np.array_equal(lease.numpy(), payload(DESC.object_bytes, mine[1].object_id))
+            assert lease.descriptor == DESC
+            assert np.array_equal(lease.numpy(), payload(DESC.object_bytes, mine[1].object_id))
         assert c.get_into(other[0], out) is None  # another model's id: not stored
         assert c.get_into(mine[0].object_id, out, expect=DESC.with_(model="m2")) is None
         assert c.get(mine[0].object_id, expect=DESC.with_(dtype="fp16")) is None
