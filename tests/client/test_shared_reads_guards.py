@@ -1,0 +1,107 @@
+"""The reader's guards, one at a time, with the daemon's writer (server/tiering/shared_index.py)
+changing things at the worst moment: between the reader's look at the record and its check
+of the copy. The race test (test_shared_reads.py) shows the same under real concurrency;
+here each interleaving is forced, so each guard is shown to refuse on its own."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import deque
+
+import numpy as np
+import xxhash
+
+from kvs_testing import payload
+from kvstore.hints import Hints
+from kvstore.identity import ObjectId, StateDescriptor
+from server.tiering.objects import ObjectEntry
+from server.tiering.shared_index import SharedIndex
+from tiers.allocator import Extent
+from client.shared_reads import SharedReads
+
+DESC = StateDescriptor("t", "m", "r")
+OID = ObjectId(b"guarded".ljust(32, b"."))
+SIZE = 4096
+
+
+class Arena:
+    """The client's arena mapping, with a hook run as the reader takes its slice to copy."""
+
+    def __init__(self):
+        self.bytes = np.zeros(1 << 20, np.uint8)
+        self.size = self.bytes.size
+        self.hook = None
+
+    def __getitem__(self, item):
+        if self.hook is not None:
+            hook, self.hook = self.hook, None
+            hook()
+        return self.bytes[item]
+
+
+class Core:
+    def __init__(self, arena: Arena):
+        self.arenas = {"t": arena}
+
+    def request(self, msg, no_reply=False):
+        return msg
+
+
+def setup():
+    index, arena = SharedIndex("t", 1 << 20), Arena()
+    arena.bytes[:SIZE] = payload(SIZE, OID)
+    entry = ObjectEntry.create(OID, "t", Extent(0, SIZE), SIZE, xxhash.xxh3_128_digest(arena.bytes[:SIZE]), DESC,
+                               Hints(), time.monotonic())
+    index.publish(entry)
+    reader = SharedReads(Core(arena), True, lambda ns: DESC)
+    reader.attach("t", index.size_bytes, deque([os.dup(index.fd)]))
+    return index, arena, entry, reader
+
+
+def read(reader: SharedReads) -> int | None:
+    """op_read_into driven to its end (it yields only to report hits)."""
+    op = reader.op_read_into("t", OID, np.zeros(SIZE, np.uint8), None)
+    try:
+        while True:
+            next(op)
+    except StopIteration as done:
+        return done.value
+
+
+def test_an_undisturbed_read_is_accepted_and_queued_for_report():
+    index, _, _, reader = setup()
+    assert read(reader) == SIZE and reader.num_pending == 1
+    index.close()
+
+
+def test_a_record_changed_while_copying_is_refused_even_when_the_bytes_check():
+    index, arena, entry, reader = setup()
+    # the same object removed and published again: the copy passes its checksum, seq moved
+    arena.hook = lambda: (index.remove(entry), index.publish(entry))
+    assert read(reader) is None and reader.num_pending == 0
+    assert read(reader) == SIZE  # the next read sees the settled record
+    index.close()
+
+
+def test_an_extent_reused_while_copying_is_refused():
+    index, arena, entry, reader = setup()
+    other = ObjectId(b"other".ljust(32, b"."))
+
+    def reuse():  # evicted, its extent refilled with another object's bytes and published
+        index.remove(entry)
+        arena.bytes[:SIZE] = payload(SIZE, other)
+        checksum = xxhash.xxh3_128_digest(arena.bytes[:SIZE])
+        index.publish(ObjectEntry.create(other, "t", Extent(0, SIZE), SIZE, checksum, DESC, Hints(), time.monotonic()))
+    arena.hook = reuse
+    assert read(reader) is None and reader.num_pending == 0
+    assert read(reader) is None  # gone from the index: the daemon is asked
+    index.close()
+
+
+def test_bytes_changed_under_an_unchanged_record_fail_the_checksum():
+    index, arena, _, reader = setup()
+    arena.hook = lambda: arena.bytes.__setitem__(slice(100, 101), arena.bytes[100] ^ 1)  # one bit, no seq change
+    assert read(reader) is None and reader.num_pending == 0
+    index.close()
+
