@@ -155,10 +155,13 @@ def test_the_async_client_reads_from_the_index_too(daemon):
         out = np.zeros(4096, np.uint8)
         assert await c.get_into(k, out) == 4096 and np.array_equal(out, payload(4096, k))
         assert c.core.shared.num_pending == 1
-        stats = await c.stats()
-        await c.close()
+        stats = await c.stats()  # carried the report ahead of it
+        assert await c.get_into(k, out) == 4096
+        await c.close()  # reports the second hit
         return stats["namespaces"]["default"]["num_shared_hits"]
     assert asyncio.run(go()) == 1
+    with daemon.client() as other:
+        assert host_stats(other)["num_shared_hits"] == 2
 
 
 @pytest.mark.parametrize("daemon_on, client_on", [(False, True), (True, False)])
