@@ -76,6 +76,7 @@ class SharedReads:
         self._tables: dict[str, tuple[mmap.mmap, int]] = {}  # namespace -> (mapping, slots - 1)
         self._hits: dict[str, list[bytes]] = {}  # namespace -> ids hit, not reported yet
         self.num_pending = 0
+        self.num_refused = 0  # copies refused: their record or bytes changed while being copied
         self._oldest = 0.0  # when the oldest unreported hit was
         self._digests: dict[int, tuple[StateDescriptor, int]] = {}  # id(descriptor) -> (it, its digest)
 
@@ -145,6 +146,7 @@ class SharedReads:
             copy = out[:size]
             np.copyto(copy, arena[offset:offset + size])
             if xxhash.xxh3_128_digest(copy) != checksum or SEQ.unpack_from(table, at)[0] != s1:
+                self.num_refused += 1  # changed while we copied: the daemon answers instead
                 return None
             self._hit(namespace, digest)
             return size, copy, checksum
