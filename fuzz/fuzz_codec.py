@@ -52,7 +52,7 @@ VALID = {
     "reserve_many": {"namespace": "t", "ids": _ID * 2, "sizes": (2048).to_bytes(8, "little") * 2, "descriptor": _DESC},
     "commit_many": {"leases": (1).to_bytes(8, "little"), "checksums": b"\x00" * 16},
     "get_many": {"namespace": "t", "ids": _ID * 3, "expect": _DESC},
-    "release_many": {"leases": (1).to_bytes(8, "little") * 2},
+    "release_many": {"leases": (1).to_bytes(8, "little") * 2}, "touch": {"namespace": "t", "ids": [_ID]},
 }
 
 

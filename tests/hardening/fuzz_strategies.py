@@ -63,7 +63,7 @@ def _lookup_expecting(namespace, ids, expect) -> m.Lookup:
 
 messages = st.one_of(
     st.builds(m.Hello, st.text(max_size=20), st.integers(0, 2**31)),
-    st.builds(m.OpenNamespace, names, st.none() | st.text(max_size=40)),
+    st.builds(m.OpenNamespace, names, st.none() | st.text(max_size=40), st.booleans(), st.booleans()),
     st.builds(lambda d, o, s, h: m.Reserve(d.namespace, o, s, d, h), descriptors, oids, st.integers(1, 2**40), hints),
     st.builds(m.Commit, leases, st.binary(min_size=16, max_size=16)), st.builds(m.Abort, leases),
     st.builds(m.Get, names, oids, st.none(), byte_ranges, st.none() | descriptors), st.builds(m.Release, leases),
@@ -78,6 +78,7 @@ messages = st.one_of(
     st.builds(lambda ls: m.CommitMany.of(ls, [bytes(16)] * len(ls)), st.lists(leases, min_size=1, max_size=8)),
     st.builds(m.GetMany.of, names, st.lists(oids, min_size=1, max_size=8), st.none() | descriptors),
     st.builds(m.ReleaseMany.of, st.lists(leases, min_size=1, max_size=8)),
+    st.builds(m.Touch, names, id_batches),
 )
 
 
