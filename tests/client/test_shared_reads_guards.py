@@ -59,9 +59,9 @@ def setup():
     return index, arena, entry, reader
 
 
-def read(reader: SharedReads) -> int | None:
+def read(reader: SharedReads, want: StateDescriptor | None = None) -> int | None:
     """op_read_into driven to its end (it yields only to report hits)."""
-    op = reader.op_read_into("t", OID, np.zeros(SIZE, np.uint8), None)
+    op = reader.op_read_into("t", OID, np.zeros(SIZE, np.uint8), want)
     try:
         while True:
             next(op)
@@ -105,3 +105,21 @@ def test_bytes_changed_under_an_unchanged_record_fail_the_checksum():
     assert read(reader) is None and reader.num_pending == 0
     index.close()
 
+
+
+def test_a_record_past_its_ttl_is_refused_before_the_daemon_drops_it():
+    index, arena, entry, reader = setup()
+    index.remove(entry)
+    expired = ObjectEntry.create(OID, "t", Extent(0, SIZE), SIZE, entry.checksum, DESC, Hints(ttl_s=1.0),
+                                 time.monotonic() - 2.0)  # its TTL ran out a second ago; still published
+    index.publish(expired)
+    assert read(reader) is None and reader.num_pending == 0
+    index.close()
+
+
+def test_another_descriptor_or_a_dead_table_is_refused():
+    index, _, _, reader = setup()
+    assert read(reader, DESC.with_(model="other")) is None and reader.num_pending == 0
+    assert read(reader, DESC) == SIZE
+    index.close()  # a daemon that stops marks its tables dead
+    assert read(reader) is None
