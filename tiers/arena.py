@@ -1,5 +1,8 @@
 """HostArena: one namespace's host memory, a memfd mapped by the daemon, carved into extents.
 
+Objects of up to 3.5 KiB take a slot of their size class (tiers/slabs.py: at most 1.25x their
+size from 512 B up); larger ones take whole 4 KiB pages, page-aligned.
+
 The arena is an anonymous memfd (no name under /dev/shm, so nothing leaks when the daemon
 dies: the memory goes when the last fd and mapping go). The daemon maps it once; local clients
 receive `arena.fd` over the Unix socket (SCM_RIGHTS) and map it themselves, so object bytes
@@ -29,6 +32,7 @@ import threading
 
 from kvstore.errors import CapacityError, InvalidArgument, ServiceError
 from tiers.allocator import Extent, ExtentAllocator
+from tiers.slabs import SlabAllocator
 
 _log = logging.getLogger(__name__)
 
@@ -42,7 +46,7 @@ MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux 5.14+
 
 
 class HostArena:
-    """Host memory of one namespace: a memfd, its mapping, and an ExtentAllocator over it.
+    """Host memory of one namespace: a memfd, its mapping, and a SlabAllocator over it.
 
     Buffers: `view()` returns a memoryview into the mapping; the arena owns the memory, and the
     caller must drop (or `release()`) every view before `close()`, see there.
@@ -59,7 +63,7 @@ class HostArena:
             )
         self._namespace = namespace
         self._capacity = capacity_bytes
-        self._allocator = ExtentAllocator(capacity_bytes, PAGE_BYTES)
+        self._allocator = SlabAllocator(ExtentAllocator(capacity_bytes, PAGE_BYTES))
         self._mmap: mmap.mmap | None = None
         name = f"kvstore-{namespace}".encode()[:_MAX_NAME_BYTES].decode(errors="ignore")
         self._fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
@@ -122,9 +126,9 @@ class HostArena:
         return self._fd
 
     @property
-    def allocator(self) -> ExtentAllocator:
-        """The allocator, for stats (used_bytes, largest_free_bytes...); change it only
-        through the arena."""
+    def allocator(self) -> SlabAllocator:
+        """The allocator, for stats (used_bytes, slab_free_bytes, largest_free_bytes...);
+        change it only through the arena."""
         return self._allocator
 
     @property
@@ -137,9 +141,14 @@ class HostArena:
         """True when alloc(size_bytes) would succeed now."""
         return self._allocator.can_alloc(size_bytes)
 
+    def footprint(self, size_bytes: int) -> int:
+        """The arena bytes an object of size_bytes takes: its size class, or whole pages."""
+        return self._allocator.footprint(size_bytes)
+
     def alloc(self, size_bytes: int) -> Extent | None:
-        """A page-aligned extent of at least size_bytes, or None when no hole is that large.
-        The bytes are not cleared: they hold whatever the extent held before."""
+        """An extent of at least size_bytes, or None when there is no room: up to 3.5 KiB a slot
+        of its size class (64-byte aligned), else whole pages (page-aligned). The bytes are
+        not cleared: they hold whatever the extent held before."""
         self._check_open()
         return self._allocator.alloc(size_bytes)
 

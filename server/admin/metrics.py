@@ -31,6 +31,7 @@ GAUGES = {
     "objects": ("kvstore_objects", "Objects stored"),
     "used_bytes": ("kvstore_used_bytes", "Bytes allocated in the tier (objects, leases, puts in flight)"),
     "capacity_bytes": ("kvstore_capacity_bytes", "Bytes the tier may hold"),
+    "slab_free_bytes": ("kvstore_slab_free_bytes", "Free slots in host arena slabs (for their size class only)"),
     "pinned": ("kvstore_pinned_objects", "Objects pinned resident"),
 }
 # Movement between host and NVMe (server/tiering/nvme_mover.py), node-wide.

@@ -46,8 +46,10 @@ SCHEMAS = {
     "Error": _obj({"error": _obj({"code": STR, "message": STR}, extra=True)}, extra=True),
     "TierStats": _obj({k: {"type": "integer", "minimum": 0} for k in TIER_KEYS}, extra=INT,
                       description="num_gets are the reads, num_puts the writes; used_bytes counts whole "
-                                  "allocation units (allocation_unit_bytes, in the node-wide tiers: every "
-                                  "object takes whole 4 KiB pages)"),
+                                  "allocation units (allocation_unit_bytes, in the node-wide tiers: NVMe "
+                                  "objects take whole 4 KiB pages; host objects up to 3.5 KiB a slot of their "
+                                  "size class, a multiple of 64 B, larger ones whole 4 KiB pages; "
+                                  "slab_free_bytes: free slots, only for objects of their class)"),
     "Stats": _obj({
         "version": STR, "pid": INT, "uptime_s": NUM, "ready": BOOL, "clients": INT, "leases": INT,
         "ops_per_s": {"type": "number", "minimum": 0}, "socket": STR, "host_bandwidth_bytes_s": NUM,

@@ -18,7 +18,7 @@ from server.admin import objects
 from server.admin.http import ADMIN, json_body, json_response
 from server.admin.openapi import TIER_KEYS, openapi_document
 from server.later import resolve
-from tiers.arena import PAGE_BYTES
+from tiers.slabs import SIZE_CLASSES
 from tiers.nvme import ALIGN as NVME_ALIGN
 
 # Router calls per lookup stay bounded: 1M tokens is 4096 chunks of 256.
@@ -51,8 +51,8 @@ def stats_document(admin) -> dict:
     for ns in per_ns.values():
         for key, value in ns["tiers"]["host"].items():
             total[key] = total.get(key, 0) + value
-    # Every object takes whole pages of the arena: 1 KiB objects fill it at 1/4 of its size.
-    total["allocation_unit_bytes"] = PAGE_BYTES
+    # Objects up to 3.5 KiB take a slot of their size class (multiples of 64 B), larger ones whole 4 KiB pages.
+    total["allocation_unit_bytes"] = SIZE_CLASSES[0]
     return {
         "version": stats["version"],
         "pid": stats["pid"],

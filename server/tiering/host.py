@@ -123,7 +123,7 @@ class HostTier:
         """The policy's next victims towards `size` free bytes (it stops tracking them: each
         must end evicted, or tracked again by `retrack_victims`); CapacityError when none."""
         now = self.clock()
-        victims = ns.policy.victims(size, lambda oid: self.evictable(ns, oid, now))
+        victims = ns.policy.victims(ns.arena.footprint(size), lambda oid: self.evictable(ns, oid, now))
         if not victims:
             raise self.no_room(ns, size)
         return [ns.objects[oid] for oid in victims]
@@ -339,9 +339,8 @@ class HostTier:
                     raise RuntimeError(f"namespace {ns.name}: bad entry state for {entry.object_id.hex}")
 
     def stats(self) -> tuple[dict, dict]:
-        """(per namespace, the host tier's totals). used_bytes counts whole arena pages
-        (tiers.arena.PAGE_BYTES, 4 KiB): every object takes at least one, so 1 KiB objects
-        fill an arena at a quarter of its capacity in payload."""
+        """(per namespace, the host tier's totals). used_bytes: what objects take (a slot of their
+        size class up to 3.5 KiB, whole pages above: tiers/slabs.py); slab_free_bytes: free slots."""
         namespaces = {}
         now = self.clock()
         for ns in self.namespaces.values():
@@ -350,6 +349,7 @@ class HostTier:
                 "objects": len(ns.objects),
                 "capacity_bytes": ns.arena.capacity_bytes,
                 "used_bytes": ns.arena.allocator.used_bytes,
+                "slab_free_bytes": ns.arena.allocator.slab_free_bytes,
                 "pinned": sum(1 for e in ns.objects.values() if e.is_pinned(now)),
                 **{k: getattr(c, k) for k in c.__slots__},
             }

@@ -2,8 +2,8 @@
 
 O_DIRECT needs the buffer address, the file offset and the length aligned to the device's
 logical block size; ALIGN (4 KiB) covers every device in use. A caller's buffer is used in
-place when its address is aligned (a host-arena extent is: the arena is page-aligned and so
-are its extents) and only the last partial block goes through a small aligned tail buffer.
+place when its address is aligned (a host-arena extent of whole pages is; a slot of a small
+object is not) and only the last partial block goes through a small aligned tail buffer.
 Unaligned buffers go through a per-thread bounce buffer in BOUNCE_BYTES pieces. Both are
 anonymous mmaps: page-aligned, where a bytearray gives EINVAL.
 

@@ -101,5 +101,5 @@ def test_status_and_cluster_show_the_nvme_tier_with_one_namespace(daemon_factory
     assert any(line.startswith("default ") and " host " in line for line in out.splitlines())
     assert any(line.startswith("(all)") and " nvme " in line for line in out.splitlines())
     stats = api.get("/v1/stats")
-    assert stats["tiers"]["host"]["allocation_unit_bytes"] == 4096
+    assert stats["tiers"]["host"]["allocation_unit_bytes"] == 64  # the smallest slot (tiers/slabs.py)
     assert stats["tiers"]["nvme"]["allocation_unit_bytes"] == 4096
