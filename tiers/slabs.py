@@ -196,6 +196,7 @@ class SlabAllocator:
         """Raise RuntimeError describing the first broken invariant. O(pages + slots)."""
         self._pages.check_integrity()
         slabs = {id(s): s for s in self._slabs.values()}.values()
+        partial = {o for offsets in self._partial.values() for o in offsets}
         num_slots = slot_bytes = slab_bytes = 0
         for slab in slabs:
             c = slab.size_class
@@ -213,8 +214,8 @@ class SlabAllocator:
                 raise RuntimeError(f"{where}: free list and taken slots disagree")
             if not taken:
                 raise RuntimeError(f"{where}: empty but not given back")
-            if bool(slab.free) != (slab.offset in self._partial[c]):
-                raise RuntimeError(f"{where}: listed as partial {slab.offset in self._partial[c]}, "
+            if bool(slab.free) != (slab.offset in partial):
+                raise RuntimeError(f"{where}: listed as partial {slab.offset in partial}, "
                                    f"has {len(slab.free)} free slots")
             num_slots += taken
             slot_bytes += taken * c
@@ -222,8 +223,9 @@ class SlabAllocator:
         if sum(s.length // self._page for s in slabs) != len(self._slabs):
             raise RuntimeError("page -> slab map holds pages of no slab")
         for c, offsets in self._partial.items():
-            if offsets != sorted(set(offsets)) or any(self._slabs[o // self._page].size_class != c for o in offsets):
-                raise RuntimeError(f"partial slabs of class {c} unsorted, repeated, or of another class")
+            listed = [self._slabs.get(o // self._page) for o in offsets]
+            if offsets != sorted(set(offsets)) or any(s is None or s.size_class != c for s in listed):
+                raise RuntimeError(f"partial slabs of class {c} unsorted, repeated, gone, or of another class")
         counted = (len(slabs), slab_bytes, num_slots, slot_bytes)
         kept = (self._num_slabs, self._slab_bytes, self._num_slots, self._slot_bytes)
         if counted != kept:
