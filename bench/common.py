@@ -219,6 +219,19 @@ def scratch_dir(prefix: str) -> tempfile.TemporaryDirectory:
     return tempfile.TemporaryDirectory(prefix=prefix)
 
 
+def host_only_daemon(workdir: str, name: str, arena_bytes: int):
+    """A `kvstore serve` child (host tier only, no admin API, arena not prefaulted) with its
+    socket at <workdir>/<name>.sock; returns (process, socket path). The caller terminates it."""
+    from commands.smoke import start_daemon
+    socket_path = os.path.join(workdir, f"{name}.sock")
+    config_path = os.path.join(workdir, f"{name}.toml")
+    with open(config_path, "w") as f:
+        f.write("[admin]\nenabled = false\n[host]\nprefault = false\n")
+    daemon = start_daemon(socket_path, str(arena_bytes), extra=("--config", config_path,
+                                                                "--data-dir", os.path.join(workdir, f"data-{name}")))
+    return daemon, socket_path
+
+
 # --- reporting ----------------------------------------------------------------------
 
 

@@ -2,8 +2,8 @@
 
     .venv/bin/python bench/scale.py [--counts 10000,100000,1000000] [--size 64]
 
-For each count a fresh daemon (host tier only, no admin API, arena sized for the objects:
-each takes one 4 KiB allocation unit today) gets `count` objects of `--size` bytes through
+For each count a fresh daemon (host tier only, no admin API, arena sized as if each object
+took a 4 KiB page; a 64 B object takes a 64 B slot) gets `count` objects of `--size` bytes through
 `put_many` (batches of 1,000), then the suite measures:
 
     index bytes/object   growth of the daemon's anonymous memory (RssAnon, /proc) from just
@@ -32,11 +32,11 @@ if ROOT not in sys.path:
 
 import numpy as np  # noqa: E402
 
-from bench.common import Row, Target, median, percentile, report, scratch_dir  # noqa: E402
+from bench.common import Row, Target, host_only_daemon, median, percentile, report, scratch_dir  # noqa: E402
 
 SUITE = "scale"
 BATCH = 1000
-UNIT = 4096  # the host arena's allocation unit (tiers/arena.py PAGE_BYTES)
+UNIT = 4096  # the arena is sized as if each object took a page (tiers/arena.py PAGE_BYTES): room to spare
 SINGLE_LOOKUPS = 300
 BATCH_LOOKUPS = 15
 LOOKUP_KEYS = 4096
@@ -60,14 +60,8 @@ def ids(count: int):
 
 def measure(count: int, size: int, workdir: str) -> dict:
     from client import Client
-    from commands.smoke import start_daemon
     arena = -(-int(count * UNIT * 1.1) // UNIT) * UNIT + (64 << 20)
-    socket_path = os.path.join(workdir, f"scale-{count}.sock")
-    config_path = os.path.join(workdir, "scale.toml")
-    with open(config_path, "w") as f:
-        f.write("[admin]\nenabled = false\n[host]\nprefault = false\n")
-    daemon = start_daemon(socket_path, str(arena), extra=("--config", config_path,
-                                                          "--data-dir", os.path.join(workdir, f"data-{count}")))
+    daemon, socket_path = host_only_daemon(workdir, f"scale-{count}", arena)
     try:
         keys = ids(count)
         data = np.full(size, 7, dtype=np.uint8)
