@@ -18,8 +18,8 @@ from server.admin import objects
 from server.admin.http import ADMIN, json_body, json_response
 from server.admin.openapi import TIER_KEYS, openapi_document
 from server.later import resolve
-from tiers.slabs import SIZE_CLASSES
 from tiers.nvme import ALIGN as NVME_ALIGN
+from tiers.slabs import SIZE_CLASSES
 
 # Router calls per lookup stay bounded: 1M tokens is 4096 chunks of 256.
 MAX_LOOKUP_TOKENS = 1 << 20
