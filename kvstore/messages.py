@@ -168,7 +168,8 @@ class Lookup(Message):
         if self.expect_of is None:
             return
         if self.expect is None or len(self.expect_of) != len(self.ids):
-            raise InvalidArgument("lookup.expect_of needs expect and one byte per id")
+            raise InvalidArgument(f"lookup.expect_of needs expect and one byte per id ({len(self.ids)} ids, "
+                                  f"{len(self.expect_of)} bytes)")
         if any(i >= len(self.expect) and i != NO_EXPECTATION for i in self.expect_of):
             raise InvalidArgument(f"lookup.expect_of: an index past expect's {len(self.expect)} descriptors")
 

@@ -39,15 +39,17 @@ OCCUPIED = 1  # flags: the record holds an object (an id of 32 zero bytes is a v
 # Slots one id may occupy: a reader checks at most this many records on a miss, and a writer
 # that finds them all taken does not publish (readers then ask the daemon, as before).
 PROBE_SLOTS = 8
-# Table sizes: one slot per arena page (the smallest object takes a page), a power of two,
-# between these bounds (96 B per slot: 96 MiB at the top, touched only where records land).
+# Table sizes: one slot per KiB of arena (objects below a page share pages: tiers/slabs.py),
+# a power of two, between these bounds (96 B per slot: 96 MiB at the top, touched only where
+# records land). Past a full table's 8-slot windows an object is not published: its readers
+# ask the daemon.
 MIN_SLOTS = 1024
 MAX_SLOTS = 1 << 20
 
 
-def slots_for(arena_bytes: int, page_bytes: int = 4096) -> int:
+def slots_for(arena_bytes: int, bytes_per_slot: int = 1024) -> int:
     """The table's slot count for an arena of `arena_bytes`."""
-    wanted = max(MIN_SLOTS, min(MAX_SLOTS, arena_bytes // page_bytes))
+    wanted = max(MIN_SLOTS, min(MAX_SLOTS, arena_bytes // bytes_per_slot))
     return 1 << (wanted - 1).bit_length()
 
 

@@ -11,6 +11,7 @@ The long, coverage-guided run of the same targets is fuzz/fuzz_codec.py (atheris
 from __future__ import annotations
 
 import os
+import re
 import resource
 import subprocess
 import sys
@@ -182,4 +183,5 @@ def test_the_atheris_harness_runs_clean(tmp_path):
     proc = subprocess.run([sys.executable, harness, corpus, "-runs=30000", f"-rss_limit_mb={rss_limit_mb}",
                            f"-artifact_prefix={tmp_path}/"], capture_output=True, text=True, env=CHILD_ENV, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert "Done 30000 runs" in proc.stderr
+    done = re.search(r"Done (\d+) runs", proc.stderr)  # libFuzzer may overshoot -runs by a few
+    assert done is not None and int(done.group(1)) >= 30000, proc.stderr[-2000:]

@@ -59,7 +59,7 @@ def test_small_objects_round_trip_bit_exact_and_stats_count_their_slots(daemon):
 
 def test_a_deleted_slot_under_a_read_lease_is_not_reused_until_release(daemon):
     a, *others = ids(41, seed=2)
-    with daemon.client() as c:
+    with daemon.client(shared_index=False) as c:  # a daemon lease (not a copy from the shared index)
         c.put(a, payload(1000, a))  # the only object of its class: its slab's slot is next in line
         lease = c.get(a)
         view = lease.numpy()
