@@ -131,10 +131,10 @@ class HostTier:
     def alloc_now(self, ns: Namespace, size: int) -> Extent:
         """An extent now, victims dropped (no tier below the host arena keeps them)."""
         self.check_size(ns, size)
-        while not ns.arena.can_alloc(size):
+        while (extent := ns.arena.alloc(size)) is None:  # alloc answers None without room: one search
             for entry in self._victims(ns, size):
                 self.evict(ns, entry)
-        return ns.arena.alloc(size)
+        return extent
 
     async def make_room(self, ns: Namespace, size: int, sink: Sink | None) -> Extent:
         """An extent of `size` bytes, room made for it: the one victim loop. The sink settles
