@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Iterator
 
 import msgpack
+import numpy as np
 from rocksdict import Options, Rdict, WriteBatch, WriteOptions
 
 from kvstore.errors import CapacityError, InvalidArgument, ServiceError
@@ -107,6 +108,18 @@ def decode_extent(value: bytes) -> tuple[int, int, int] | None:
     if f != _FILE or o != _OFFSET or s != _SIZE or (t1, t2, t3) != (0xCE, 0xCF, 0xCF):
         return None
     return file, offset, size
+
+
+# decode_extent's head as a numpy record, to check a restart's records many at a time.
+EXTENT_HEAD = np.dtype([("tag", "u1"), ("f", "S5"), ("t1", "u1"), ("file", ">u4"), ("o", "S7"), ("t2", "u1"),
+                        ("offset", ">u8"), ("s", "S5"), ("t3", "u1"), ("size", ">u8")])
+assert EXTENT_HEAD.itemsize == _PREFIX.size
+
+
+def well_formed_heads(heads: np.ndarray) -> np.ndarray:
+    """Per EXTENT_HEAD record, whether decode_extent would read (file, offset, size) from it."""
+    return ((heads["f"] == _FILE) & (heads["o"] == _OFFSET) & (heads["s"] == _SIZE) & (heads["t1"] == 0xCE)
+            & (heads["t2"] == 0xCF) & (heads["t3"] == 0xCF))
 
 
 class NvmeIndex:
