@@ -165,22 +165,6 @@ class SharedReads:
         """get from the index: a lease over a private copy, or None (ask the daemon)."""
         if not self._tables or accept is not None or ranges is not None or gpu:
             return None
-        lease = self._lease(namespace, oid, want)
-        if lease is not None and self._due():
-            yield self.reports()
-        return lease
-
-    def op_get_many(self, namespace: str, wanted: list):
-        """get_many from the index: per (oid, want) item a lease over a private copy, or None
-        (ask the daemon)."""
-        if namespace not in self._tables:
-            return [None] * len(wanted)
-        leases = [self._lease(namespace, oid, want) for oid, want in wanted]
-        if self._due():
-            yield self.reports()
-        return leases
-
-    def _lease(self, namespace: str, oid, want) -> ReadLease | None:
         # The lease names the object's descriptor: `want`, else the one of a put that gave none
         # (stored under any other, it is read through the daemon, whose reply names it).
         descriptor = want if want is not None else self._opaque(namespace)
@@ -188,6 +172,8 @@ class SharedReads:
         if found is None:
             return None
         size, copy, checksum = found
+        if self._due():
+            yield self.reports()
         return ReadLease(self._core.release_cb, 0, oid, size, checksum, descriptor, "host", copy)  # 0: no daemon lease
 
     def op_read_many(self, namespace: str, prepared: list):

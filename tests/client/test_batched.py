@@ -23,10 +23,9 @@ def ids(n, seed=0):
     return [ObjectId(rng.bytes(32)) for _ in range(n)]
 
 
-@pytest.mark.parametrize("shared_index", [False, True], ids=["daemon leases", "shared index"])
-def test_get_many_leases_every_hit_bit_exact_and_release_many_ends_them(daemon, shared_index):
+def test_get_many_leases_every_hit_bit_exact_and_release_many_ends_them(daemon):
     keys = ids(1300, 1)  # more than one batch (1,024)
-    with daemon.client(shared_index=shared_index) as c:
+    with daemon.client() as c:
         assert all(r.error is None for r in c.put_many([(k, payload(512 + i, i)) for i, k in enumerate(keys)
                                                         if i % 5]))
         leases = c.get_many(keys)
@@ -35,8 +34,7 @@ def test_get_many_leases_every_hit_bit_exact_and_release_many_ends_them(daemon, 
             if lease is not None:
                 assert lease.size == 512 + i and lease.verify()
                 assert np.array_equal(lease.numpy(), payload(512 + i, i)), i
-        # From the shared index a small object is a private copy: no lease at the daemon.
-        assert c.stats()["leases"] == (0 if shared_index else sum(lease is not None for lease in leases))
+        assert c.stats()["leases"] == sum(lease is not None for lease in leases)
         leases[1].release()  # released already: release_many skips it
         c.release_many(leases)
         assert c.stats()["leases"] == 0
@@ -146,7 +144,7 @@ def test_a_namespace_not_opened_is_refused_and_one_in_another_tenant_is_not_read
 
 def test_release_many_ends_what_it_holds_and_names_what_it_did_not(daemon):
     keys = ids(3, 6)
-    with daemon.client(shared_index=False) as c:
+    with daemon.client() as c:
         c.put_many([(k, payload(64, i)) for i, k in enumerate(keys)])
         leases = c.get_many(keys)
         held = [lease.lease_id for lease in leases]
@@ -158,7 +156,7 @@ def test_release_many_ends_what_it_holds_and_names_what_it_did_not(daemon):
 def test_get_many_past_the_lease_quota_raises_and_keeps_no_lease(daemon_factory):
     d = daemon_factory(config={"limits": {"max_leases_per_client": 3}})
     keys = ids(5, 7)
-    with d.client(shared_index=False) as c:  # daemon leases (the shared index would hand out copies)
+    with d.client() as c:
         c.put_many([(k, payload(64, i)) for i, k in enumerate(keys)])
         with pytest.raises(LimitExceeded, match="max_leases_per_client"):
             c.get_many(keys)
