@@ -93,7 +93,7 @@ class HostTier:
         finally:
             del self._creating[name]
         ns = Namespace(name, arena, make_policy(config.policy, config.arena_bytes),
-                       shared=shared_index(config.shared_index, name, config.arena_bytes))
+                       shared=shared_index(config.shared_index, name, config.arena_bytes, config.prefault))
         self.namespaces[name] = ns
         log.info("event=namespace_open namespace=%s arena_bytes=%d", name, config.arena_bytes)
         return ns

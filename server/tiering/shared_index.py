@@ -58,6 +58,7 @@ Runs on the daemon's event loop thread only, like the rest of the host tier.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import logging
@@ -72,6 +73,7 @@ from kvstore.shared_index import (
     descriptor_digest, file_bytes, home_slot, record_at, slots_for,
 )
 from server.tiering.objects import ObjectEntry
+from tiers.arena import MADV_POPULATE_WRITE
 
 log = logging.getLogger("kvstore.tiers")
 
@@ -89,7 +91,10 @@ class SharedIndex:
 
     enabled = True
 
-    def __init__(self, namespace: str, arena_bytes: int):
+    def __init__(self, namespace: str, arena_bytes: int, prefault: bool = False):
+        """prefault (as the arena's [host] prefault): populate the table's pages now. Records
+        land at random slots, so otherwise most of the first puts fault in a fresh page
+        (measured: 1,000 puts of 4 KiB took 44.5 ms against 34.6 ms with no index)."""
         self.slots = slots_for(arena_bytes)
         self.size_bytes = file_bytes(self.slots)
         self.num_published = 0
@@ -99,6 +104,9 @@ class SharedIndex:
             os.ftruncate(self.fd, self.size_bytes)
             fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
             self._map = mmap.mmap(self.fd, self.size_bytes, flags=mmap.MAP_SHARED)
+            if prefault:
+                with contextlib.suppress(OSError):  # MADV_POPULATE_WRITE needs Linux 5.14
+                    self._map.madvise(MADV_POPULATE_WRITE)
             HEADER.pack_into(self._map, 0, MAGIC, VERSION, self.slots, RECORD_BYTES, time.monotonic() + ALIVE_S)
             try:
                 fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, F_SEAL_FUTURE_WRITE)
@@ -197,8 +205,9 @@ class NoSharedIndex:
 NO_SHARED_INDEX = NoSharedIndex()
 
 
-def shared_index(enabled: bool, namespace: str, arena_bytes: int) -> SharedIndex | NoSharedIndex:
-    return SharedIndex(namespace, arena_bytes) if enabled else NO_SHARED_INDEX
+def shared_index(enabled: bool, namespace: str, arena_bytes: int,
+                 prefault: bool = False) -> SharedIndex | NoSharedIndex:
+    return SharedIndex(namespace, arena_bytes, prefault) if enabled else NO_SHARED_INDEX
 
 
 def count_shared_hits(manager, namespace: str, ids: tuple) -> None:
