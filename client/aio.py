@@ -63,6 +63,7 @@ class AsyncClient:
             ) from None
         self._sock = sock
         self.core = ClientCore(self.namespace, self.token, self._release, self.shared_index)
+        self.core.shared.watch(sock)
         self._loop.add_reader(sock.fileno(), self._on_readable)
         self.server_info = await self._run(self.core.op_hello(self.client_name))
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 import mmap
 import os
 import platform
+import select
 import time
 
 import numpy as np
@@ -79,6 +80,14 @@ class SharedReads:
         self.num_refused = 0  # copies refused: their record or bytes changed while being copied
         self._oldest = 0.0  # when the oldest unreported hit was
         self._digests: dict[int, tuple[StateDescriptor, int]] = {}  # id(descriptor) -> (it, its digest)
+        self._hangup = None  # select.poll on the daemon socket: anything it reports means the daemon left
+
+    def watch(self, sock) -> None:
+        """Read from the tables only while `sock`, the connection to the daemon, is up: a
+        daemon that died (SIGKILL) closes it at once, while its table's keep-alive lapses
+        only after ALIVE_S. One poll(0) per read, about half a microsecond."""
+        self._hangup = select.poll()
+        self._hangup.register(sock.fileno(), select.POLLRDHUP)  # POLLHUP and POLLERR come anyway
 
     @property
     def wanted(self) -> bool:
@@ -125,6 +134,8 @@ class SharedReads:
         if found is None or arena is None:
             return None
         table, mask = found
+        if self._hangup is not None and self._hangup.poll(0):  # the daemon closed our connection
+            return None
         now = time.monotonic()
         if ALIVE.unpack_from(table, ALIVE_AT)[0] <= now:  # the daemon stopped keeping it (or died)
             return None

@@ -96,6 +96,7 @@ class Client:
             ) from None
         self._sock = sock
         self.core = ClientCore(self.namespace, self.token, self._release, self.shared_index)
+        self.core.shared.watch(sock)
         self.server_info = self._run(self.core.op_hello(self.client_name))
 
     def reconnect(self) -> None:

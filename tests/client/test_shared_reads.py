@@ -260,3 +260,19 @@ def test_readers_racing_deletes_evictions_and_reused_extents_get_only_exact_byte
         stats = host_stats(c)
         assert stats["num_evictions"] > 0 and stats["num_deletes"] > 0
         assert stats["num_shared_hits"] > 0  # the readers read the index (reported as they closed)
+
+
+def test_a_killed_daemons_table_is_not_read_even_before_its_keep_alive_lapses(daemon):
+    """SIGKILL leaves the table's keep-alive seconds ahead; the closed socket says at once
+    that the daemon left, so a read is the daemon's question (a DaemonUnavailable), as an
+    adapter's "exists" already is, never bytes from a dead daemon."""
+    key = oid("killed")
+    with daemon.client() as c:
+        c.put(key, payload(4096, key))
+        out = np.zeros(4096, np.uint8)
+        assert c.get_into(key, out) == 4096  # from the table
+        daemon.stop(signal.SIGKILL)
+        with pytest.raises(DaemonUnavailable):
+            c.get_into(key, out)
+        with pytest.raises(DaemonUnavailable):
+            c.get(key)
