@@ -24,6 +24,7 @@ from kvstore.errors import CapacityError, NotFound
 from kvstore.identity import ObjectId
 from kvstore.policy import make_policy
 from server.host_memory import check_new_arena, host_memory
+from server.later import MaybeAwaitable
 from server.tiering.expiry import ExpiryQueue
 from server.tiering.namespace import Namespace, give_back_heap
 from server.tiering.objects import ObjectEntry
@@ -136,18 +137,20 @@ class HostTier:
                 self.evict(ns, entry)
         return extent
 
-    async def make_room(self, ns: Namespace, size: int, sink: Sink | None) -> Extent:
+    def make_room(self, ns: Namespace, size: int, sink: Sink | None) -> MaybeAwaitable[Extent]:
         """An extent of `size` bytes, room made for it: the one victim loop. The sink settles
-        each batch of victims (writes them down a tier, sends them home); None drops them."""
+        each batch of victims (writes them down a tier, sends them home); None drops them.
+        The extent itself when there is room already (or no sink), else an awaitable of it."""
         if sink is None:
             return self.alloc_now(ns, size)
         self.check_size(ns, size)
-        while True:
-            while not ns.arena.can_alloc(size):
-                await sink(ns, self._victims(ns, size))
-            extent = ns.arena.alloc(size)
-            if extent is not None:
-                return extent
+        extent = ns.arena.alloc(size)
+        return extent if extent is not None else self._room_made(ns, size, sink)
+
+    async def _room_made(self, ns: Namespace, size: int, sink: Sink) -> Extent:
+        while (extent := ns.arena.alloc(size)) is None:
+            await sink(ns, self._victims(ns, size))
+        return extent
 
     def settle_victims(self, ns: Namespace, entries: list[ObjectEntry]) -> list[ObjectEntry]:
         """Victims whose copy elsewhere was awaited: evict those still idle; a victim read or

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Awaitable, Callable
+from typing import Callable
 
 import xxhash
 
@@ -29,7 +29,7 @@ from kvstore.replies import MISS, CommitReply, GetReply, ReserveReply
 from server.tiering.absent import NoCluster, NoGpu, NoNvme
 from server.tiering.host import HostTier, Namespace, give_back_heap
 from server.tiering.index_ops import IndexOps
-from server.later import MaybeAwaitable, is_ready, resolve
+from server.later import MaybeAwaitable, is_ready, resolve, then
 from server.tiering.objects import ObjectEntry, PendingPut, check_same_object
 from server.tiering.quotas import ClientQuotas
 from tiers.allocator import Extent
@@ -83,9 +83,9 @@ class TierManager:
         """The GPU tier joins the chain (made at start: it needs the probe, and device memory)."""
         self.gpu = gpu
 
-    def allocate(self, ns: Namespace, size: int) -> Awaitable[Extent]:
+    async def allocate(self, ns: Namespace, size: int) -> Extent:
         """An extent in the host arena, room made for it by the chain's sink."""
-        return self.host.make_room(ns, size, self.sink)
+        return await resolve(self.host.make_room(ns, size, self.sink))
 
     def _left_host(self, ns: Namespace, entry: ObjectEntry) -> None:
         self.gpu.forget(ns.name, entry.object_id.digest)
@@ -118,12 +118,8 @@ class TierManager:
                 check_same_object(msg.object_id, held.size, held.descriptor, msg.size, msg.descriptor)
         self.quotas.check_lease(owner)
         self.quotas.check_reserve(owner, msg.size)
-        if self.tiered and not ns.arena.can_alloc(msg.size):
-            return self._reserve_after_room(owner, ns, msg)
-        return self._grant_write(owner, ns, msg, self.host.alloc_now(ns, msg.size))
-
-    async def _reserve_after_room(self, owner: Owner, ns: Namespace, msg: Reserve) -> ReserveReply:
-        return self._grant_write(owner, ns, msg, await self.allocate(ns, msg.size))
+        room = self.host.make_room(ns, msg.size, self.sink)  # the extent now, unless victims must go first
+        return then(room, lambda extent: self._grant_write(owner, ns, msg, extent))
 
     def _grant_write(self, owner: Owner, ns: Namespace, msg: Reserve, extent: Extent) -> ReserveReply:
         lease = self.leases.grant(owner, None, extent, "write", self.limits_config.lease_ttl_s, self.clock())

@@ -30,7 +30,7 @@ from kvstore.replies import IN_MEMORY, CommitReply
 from kvstore.policy import make_policy
 from kvstore.policy.base import sparse
 from kvstore.policy.admission import FrequencyAdmission
-from server.later import MaybeAwaitable
+from server.later import MaybeAwaitable, resolve
 from server.tiering.nvme_flush import flush_host
 from server.tiering.objects import ObjectEntry
 from tiers.nvme import NvmeTier
@@ -314,7 +314,7 @@ class TierMover:
             self._forget(key)
             return None
         ns = await self.host.open_namespace(namespace)
-        extent = await self.host.make_room(ns, meta.size, self.take_victims)
+        extent = await resolve(self.host.make_room(ns, meta.size, self.take_victims))
         self.host.track_transient(ns, extent, add=True)
         try:
             start = time.perf_counter()
