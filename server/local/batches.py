@@ -123,12 +123,9 @@ def _misses(n: int) -> r.GetManyReply:
 
 
 async def _get_many_without_arena(mgr, owner: int, msg: m.GetMany, ids) -> r.GetManyReply:
-    """A namespace with no arena here: its objects may still be on NVMe or at a peer, and
-    their bytes need an arena to land in. Make one only if one of them is found there."""
-    found = await resolve(mgr.lookup(msg.namespace, tuple(oid.digest for oid in ids)))
-    if found.hits == 0 and all(tier is None for tier in found.tiers):
+    """A namespace with no arena here: served once one is made for what is held elsewhere."""
+    if not await mgr.arena_if_held(msg.namespace, tuple(oid.digest for oid in ids)):
         return _misses(len(ids))
-    await mgr.open_namespace(msg.namespace)
     return await resolve(get_many(mgr, owner, msg))
 
 

@@ -259,12 +259,9 @@ class LocalConnection(asyncio.Protocol):
         return _Retry(msg)
 
     async def _arena_for_read(self, msg: m.Get):
-        """A get in a namespace with no arena here: the object may still be on NVMe or at a
-        peer, and its bytes need an arena to land in. Make one only if it is found there."""
-        found = await resolve(self.manager.lookup(msg.namespace, (msg.object_id.digest,)))  # as a Lookup carries ids
-        if found.tiers[0] is None:
+        """A get in a namespace with no arena here: answered once one is made for it."""
+        if not await self.manager.arena_if_held(msg.namespace, (msg.object_id.digest,)):
             return r.MISS
-        await self.manager.open_namespace(msg.namespace)
         return _Retry(msg)
 
     # --- output -----------------------------------------------------------------------

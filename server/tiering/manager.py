@@ -87,6 +87,16 @@ class TierManager:
         """An extent in the host arena, room made for it by the chain's sink."""
         return await resolve(self.host.make_room(ns, size, self.sink))
 
+    async def arena_if_held(self, namespace: str, digests: tuple) -> bool:
+        """A read in a namespace with no arena here: its objects may still be on NVMe or at a
+        peer, and their bytes need an arena to land in. Make one (True) only if one of them
+        is found there. `digests`: raw 32-byte ids, as a Lookup carries them."""
+        found = await resolve(self.lookup(namespace, digests))
+        if all(tier is None for tier in found.tiers):
+            return False
+        await self.open_namespace(namespace)
+        return True
+
     def _left_host(self, ns: Namespace, entry: ObjectEntry) -> None:
         self.gpu.forget(ns.name, entry.object_id.digest)
         if not self.mover.holds(ns.name, entry.object_id):  # gone from this node altogether
