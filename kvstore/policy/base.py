@@ -5,22 +5,29 @@ from __future__ import annotations
 import abc
 import math
 from collections.abc import Callable, Hashable
-from dataclasses import dataclass
 
 from kvstore.errors import InvalidArgument
 
 # Same range as `Hints.priority`: tiers pass the hint through unchanged.
 MIN_PRIORITY, MAX_PRIORITY = -10, 10
 
+# What a policy remembers about a tracked object is one int, its state, not an object per key:
+# a tier may track tens of millions of objects, and an object with its dict costs ~120 B more
+# (issue 15). Bits 0-1: freq (0..3, hits not yet spent); bit 2: in S3-FIFO's main queue;
+# bits 3-7: priority - MIN_PRIORITY; bits 8 and up: size_bytes. Only freq and the queue bit
+# ever change. A recompute cost, when hinted, is kept beside it (EvictionPolicy._costs).
+FREQ_MASK = 0b11
+IN_MAIN = 1 << 2
+PRIORITY_SHIFT = 3
+SIZE_SHIFT = 8
 
-@dataclass(slots=True)
-class PolicyEntry:
-    """What a policy remembers about one tracked object. Only `freq` ever changes."""
 
-    size_bytes: int
-    recompute_cost: float | None
-    priority: int
-    freq: int = 0
+def size_of(state: int) -> int:
+    return state >> SIZE_SHIFT
+
+
+def priority_of(state: int) -> int:
+    return ((state >> PRIORITY_SHIFT) & 0b11111) + MIN_PRIORITY
 
 
 class EvictionPolicy(abc.ABC):
@@ -41,7 +48,8 @@ class EvictionPolicy(abc.ABC):
         if not _is_int(capacity_bytes) or capacity_bytes <= 0:
             raise InvalidArgument(f"capacity_bytes must be a positive integer, got {capacity_bytes!r}")
         self.capacity_bytes = capacity_bytes
-        self._entries: dict[Hashable, PolicyEntry] = {}
+        self._entries: dict[Hashable, int] = {}  # key -> state (see FREQ_MASK)
+        self._costs: dict[Hashable, float] = {}  # key -> recompute cost, for keys that were given one
         self._tracked_bytes = 0
         self._peak_entries = 0  # the most keys tracked since the last compact()
 
@@ -92,12 +100,14 @@ class EvictionPolicy(abc.ABC):
     def check_integrity(self) -> None:
         """Raise RuntimeError naming the first inconsistency in the bookkeeping. O(n)."""
         total = 0
-        for key, entry in self._entries.items():
-            if entry.size_bytes <= 0:
-                raise self._integrity_error(f"key {key!r} has size {entry.size_bytes}")
-            total += entry.size_bytes
+        for key, state in self._entries.items():
+            if size_of(state) <= 0 or not MIN_PRIORITY <= priority_of(state) <= MAX_PRIORITY:
+                raise self._integrity_error(f"key {key!r} has size {size_of(state)}, priority {priority_of(state)}")
+            total += size_of(state)
         if total != self._tracked_bytes:
             raise self._integrity_error(f"tracked_bytes is {self._tracked_bytes}, entries sum to {total}")
+        if not self._costs.keys() <= self._entries.keys():
+            raise self._integrity_error("a recompute cost is kept for a key that is not tracked")
         self._check_structure()
 
     def _integrity_error(self, message: str) -> RuntimeError:
@@ -105,8 +115,9 @@ class EvictionPolicy(abc.ABC):
 
     def _add_entry(
         self, key: Hashable, size_bytes: int, recompute_cost: float | None, priority: int
-    ) -> PolicyEntry:
-        """Validate an insert and record the entry; the caller places it in its queues."""
+    ) -> int:
+        """Validate an insert and record its state (freq 0, not in main); the caller places it
+        in its queues."""
         if key in self._entries:
             raise InvalidArgument(f"key {key!r} is already tracked; remove it before inserting it again")
         if not _is_int(size_bytes) or size_bytes <= 0:
@@ -120,12 +131,14 @@ class EvictionPolicy(abc.ABC):
             raise InvalidArgument(
                 f"priority must be an integer in {MIN_PRIORITY}..{MAX_PRIORITY}, got {priority!r}"
             )
-        entry = PolicyEntry(size_bytes, recompute_cost, priority)
-        self._entries[key] = entry
+        state = size_bytes << SIZE_SHIFT | (priority - MIN_PRIORITY) << PRIORITY_SHIFT
+        self._entries[key] = state
+        if recompute_cost is not None:
+            self._costs[key] = recompute_cost
         self._tracked_bytes += size_bytes
         if len(self._entries) > self._peak_entries:
             self._peak_entries = len(self._entries)
-        return entry
+        return state
 
     def compact(self) -> bool:
         """Rebuild the containers once removals left them sparse (a quarter of their peak or
@@ -133,7 +146,7 @@ class EvictionPolicy(abc.ABC):
         million keys keeps their tables after they go. Order is kept. True if it rebuilt."""
         if not sparse(len(self._entries), self._peak_entries):
             return False
-        self._entries = dict(self._entries)
+        self._entries, self._costs = dict(self._entries), dict(self._costs)
         self._rebuild_queues()
         self._peak_entries = len(self._entries)
         return True
@@ -141,11 +154,13 @@ class EvictionPolicy(abc.ABC):
     def _rebuild_queues(self) -> None:
         """Copy each queue into a fresh container of the same kind and order (compact)."""
 
-    def _drop_entry(self, key: Hashable) -> PolicyEntry:
-        """Forget a tracked key's entry; the caller takes it out of its queues."""
-        entry = self._entries.pop(key)
-        self._tracked_bytes -= entry.size_bytes
-        return entry
+    def _drop_entry(self, key: Hashable) -> int:
+        """Forget a tracked key; its state is returned, the caller takes it out of its queues."""
+        state = self._entries.pop(key)
+        if self._costs:
+            self._costs.pop(key, None)
+        self._tracked_bytes -= size_of(state)
+        return state
 
 
 # Below this many keys at peak a sparse table costs less than rebuilding it.

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable
 
-from kvstore.policy.base import PolicyEntry
+from kvstore.policy.base import FREQ_MASK, priority_of, size_of
 from kvstore.policy.s3fifo import S3FIFO, _Scan
 
 # Wide enough to find a cheap object near the tail, narrow enough that age still
@@ -28,11 +28,13 @@ CANDIDATE_WINDOW = 4
 PRIORITY_DOUBLING = 5
 
 
-def score(entry: PolicyEntry) -> float:
-    """Worth of keeping `entry`, per byte it occupies; the lowest is evicted first."""
-    cost = entry.size_bytes if entry.recompute_cost is None else entry.recompute_cost
-    reuse_weight = (1 + entry.freq) * 2 ** (entry.priority / PRIORITY_DOUBLING)
-    return cost * reuse_weight / entry.size_bytes
+def score(state: int, recompute_cost: float | None) -> float:
+    """Worth of keeping an object (its policy state and cost hint), per byte it occupies;
+    the lowest is evicted first."""
+    size = size_of(state)
+    cost = size if recompute_cost is None else recompute_cost
+    reuse_weight = (1 + (state & FREQ_MASK)) * 2 ** (priority_of(state) / PRIORITY_DOUBLING)
+    return cost * reuse_weight / size
 
 
 class CostAwareS3FIFO(S3FIFO):
@@ -40,8 +42,8 @@ class CostAwareS3FIFO(S3FIFO):
 
     name = "cost_aware"
 
-    def _select(self, from_small: bool, scan: _Scan) -> tuple[Hashable, PolicyEntry] | None:
-        candidates: list[tuple[Hashable, PolicyEntry]] = []
+    def _select(self, from_small: bool, scan: _Scan) -> tuple[Hashable, int] | None:
+        candidates: list[tuple[Hashable, int]] = []
         while len(candidates) < CANDIDATE_WINDOW:
             picked = self._next_candidate(from_small, scan)
             if picked is None:
@@ -50,6 +52,7 @@ class CostAwareS3FIFO(S3FIFO):
         if not candidates:
             return None
         # min() keeps the first of equal scores: the oldest, as plain FIFO would.
-        best = min(range(len(candidates)), key=lambda i: score(candidates[i][1]))
-        self._push_tail(self._queue(from_small), candidates[:best] + candidates[best + 1 :])
+        costs = self._costs
+        best = min(range(len(candidates)), key=lambda i: score(candidates[i][1], costs.get(candidates[i][0])))
+        self._push_tail(self._queue(from_small), [key for key, _ in candidates[:best] + candidates[best + 1 :]])
         return candidates[best]

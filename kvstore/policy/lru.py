@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
 
-from kvstore.policy.base import EvictionPolicy
+from kvstore.policy.base import EvictionPolicy, size_of
 
 
 class LRU(EvictionPolicy):
@@ -51,7 +51,7 @@ class LRU(EvictionPolicy):
             while freed < bytes_needed and self._order:
                 key, _ = self._order.popitem(last=False)
                 if evictable(key):
-                    freed += self._drop_entry(key).size_bytes
+                    freed += size_of(self._drop_entry(key))
                     chosen.append(key)
                 else:
                     skipped.append(key)

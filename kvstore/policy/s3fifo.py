@@ -12,37 +12,48 @@
                 else:           t is the victim
     G holds keys only, FIFO, bounded by M's share of the capacity and a fixed entry count.
     A pinned or leased tail (evictable(t) is False) is stepped over and left exactly as it was.
+
+S and M are deques of keys (8 B a key) with each key's state in one int (base.py): an
+OrderedDict node and an entry object cost ~170 B a key. A removed key's place stays queued
+until the queue reaches it or stale places outnumber live keys (then the queues are rebuilt);
+`_stale` counts those places per key, so the queue skips exactly them. A queue holds a key's
+stale places ahead of its live one (they were queued before it was removed), so a key removed
+and inserted again still takes its new place.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 
-from kvstore.policy.base import EvictionPolicy, PolicyEntry
+from kvstore.policy.base import (
+    COMPACT_MIN_KEYS,
+    FREQ_MASK,
+    IN_MAIN,
+    EvictionPolicy,
+    size_of,
+)
 
 # The paper's default: a 10% probation queue drops most one-hit wonders before they
 # displace anything in M, yet is long enough for a real re-use to arrive in time.
 SMALL_QUEUE_FRACTION = 0.10
 # Saturating at 3 lets a hot object survive three trips through M, in 2 bits of state.
-MAX_FREQ = 3
+MAX_FREQ = FREQ_MASK
 # Hits needed while in S to be promoted: "accessed at least once since insertion".
 PROMOTE_MIN_FREQ = 1
 # A ghost entry costs ~200 bytes of Python memory; this keeps the ghost near 50 MB even
 # when objects are so small that the byte bound alone would allow millions of keys.
 MAX_GHOST_ENTRIES = 1 << 18
 
-Queue = OrderedDict  # oldest (tail) first, newest (head) last
-
 
 @dataclass(slots=True)
 class _Scan:
-    """State of one victims() call: the caller's predicate and what it stepped over."""
+    """State of one victims() call: the caller's predicate and the keys it stepped over."""
 
     evictable: Callable[[Hashable], bool]
-    skipped_small: list[tuple[Hashable, PolicyEntry]] = field(default_factory=list)
-    skipped_main: list[tuple[Hashable, PolicyEntry]] = field(default_factory=list)
+    skipped_small: list[Hashable] = field(default_factory=list)
+    skipped_main: list[Hashable] = field(default_factory=list)
 
 
 class S3FIFO(EvictionPolicy):
@@ -54,9 +65,12 @@ class S3FIFO(EvictionPolicy):
         super().__init__(capacity_bytes)
         self.small_target_bytes = max(1, int(capacity_bytes * SMALL_QUEUE_FRACTION))
         self.ghost_capacity_bytes = capacity_bytes - self.small_target_bytes
-        self._small: Queue[Hashable, PolicyEntry] = OrderedDict()
-        self._main: Queue[Hashable, PolicyEntry] = OrderedDict()
-        self._ghost: Queue[Hashable, int] = OrderedDict()  # key -> size it had
+        self._small: deque = deque()  # keys, oldest (tail) first, newest (head) last
+        self._main: deque = deque()
+        self._ghost: OrderedDict[Hashable, int] = OrderedDict()  # key -> size it had; bounded
+        # Per queue (S, M): key -> how many of its places there are stale (removed keys').
+        self._stale: tuple[dict[Hashable, int], dict[Hashable, int]] = ({}, {})
+        self._num_stale = 0
         # Bytes of S and M include entries a victims() call has stepped over.
         self._small_bytes = 0
         self._main_bytes = 0
@@ -65,29 +79,35 @@ class S3FIFO(EvictionPolicy):
     def on_insert(
         self, key: Hashable, size_bytes: int, recompute_cost: float | None = None, priority: int = 0
     ) -> None:
-        entry = self._add_entry(key, size_bytes, recompute_cost, priority)
+        state = self._add_entry(key, size_bytes, recompute_cost, priority)
         if key in self._ghost:
             self._ghost_bytes -= self._ghost.pop(key)
-            self._main[key] = entry
+            self._entries[key] = state | IN_MAIN
+            self._main.append(key)
             self._main_bytes += size_bytes
         else:
-            self._small[key] = entry
+            self._small.append(key)
             self._small_bytes += size_bytes
 
     def on_access(self, key: Hashable) -> None:
-        entry = self._entries.get(key)
-        if entry is not None and entry.freq < MAX_FREQ:
-            entry.freq += 1
+        state = self._entries.get(key)
+        if state is not None and state & FREQ_MASK < MAX_FREQ:
+            self._entries[key] = state + 1
 
     def on_remove(self, key: Hashable) -> None:
         if key not in self._entries:
             return
-        entry = self._drop_entry(key)
-        if self._small.pop(key, None) is not None:
-            self._small_bytes -= entry.size_bytes
+        state = self._drop_entry(key)
+        in_main = bool(state & IN_MAIN)
+        if in_main:
+            self._main_bytes -= size_of(state)
         else:
-            del self._main[key]
-            self._main_bytes -= entry.size_bytes
+            self._small_bytes -= size_of(state)
+        stale = self._stale[in_main]
+        stale[key] = stale.get(key, 0) + 1
+        self._num_stale += 1
+        if self._num_stale > max(COMPACT_MIN_KEYS, len(self._entries)):
+            self._drop_stale()
 
     def victims(self, bytes_needed: int, evictable: Callable[[Hashable], bool]) -> list:
         if bytes_needed <= 0:
@@ -107,80 +127,121 @@ class S3FIFO(EvictionPolicy):
                 picked = self._select(from_small, scan)
                 if picked is None:
                     continue
-                key, entry = picked
-                self._evict(key, entry, from_small)
+                key, state = picked
+                self._evict(key, state, from_small)
                 chosen.append(key)
-                freed += entry.size_bytes
+                freed += size_of(state)
         finally:
             self._push_tail(self._small, scan.skipped_small)
             self._push_tail(self._main, scan.skipped_main)
         return chosen
 
-    def _select(self, from_small: bool, scan: _Scan) -> tuple[Hashable, PolicyEntry] | None:
-        """Hook: the victim to take from S or M, already popped from it; None if it ran dry."""
+    def _select(self, from_small: bool, scan: _Scan) -> tuple[Hashable, int] | None:
+        """Hook: the victim (key, state) to take from S or M, already popped from it; None if
+        it ran dry."""
         return self._next_candidate(from_small, scan)
 
-    def _next_candidate(self, from_small: bool, scan: _Scan) -> tuple[Hashable, PolicyEntry] | None:
+    def _next_candidate(self, from_small: bool, scan: _Scan) -> tuple[Hashable, int] | None:
         """Run S3-FIFO from the queue's tail until an evictable, exhausted entry comes out."""
         queue = self._queue(from_small)
+        stale = self._stale[not from_small]
+        entries = self._entries
         while queue:
-            key, entry = queue.popitem(last=False)
+            key = queue.popleft()
+            if stale and key in stale:  # its stale places come first: this is one
+                self._consume_stale(stale, key)
+                continue
+            state = entries[key]
             if not scan.evictable(key):
-                (scan.skipped_small if from_small else scan.skipped_main).append((key, entry))
-            elif from_small and entry.freq >= PROMOTE_MIN_FREQ:
-                self._small_bytes -= entry.size_bytes
-                self._main[key] = entry
-                self._main_bytes += entry.size_bytes
-            elif not from_small and entry.freq > 0:
-                entry.freq -= 1
-                queue[key] = entry
+                (scan.skipped_small if from_small else scan.skipped_main).append(key)
+            elif from_small and state & FREQ_MASK >= PROMOTE_MIN_FREQ:
+                self._small_bytes -= size_of(state)
+                entries[key] = state | IN_MAIN
+                self._main.append(key)
+                self._main_bytes += size_of(state)
+            elif not from_small and state & FREQ_MASK:
+                entries[key] = state - 1
+                queue.append(key)
             else:
-                return key, entry
+                return key, state
         return None
 
-    def _rebuild_queues(self) -> None:
-        self._small, self._main, self._ghost = OrderedDict(self._small), OrderedDict(self._main), OrderedDict(self._ghost)
+    def _consume_stale(self, stale: dict[Hashable, int], key: Hashable) -> None:
+        """One stale place of `key` left its queue."""
+        left = stale[key] - 1
+        if left:
+            stale[key] = left
+        else:
+            del stale[key]
+        self._num_stale -= 1
 
-    def _queue(self, small: bool) -> Queue[Hashable, PolicyEntry]:
+    def _drop_stale(self) -> None:
+        """Rebuild S and M without the places of removed keys (order kept)."""
+        for in_main in (False, True):
+            stale, queue = self._stale[in_main], self._queue(not in_main)
+            kept = deque()
+            for key in queue:
+                if stale and key in stale:
+                    self._consume_stale(stale, key)
+                else:
+                    kept.append(key)
+            if in_main:
+                self._main = kept
+            else:
+                self._small = kept
+
+    def _rebuild_queues(self) -> None:
+        self._drop_stale()
+        self._ghost = OrderedDict(self._ghost)
+
+    def _queue(self, small: bool) -> deque:
         return self._small if small else self._main
 
     @staticmethod
-    def _push_tail(queue: Queue, items: list[tuple[Hashable, PolicyEntry]]) -> None:
-        """Put popped entries back at the tail, oldest first, in their original order."""
-        for key, entry in reversed(items):
-            queue[key] = entry
-            queue.move_to_end(key, last=False)
+    def _push_tail(queue: deque, keys: list[Hashable]) -> None:
+        """Put popped keys back at the tail, oldest first, in their original order."""
+        queue.extendleft(reversed(keys))
 
-    def _evict(self, key: Hashable, entry: PolicyEntry, from_small: bool) -> None:
+    def _evict(self, key: Hashable, state: int, from_small: bool) -> None:
         self._drop_entry(key)
+        size = size_of(state)
         if not from_small:
-            self._main_bytes -= entry.size_bytes
+            self._main_bytes -= size
             return
-        self._small_bytes -= entry.size_bytes
-        self._ghost[key] = entry.size_bytes  # never already there: ghost keys are untracked
-        self._ghost_bytes += entry.size_bytes
+        self._small_bytes -= size
+        self._ghost[key] = size  # never already there: ghost keys are untracked
+        self._ghost_bytes += size
         while self._ghost and (
             self._ghost_bytes > self.ghost_capacity_bytes or len(self._ghost) > MAX_GHOST_ENTRIES
         ):
             self._ghost_bytes -= self._ghost.popitem(last=False)[1]
 
     def _check_structure(self) -> None:
-        if self._small.keys() & self._main.keys():
-            raise self._integrity_error("a key is in both S and M")
-        if len(self._small) + len(self._main) != len(self._entries):
-            raise self._integrity_error(
-                f"S and M hold {len(self._small) + len(self._main)} keys, {len(self._entries)} are tracked"
-            )
-        for name, queue, recorded in (("S", self._small, self._small_bytes), ("M", self._main, self._main_bytes)):
+        live = 0
+        for name, in_main, queue, recorded in (("S", False, self._small, self._small_bytes),
+                                               ("M", True, self._main, self._main_bytes)):
+            places: dict[Hashable, int] = {}
+            for key in queue:
+                places[key] = places.get(key, 0) + 1
             total = 0
-            for key, entry in queue.items():
-                if self._entries.get(key) is not entry:
-                    raise self._integrity_error(f"{name} holds {key!r} but its entry is not the tracked one")
-                if not 0 <= entry.freq <= MAX_FREQ:
-                    raise self._integrity_error(f"{key!r} has freq {entry.freq}")
-                total += entry.size_bytes
+            for key, count in places.items():
+                state = self._entries.get(key)
+                mine = state is not None and bool(state & IN_MAIN) == in_main
+                if count != mine + self._stale[in_main].get(key, 0):
+                    raise self._integrity_error(
+                        f"{name} holds {count} places of {key!r}: {int(mine)} live, "
+                        f"{self._stale[in_main].get(key, 0)} stale are recorded")
+                if mine:
+                    total += size_of(state)
+                    live += 1
+            if self._stale[in_main].keys() - places.keys():
+                raise self._integrity_error(f"{name} records stale places that it does not hold")
             if total != recorded:
                 raise self._integrity_error(f"{name} records {recorded} bytes, holds {total}")
+        if live != len(self._entries):
+            raise self._integrity_error(f"S and M hold {live} live keys, {len(self._entries)} are tracked")
+        if self._num_stale != sum(map(sum, (s.values() for s in self._stale))):
+            raise self._integrity_error(f"{self._num_stale} stale places are counted, the maps record others")
         if self._ghost.keys() & self._entries.keys():
             raise self._integrity_error("a tracked key is also in the ghost queue")
         if sum(self._ghost.values()) != self._ghost_bytes:

@@ -274,6 +274,45 @@ def test_ghost_stays_bounded(cls):
     policy.check_integrity()
 
 
+@pytest.mark.parametrize("cls", FIFO_POLICIES)
+def test_a_key_removed_and_inserted_again_takes_its_new_place(cls):
+    policy = cls(10**6)
+    for key in "abc":
+        policy.on_insert(key, 10)
+    policy.on_remove("a")  # its old place, ahead of b, stays queued (stale) ...
+    policy.on_insert("a", 10)
+    policy.check_integrity()
+    assert policy.victims(10**9, always) == ["b", "c", "a"]  # ... and is skipped, not taken as a's
+    policy.check_integrity()
+
+
+@pytest.mark.parametrize("cls", FIFO_POLICIES)
+def test_stale_places_of_removed_keys_are_dropped_once_they_outnumber_live_keys(cls):
+    from kvstore.policy.base import COMPACT_MIN_KEYS
+    policy = cls(1 << 40)
+    n = 3 * COMPACT_MIN_KEYS
+    for key in range(n):
+        policy.on_insert(key, 10)
+    for key in range(0, n, 2):
+        policy.on_access(key)
+    policy.victims(10 * (n // 2), always)  # half move to M or go, so both queues hold keys
+    for key in range(n):
+        policy.on_remove(key)
+        assert len(policy._small) + len(policy._main) <= len(policy) + max(COMPACT_MIN_KEYS, len(policy)) + 1
+    policy.check_integrity()
+    assert len(policy) == 0 and policy.tracked_bytes == 0
+
+
+@pytest.mark.parametrize("cls", FIFO_POLICIES)
+def test_check_integrity_catches_a_place_queued_twice(cls):
+    policy = cls(10**6)
+    fill(policy)
+    policy.check_integrity()
+    policy._small.append(policy._small[0])
+    with pytest.raises(RuntimeError, match="places of"):
+        policy.check_integrity()
+
+
 def test_s3fifo_is_fifo_among_exhausted_objects():
     policy = S3FIFO(10**6)
     policy.on_insert("costly", 10, recompute_cost=1000.0)
