@@ -334,7 +334,7 @@ class TierMover:
         self.bandwidth_bytes_s = 0.8 * self.bandwidth_bytes_s + 0.2 * (meta.size / max(elapsed, 1e-6))
         entry = self.host.publish(ns, oid, extent, meta.size, meta.checksum, meta.descriptor, meta.hints,
                                   created_at=meta.created_at, on_nvme=True, counted=False)
-        if entry.extent is extent:  # else a put of the same id landed while we read, and won
+        if entry.extent == extent:  # else a put of the same id landed while we read, and won
             self.counters.num_promotions += 1
         return entry
 

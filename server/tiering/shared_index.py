@@ -133,7 +133,7 @@ class SharedIndex:
         """Make a committed host entry readable by clients; False when its slots are taken."""
         for at in self._slots_of(entry.object_id.digest):
             if SEQ.unpack_from(self._map, at + _FLAGS_AT)[0] != OCCUPIED:
-                self._write(at, (entry.object_id.digest, entry.extent.offset, entry.size, entry.checksum,
+                self._write(at, (entry.object_id.digest, entry.offset, entry.size, entry.checksum,
                                  descriptor_digest(entry.descriptor), entry.expires_at, OCCUPIED))
                 self.num_published += 1
                 return True
@@ -164,7 +164,7 @@ class SharedIndex:
         for slot in used.tolist():
             _, digest, offset, size, checksum, _, _, _ = RECORD.unpack_from(self._map, record_at(slot))
             entry = objects.get(digest)
-            if entry is None or (entry.extent.offset, entry.size, entry.checksum) != (offset, size, checksum):
+            if entry is None or (entry.offset, entry.size, entry.checksum) != (offset, size, checksum):
                 raise RuntimeError(f"shared index slot {slot}: a record for {digest.hex()} the index does not hold")
         del table  # a live export of the mapping would keep close() from unmapping it
 
