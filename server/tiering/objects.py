@@ -15,7 +15,6 @@ from kvstore.identity import ObjectId, StateDescriptor, descriptor_differences
 from kvstore.replies import GetReply
 from tiers.allocator import Extent
 
-
 _SERIALS = itertools.count(1)
 CHECKSUM_BYTES = 16  # xxh3-128
 

@@ -143,3 +143,21 @@ def test_object_id_hex():
     for bad in ("zz" * 32, "00" * 31, 5):
         with pytest.raises(InvalidArgument):
             ObjectId.from_hex(bad)
+
+
+def test_an_object_id_is_its_digest_and_keys_a_dict_as_one():
+    import pickle
+
+    from kvstore.errors import InvalidArgument
+    from kvstore.identity import ObjectId
+    raw = bytes(range(32))
+    oid = ObjectId(raw)
+    assert oid == raw and hash(oid) == hash(raw) and {raw: 1}[oid] == 1 and {oid: 2}[raw] == 2
+    assert type(oid.digest) is bytes and oid.digest == raw
+    assert oid.hex == raw.hex() and str(oid) == raw.hex() and ObjectId.from_hex(raw.hex()) == oid
+    assert ObjectId(oid) is oid
+    back = pickle.loads(pickle.dumps(oid))
+    assert type(back) is ObjectId and back == oid
+    for bad in (raw[:31], raw + b"\0", raw.hex(), bytearray(raw)):
+        with pytest.raises(InvalidArgument, match="32 bytes"):
+            ObjectId(bad)

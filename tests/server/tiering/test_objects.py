@@ -166,3 +166,23 @@ def test_the_expiry_heap_sheds_items_of_objects_that_left(monkeypatch):
     assert not queue.rebuild_if_stale(entries, 6)  # all live: nothing to shed
     assert queue.rebuild_if_stale(entries[:2], 2) and len(queue) == 2  # four left: rebuilt from the live
     assert [oid for _, oid, _ in queue.due(100.0)] == [entries[0].object_id, entries[1].object_id]
+
+
+def test_the_packed_record_gives_back_every_unchanging_field_exactly():
+    from tiers.allocator import Extent
+    big = Extent((1 << 40) + 4096, 3 << 20)
+    e = ObjectEntry.create(OID, "ns", big, (3 << 20) - 5, bytes(range(16)), DESC, Hints(), 1.0,
+                           created_at=1764790000.123456)
+    assert e.extent == big and e.offset == big.offset and e.size == (3 << 20) - 5
+    assert e.checksum == bytes(range(16)) and type(e.checksum) is bytes
+    assert e.created_at == 1764790000.123456
+    later = ObjectEntry.create(OID, "ns", big, 1, bytes(16), DESC, Hints(), 1.0)
+    assert later.serial > e.serial  # each copy its own, never reused
+    reply = e.get_reply(7)
+    assert (reply.offset, reply.size, reply.checksum) == (big.offset, e.size, e.checksum)
+    assert entry(Hints()).extent is None  # made without one (tests, listings)
+
+
+def test_an_entry_refuses_a_checksum_of_another_length():
+    with pytest.raises(ValueError, match="16 bytes"):
+        ObjectEntry.create(OID, "ns", None, 10, b"c" * 8, DESC, Hints(), 1.0)
