@@ -189,6 +189,7 @@ class S3FIFO(EvictionPolicy):
                 self._main = kept
             else:
                 self._small = kept
+        self._stale = ({}, {})  # every stale place was in its queue, so none is left: fresh maps
 
     def _rebuild_queues(self) -> None:
         self._drop_stale()
