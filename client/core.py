@@ -176,7 +176,10 @@ class ClientCore:
         fd = self.fds.popleft()
         self.shared.attach(namespace, opened.index_bytes, self.fds)  # its fd came after the arena's
         try:
-            mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+            # Page tables at once (puts into fresh pages then run ~2x faster), but only over
+            # memory the daemon allocated: populating a lazy arena would allocate all of it.
+            populate = getattr(mmap, "MAP_POPULATE", 0) if opened.prefaulted else 0
+            mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | populate)
         finally:
             os.close(fd)
         self._maps.append(mapping)

@@ -127,10 +127,13 @@ class HelloReply(ReplyMessage):
 @reply
 class OpenReply(ReplyMessage):
     """arena_bytes 0: a reader's open of a namespace with no arena yet (no fd comes with it).
-    index_bytes > 0: the shared index's fd came too, after the arena's."""
+    index_bytes > 0: the shared index's fd came too, after the arena's. prefaulted: the
+    daemon allocated the whole arena up front ([host] prefault), so a client may map its
+    page tables at once; otherwise that would allocate the arena."""
     namespace: str
     arena_bytes: int
     index_bytes: int = 0
+    prefaulted: bool = False
 
 
 @reply

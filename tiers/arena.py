@@ -63,6 +63,7 @@ class HostArena:
             )
         self._namespace = namespace
         self._capacity = capacity_bytes
+        self.prefaulted = prefault  # all of it allocated at once; else where objects land
         self._allocator = SlabAllocator(ExtentAllocator(capacity_bytes, PAGE_BYTES))
         self._mmap: mmap.mmap | None = None
         name = f"kvstore-{namespace}".encode()[:_MAX_NAME_BYTES].decode(errors="ignore")

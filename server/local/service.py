@@ -224,9 +224,9 @@ class LocalConnection(asyncio.Protocol):
                     return self._open_later(msg), None
                 self.opened.add(msg.namespace)
                 if msg.index and ns.shared.enabled:  # only to a connection authorised just above
-                    opened = r.OpenReply(msg.namespace, ns.arena.capacity_bytes, ns.shared.size_bytes)
+                    opened = r.OpenReply(msg.namespace, ns.arena.capacity_bytes, ns.shared.size_bytes, ns.arena.prefaulted)
                     return opened, (ns.arena.fd, ns.shared.fd)
-                return r.OpenReply(msg.namespace, ns.arena.capacity_bytes), ns.arena.fd
+                return r.OpenReply(msg.namespace, ns.arena.capacity_bytes, 0, ns.arena.prefaulted), ns.arena.fd
             case m.Hello():
                 self.client_name = msg.client
                 return r.HelloReply(SERVER_VERSION, 1, self.conn_id, self.daemon.limits_for_clients(),
