@@ -17,7 +17,7 @@ from kvstore.hints import Hints
 from kvstore.identity import StateDescriptor
 from kvstore.protocol import NEED_DATA, BadFrame, Fatal, Reply
 from kvstore.replies import GpuHandleReply, HelloReply
-from client.core import ClientCore
+from client.core import ClientCore, Collect, Later
 from client import batched
 from client.results import LookupResult, PutResult
 from client.gpu import op_get_into_device
@@ -178,12 +178,43 @@ class AsyncClient:
         async with self._lock:  # one op at a time keeps fds paired with their replies
             if self._sock is None:
                 raise DaemonUnavailable(f"not connected to {self.socket_path}; call reconnect()")
+            later: list[tuple[int, asyncio.Future]] = []  # (request id, reply) sent with Later
             try:
                 requests = next(op)
                 while True:
-                    requests = op.send(await self._roundtrip(requests))
+                    requests = op.send(await self._exchange(requests, later))
             except StopIteration as done:
                 return done.value
+            finally:
+                for request_id, fut in later:  # what the op did not collect: later replies are dropped
+                    self._waiting.pop(request_id, None)
+                    if fut.done() and not fut.cancelled():
+                        fut.exception()  # retrieved: no "exception was never retrieved" warning
+
+    async def _exchange(self, requests, later: list):
+        if isinstance(requests, Later):
+            return self._send_later(requests, later)
+        if isinstance(requests, Collect):
+            return [None if fut is None else await self._reply_of(fut) for fut in requests]
+        return await self._roundtrip(requests)
+
+    def _send_later(self, requests, later: list) -> list:
+        """Send now; the handle is a future per request (None: no reply)."""
+        handle = []
+        for r in requests:
+            handle.append(None if r.no_reply else self._loop.create_future())
+            if handle[-1] is not None:
+                self._waiting[r.id] = handle[-1]
+                later.append((r.id, handle[-1]))
+        self._send(b"".join(self.core.codec.send_request(r) for r in requests))
+        return handle
+
+    async def _reply_of(self, fut: asyncio.Future):
+        try:
+            return await asyncio.wait_for(asyncio.shield(fut), self.timeout_s)
+        except asyncio.TimeoutError:
+            self._lost(f"no reply within {self.timeout_s} s")
+            raise DaemonUnavailable(f"no reply from {self.socket_path} within {self.timeout_s} s") from None
 
     def _release(self, lease_id: int) -> None:
         if self._sock is not None:

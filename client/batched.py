@@ -23,7 +23,7 @@ from kvstore.hints import Hints
 from kvstore.identity import ChunkKey, ObjectId, StateDescriptor
 from kvstore.protocol import MAX_BATCH
 from client.buffers import as_writable_u8
-from client.core import PUT_WINDOW_BYTES, ClientCore, copy_and_hash, expectation, to_object_id
+from client.core import PUT_WINDOW_BYTES, ClientCore, Collect, Later, copy_and_hash, expectation, to_object_id
 from client.lease import ReadLease
 from client.results import PutResult
 
@@ -31,6 +31,12 @@ from client.results import PutResult
 # half the daemon's lease quota per client (limits.max_leases_per_client, 4,096 by default),
 # leaving room for the leases an engine holds at the same time.
 WINDOW_ITEMS = 1024
+
+
+# Bytes per step of a put window's pipeline: copying one step (~1 ms) overlaps the daemon's
+# work on the next and the last. Windows of small objects are one step: their copies are
+# too short to hide anything, and more frames cost more than they overlap.
+PIPE_BYTES = 8 << 20
 
 
 def _window(core: ClientCore) -> int:
@@ -85,10 +91,41 @@ def put_many(core: ClientCore, items, desc: StateDescriptor | None, hints: Hints
 
 
 def _put_window(core: ClientCore, sources: list, hints: Hints, tier: str, results: list):
-    groups = _groups(sources, lambda item: id(item[2]))  # one reserve_many per descriptor
-    replies = yield [core.request(m.ReserveMany.of(g[0][2].namespace, [oid for _, oid, _, _ in g],
-                                                   [src.size for _, _, _, src in g], g[0][2], hints, tier))
-                     for g in groups]
+    """Reserve, copy and commit a window in steps of PIPE_BYTES, overlapped: the daemon
+    reserves step k+1 and commits step k-1 while this process copies and hashes step k."""
+    steps, step_bytes = [[]], 0
+    for item in sources:
+        if step_bytes >= PIPE_BYTES:
+            steps.append([])
+            step_bytes = 0
+        steps[-1].append(item)
+        step_bytes += item[3].size
+    groups = _groups(steps[0], lambda item: id(item[2]))
+    reserving = yield Later(_reserves(core, groups, hints, tier))
+    committing = []
+    for k in range(len(steps)):
+        replies = yield Collect(reserving)
+        reserved_groups = groups
+        if k + 1 < len(steps):
+            groups = _groups(steps[k + 1], lambda item: id(item[2]))
+            reserving = yield Later(_reserves(core, groups, hints, tier))
+        commits, written = _copy_reserved(core, reserved_groups, replies, results)
+        if commits:
+            committing.append(((yield Later(commits)), written))
+    for handle, written in committing:
+        _settle_commits(written, (yield Collect(handle)), results)
+
+
+def _reserves(core: ClientCore, groups: list, hints: Hints, tier: str) -> list:
+    """One reserve_many per descriptor."""
+    return [core.request(m.ReserveMany.of(g[0][2].namespace, [oid for _, oid, _, _ in g],
+                                          [src.size for _, _, _, src in g], g[0][2], hints, tier))
+            for g in groups]
+
+
+def _copy_reserved(core: ClientCore, groups: list, replies: list, results: list) -> tuple[list, list]:
+    """Copy and hash each reserved item into the arena: (commit_many requests, per request
+    the (index, id) of the items it commits)."""
     commits, committed = [], []
     for group, reply in zip(groups, replies):
         if reply.error is not None:  # the whole request was refused
@@ -112,7 +149,10 @@ def _put_window(core: ClientCore, sources: list, hints: Hints, tier: str, result
         if leases:
             commits.append(core.request(m.CommitMany.of(leases, checksums)))
             committed.append(written)
-    replies = (yield commits) if commits else []
+    return commits, committed
+
+
+def _settle_commits(committed: list, replies: list, results: list) -> None:
     for written, reply in zip(committed, replies):
         if reply.error is not None:
             for i, oid in written:

@@ -4,6 +4,12 @@ Each `op_*` generator yields a list of `Request`s and receives the list of their
 `Reply`s (None for no-reply requests); its return value is the call's result. The
 drivers (client/sync.py, client/aio.py) only move frames. This keeps the sync and
 asyncio clients identical in behaviour.
+
+An op may also overlap its own work with the daemon's: it yields `Later(requests)`, which
+the driver sends at once and answers with a handle, and later `Collect(handle)`, which
+answers with those requests' replies (put_many copies one step while the daemon reserves
+the next and commits the last). Replies of requests sent with Later that are not collected
+by the time the op ends are dropped.
 """
 
 from __future__ import annotations
@@ -33,6 +39,15 @@ from client.shared_reads import ReportingCodec, SharedReads
 PUT_WINDOW_BYTES = 64 << 20
 # Copy-and-hash granularity: fits in L2 with room to spare.
 HASH_BLOCK_BYTES = 256 << 10
+
+
+class Later(list):
+    """Requests to send now; the op goes on and collects their replies with Collect."""
+
+
+class Collect(list):
+    """The replies of requests sent with Later: yield Collect(handle), handle being what the
+    Later was answered with."""
 
 
 @functools.lru_cache(maxsize=256)

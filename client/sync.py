@@ -14,7 +14,7 @@ from kvstore.hints import Hints
 from kvstore.identity import StateDescriptor
 from kvstore.protocol import NEED_DATA, BadFrame, Fatal, Reply
 from kvstore.replies import GpuHandleReply, HelloReply
-from client.core import ClientCore
+from client.core import ClientCore, Collect, Later
 from client import batched
 from client.results import LookupResult, PutResult
 from client.gpu import op_get_into_device
@@ -74,6 +74,7 @@ class Client:
         self.client_name = client_name
         self._lock = threading.RLock()
         self._sock: socket.socket | None = None
+        self._later: dict[int, Reply | None] = {}  # ids sent with Later -> reply, once read
         self.server_info: HelloReply | None = None  # the daemon's hello: version, limits
         self._connect()
 
@@ -136,9 +137,23 @@ class Client:
             try:
                 requests = next(op)
                 while True:
-                    requests = op.send(self._roundtrip(requests))
+                    requests = op.send(self._exchange(requests))
             except StopIteration as done:
                 return done.value
+            finally:
+                self._later.clear()  # what the op did not collect: later replies are dropped
+
+    def _exchange(self, requests):
+        if isinstance(requests, Later):
+            self._send(b"".join(self.core.codec.send_request(r) for r in requests))
+            self._later.update((r.id, None) for r in requests if not r.no_reply)
+            return requests
+        if isinstance(requests, Collect):
+            missing = {r.id: None for r in requests if not r.no_reply and self._later.get(r.id) is None}
+            self._read_replies_into(missing)
+            self._later.update(missing)
+            return [None if r.no_reply else self._later.pop(r.id) for r in requests]
+        return self._roundtrip(requests)
 
     def _send(self, data: bytes) -> None:
         try:
@@ -162,9 +177,18 @@ class Client:
         return replies
 
     def _read_replies(self, requests, start: int, end: int, replies: list) -> None:
-        codec = self.core.codec
         index = {requests[i].id: i for i in range(start, end) if not requests[i].no_reply}
-        while index:
+        got: dict[int, Reply | None] = dict.fromkeys(index)
+        self._read_replies_into(got)
+        for request_id, i in index.items():
+            replies[i] = got[request_id]
+
+    def _read_replies_into(self, wanted: dict) -> None:
+        """Read until every id in `wanted` has its reply there (filled in place); a reply to a
+        request sent with Later meanwhile is kept for its Collect."""
+        codec = self.core.codec
+        left = sum(reply is None for reply in wanted.values())
+        while left:
             event = codec.next_event()
             if event is NEED_DATA:
                 try:
@@ -177,8 +201,11 @@ class Client:
                     raise self._lost("connection closed")
                 self.core.fds.extend(_recv_fds(ancdata))
                 codec.receive_data(data)
-            elif isinstance(event, Reply) and event.id in index:
-                replies[index.pop(event.id)] = event
+            elif isinstance(event, Reply) and wanted.get(event.id, False) is None:
+                wanted[event.id] = event
+                left -= 1
+            elif isinstance(event, Reply) and event.id in self._later:
+                self._later[event.id] = event
             elif isinstance(event, Reply) and event.id == 0 and event.error is not None:
                 raise self._lost(from_wire(event.error).message)
             elif isinstance(event, (Fatal, BadFrame)):

@@ -191,3 +191,45 @@ def test_an_empty_or_odd_item_in_put_many_is_named_and_the_rest_stored(daemon):
         assert results[1].error is None
         assert isinstance(results[2].error, InvalidArgument) and results[2].object_id is None
         assert c.get_many([keys[0], keys[1]])[0] is None
+
+
+@pytest.mark.parametrize("driver", ["sync", "asyncio"])
+def test_a_put_many_over_several_pipeline_steps_keeps_every_result_in_its_place(daemon_factory, driver):
+    """put_many copies step k while the daemon reserves step k+1 and commits step k-1
+    (client/batched.py: PIPE_BYTES): results, conflicts and bytes stay with their items."""
+    import asyncio
+
+    from client import AsyncClient
+    from client.batched import PIPE_BYTES
+    size = PIPE_BYTES // 128  # steps of 128 objects
+    PIPE_ITEMS = 128
+    n = 3 * PIPE_ITEMS + 7
+    keys = ids(n, 7)
+    conflicting = {5, PIPE_ITEMS + 3, 2 * PIPE_ITEMS + 9, n - 1}  # one in every step
+    existing = {PIPE_ITEMS + 4, 3 * PIPE_ITEMS + 1}
+    items = [(k, payload(size + i % 11, i)) for i, k in enumerate(keys)]
+    daemon = daemon_factory("256MiB")  # the whole batch fits: no object is evicted meanwhile
+    with daemon.client() as c:
+        for i in conflicting:
+            c.put(keys[i], payload(50, i))
+        for i in existing:
+            c.put(*items[i])
+        if driver == "sync":
+            results = c.put_many(items)
+        else:
+            async def put_all():
+                ac = await AsyncClient.connect(daemon.socket)
+                try:
+                    return await ac.put_many(items)
+                finally:
+                    await ac.close()
+            results = asyncio.run(put_all())
+        assert [i for i, res in enumerate(results) if isinstance(res.error, Conflict)] == sorted(conflicting)
+        assert [i for i, res in enumerate(results) if res.existed] == sorted(existing)
+        assert all(res.error is None for i, res in enumerate(results) if i not in conflicting)
+        outs = [np.empty(size + i % 11 if i not in conflicting else 50, np.uint8) for i in range(n)]
+        assert c.get_many_into(list(zip(keys, outs))) == [len(o) for o in outs]
+        for i, out in enumerate(outs):
+            assert np.array_equal(out, payload(50, i) if i in conflicting else items[i][1]), i
+        assert c.stats()["leases"] == 0
+        c.check_integrity()
