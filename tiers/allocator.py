@@ -22,8 +22,12 @@ from __future__ import annotations
 
 from bisect import bisect_left, insort
 from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
 
 from kvstore.errors import InvalidArgument
+from tiers.initial_extents import InitialExtents
 
 # How many too-small holes of the request's own size class alloc looks at before it settles for
 # a hole of a larger class (still lowest-offset among those). Bounds alloc's time on a badly
@@ -57,10 +61,12 @@ class ExtentAllocator:
     """Hands out aligned extents of [0, capacity_bytes). Event loop thread only."""
 
     def __init__(self, capacity_bytes: int, alignment: int = 4096,
-                 allocated: tuple[list[int], list[int]] | None = None):
-        """allocated: (offsets, lengths) of extents taken from the start, sorted by offset and
-        disjoint (what NVMe recovery rebuilds from its index); replaying allocs would cost
-        4.4 us each (4.4 s for a million objects), so the holes between are filled directly."""
+                 allocated: tuple[Sequence[int], Sequence[int]] | None = None):
+        """allocated: (offsets, lengths) of extents taken from the start, sorted by offset,
+        aligned and disjoint (what NVMe recovery rebuilds from its index; int64 numpy arrays
+        are kept, not copied: the caller must not change them). Replaying allocs would cost
+        4.4 us each (4.4 s for a million objects), so the holes between are found with numpy
+        and filled directly, and the extents stay in those arrays (initial_extents.py)."""
         if type(alignment) is not int or alignment <= 0 or alignment & (alignment - 1):
             raise InvalidArgument(f"alignment must be a power of two, got {alignment!r}")
         if type(capacity_bytes) is not int or capacity_bytes <= 0 or capacity_bytes % alignment:
@@ -72,18 +78,12 @@ class ExtentAllocator:
         self._free_offsets: list[int] = []
         self._free: dict[int, int] = {}
         self._by_class: list[list[int]] = [[] for _ in range(self._class_of(capacity_bytes) + 1)]
-        self._allocated: dict[int, int] = {}
-        self._used = 0
-        offsets, lengths = allocated or ((), ())
-        start = 0
-        for offset, length in zip(offsets, lengths):
-            if offset > start:
-                self._add_free(start, offset - start)
-            start = offset + length
-        if start < capacity_bytes:
-            self._add_free(start, capacity_bytes - start)
-        self._allocated = dict(zip(offsets, lengths))
-        self._used = sum(lengths)
+        self._allocated: dict[int, int] = {}  # what alloc handed out (recovered ones: _initial)
+        offsets, lengths = (np.asarray(a, dtype=np.int64).reshape(-1) for a in (allocated or ((), ())))
+        self._check_initial(offsets, lengths)
+        self._initial = InitialExtents(offsets, lengths)
+        self._used = self._initial.total_bytes
+        self._fill_holes(offsets, lengths)
 
     # -- queries ------------------------------------------------------------------------------
 
@@ -105,7 +105,7 @@ class ExtentAllocator:
 
     @property
     def num_allocated(self) -> int:
-        return len(self._allocated)
+        return len(self._allocated) + len(self._initial)
 
     @property
     def num_free_extents(self) -> int:
@@ -120,7 +120,10 @@ class ExtentAllocator:
         return 0
 
     def is_allocated(self, extent: Extent) -> bool:
-        return self._allocated.get(extent.offset) == extent.length
+        length = self._allocated.get(extent.offset)
+        if length is None:
+            length = self._initial.get(extent.offset)
+        return length == extent.length
 
     def can_alloc(self, size_bytes: int) -> bool:
         """True when alloc(size_bytes) would succeed now. Same validation as alloc."""
@@ -152,7 +155,8 @@ class ExtentAllocator:
                 "(double free, wrong length, or never allocated)"
             )
         offset, length = extent.offset, extent.length
-        del self._allocated[offset]
+        if self._allocated.pop(offset, None) is None:
+            self._initial.remove(offset)
         self._used -= length
         i = bisect_left(self._free_offsets, offset)
         right = offset + length
@@ -188,9 +192,10 @@ class ExtentAllocator:
                 raise RuntimeError(f"size class {k} index is unsorted or holds a wrong extent")
         if sum(map(len, self._by_class)) != len(self._free):
             raise RuntimeError("size class index and free map hold different extents")
-        if sum(self._allocated.values()) != self._used:
+        allocated = [*self._allocated.items(), *self._initial.items()]
+        if sum(length for _, length in allocated) != self._used:
             raise RuntimeError(f"used_bytes {self._used} != sum of allocated extents")
-        spans = sorted([*self._free.items(), *self._allocated.items()])
+        spans = sorted([*self._free.items(), *allocated])
         position = 0
         for offset, length in spans:
             if offset != position:
@@ -203,6 +208,30 @@ class ExtentAllocator:
             )
 
     # -- internals ----------------------------------------------------------------------------
+
+    def _check_initial(self, offsets: np.ndarray, lengths: np.ndarray) -> None:
+        if len(offsets) != len(lengths):
+            raise InvalidArgument(f"allocated: {len(offsets)} offsets but {len(lengths)} lengths")
+        ends = offsets + lengths
+        if len(offsets) and not (
+            offsets[0] >= 0 and ends[-1] <= self._capacity and (lengths > 0).all()
+            and not ((offsets | lengths) & (self._alignment - 1)).any() and (offsets[1:] >= ends[:-1]).all()
+        ):
+            raise InvalidArgument("allocated extents must be aligned, sorted, disjoint and inside the range")
+
+    def _fill_holes(self, offsets: np.ndarray, lengths: np.ndarray) -> None:
+        """Make every gap between the allocated extents (sorted, disjoint) a free extent."""
+        starts = np.concatenate(([0], offsets + lengths))
+        sizes = np.concatenate((offsets, [self._capacity])) - starts
+        holes = np.nonzero(sizes)[0]
+        starts, sizes = starts[holes], sizes[holes]
+        self._free_offsets = starts.tolist()
+        self._free = dict(zip(self._free_offsets, sizes.tolist()))
+        classes = np.frexp((sizes // self._alignment).astype(np.float64))[1] - 1  # exact: < 2**53
+        order = np.argsort(classes, kind="stable")  # offset order within each class
+        bounds = np.searchsorted(classes[order], np.arange(len(self._by_class) + 1)).tolist()
+        ordered = starts[order].tolist()
+        self._by_class = [ordered[bounds[k] : bounds[k + 1]] for k in range(len(self._by_class))]
 
     def _rounded(self, size_bytes: int) -> int:
         if type(size_bytes) is not int or size_bytes <= 0:

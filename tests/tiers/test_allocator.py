@@ -1,5 +1,6 @@
 import random
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -72,19 +73,26 @@ def check_stats(a: ExtentAllocator, model: Model) -> None:
 ops = st.lists(st.tuples(st.booleans(), st.integers(1, 20 * ALIGN), st.integers(0, 1 << 30)), max_size=150)
 
 
+def step(a: ExtentAllocator, model: Model, live: list[Extent], is_alloc: bool, size: int, pick: int) -> Extent | None:
+    """One op of a random run, checked against the model: alloc, or free a live extent
+    (returned)."""
+    if is_alloc or not live:
+        extent = check_alloc(a, model, size, exact=True)
+        if extent is not None:
+            live.append(extent)
+        return None
+    extent = live.pop(pick % len(live))
+    a.free(extent)
+    del model.allocated[extent.offset]
+    return extent
+
+
 @settings(max_examples=300, deadline=None)
 @given(ops)
 def test_random_ops_match_first_fit_model(steps):
     a, model, live = ExtentAllocator(UNITS * ALIGN, ALIGN), Model(UNITS * ALIGN), []
     for is_alloc, size, pick in steps:
-        if is_alloc or not live:
-            extent = check_alloc(a, model, size, exact=True)
-            if extent is not None:
-                live.append(extent)
-        else:
-            extent = live.pop(pick % len(live))
-            a.free(extent)
-            del model.allocated[extent.offset]
+        step(a, model, live, is_alloc, size, pick)
         a.check_integrity()
         check_stats(a, model)
 
@@ -249,3 +257,57 @@ def test_allocated_at_start_rebuilds_exactly_those_extents_and_the_holes_between
     a.free(Extent(8192, 16384))
     a.check_integrity()
     assert ExtentAllocator(8192, 4096, allocated=([], [])).free_bytes == 8192
+
+
+def initial_extents(draw_pairs) -> tuple[list[int], list[int]]:
+    """Sorted, disjoint extents from (gap, length) pairs in alignment units, cut at UNITS."""
+    offsets, lengths, position = [], [], 0
+    for gap, units in draw_pairs:
+        position += gap
+        if position + units > UNITS:
+            break
+        offsets.append(position * ALIGN)
+        lengths.append(units * ALIGN)
+        position += units
+    return offsets, lengths
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 3), st.integers(1, 6)), max_size=30), ops, st.booleans())
+def test_extents_allocated_at_start_answer_as_a_dict_of_them_would(pairs, steps, as_arrays):
+    """The extents given at construction live in numpy arrays plus a set of freed ones
+    (initial_extents.py), beside the dict of later allocs: every answer must be the one
+    the plain dict model gives, through frees, re-allocs of freed offsets and double frees."""
+    offsets, lengths = initial_extents(pairs)
+    given_extents = (np.array(offsets, np.int64), np.array(lengths, np.int64)) if as_arrays else (offsets, lengths)
+    a, model = ExtentAllocator(UNITS * ALIGN, ALIGN, allocated=given_extents), Model(UNITS * ALIGN)
+    model.allocated = dict(zip(offsets, lengths))
+    live = [Extent(o, n) for o, n in zip(offsets, lengths)]
+    freed: list[Extent] = []
+    a.check_integrity()
+    check_stats(a, model)
+    for is_alloc, size, pick in steps:
+        freed += filter(None, [step(a, model, live, is_alloc, size, pick)])
+        for e in [*live, *freed]:
+            assert a.is_allocated(e) == (model.allocated.get(e.offset) == e.length)
+        stale = [e for e in freed if model.allocated.get(e.offset) != e.length]
+        if stale:
+            with pytest.raises(InvalidArgument):
+                a.free(stale[pick % len(stale)])  # double free: refused, nothing changes
+        a.check_integrity()
+        check_stats(a, model)
+
+
+@pytest.mark.parametrize("offsets, lengths", [
+    ([0, 4096], [8192, 4096]),  # overlap
+    ([8192, 0], [4096, 4096]),  # unsorted
+    ([100], [4096]),  # unaligned offset
+    ([0], [100]),  # unaligned length
+    ([0], [0]),  # empty extent
+    ([60 * 4096], [8 * 4096]),  # runs past the end
+    ([-4096], [4096]),
+    ([0, 4096], [4096]),  # lengths missing
+])
+def test_bad_extents_allocated_at_start_rejected(offsets, lengths):
+    with pytest.raises(InvalidArgument):
+        ExtentAllocator(64 * 4096, 4096, allocated=(offsets, lengths))

@@ -90,7 +90,7 @@ def recover(index: NvmeIndex, files: list[DataFile], started: float) -> Recovere
         if bad.any():
             overlapping.update((f.index, int(o)) for o in off[bad])
             off, ln, sz = off[~bad], ln[~bad], sz[~bad]
-        allocators.append(ExtentAllocator(f.size_bytes, ALIGN, allocated=(off.tolist(), ln.tolist())))
+        allocators.append(ExtentAllocator(f.size_bytes, ALIGN, allocated=(off, ln)))
         objects += len(off)
         total += int(sz.sum())
     if overlapping:
