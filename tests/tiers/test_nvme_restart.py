@@ -185,6 +185,23 @@ def fill(path, n, size=MIB - 4096, durability="sync"):
         return {i: tier.meta(NS, oid(i)).file for i in range(n)}
 
 
+@pytest.mark.parametrize("chunk_records", [1, 3, 1 << 20])
+def test_restart_in_chunks_rebuilds_every_files_extents(tmp_path, monkeypatch, chunk_records):
+    """Restart checks the index a chunk at a time and groups each chunk's extents by file;
+    ids are hashes, so a chunk mixes files in any order (here: small chunks, 18 objects in
+    five files, some deleted)."""
+    monkeypatch.setattr("tiers.nvme.recovery.CHUNK_RECORDS", chunk_records)
+    files = fill(tmp_path, 18, size=MIB - 3 * 4096)
+    with NvmeTier.open(storm_config(tmp_path)) as tier:
+        for i in (0, 5, 17):
+            tier.delete(NS, oid(i))
+    with NvmeTier.open(storm_config(tmp_path)) as tier:
+        assert (tier.recovery.recovered, tier.recovery.dropped) == (15, 0) and len(set(files.values())) == 5
+        assert tier.stats()["used_bytes"] == 15 * (MIB - 3 * 4096)
+        assert [i for i in files if tier.contains(NS, oid(i))] == [i for i in files if i not in (0, 5, 17)]
+        tier.check_integrity()  # the allocators hold exactly the index's extents
+
+
 def test_missing_data_file_drops_its_objects_at_open(tmp_path):
     files = fill(tmp_path, 12)
     os.unlink(tmp_path / "data-00001.kvs")
