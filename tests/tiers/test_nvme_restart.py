@@ -202,6 +202,17 @@ def test_restart_in_chunks_rebuilds_every_files_extents(tmp_path, monkeypatch, c
         tier.check_integrity()  # the allocators hold exactly the index's extents
 
 
+def test_startup_sample_stays_at_sample_objects_over_many_chunks(tmp_path, monkeypatch):
+    """`sample.items += [... sample.pick(m) ...]` extended the list pick() had just replaced
+    (the left side is read first), so each chunk added its picks to the whole old sample:
+    178 objects sampled at 10 M records instead of 64."""
+    monkeypatch.setattr("tiers.nvme.recovery.CHUNK_RECORDS", 2)
+    monkeypatch.setattr("tiers.nvme.recovery.SAMPLE_OBJECTS", 3)
+    fill(tmp_path, 12)
+    with NvmeTier.open(storm_config(tmp_path)) as tier:
+        assert (tier.recovery.recovered, tier.recovery.sampled) == (12, 3)
+
+
 def test_missing_data_file_drops_its_objects_at_open(tmp_path):
     files = fill(tmp_path, 12)
     os.unlink(tmp_path / "data-00001.kvs")

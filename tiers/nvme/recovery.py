@@ -80,7 +80,8 @@ def recover(index: NvmeIndex, files: list[DataFile], started: float) -> Recovere
             if bounds[f] < bounds[f + 1]:
                 offsets[f].append(offset[bounds[f] : bounds[f + 1]])
                 sizes[f].append(size[bounds[f] : bounds[f + 1]])
-        sample.items += [(keys[i], values[i]) for i in goods[sample.pick(len(goods))].tolist()]
+        picked = goods[sample.pick(len(goods))].tolist()  # first: pick() replaces sample.items
+        sample.items += [(keys[i], values[i]) for i in picked]
 
     allocators, overlapping, objects, total = [], set(), 0, 0
     empty = np.zeros(0, dtype=np.int64)
