@@ -11,7 +11,7 @@ import pytest
 from kvstore.identity import ID_BYTES, ObjectId
 from tiers.nvme.files import ALIGN
 from tiers.nvme.index import META_KEY, NvmeRecord, decode_extent, object_key
-from tiers.nvme.recovery import _check_chunk, _Reservoir
+from tiers.nvme.recovery import _check_chunk, _ExtentsByFile, _Reservoir, file_limits
 
 FILE_BYTES = 1 << 20
 FILES = [SimpleNamespace(index=0, size_bytes=FILE_BYTES, created=False),
@@ -66,7 +66,7 @@ def test_each_records_verdict_matches_the_one_record_check(seed):
     rng = np.random.default_rng(seed)
     keys, values = map(list, zip(*records(rng, 3000)))
     dropped: dict = {}
-    good, file, offset, length, size = _check_chunk(keys, values, FILES, dropped)
+    good, file, offset, length, size = _check_chunk(keys, values, file_limits(FILES), dropped)
     why = {key: reason for reason, ks in dropped.items() for key in ks}
     verdicts = Counter()
     for i, (key, value) in enumerate(zip(keys, values)):
@@ -95,3 +95,20 @@ def test_the_sample_stays_uniform_across_chunks():
     # each of the 20 items is kept with probability 4/20: 600 of 3,000 trials (sd ~ 22)
     assert set(counts) == set(range(20))
     assert all(480 < c < 720 for c in counts.values()), counts
+
+
+@pytest.mark.parametrize("group_records", [1, 7, 1 << 20])
+def test_extents_come_back_per_file_in_the_order_added(monkeypatch, group_records):
+    monkeypatch.setattr("tiers.nvme.recovery.GROUP_RECORDS", group_records)
+    rng = np.random.default_rng(group_records)
+    extents, model = _ExtentsByFile(5), {f: [] for f in range(5)}
+    for _ in range(40):
+        n = int(rng.integers(0, 9))
+        file, offset, size = rng.integers(0, 4, n), rng.integers(0, 1 << 40, n), rng.integers(1, 1 << 20, n)
+        extents.add(file, offset, size)
+        for f, o, s in zip(file.tolist(), offset.tolist(), size.tolist()):
+            model[f].append((o, s))
+    assert not model[4]
+    for f in (3, 0, 4, 1, 2):
+        offsets, sizes = extents.pop(f)
+        assert list(zip(offsets.tolist(), sizes.tolist())) == model[f]

@@ -185,12 +185,13 @@ def fill(path, n, size=MIB - 4096, durability="sync"):
         return {i: tier.meta(NS, oid(i)).file for i in range(n)}
 
 
-@pytest.mark.parametrize("chunk_records", [1, 3, 1 << 20])
-def test_restart_in_chunks_rebuilds_every_files_extents(tmp_path, monkeypatch, chunk_records):
-    """Restart checks the index a chunk at a time and groups each chunk's extents by file;
-    ids are hashes, so a chunk mixes files in any order (here: small chunks, 18 objects in
-    five files, some deleted)."""
+@pytest.mark.parametrize("chunk_records, group_records", [(1, 1), (3, 5), (1 << 20, 1 << 20)])
+def test_restart_in_chunks_rebuilds_every_files_extents(tmp_path, monkeypatch, chunk_records, group_records):
+    """Restart checks the index a chunk at a time and groups the chunks' extents by file;
+    ids are hashes, so a chunk mixes files in any order (here: 18 objects in five files,
+    some deleted)."""
     monkeypatch.setattr("tiers.nvme.recovery.CHUNK_RECORDS", chunk_records)
+    monkeypatch.setattr("tiers.nvme.recovery.GROUP_RECORDS", group_records)
     files = fill(tmp_path, 18, size=MIB - 3 * 4096)
     with NvmeTier.open(storm_config(tmp_path)) as tier:
         for i in (0, 5, 17):
