@@ -10,7 +10,7 @@ import pytest
 
 from kvstore.identity import ID_BYTES, ObjectId
 from tiers.nvme.files import ALIGN
-from tiers.nvme.index import META_KEY, NvmeRecord, decode_extent, object_key
+from tiers.nvme.index import EXTENT_HEAD, META_KEY, NvmeRecord, decode_extent, object_key, well_formed_heads
 from tiers.nvme.recovery import _check_chunk, _ExtentsByFile, _Reservoir, file_limits
 
 FILE_BYTES = 1 << 20
@@ -59,6 +59,16 @@ def records(rng, n):
             key = b"\0\0" + key[2:]
         yield key, value
     yield META_KEY, b"\x81\xa1v\x01"
+
+
+def test_a_head_is_well_formed_exactly_when_decode_extent_reads_it():
+    """well_formed_heads compares masked 64-bit words; every byte of the head, changed."""
+    value = NvmeRecord(3, 1 << 40, (1 << 64) - 1, bytes(16), None, DESC, {}, 0.0).encode()
+    spoiled = [value] + [value[:at] + bytes([value[at] ^ x]) + value[at + 1:]
+                         for at in range(EXTENT_HEAD.itemsize) for x in (0x01, 0x80, 0xFF)]
+    heads = np.frombuffer(b"".join(v[:EXTENT_HEAD.itemsize] for v in spoiled), EXTENT_HEAD)
+    expected = [decode_extent(v) is not None for v in spoiled]
+    assert well_formed_heads(heads).tolist() == expected and 0 < sum(expected) < len(expected)
 
 
 @pytest.mark.parametrize("seed", range(4))
