@@ -210,9 +210,10 @@ class _ExtentsByFile:
         file, offset, size = (np.concatenate(a) for a in zip(*self._pending))
         self._pending, self._num_pending = [], 0
         order = np.argsort(file.astype(self._file_type), kind="stable")
-        file, offset, size = file[order], offset[order], size[order]
-        bounds = np.searchsorted(file, np.arange(len(self._offsets) + 1)).tolist()
-        for f in np.flatnonzero(np.diff(bounds)).tolist():
+        offset, size = offset[order], size[order]
+        counts = np.bincount(file, minlength=len(self._offsets))
+        bounds = [0, *np.cumsum(counts).tolist()]
+        for f in np.flatnonzero(counts).tolist():
             self._offsets[f].append(offset[bounds[f] : bounds[f + 1]])
             self._sizes[f].append(size[bounds[f] : bounds[f + 1]])
 
