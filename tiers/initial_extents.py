@@ -2,7 +2,8 @@
 kept as the two sorted numpy arrays recovery built instead of a dict of 10 M Python ints.
 
     get(offset)     the length allocated there, or None: a binary search, unless removed
-    remove(offset)  the extent is freed: remembered in a set, the arrays never change
+    remove(offset)  the extent is freed: remembered in a set; once the set holds half the
+                    arrays, both are rebuilt without the freed ones (so memory shrinks)
     items()         the ones still allocated, as (offset, length) pairs in offset order
 
 Only removal: what the allocator hands out later lives in its own dict, which it checks
@@ -45,6 +46,10 @@ class InitialExtents:
         """offset must be one get answers for (the allocator checks first)."""
         self._bytes -= self.get(offset)
         self._removed.add(offset)
+        if 2 * len(self._removed) > len(self._offsets):
+            keep = ~np.isin(self._offsets, np.fromiter(self._removed, np.int64, len(self._removed)))
+            self._offsets, self._lengths = self._offsets[keep], self._lengths[keep]
+            self._removed = set()
 
     def items(self) -> list[tuple[int, int]]:
         return [(o, n) for o, n in zip(self._offsets.tolist(), self._lengths.tolist()) if o not in self._removed]
