@@ -2,8 +2,8 @@
 
     .venv/bin/python bench/scale.py [--counts 10000,100000,1000000] [--size 64]
 
-For each count a fresh daemon (host tier only, no admin API, arena sized as if each object
-took a 4 KiB page; a 64 B object takes a 64 B slot) gets `count` objects of `--size` bytes through
+For each count a fresh daemon (host tier only, no admin API, arena sized for the objects'
+size-class slots with a quarter to spare: arena_bytes) gets `count` objects of `--size` bytes through
 `put_many` (batches of 1,000), then the suite measures:
 
     index bytes/object   growth of the daemon's anonymous memory (RssAnon, /proc) from just
@@ -36,7 +36,15 @@ from bench.common import Row, Target, host_only_daemon, median, percentile, repo
 
 SUITE = "scale"
 BATCH = 1000
-UNIT = 4096  # the arena is sized as if each object took a page (tiers/arena.py PAGE_BYTES): room to spare
+PAGE = 4096
+
+
+def arena_bytes(count: int, size: int) -> int:
+    """Room for `count` objects of `size` bytes and to spare: each in a slot of its size class
+    (64 B steps, at most 1.25x apart: tiers/slabs.py) with a quarter more, or whole pages
+    above 3.5 KiB; not a page each, which at 10 M objects asks more than the machine has."""
+    slot = -(-size // 64) * 64 * 5 // 4 if size <= 3584 else -(-size // PAGE) * PAGE
+    return -(-count * slot // PAGE) * PAGE + (64 << 20)
 SINGLE_LOOKUPS = 300
 BATCH_LOOKUPS = 15
 LOOKUP_KEYS = 4096
@@ -60,7 +68,7 @@ def ids(count: int):
 
 def measure(count: int, size: int, workdir: str) -> dict:
     from client import Client
-    arena = -(-int(count * UNIT * 1.1) // UNIT) * UNIT + (64 << 20)
+    arena = arena_bytes(count, size)
     daemon, socket_path = host_only_daemon(workdir, f"scale-{count}", arena)
     try:
         keys = ids(count)
