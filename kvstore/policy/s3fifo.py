@@ -27,10 +27,13 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 
+from kvstore.errors import InvalidArgument
 from kvstore.policy.base import (
     COMPACT_MIN_KEYS,
     FREQ_MASK,
     IN_MAIN,
+    PRIORITY_ZERO,
+    SIZE_SHIFT,
     EvictionPolicy,
     size_of,
 )
@@ -88,6 +91,26 @@ class S3FIFO(EvictionPolicy):
         else:
             self._small.append(key)
             self._small_bytes += size_bytes
+
+    def on_insert_many(self, keys: list, sizes: list[int]) -> None:
+        """In bulk when no key is a ghost (a tier's start): all enter S, in order, as on_insert
+        would put them (about 10x faster than a call each: 10 M keys at a daemon's start)."""
+        if self._ghost and not self._ghost.keys().isdisjoint(keys):
+            return super().on_insert_many(keys, sizes)
+        if len(keys) != len(sizes) or (sizes and (not set(map(type, sizes)) <= {int} or min(sizes) <= 0)):
+            raise InvalidArgument("on_insert_many needs one positive integer size per key")
+        added = dict(zip(keys, [size << SIZE_SHIFT | PRIORITY_ZERO for size in sizes]))
+        if len(added) != len(keys) or not added.keys().isdisjoint(self._entries):
+            raise InvalidArgument("on_insert_many needs distinct keys, none of them tracked")
+        if self._entries:
+            self._entries.update(added)
+        else:  # a tier's start: the dict just built is the index
+            self._entries = added
+        self._small.extend(keys)
+        total = sum(sizes)
+        self._small_bytes += total
+        self._tracked_bytes += total
+        self._peak_entries = max(self._peak_entries, len(self._entries))
 
     def on_access(self, key: Hashable) -> None:
         state = self._entries.get(key)

@@ -80,15 +80,17 @@ class TierMover:
         loop = asyncio.get_running_loop()
         start = time.monotonic()
         self.nvme = await loop.run_in_executor(None, NvmeTier.open, self.config)
-        metas = await loop.run_in_executor(None, lambda: sorted(self.nvme.list(), key=lambda m: m.created_at))
-        for meta in metas:
-            key = (meta.namespace, meta.object_id.digest)
-            self._remember(key, meta.size)
+        # What recovery found, oldest first, learnt in bulk (a meta decoded per record took
+        # ~15 us and ~1 KB each: tiers/nvme/holdings.py).
+        keys, sizes = await loop.run_in_executor(None, lambda: self.nvme.take_holdings().by_age())
+        self.sizes = dict(zip(keys, sizes))
+        self._peak, self.used_bytes = len(self.sizes), sum(sizes)
+        self.policy.on_insert_many(keys, sizes)
         report = self.nvme.recovery
-        facts = {"objects": len(metas), "ready_s": time.monotonic() - start,
+        facts = {"objects": len(self.sizes), "ready_s": time.monotonic() - start,
                  "recovered": report.recovered, "dropped": report.dropped,
                  "dropped_by_reason": dict(report.dropped_by_reason), "sampled": report.sampled}
-        log.info("event=nvme_ready path=%s objects=%d ready_s=%.2f", self.config.path, len(metas), facts["ready_s"])
+        log.info("event=nvme_ready path=%s objects=%d ready_s=%.2f", self.config.path, facts["objects"], facts["ready_s"])
         return facts
 
     async def close(self) -> None:

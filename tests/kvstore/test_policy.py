@@ -436,3 +436,31 @@ def test_small_policies_are_never_rebuilt(policy):
     for key in range(49):
         policy.on_remove(key)
     assert not policy.compact()
+
+
+def test_on_insert_many_learns_as_one_insert_each_and_refuses_bad_input_unchanged(policy):
+    twin = type(policy)(policy.capacity_bytes)
+    keys, sizes = list(range(50)), [10 + k % 7 for k in range(50)]
+    policy.on_insert_many(keys, sizes)
+    for key, size in zip(keys, sizes):
+        twin.on_insert(key, size)
+    policy.check_integrity()
+    assert len(policy) == 50 and policy.tracked_bytes == sum(sizes)
+    for bad_keys, bad_sizes in (([1, 99], [5, 5]), ([98, 98], [5, 5]), ([97], [0]), ([96], [2.5]), ([95, 94], [5])):
+        with pytest.raises(InvalidArgument):
+            policy.on_insert_many(bad_keys, bad_sizes)
+        assert len(policy) == 50 and policy.tracked_bytes == sum(sizes) and 99 not in policy
+    policy.on_access(3)
+    twin.on_access(3)
+    assert policy.victims(200, always) == twin.victims(200, always)
+    policy.check_integrity()
+
+
+@pytest.mark.parametrize("cls", FIFO_POLICIES)
+def test_on_insert_many_of_a_ghost_key_sends_it_to_main_as_on_insert_would(cls):
+    policy = cls(1000)
+    admit(policy, "a", 10)
+    assert policy.victims(1, always) == ["a"]  # now a ghost
+    policy.on_insert_many(["b", "a"], [10, 10])
+    assert "a" in policy._main and "b" in policy._small
+    policy.check_integrity()

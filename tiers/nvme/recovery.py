@@ -28,6 +28,7 @@ import numpy as np
 from kvstore.identity import ID_BYTES
 from tiers.allocator import ExtentAllocator
 from tiers.nvme.files import ALIGN, DataFile, read_object
+from tiers.nvme.holdings import Holdings, HoldingsBuilder
 from tiers.nvme.index import EXTENT_HEAD, META_KEY, NvmeIndex, NvmeRecord, decode_extent, well_formed_heads
 
 _log = logging.getLogger("kvstore.tiers.nvme")
@@ -62,6 +63,7 @@ class Recovered:
     objects: int
     bytes: int
     report: RecoveryReport
+    holdings: Holdings  # every object kept, for the daemon's own index (tiers/nvme/holdings.py)
 
 
 def recover(index: NvmeIndex, files: list[DataFile], started: float) -> Recovered:
@@ -69,6 +71,7 @@ def recover(index: NvmeIndex, files: list[DataFile], started: float) -> Recovere
     extents = _ExtentsByFile(len(files))
     dropped: dict[str, list[bytes]] = {}
     sample = _Reservoir(SAMPLE_OBJECTS)
+    holdings = HoldingsBuilder()
     records = itertools.chain.from_iterable(index.raw_items())  # key, value, key, value, ...
     while chunk := list(itertools.islice(records, 2 * CHUNK_RECORDS)):
         keys, values = chunk[0::2], chunk[1::2]  # 2x faster than itemgetter maps over (key, value) pairs
@@ -76,6 +79,7 @@ def recover(index: NvmeIndex, files: list[DataFile], started: float) -> Recovere
         good, file, offset, _, size = _check_chunk(keys, values, limits, dropped)
         goods = np.nonzero(good)[0]
         extents.add(file[goods], offset[goods], size[goods])
+        holdings.add(keys, values, goods, size[goods])
         picked = goods[sample.pick(len(goods))].tolist()  # first: pick() replaces sample.items
         sample.items += [(keys[i], values[i]) for i in picked]
 
@@ -131,7 +135,8 @@ def recover(index: NvmeIndex, files: list[DataFile], started: float) -> Recovere
         sampled=sampled,
         time_to_ready_s=time.monotonic() - started,
     )
-    return Recovered(allocators, objects, total, report)
+    return Recovered(allocators, objects, total, report,
+                     holdings.build({key for keys in dropped.values() for key in keys}))
 
 
 def file_limits(files: list[DataFile]) -> np.ndarray:

@@ -27,6 +27,7 @@ from tiers.allocator import Extent
 from tiers.nvme.extents import ExtentOwners
 from tiers.nvme.files import byte_view, round_up
 from tiers.nvme.group_commit import GroupJournal
+from tiers.nvme.holdings import Holdings
 from tiers.nvme.index import NvmeRecord, namespace_prefix, object_key, split_key
 from tiers.nvme.recovery import RecoveryReport
 from tiers.nvme.types import CHECKSUM_BYTES, NvmeCounters, NvmeMeta, NvmePut
@@ -57,6 +58,7 @@ class NvmeTier:
         if not self._volume.direct_io:
             _log.warning("event=nvme_buffered_io path=%s reason=o_direct_refused", config.path)
         self.recovery: RecoveryReport = recovered.report
+        self._holdings: Holdings | None = recovered.holdings
         self._num_objects, self._num_bytes = recovered.objects, recovered.bytes
         self._busy: set[bytes] = set()  # keys with a put or a synced delete in flight
         self._extents = ExtentOwners(recovered.allocators)
@@ -196,6 +198,14 @@ class NvmeTier:
         with self._lock:
             record, durability = self._journal.find(key), self._journal.durability(key)
         return None if record is None else NvmeMeta.of(namespace, object_id, record, durability)
+
+    def take_holdings(self) -> Holdings:
+        """What recovery found in the index (keys, sizes, creation times), once: the daemon
+        builds its index of NVMe objects from it at start. Later calls raise RuntimeError."""
+        held, self._holdings = self._holdings, None
+        if held is None:
+            raise RuntimeError("the NVMe tier's holdings were taken already (they are kept only until start)")
+        return held
 
     def list(self, namespace: str | None = None) -> Iterator[NvmeMeta]:
         """Metadata of every object (of one namespace), waiting group commits first, then the
