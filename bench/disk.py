@@ -61,7 +61,12 @@ def main() -> None:
     parser.add_argument("--restart-objects", type=int, default=None)
     parser.add_argument("--restart-only", action="store_true",
                         help="only the restart case (issue 15: --restart-objects 10000000, ready in <= 15 s)")
+    parser.add_argument("--restart-daemon", action="store_true",
+                        help="only a whole daemon's restart over such an index: time until it takes clients, "
+                             "and its memory per NVMe-indexed object")
     args = parser.parse_args()
+    if args.restart_daemon:
+        return restart_daemon(args.restart_objects or 1_000_000, args.dir)
     if args.restart_only:
         return restart_only(args.restart_objects or 1_000_000, args.dir)
     data_bytes = (256 if args.quick else 1024) * MiB
@@ -226,8 +231,28 @@ def restart_only(n: int, parent: str) -> None:
 
 def restart(path: str, n: int) -> tuple[float, float, int]:
     """Index n objects of 1000 bytes (one 4 KiB extent each), reopen, time it."""
+    config, size = indexed_tier(path, n)
+    start = time.perf_counter()
+    tier = NvmeTier.open(config)
+    wall = time.perf_counter() - start
+    try:
+        report = tier.recovery
+        assert (report.recovered, report.dropped) == (n, 0), report
+        out = np.empty(size, np.uint8)
+        for i in range(0, n, max(1, n // 100)):
+            assert tier.get_into(NS, ObjectId(i.to_bytes(32, "big")), out) == size
+        if n <= 100_000:  # reads the whole index under the lock: seconds at 1 M
+            tier.check_integrity()
+    finally:
+        tier.close()
+    return report.time_to_ready_s, wall, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def indexed_tier(path: str, n: int, capacity_objects: int | None = None) -> tuple[NvmeTierConfig, int]:
+    """An NVMe tier at `path` whose index holds n objects of 1000 bytes (one 4 KiB extent
+    each; sparse data files), room for capacity_objects (default n). (config, object size)"""
     file_bytes = 1 << 30
-    capacity = -(-n * 4096 // file_bytes) * file_bytes
+    capacity = -(-max(1, capacity_objects or n) * 4096 // file_bytes) * file_bytes
     config = NvmeTierConfig(path=path, capacity_bytes=capacity, file_bytes=file_bytes, durability="group")
     os.makedirs(path)
     for i in range(capacity // file_bytes):  # sparse: the tier only grows files that are short
@@ -247,20 +272,62 @@ def restart(path: str, n: int) -> tuple[float, float, int]:
             batch = []
     index.write(batch, [], sync=True)
     index.close()
-    start = time.perf_counter()
-    tier = NvmeTier.open(config)
-    wall = time.perf_counter() - start
+    return config, size
+
+
+def restart_daemon(n: int, parent: str) -> None:
+    """A daemon started over an NVMe index of n objects: seconds until its socket takes a
+    client (it indexes what NVMe holds first), and RssAnon then, against a daemon over an
+    empty tier of the same size: the daemon's memory per NVMe-indexed object."""
+    from bench.scale import rss_anon
+    from client import Client, DaemonUnavailable
+    scratch = tempfile.mkdtemp(prefix="kvstore-bench-disk-", dir=parent)
+    results = {}
     try:
-        report = tier.recovery
-        assert (report.recovered, report.dropped) == (n, 0), report
-        out = np.empty(size, np.uint8)
-        for i in range(0, n, max(1, n // 100)):
-            assert tier.get_into(NS, ObjectId(i.to_bytes(32, "big")), out) == size
-        if n <= 100_000:  # reads the whole index under the lock: seconds at 1 M
-            tier.check_integrity()
+        for name, count in (("empty", 0), ("full", n)):
+            print(f"disk: indexing {count:,} objects, then starting a daemon over them", flush=True)
+            config, _ = indexed_tier(os.path.join(scratch, name, "nvme"), count, capacity_objects=n)
+            toml = os.path.join(scratch, name, "kvstore.toml")
+            with open(toml, "w") as f:
+                f.write(f'data_dir = "{os.path.join(scratch, name, "data")}"\n[admin]\nenabled = false\n'
+                        f'[host]\narena_bytes = "64MiB"\nprefault = false\n'
+                        f'[nvme]\nenabled = true\npath = "{config.path}"\ncapacity_bytes = {config.capacity_bytes}\n'
+                        f'file_bytes = {config.file_bytes}\ndurability = "group"\n')
+            sock = os.path.join(scratch, name, "kvstore.sock")
+            start = time.perf_counter()
+            daemon = subprocess.Popen([sys.executable, "-m", "commands.cli", "serve", "--config", toml, "--socket", sock,
+                                       "--log-level", "warning"], stdin=subprocess.DEVNULL)
+            try:
+                while True:
+                    if daemon.poll() is not None:
+                        raise RuntimeError(f"daemon exited with {daemon.returncode} while starting")
+                    try:
+                        Client.connect(sock, timeout_s=5).close()
+                        break
+                    except DaemonUnavailable:
+                        time.sleep(0.05)
+                results[name] = (time.perf_counter() - start, rss_anon(daemon.pid))
+                if count:
+                    with Client.connect(sock, timeout_s=60) as c:
+                        found = c.lookup([ObjectId(i.to_bytes(32, "big")) for i in range(0, count, max(1, count // 100))],
+                                         namespace=NS)
+                        assert found.hits == len(found.tiers), found
+            finally:
+                daemon.terminate()
+                daemon.wait(60)
+            shutil.rmtree(os.path.join(scratch, name), ignore_errors=True)
     finally:
-        tier.close()
-    return report.time_to_ready_s, wall, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        shutil.rmtree(scratch, ignore_errors=True)
+    (empty_s, empty_rss), (full_s, full_rss) = results["empty"], results["full"]
+    case = f"daemon restart {n // 1000}k objects on NVMe"
+    per_object = (full_rss - empty_rss) / n
+    print(f"disk: a daemon over the empty tier took clients after {empty_s:.2f} s", flush=True)
+    report(SUITE, [Row(SUITE, case, "ready", "s", full_s, None, None, False),
+                   Row(SUITE, case, "bytes/object", "B", per_object, None, None, False)],
+           [Target(case, "ready", None, "<=", 15.0 if n >= 10_000_000 else 10.0),
+            Target(case, "bytes/object", None, "<=", 200.0)], {},
+           {"mode": "daemon restart", "restart_objects": n, "ready_s_empty_tier": round(empty_s, 3),
+            "rss_anon_empty": empty_rss, "rss_anon_full": full_rss})
 
 
 if __name__ == "__main__":
