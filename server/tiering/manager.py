@@ -318,6 +318,10 @@ class TierManager:
         if self.mover.compact():
             give_back_heap()
 
+    def num_indexed(self) -> int:
+        """Objects indexed here: host entries plus NVMe objects (one on both counts twice)."""
+        return sum(len(ns.objects) for ns in self.namespaces.values()) + ((self.mover.stats() or {}).get("objects") or 0)
+
     def check_integrity(self) -> None:
         """Raise RuntimeError if the index, leases, policy and arenas disagree."""
         self.leases.check_integrity()

@@ -21,3 +21,27 @@ def test_the_mover_rebuilds_what_it_holds_once_most_of_it_left(tmp_path):
     mover.check_integrity()  # the policy was rebuilt in step, the same keys
     assert not mover.compact()  # once is enough
     manager.expire()  # housekeeping runs it, with or without NVMe
+
+
+def test_num_indexed_counts_host_entries_and_nvme_objects(tmp_path):
+    """What decides whether housekeeping's periodic integrity check runs (server/daemon.py:
+    INTEGRITY_CHECK_MAX_OBJECTS): it must count every object the check would walk."""
+    import asyncio
+
+    from kvstore.hints import Hints
+    from kvstore.identity import ObjectId, StateDescriptor
+    manager = TierManager(HostTierConfig(arena_bytes=1 << 20, prefault=False),
+                          make_nvme=lambda m: TierMover(m, NvmeTierConfig(path=str(tmp_path))))
+    assert manager.num_indexed() == 0
+    for i in range(30):
+        manager.mover._remember(("t", i.to_bytes(32, "little")), 4096)
+
+    async def fill():
+        ns = await manager.open_namespace("t")
+        for i in range(5):
+            manager.publish(ns, ObjectId(bytes([i]) * 32), ns.arena.alloc(64), 64, bytes(16),
+                            StateDescriptor("t", "m", "r"), Hints())
+    asyncio.run(fill())
+    assert manager.num_indexed() == 35
+    without_nvme = TierManager(HostTierConfig(arena_bytes=1 << 20, prefault=False))
+    assert without_nvme.num_indexed() == 0
