@@ -1,0 +1,86 @@
+"""What eviction policies keep per key since issue 15 (one int of state, S3-FIFO queues of
+keys with counted stale places) and how a tier hands them many keys at once."""
+
+import pytest
+
+from kvstore.errors import InvalidArgument
+from kvstore.policy import POLICIES, S3FIFO, CostAwareS3FIFO
+
+FIFO_POLICIES = [S3FIFO, CostAwareS3FIFO]
+
+
+def always(key) -> bool:
+    return True
+
+
+@pytest.fixture(params=sorted(POLICIES))
+def policy(request):
+    return POLICIES[request.param](10_000)
+
+
+@pytest.mark.parametrize("cls", FIFO_POLICIES)
+def test_a_key_removed_and_inserted_again_takes_its_new_place(cls):
+    policy = cls(10**6)
+    for key in "abc":
+        policy.on_insert(key, 10)
+    policy.on_remove("a")  # its old place, ahead of b, stays queued (stale) ...
+    policy.on_insert("a", 10)
+    policy.check_integrity()
+    assert policy.victims(10**9, always) == ["b", "c", "a"]  # ... and is skipped, not taken as a's
+    policy.check_integrity()
+
+
+@pytest.mark.parametrize("cls", FIFO_POLICIES)
+def test_stale_places_of_removed_keys_are_dropped_once_they_outnumber_live_keys(cls):
+    from kvstore.policy.base import COMPACT_MIN_KEYS
+    policy = cls(1 << 40)
+    n = 3 * COMPACT_MIN_KEYS
+    for key in range(n):
+        policy.on_insert(key, 10)
+    for key in range(0, n, 2):
+        policy.on_access(key)
+    policy.victims(10 * (n // 2), always)  # half move to M or go, so both queues hold keys
+    for key in range(n):
+        policy.on_remove(key)
+        assert len(policy._small) + len(policy._main) <= len(policy) + max(COMPACT_MIN_KEYS, len(policy)) + 1
+    policy.check_integrity()
+    assert len(policy) == 0 and policy.tracked_bytes == 0
+
+
+@pytest.mark.parametrize("cls", FIFO_POLICIES)
+def test_check_integrity_catches_a_place_queued_twice(cls):
+    policy = cls(10**6)
+    for key in range(20):
+        policy.on_insert(key, 10 + key % 5)
+    policy.check_integrity()
+    policy._small.append(policy._small[0])
+    with pytest.raises(RuntimeError, match="places of"):
+        policy.check_integrity()
+
+
+def test_on_insert_many_learns_as_one_insert_each_and_refuses_bad_input_unchanged(policy):
+    twin = type(policy)(policy.capacity_bytes)
+    keys, sizes = list(range(50)), [10 + k % 7 for k in range(50)]
+    policy.on_insert_many(keys, sizes)
+    for key, size in zip(keys, sizes):
+        twin.on_insert(key, size)
+    policy.check_integrity()
+    assert len(policy) == 50 and policy.tracked_bytes == sum(sizes)
+    for bad_keys, bad_sizes in (([1, 99], [5, 5]), ([98, 98], [5, 5]), ([97], [0]), ([96], [2.5]), ([95, 94], [5])):
+        with pytest.raises(InvalidArgument):
+            policy.on_insert_many(bad_keys, bad_sizes)
+        assert len(policy) == 50 and policy.tracked_bytes == sum(sizes) and 99 not in policy
+    policy.on_access(3)
+    twin.on_access(3)
+    assert policy.victims(200, always) == twin.victims(200, always)
+    policy.check_integrity()
+
+
+@pytest.mark.parametrize("cls", FIFO_POLICIES)
+def test_on_insert_many_of_a_ghost_key_sends_it_to_main_as_on_insert_would(cls):
+    policy = cls(1000)
+    policy.on_insert("a", 10)
+    assert policy.victims(1, always) == ["a"]  # now a ghost
+    policy.on_insert_many(["b", "a"], [10, 10])
+    assert "a" in policy._main and "b" in policy._small
+    policy.check_integrity()
