@@ -100,6 +100,15 @@ class EvictionPolicy(abc.ABC):
     def __len__(self) -> int:
         return len(self._entries)
 
+    def size_of(self, key: Hashable) -> int | None:
+        """The size `key` was tracked with; None if it is not tracked."""
+        state = self._entries.get(key)
+        return None if state is None else size_of(state)
+
+    def keys(self) -> list:
+        """The tracked keys (a copy: safe to hold while the policy changes)."""
+        return list(self._entries)
+
     def __contains__(self, key: object) -> bool:
         return key in self._entries
 
