@@ -78,38 +78,35 @@ def put_many(core: ClientCore, items, desc: StateDescriptor | None, hints: Hints
     # whole batch, so a large batch cannot fill the arena (or the lease quota) by itself.
     arena_bytes = min((core.arenas[d.namespace].size for _, _, d, _ in sources), default=0)
     limit = max(1, min(PUT_WINDOW_BYTES, arena_bytes // 4, core.max_inflight_bytes))
-    window, window_bytes, most = [], 0, _window(core)
-    for item in sources:
-        if window and (window_bytes + item[3].size > limit or len(window) == most):
-            yield from _put_window(core, window, hints, tier, results)
-            window, window_bytes = [], 0
-        window.append(item)
-        window_bytes += item[3].size
-    if window:
+    for window in _runs(sources, limit, _window(core)):
         yield from _put_window(core, window, hints, tier, results)
     return results
+
+
+def _runs(sources: list, max_bytes: int, max_items: int) -> list[list]:
+    """`sources` cut in order into runs of at most max_items items and max_bytes bytes (an
+    item larger than max_bytes alone)."""
+    runs, run_bytes = [], 0
+    for item in sources:
+        if not runs or (run_bytes + item[3].size > max_bytes or len(runs[-1]) == max_items):
+            runs.append([])
+            run_bytes = 0
+        runs[-1].append(item)
+        run_bytes += item[3].size
+    return runs
 
 
 def _put_window(core: ClientCore, sources: list, hints: Hints, tier: str, results: list):
     """Reserve, copy and commit a window in steps of PIPE_BYTES, overlapped: the daemon
     reserves step k+1 and commits step k-1 while this process copies and hashes step k."""
-    steps, step_bytes = [[]], 0
-    for item in sources:
-        if step_bytes >= PIPE_BYTES:
-            steps.append([])
-            step_bytes = 0
-        steps[-1].append(item)
-        step_bytes += item[3].size
-    groups = _groups(steps[0], lambda item: id(item[2]))
-    reserving = yield Later(_reserves(core, groups, hints, tier))
+    steps = [_groups(step, lambda item: id(item[2])) for step in _runs(sources, PIPE_BYTES, len(sources))]
+    reserving = yield Later(_reserves(core, steps[0], hints, tier))
     committing = []
-    for k in range(len(steps)):
+    for k, groups in enumerate(steps):
         replies = yield Collect(reserving)
-        reserved_groups = groups
         if k + 1 < len(steps):
-            groups = _groups(steps[k + 1], lambda item: id(item[2]))
-            reserving = yield Later(_reserves(core, groups, hints, tier))
-        commits, written = _copy_reserved(core, reserved_groups, replies, results)
+            reserving = yield Later(_reserves(core, steps[k + 1], hints, tier))
+        commits, written = _copy_reserved(core, groups, replies, results)
         if commits:
             committing.append(((yield Later(commits)), written))
     for handle, written in committing:
