@@ -46,7 +46,7 @@ class EvictionPolicy(abc.ABC):
     name: str  # the registry name, set by each implementation
 
     def __init__(self, capacity_bytes: int):
-        if not is_int(capacity_bytes) or capacity_bytes <= 0:
+        if not _is_int(capacity_bytes) or capacity_bytes <= 0:
             raise InvalidArgument(f"capacity_bytes must be a positive integer, got {capacity_bytes!r}")
         self.capacity_bytes = capacity_bytes
         self._entries: dict[Hashable, int] = {}  # key -> state (see FREQ_MASK)
@@ -67,12 +67,19 @@ class EvictionPolicy(abc.ABC):
     def on_insert_many(self, keys: list, sizes: list[int]) -> None:
         """on_insert of each key in order (no cost or priority hints): what a tier learns at
         start. Policies may do it in bulk; InvalidArgument as on_insert, before any change."""
-        if len(keys) != len(sizes) or len(set(keys)) != len(keys) or any(key in self._entries for key in keys):
-            raise InvalidArgument("on_insert_many needs as many sizes as keys, distinct keys, none tracked")
-        if not all(is_int(size) and size > 0 for size in sizes):
-            raise InvalidArgument("on_insert_many: every size must be a positive integer")
+        self._states_of_many(keys, sizes)
         for key, size in zip(keys, sizes):
             self.on_insert(key, size)
+
+    def _states_of_many(self, keys: list, sizes: list[int]) -> dict:
+        """{key: its initial state} for on_insert_many; InvalidArgument, with nothing changed,
+        unless there is one positive integer size per key and the keys are distinct, untracked."""
+        if len(keys) != len(sizes) or (sizes and (not set(map(type, sizes)) <= {int} or min(sizes) <= 0)):
+            raise InvalidArgument("on_insert_many needs one positive integer size per key")
+        states = dict(zip(keys, [size << SIZE_SHIFT | PRIORITY_ZERO for size in sizes]))
+        if len(states) != len(keys) or not states.keys().isdisjoint(self._entries):
+            raise InvalidArgument("on_insert_many needs distinct keys, none of them tracked")
+        return states
 
     @abc.abstractmethod
     def on_access(self, key: Hashable) -> None:
@@ -140,14 +147,14 @@ class EvictionPolicy(abc.ABC):
         in its queues."""
         if key in self._entries:
             raise InvalidArgument(f"key {key!r} is already tracked; remove it before inserting it again")
-        if not is_int(size_bytes) or size_bytes <= 0:
+        if not _is_int(size_bytes) or size_bytes <= 0:
             raise InvalidArgument(f"size_bytes must be a positive integer, got {size_bytes!r}")
         if recompute_cost is not None and (
             not isinstance(recompute_cost, (int, float)) or isinstance(recompute_cost, bool)
             or not math.isfinite(recompute_cost) or recompute_cost < 0
         ):
             raise InvalidArgument(f"recompute_cost must be a finite number >= 0 or None, got {recompute_cost!r}")
-        if not is_int(priority) or not MIN_PRIORITY <= priority <= MAX_PRIORITY:
+        if not _is_int(priority) or not MIN_PRIORITY <= priority <= MAX_PRIORITY:
             raise InvalidArgument(
                 f"priority must be an integer in {MIN_PRIORITY}..{MAX_PRIORITY}, got {priority!r}"
             )
@@ -192,5 +199,5 @@ def sparse(size: int, peak: int) -> bool:
     return peak >= COMPACT_MIN_KEYS and 4 * size <= peak
 
 
-def is_int(value: object) -> bool:
+def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)

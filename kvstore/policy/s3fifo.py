@@ -27,16 +27,7 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 
-from kvstore.errors import InvalidArgument
-from kvstore.policy.base import (
-    COMPACT_MIN_KEYS,
-    FREQ_MASK,
-    IN_MAIN,
-    PRIORITY_ZERO,
-    SIZE_SHIFT,
-    EvictionPolicy,
-    size_of,
-)
+from kvstore.policy.base import COMPACT_MIN_KEYS, FREQ_MASK, IN_MAIN, EvictionPolicy, size_of
 
 # The paper's default: a 10% probation queue drops most one-hit wonders before they
 # displace anything in M, yet is long enough for a real re-use to arrive in time.
@@ -97,11 +88,7 @@ class S3FIFO(EvictionPolicy):
         would put them (about 10x faster than a call each: 10 M keys at a daemon's start)."""
         if self._ghost and not self._ghost.keys().isdisjoint(keys):
             return super().on_insert_many(keys, sizes)
-        if len(keys) != len(sizes) or (sizes and (not set(map(type, sizes)) <= {int} or min(sizes) <= 0)):
-            raise InvalidArgument("on_insert_many needs one positive integer size per key")
-        added = dict(zip(keys, [size << SIZE_SHIFT | PRIORITY_ZERO for size in sizes]))
-        if len(added) != len(keys) or not added.keys().isdisjoint(self._entries):
-            raise InvalidArgument("on_insert_many needs distinct keys, none of them tracked")
+        added = self._states_of_many(keys, sizes)
         if self._entries:
             self._entries.update(added)
         else:  # a tier's start: the dict just built is the index
