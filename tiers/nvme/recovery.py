@@ -78,8 +78,9 @@ def recover(index: NvmeIndex, files: list[DataFile], started: float) -> Recovere
         del chunk
         good, file, offset, _, size = _check_chunk(keys, values, limits, dropped)
         goods = np.nonzero(good)[0]
-        extents.add(file[goods], offset[goods], size[goods])
-        holdings.add(keys, values, goods, size[goods])
+        good_sizes = size[goods]
+        extents.add(file[goods], offset[goods], good_sizes)
+        holdings.add(keys, values, goods, good_sizes)
         picked = goods[sample.pick(len(goods))].tolist()  # first: pick() replaces sample.items
         sample.items += [(keys[i], values[i]) for i in picked]
 
