@@ -131,9 +131,10 @@ class SharedIndex:
 
     def publish(self, entry: ObjectEntry) -> bool:
         """Make a committed host entry readable by clients; False when its slots are taken."""
-        for at in self._slots_of(entry.object_id.digest):
+        oid = entry.object_id  # bytes itself: .digest would copy it
+        for at in self._slots_of(oid):
             if SEQ.unpack_from(self._map, at + _FLAGS_AT)[0] != OCCUPIED:
-                self._write(at, (entry.object_id.digest, entry.offset, entry.size, entry.checksum,
+                self._write(at, (oid, entry.offset, entry.size, entry.checksum,
                                  descriptor_digest(entry.descriptor), entry.expires_at, OCCUPIED))
                 self.num_published += 1
                 return True
@@ -142,9 +143,9 @@ class SharedIndex:
 
     def remove(self, entry: ObjectEntry) -> None:
         """Clear the entry's record; call before its extent can be freed or reused."""
-        digest = entry.object_id.digest
-        for at in self._slots_of(digest):
-            if SEQ.unpack_from(self._map, at + _FLAGS_AT)[0] == OCCUPIED and self._map[at + 8:at + 40] == digest:
+        oid = entry.object_id  # bytes itself: .digest would copy it
+        for at in self._slots_of(oid):
+            if SEQ.unpack_from(self._map, at + _FLAGS_AT)[0] == OCCUPIED and self._map[at + 8:at + 40] == oid:
                 self._write(at, _EMPTY)
                 self.num_published -= 1
                 return
