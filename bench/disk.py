@@ -67,6 +67,8 @@ def main() -> None:
                         help="only a whole daemon's restart over such an index: time until it takes clients, "
                              "and its memory per NVMe-indexed object")
     args = parser.parse_args()
+    if args.restart_objects is not None and args.restart_objects < 1:
+        parser.error(f"--restart-objects takes a positive number of objects; got {args.restart_objects}")
     if args.restart_daemon:
         return restart_daemon(args.restart_objects or 1_000_000, args.dir)
     if args.restart_only:

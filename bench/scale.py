@@ -132,9 +132,14 @@ def main(argv=None) -> int:
                         help="object counts, comma-separated, smallest first (default 10000,100000,1000000)")
     parser.add_argument("--size", type=int, default=64, help="bytes per object (default 64)")
     args = parser.parse_args(argv)
-    counts = sorted(int(c) for c in args.counts.split(","))
+    try:
+        counts = sorted(int(c) for c in args.counts.split(","))
+    except ValueError:
+        counts = []
     if not counts or counts[0] < 1:
-        parser.error("--counts takes positive integers")
+        parser.error(f"--counts takes positive integers, comma-separated; got {args.counts!r}")
+    if args.size < 1:
+        parser.error(f"--size takes a positive number of bytes; got {args.size}")
     results = []
     with scratch_dir("kvs-scale-") as workdir:
         for count in counts:
