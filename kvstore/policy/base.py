@@ -23,6 +23,23 @@ SIZE_SHIFT = 8
 PRIORITY_ZERO = -MIN_PRIORITY << PRIORITY_SHIFT  # the priority bits of priority 0
 
 
+# Equal states are one int object: most objects of a tier have one of a few sizes (a block, a
+# page), and an int of its own costs each key 32 B (issue 15). Bounded, shared by every policy
+# of the process (ints are immutable); past the bound a state is simply not shared.
+MAX_SHARED_STATES = 1 << 16
+_SHARED_STATES: dict[int, int] = {}
+
+
+def shared(state: int) -> int:
+    """The one int object equal to `state` (or `state` itself once the table is full)."""
+    got = _SHARED_STATES.get(state)
+    if got is None:
+        if len(_SHARED_STATES) >= MAX_SHARED_STATES:
+            return state
+        got = _SHARED_STATES[state] = state
+    return got
+
+
 def size_of(state: int) -> int:
     return state >> SIZE_SHIFT
 
@@ -76,7 +93,10 @@ class EvictionPolicy(abc.ABC):
         unless there is one positive integer size per key and the keys are distinct, untracked."""
         if len(keys) != len(sizes) or (sizes and (not set(map(type, sizes)) <= {int} or min(sizes) <= 0)):
             raise InvalidArgument("on_insert_many needs one positive integer size per key")
-        states = dict(zip(keys, [size << SIZE_SHIFT | PRIORITY_ZERO for size in sizes]))
+        by_size: dict[int, int] = {}
+        for size in set(sizes):
+            by_size[size] = shared(size << SIZE_SHIFT | PRIORITY_ZERO)
+        states = dict(zip(keys, map(by_size.__getitem__, sizes)))
         if len(states) != len(keys) or not states.keys().isdisjoint(self._entries):
             raise InvalidArgument("on_insert_many needs distinct keys, none of them tracked")
         return states
@@ -158,7 +178,7 @@ class EvictionPolicy(abc.ABC):
             raise InvalidArgument(
                 f"priority must be an integer in {MIN_PRIORITY}..{MAX_PRIORITY}, got {priority!r}"
             )
-        state = size_bytes << SIZE_SHIFT | (priority - MIN_PRIORITY) << PRIORITY_SHIFT
+        state = shared(size_bytes << SIZE_SHIFT | (priority - MIN_PRIORITY) << PRIORITY_SHIFT)
         self._entries[key] = state
         if recompute_cost is not None:
             self._costs[key] = recompute_cost

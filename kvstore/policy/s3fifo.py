@@ -27,7 +27,7 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 
-from kvstore.policy.base import COMPACT_MIN_KEYS, FREQ_MASK, IN_MAIN, EvictionPolicy, size_of
+from kvstore.policy.base import COMPACT_MIN_KEYS, FREQ_MASK, IN_MAIN, EvictionPolicy, shared, size_of
 
 # The paper's default: a 10% probation queue drops most one-hit wonders before they
 # displace anything in M, yet is long enough for a real re-use to arrive in time.
@@ -76,7 +76,7 @@ class S3FIFO(EvictionPolicy):
         state = self._add_entry(key, size_bytes, recompute_cost, priority)
         if key in self._ghost:
             self._ghost_bytes -= self._ghost.pop(key)
-            self._entries[key] = state | IN_MAIN
+            self._entries[key] = shared(state | IN_MAIN)
             self._main.append(key)
             self._main_bytes += size_bytes
         else:
@@ -102,7 +102,7 @@ class S3FIFO(EvictionPolicy):
     def on_access(self, key: Hashable) -> None:
         state = self._entries.get(key)
         if state is not None and state & FREQ_MASK < MAX_FREQ:
-            self._entries[key] = state + 1
+            self._entries[key] = shared(state + 1)
 
     def on_remove(self, key: Hashable) -> None:
         if key not in self._entries:
@@ -166,11 +166,11 @@ class S3FIFO(EvictionPolicy):
                 (scan.skipped_small if from_small else scan.skipped_main).append(key)
             elif from_small and state & FREQ_MASK >= PROMOTE_MIN_FREQ:
                 self._small_bytes -= size_of(state)
-                entries[key] = state | IN_MAIN
+                entries[key] = shared(state | IN_MAIN)
                 self._main.append(key)
                 self._main_bytes += size_of(state)
             elif not from_small and state & FREQ_MASK:
-                entries[key] = state - 1
+                entries[key] = shared(state - 1)
                 queue.append(key)
             else:
                 return key, state

@@ -84,3 +84,30 @@ def test_on_insert_many_of_a_ghost_key_sends_it_to_main_as_on_insert_would(cls):
     policy.on_insert_many(["b", "a"], [10, 10])
     assert "a" in policy._main and "b" in policy._small
     policy.check_integrity()
+
+
+def test_keys_of_one_size_share_one_state_object_and_keep_their_own_state(policy):
+    """Equal states are one int (32 B a key saved: base.shared); a hit changes only its key's."""
+    size = 123_457  # not a size another test shares: its state int is made here
+    for key in range(40):
+        policy.on_insert(key, size)
+    policy.on_insert_many(list(range(40, 80)), [size] * 40)
+    states = {id(state) for state in policy._entries.values()}
+    assert len(states) == 1
+    policy.on_access(7)  # S3-FIFO counts it in the key's state; LRU moves the key instead
+    assert (policy._entries[7] != policy._entries[8]) == isinstance(policy, tuple(FIFO_POLICIES))
+    assert policy._entries[8] is policy._entries[9]
+    assert [policy.size_of(key) for key in (7, 8, 79)] == [size] * 3
+    policy.check_integrity()
+
+
+def test_states_past_the_shared_table_s_bound_are_kept_unshared(monkeypatch):
+    from kvstore.policy import base
+    monkeypatch.setattr(base, "_SHARED_STATES", {})
+    monkeypatch.setattr(base, "MAX_SHARED_STATES", 2)
+    policy = S3FIFO(10**6)
+    for key, size in enumerate((10, 20, 30, 30)):
+        policy.on_insert(key, size)
+    assert len(base._SHARED_STATES) == 2 and [policy.size_of(key) for key in range(4)] == [10, 20, 30, 30]
+    assert policy.victims(10**9, always) == [0, 1, 2, 3]
+    policy.check_integrity()
