@@ -33,6 +33,7 @@ from server.later import MaybeAwaitable, resolve
 from server.tiering.nvme_flush import flush_host
 from server.tiering.objects import ObjectEntry
 from tiers.nvme import NvmeTier
+from tiers.nvme.index import key_parts, namespace_prefix
 
 log = logging.getLogger("kvstore.movement")
 # Until promotions have measured it, assume this NVMe read bandwidth for load estimates.
@@ -62,8 +63,10 @@ class TierMover:
         self.host = manager.host
         self.config = config
         self.nvme: NvmeTier | None = None
-        # What NVMe holds, (namespace, id) -> size, is the policy's own table: a second dict
-        # of the same keys cost ~100 B per object and 4.4 s of a 10 M-object start.
+        # What NVMe holds is the policy's own table, keyed by each object's NVMe index key
+        # (u16 length, namespace, 32-byte id: tiers/nvme/index.py): a second dict of the same
+        # keys cost ~100 B per object and 4.4 s of a 10 M-object start, and (namespace, digest)
+        # tuples ~130 B more and 3.6 s to split what recovery found (issue 15).
         self.policy = make_policy("s3fifo", self.config.capacity_bytes)
         self.admission = FrequencyAdmission(min_hits=self.config.admit_min_hits)
         self.bandwidth_bytes_s = DEFAULT_NVME_BANDWIDTH
@@ -101,12 +104,17 @@ class TierMover:
 
     # --- what NVMe holds ------------------------------------------------------------------
 
+    @staticmethod
+    def _key(namespace: str, oid) -> bytes:
+        """The policy's key of `oid` (an ObjectId, or its digest) in `namespace`: its index key."""
+        return namespace_prefix(namespace) + oid
+
     def holds(self, namespace: str, oid) -> bool:
-        return (namespace, oid.digest) in self.policy
+        return self._key(namespace, oid) in self.policy
 
     def size_of(self, namespace: str, oid) -> int | None:
         """Size on NVMe of `oid` (an ObjectId or its raw digest), None if NVMe lacks it."""
-        return self.policy.size_of((namespace, oid if type(oid) is bytes else oid.digest))
+        return self.policy.size_of(self._key(namespace, oid))
 
     def remote_meta(self, namespace: str, oid):
         """What a peer lookup needs to know of an NVMe-only object (None if it went away)."""
@@ -122,13 +130,13 @@ class TierMover:
             return None
         out = np.empty(meta.size, dtype=np.uint8)
         if await self._run(self.nvme.get_into, namespace, oid, out) is None:
-            self._forget((namespace, oid.digest))
+            self._forget(self._key(namespace, oid))
             return None
         return RemoteMeta(meta.size, meta.checksum, meta.descriptor, meta.hints), out
 
     def keys(self) -> list[tuple[str, bytes]]:
         """(namespace, digest) of every object NVMe holds (a copy: safe across awaits)."""
-        return self.policy.keys()
+        return list(map(key_parts, self.policy.keys()))
 
     async def metas(self, keys) -> list:
         """NvmeMeta (None where gone meanwhile) of (namespace, digest) keys, read in the NVMe pool."""
@@ -140,7 +148,7 @@ class TierMover:
     def on_hit(self, entry: ObjectEntry) -> None:
         """A host hit: counted for admission and the NVMe policy; under `selective`, the
         write_after_hits-th hit writes the object down in the background."""
-        key = (entry.namespace, entry.object_id.digest)
+        key = self._key(entry.namespace, entry.object_id)
         self.admission.record(key)
         self.policy.on_access(key)
         if (not entry.on_nvme and self.config.write_policy == "selective"
@@ -163,10 +171,10 @@ class TierMover:
         """Copy a host entry to NVMe. Returns the durability it got, or None if it failed.
 
         displace: which NVMe objects may be evicted to make room for it, a predicate on
-        their (namespace, digest) keys; None: none (the copy goes only into free room).
+        their policy keys (TierMover._key); None: none (the copy goes only into free room).
         A copy that finds no room it may take is counted in num_rejected, not as a failure.
         """
-        key = (entry.namespace, entry.object_id.digest)
+        key = self._key(entry.namespace, entry.object_id)
         if key in self.policy:
             return "sync"
         ns = self.host.namespaces[entry.namespace]
@@ -218,7 +226,8 @@ class TierMover:
         leaving: dict[str, list] = {}  # those leaving the node go to their homes first
         for key in victims:
             if self._host_entry(key) is None:  # the cluster sends those the homes may lack
-                leaving.setdefault(key[0], []).append(ObjectId(key[1]))
+                name, digest = key_parts(key)
+                leaving.setdefault(name, []).append(ObjectId(digest))
         try:
             await asyncio.gather(*(cluster.demote_from_nvme(ns, oids) for ns, oids in leaving.items()))
         except Exception as exc:  # counted there; the eviction goes on
@@ -226,22 +235,25 @@ class TierMover:
         for key in victims:
             if key in self.policy:
                 continue  # written again while the copies above were sent
-            await self._run(self.nvme.delete, key[0], ObjectId(key[1]))
+            name, digest = key_parts(key)
+            await self._run(self.nvme.delete, name, ObjectId(digest))
             self.counters.num_nvme_evictions += 1
             if self._host_entry(key) is None:
-                cluster.forget(key[0], ObjectId(key[1]))  # gone from this node altogether
+                cluster.forget(name, ObjectId(digest))  # gone from this node altogether
         return bool(victims)
 
     def _host_entry(self, key) -> ObjectEntry | None:
-        ns = self.host.namespaces.get(key[0])
-        return ns.objects.get(ObjectId(key[1])) if ns else None
+        name, digest = key_parts(key)
+        ns = self.host.namespaces.get(name)
+        return ns.objects.get(ObjectId(digest)) if ns else None
 
     def _left_nvme(self, key) -> None:
         entry = self._host_entry(key)
         if entry is not None:
             entry.on_nvme = False
         else:  # gone from this node altogether
-            self.manager.cluster.forget(key[0], ObjectId(key[1]))
+            name, digest = key_parts(key)
+            self.manager.cluster.forget(name, ObjectId(digest))
 
     async def take_victims(self, ns, victims: list[ObjectEntry]) -> None:
         """Host victims (TierManager.allocate's sink): those NVMe holds already are evicted,
@@ -250,7 +262,7 @@ class TierMover:
         writes = []
         cluster = self.manager.cluster
         for entry in victims:
-            if entry.on_nvme or (ns.name, entry.object_id.digest) in self.policy:
+            if entry.on_nvme or self._key(ns.name, entry.object_id) in self.policy:
                 self.host.evict(ns, entry)
             else:
                 writes.append(entry)
@@ -278,7 +290,7 @@ class TierMover:
         Any other takes only victims read no more often than itself: a new, unread object
         displaces old unread ones (they age out in the NVMe policy's FIFO order), never an
         object that is being read."""
-        key = (entry.namespace, entry.object_id.digest)
+        key = self._key(entry.namespace, entry.object_id)
         if self.config.capacity_bytes - self.used_bytes >= entry.size or self.admission.admit(key):
             return ANY_VICTIM
         reads = self.admission.estimate(key)
@@ -288,7 +300,7 @@ class TierMover:
 
     async def promote(self, namespace: str, oid) -> ObjectEntry | None:
         """Bring an NVMe object into the host arena (verified). None if it is gone or corrupt."""
-        key = (namespace, oid.digest)
+        key = self._key(namespace, oid)
         pending = self._promoting.get(key)
         if pending is not None:
             return await asyncio.shield(pending)
@@ -368,7 +380,7 @@ class TierMover:
     async def delete(self, namespace: str, oids) -> int:
         count = 0
         for oid in oids:
-            key = (namespace, oid.digest)
+            key = self._key(namespace, oid)
             if key in self.policy:
                 self._forget(key)
                 if await self._run(self.nvme.delete, namespace, oid):

@@ -11,7 +11,7 @@ from kvstore.config import NvmeTierConfig
 from kvstore.identity import ObjectId, StateDescriptor
 from tiers.nvme import NvmeTier
 from tiers.nvme.holdings import Holdings, created_at_of
-from tiers.nvme.index import NvmeRecord, object_key
+from tiers.nvme.index import NvmeRecord, object_key, split_key
 
 MIB = 1 << 20
 
@@ -42,9 +42,9 @@ def test_holdings_name_every_object_kept_with_its_size_oldest_first(tmp_path):
         assert tier.recovery.dropped_by_reason == {"checksum": 4}
         keys, sizes = tier.take_holdings().by_age()
         kept = [i for i in range(12) if i != 3 and not 4 <= i <= 7]
-        assert keys == [("a", oid(i).digest) for i in kept]  # oldest first
+        assert keys == [object_key("a", oid(i)) for i in kept]  # oldest first
         assert sizes == [metas[oid(i)].size for i in kept]
-        assert all(type(digest) is bytes for _, digest in keys)
+        assert all(type(key) is bytes for key in keys)
         with pytest.raises(RuntimeError, match="taken already"):
             tier.take_holdings()
 
@@ -56,7 +56,8 @@ def test_holdings_of_several_namespaces_keep_each_objects_own(tmp_path):
             time.sleep(0.002)
     with NvmeTier.open(config(tmp_path)) as tier:
         keys, sizes = tier.take_holdings().by_age()
-    assert keys == [(("a", "bb", "a-longer-name")[i % 3], oid(i).digest) for i in range(6)]
+    assert keys == [object_key(("a", "bb", "a-longer-name")[i % 3], oid(i)) for i in range(6)]
+    assert [split_key(key) for key in keys] == [(("a", "bb", "a-longer-name")[i % 3], oid(i)) for i in range(6)]
     assert sizes == [8192 * (i + 1) for i in range(6)]
 
 
@@ -70,5 +71,5 @@ def test_created_at_is_read_from_a_records_tail_and_zero_where_it_is_not_one():
 def test_by_age_breaks_ties_in_index_order_and_handles_nothing():
     keys = [object_key("n", oid(i)) for i in range(4)]
     held = Holdings(keys, np.array([1, 2, 3, 4], np.int64), np.array([5.0, 1.0, 5.0, 1.0]))
-    assert held.by_age() == ([("n", oid(i).digest) for i in (1, 3, 0, 2)], [2, 4, 1, 3])
+    assert held.by_age() == ([keys[i] for i in (1, 3, 0, 2)], [2, 4, 1, 3])
     assert Holdings([], np.zeros(0, np.int64), np.zeros(0)).by_age() == ([], [])

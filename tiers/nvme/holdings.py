@@ -4,7 +4,9 @@ daemon's own index of NVMe objects (server/tiering/nvme_mover.py: TierMover.open
 Building that index from `NvmeTier.list()` decoded every record (descriptor and hints
 included) and kept all of them at once: about 15 us and 1 KB of daemon memory per object,
 150 s and 10 GB for 10 M objects. Here recovery keeps each good record's raw key, size and
-creation time (sizes and times in numpy), and the daemon's index is built from them in bulk.
+creation time (sizes and times in numpy), and the daemon's index is built from them in bulk,
+keyed by these very key objects: a (namespace, digest) pair per object cost 10 M objects
+~1.3 GB more and 3.6 s to make.
 
     key     u16_be(len(ns)) || ns || 32-byte id   (tiers/nvme/index.py)
     size    the record head's fixed-width size
@@ -18,8 +20,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-
-from kvstore.identity import ID_BYTES
 
 _TAIL = 9  # 0xcb, then the float64
 _FLOAT64 = 0xCB
@@ -40,27 +40,13 @@ class Holdings:
     sizes: np.ndarray  # int64, one per key
     created_at: np.ndarray  # float64 wall clock, one per key
 
-    def by_age(self) -> tuple[list[tuple[str, bytes]], list[int]]:
-        """((namespace, 32-byte id) per object, sizes), oldest first: the order an eviction
-        policy should learn them in. Index order breaks ties."""
-        order = np.argsort(self.created_at, kind="stable").tolist()
-        keys = self.keys
-        if keys and len(keys[0]) == len(keys[-1]) and keys[0][:-ID_BYTES] == keys[-1][:-ID_BYTES] \
-                and len(set(map(len, keys))) == 1:
-            # One namespace (the keys are in index order: all between share the first's prefix).
-            name = keys[0][2:-ID_BYTES].decode()
-            split = [(name, keys[i][-ID_BYTES:]) for i in order]
-        else:
-            names: dict[bytes, str] = {}
-            split = []
-            for i in order:
-                key = keys[i]
-                prefix = key[:-ID_BYTES]
-                name = names.get(prefix)
-                if name is None:
-                    name = names[prefix] = prefix[2:].decode()
-                split.append((name, key[-ID_BYTES:]))
-        return split, self.sizes[order].tolist() if order else []
+    def by_age(self) -> tuple[list[bytes], list[int]]:
+        """(index keys, sizes), oldest first: the order an eviction policy should learn them
+        in. Index order breaks ties. The keys are the ones recovery read, not copies: the
+        daemon's index of NVMe objects keeps them (10 M of them: ~0.8 GB)."""
+        order = np.argsort(self.created_at, kind="stable")
+        keys = np.fromiter(self.keys, dtype=object, count=len(self.keys))[order].tolist()
+        return keys, self.sizes[order].tolist()
 
 
 class HoldingsBuilder:

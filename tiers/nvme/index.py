@@ -15,6 +15,7 @@ Thread-safe as RocksDB is; the tier serialises what must be atomic.
 
 from __future__ import annotations
 
+import functools
 import struct
 from dataclasses import dataclass
 from typing import Iterator
@@ -46,9 +47,16 @@ def object_key(namespace: str, object_id: ObjectId) -> bytes:
     return namespace_prefix(namespace) + object_id.digest
 
 
+@functools.lru_cache(maxsize=1024)
 def namespace_prefix(namespace: str) -> bytes:
     raw = namespace.encode()
     return len(raw).to_bytes(2, "big") + raw
+
+
+def key_parts(key: bytes) -> tuple[str, bytes]:
+    """(namespace, 32-byte digest) of a key this tier made (object_key), unchecked: split_key
+    checks a key read from disk."""
+    return key[2:-ID_BYTES].decode(), key[-ID_BYTES:]
 
 
 def split_key(key: bytes) -> tuple[str, ObjectId] | None:

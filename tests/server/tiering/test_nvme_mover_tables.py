@@ -4,22 +4,25 @@ from kvstore.config import HostTierConfig, NvmeTierConfig
 from server.tiering.manager import TierManager
 from kvstore.identity import ObjectId
 from server.tiering.nvme_mover import TierMover
+from tiers.nvme.index import object_key
 
 
 def test_the_mover_rebuilds_what_it_holds_once_most_of_it_left(tmp_path):
     manager = TierManager(HostTierConfig(arena_bytes=1 << 20, prefault=False),
                           make_nvme=lambda m: TierMover(m, NvmeTierConfig(path=str(tmp_path))))
     mover = manager.mover
-    keys = [("t", i.to_bytes(32, "little")) for i in range(8192)]
+    names = [("t", i.to_bytes(32, "little")) for i in range(8192)]
+    keys = [mover._key(name, digest) for name, digest in names]
+    assert keys[0] == object_key("t", ObjectId(names[0][1]))  # the NVMe index's own key
     for key in keys:  # what open() and write() record for objects NVMe holds
         mover._remember(key, 4096)
     assert not mover.compact()  # full: nothing to rebuild
     for key in keys[:8000]:  # what evictions and deletes record
         mover._forget(key)
     assert mover.compact()  # rebuilt: a quarter of its peak or less
-    assert mover.keys() == keys[8000:] and mover.used_bytes == 192 * 4096
-    assert all(mover.size_of(name, digest) == 4096 for name, digest in keys[8000:])
-    assert mover.size_of(*keys[0]) is None and not mover.holds("t", ObjectId(keys[0][1]))
+    assert mover.keys() == names[8000:] and mover.used_bytes == 192 * 4096
+    assert all(mover.size_of(name, digest) == 4096 for name, digest in names[8000:])
+    assert mover.size_of(*names[0]) is None and not mover.holds("t", ObjectId(names[0][1]))
     mover.check_integrity()  # the policy was rebuilt in step, the same keys
     assert not mover.compact()  # once is enough
     manager.expire()  # housekeeping runs it, with or without NVMe
@@ -36,7 +39,7 @@ def test_num_indexed_counts_host_entries_and_nvme_objects(tmp_path):
                           make_nvme=lambda m: TierMover(m, NvmeTierConfig(path=str(tmp_path))))
     assert manager.num_indexed() == 0
     for i in range(30):
-        manager.mover._remember(("t", i.to_bytes(32, "little")), 4096)
+        manager.mover._remember(manager.mover._key("t", i.to_bytes(32, "little")), 4096)
 
     async def fill():
         ns = await manager.open_namespace("t")
