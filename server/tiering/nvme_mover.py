@@ -26,11 +26,11 @@ from kvstore.config import NvmeTierConfig
 from kvstore.errors import CapacityError, ChecksumError, KVStoreError
 from kvstore.identity import ObjectId
 from kvstore.peer_messages import RemoteMeta
-from kvstore.replies import IN_MEMORY, CommitReply
-from kvstore.policy import make_policy
 from kvstore.policy.admission import FrequencyAdmission
+from kvstore.replies import IN_MEMORY, CommitReply
 from server.later import MaybeAwaitable, resolve
 from server.tiering.nvme_flush import flush_host
+from server.tiering.nvme_table import NvmeTable
 from server.tiering.objects import ObjectEntry
 from tiers.nvme import NvmeTier
 from tiers.nvme.index import key_parts, namespace_prefix
@@ -63,11 +63,9 @@ class TierMover:
         self.host = manager.host
         self.config = config
         self.nvme: NvmeTier | None = None
-        # What NVMe holds is the policy's own table, keyed by each object's NVMe index key
-        # (u16 length, namespace, 32-byte id: tiers/nvme/index.py): a second dict of the same
-        # keys cost ~100 B per object and 4.4 s of a 10 M-object start, and (namespace, digest)
-        # tuples ~130 B more and 3.6 s to split what recovery found (issue 15).
-        self.policy = make_policy("s3fifo", self.config.capacity_bytes)
+        # What NVMe holds, and its eviction order: numpy columns keyed by the NVMe index's own
+        # keys (~64 B per object; Python objects per key cost ~190 B: server/tiering/nvme_table.py).
+        self.policy = NvmeTable(self.config.capacity_bytes)
         self.admission = FrequencyAdmission(min_hits=self.config.admit_min_hits)
         self.bandwidth_bytes_s = DEFAULT_NVME_BANDWIDTH
         self._promoting: dict[tuple[str, bytes], asyncio.Future] = {}
@@ -81,10 +79,12 @@ class TierMover:
         loop = asyncio.get_running_loop()
         start = time.monotonic()
         self.nvme = await loop.run_in_executor(None, NvmeTier.open, self.config)
-        # What recovery found, oldest first, learnt in bulk (a meta decoded per record took
-        # ~15 us and ~1 KB each: tiers/nvme/holdings.py).
-        keys, sizes = await loop.run_in_executor(None, lambda: self.nvme.take_holdings().by_age())
-        self.policy.on_insert_many(keys, sizes)
+        # What recovery found, learnt in bulk, oldest first (a meta decoded per record took
+        # ~15 us and ~1 KB each: tiers/nvme/holdings.py); the age order is sorted meanwhile in
+        # another thread. Nothing else uses the table yet.
+        held = self.nvme.take_holdings()
+        order = self.nvme.executor.submit(held.age_order)
+        await loop.run_in_executor(None, self.policy.load, held.prefixes, held.namespaces, held.ids, held.sizes, order)
         report = self.nvme.recovery
         facts = {"objects": len(self.policy), "ready_s": time.monotonic() - start,
                  "recovered": report.recovered, "dropped": report.dropped,

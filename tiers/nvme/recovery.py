@@ -63,7 +63,7 @@ class Recovered:
     objects: int
     bytes: int
     report: RecoveryReport
-    holdings: Holdings  # every object kept, for the daemon's own index (tiers/nvme/holdings.py)
+    holdings: Holdings | None  # every object kept, for the daemon's own index (tiers/nvme/holdings.py)
 
 
 def recover(index: NvmeIndex, files: list[DataFile], started: float) -> Recovered:

@@ -58,7 +58,9 @@ class NvmeTier:
         if not self._volume.direct_io:
             _log.warning("event=nvme_buffered_io path=%s reason=o_direct_refused", config.path)
         self.recovery: RecoveryReport = recovered.report
+        # Held here only until the daemon takes them (the volume keeps `recovered`).
         self._holdings: Holdings | None = recovered.holdings
+        recovered.holdings = None
         self._num_objects, self._num_bytes = recovered.objects, recovered.bytes
         self._busy: set[bytes] = set()  # keys with a put or a synced delete in flight
         self._extents = ExtentOwners(recovered.allocators)
