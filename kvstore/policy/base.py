@@ -81,27 +81,6 @@ class EvictionPolicy(abc.ABC):
         priority: -10..10, higher is kept longer.
         """
 
-    def on_insert_many(self, keys: list, sizes: list[int]) -> None:
-        """on_insert of each key in order (no cost or priority hints): what a tier learns at
-        start. Policies may do it in bulk; InvalidArgument as on_insert, before any change."""
-        self._states_of_many(keys, sizes)
-        for key, size in zip(keys, sizes):
-            self.on_insert(key, size)
-
-    def _states_of_many(self, keys: list, sizes: list[int]) -> dict:
-        """{key: its initial state} for on_insert_many; InvalidArgument, with nothing changed,
-        unless there is one positive integer size per key and the keys are distinct, untracked."""
-        if len(keys) != len(sizes) or (sizes and (not set(map(type, sizes)) <= {int} or min(sizes) <= 0)):
-            raise InvalidArgument("on_insert_many needs one positive integer size per key")
-        by_size = {size: shared(size << SIZE_SHIFT | PRIORITY_ZERO) for size in set(sizes)}
-        if len(by_size) == 1:  # objects of one size (a tier of KV blocks): 10 M keys 3.0 s, not 4.7
-            states = dict.fromkeys(keys, next(iter(by_size.values())))
-        else:
-            states = dict(zip(keys, map(by_size.__getitem__, sizes)))
-        if len(states) != len(keys) or not states.keys().isdisjoint(self._entries):
-            raise InvalidArgument("on_insert_many needs distinct keys, none of them tracked")
-        return states
-
     @abc.abstractmethod
     def on_access(self, key: Hashable) -> None:
         """Record a hit on `key`. An untracked key is ignored."""

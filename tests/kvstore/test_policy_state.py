@@ -1,9 +1,8 @@
 """What eviction policies keep per key since issue 15 (one int of state, S3-FIFO queues of
-keys with counted stale places) and how a tier hands them many keys at once."""
+keys with counted stale places, equal states shared)."""
 
 import pytest
 
-from kvstore.errors import InvalidArgument
 from kvstore.policy import POLICIES, S3FIFO, CostAwareS3FIFO
 
 FIFO_POLICIES = [S3FIFO, CostAwareS3FIFO]
@@ -58,40 +57,11 @@ def test_check_integrity_catches_a_place_queued_twice(cls):
         policy.check_integrity()
 
 
-def test_on_insert_many_learns_as_one_insert_each_and_refuses_bad_input_unchanged(policy):
-    twin = type(policy)(policy.capacity_bytes)
-    keys, sizes = list(range(50)), [10 + k % 7 for k in range(50)]
-    policy.on_insert_many(keys, sizes)
-    for key, size in zip(keys, sizes):
-        twin.on_insert(key, size)
-    policy.check_integrity()
-    assert len(policy) == 50 and policy.tracked_bytes == sum(sizes)
-    for bad_keys, bad_sizes in (([1, 99], [5, 5]), ([98, 98], [5, 5]), ([97], [0]), ([96], [2.5]), ([95, 94], [5])):
-        with pytest.raises(InvalidArgument):
-            policy.on_insert_many(bad_keys, bad_sizes)
-        assert len(policy) == 50 and policy.tracked_bytes == sum(sizes) and 99 not in policy
-    policy.on_access(3)
-    twin.on_access(3)
-    assert policy.victims(200, always) == twin.victims(200, always)
-    policy.check_integrity()
-
-
-@pytest.mark.parametrize("cls", FIFO_POLICIES)
-def test_on_insert_many_of_a_ghost_key_sends_it_to_main_as_on_insert_would(cls):
-    policy = cls(1000)
-    policy.on_insert("a", 10)
-    assert policy.victims(1, always) == ["a"]  # now a ghost
-    policy.on_insert_many(["b", "a"], [10, 10])
-    assert "a" in policy._main and "b" in policy._small
-    policy.check_integrity()
-
-
 def test_keys_of_one_size_share_one_state_object_and_keep_their_own_state(policy):
     """Equal states are one int (32 B a key saved: base.shared); a hit changes only its key's."""
     size = 123_457  # not a size another test shares: its state int is made here
-    for key in range(40):
+    for key in range(80):
         policy.on_insert(key, size)
-    policy.on_insert_many(list(range(40, 80)), [size] * 40)
     states = {id(state) for state in policy._entries.values()}
     assert len(states) == 1
     policy.on_access(7)  # S3-FIFO counts it in the key's state; LRU moves the key instead
