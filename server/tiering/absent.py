@@ -50,6 +50,9 @@ class NoNvme:
     def size_of(self, namespace: str, oid) -> int | None:
         return None
 
+    def sizes_of(self, namespace: str, oids: list) -> list[int | None]:
+        return [None] * len(oids)
+
     def remote_meta(self, namespace: str, oid):
         return None
 

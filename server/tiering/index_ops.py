@@ -45,11 +45,14 @@ class IndexOps:
         now = self.host.clock()
         tiers, sizes, leading = [], [], True
         host_bytes = nvme_bytes = hits = 0
+        entries = [objects.get(oid) for oid in ids]
+        missed = [i for i, entry in enumerate(entries) if entry is None or not entry.is_live(now)]
+        on_nvme = dict(zip(missed, mover.sizes_of(namespace, [ids[i] for i in missed])))
         for i, oid in enumerate(ids):
-            entry = objects.get(oid)
-            if entry is not None and entry.is_live(now):
+            entry = entries[i]
+            if i not in on_nvme:
                 tier, size = "host", entry.size
-            elif (size := mover.size_of(namespace, oid)) is not None:
+            elif (size := on_nvme[i]) is not None:
                 tier = "nvme"
             else:
                 tier, size = None, 0
@@ -127,7 +130,7 @@ class IndexOps:
                 self.host.delete(ns, entry)
                 deleted.add(oid)
         found = [oid in deleted for oid in ids]
-        on_nvme = [oid for oid in ids if self.manager.mover.holds(namespace, oid)]
+        on_nvme = [oid for oid, size in zip(ids, self.manager.mover.sizes_of(namespace, list(ids))) if size is not None]
         if not on_nvme:
             return found
         return self._delete_on_nvme(namespace, on_nvme, found, ids)
@@ -145,7 +148,8 @@ class IndexOps:
         ns = self.host.namespaces.get(namespace)
         objects = ns.objects if ns is not None else {}
         mover = self.manager.mover
-        missing = [oid for oid in ids if oid not in objects and mover.holds(namespace, oid)]
+        absent = [oid for oid in ids if oid not in objects]
+        missing = [oid for oid, size in zip(absent, mover.sizes_of(namespace, absent)) if size is not None]
         resident = sum(1 for oid in ids if oid in objects)
         if tier != "host" or not missing:
             return PrefetchReply(resident, len(ids))

@@ -24,7 +24,7 @@ import numpy as np
 
 from kvstore.config import NvmeTierConfig
 from kvstore.errors import CapacityError, ChecksumError, KVStoreError
-from kvstore.identity import ObjectId
+from kvstore.identity import ID_BYTES, ObjectId
 from kvstore.peer_messages import RemoteMeta
 from kvstore.policy.admission import FrequencyAdmission
 from kvstore.replies import IN_MEMORY, CommitReply
@@ -105,8 +105,7 @@ class TierMover:
     # --- what NVMe holds ------------------------------------------------------------------
 
     @staticmethod
-    def _key(namespace: str, oid) -> bytes:
-        """The policy's key of `oid` (an ObjectId, or its digest) in `namespace`: its index key."""
+    def _key(namespace: str, oid) -> bytes:  # the table's key of an id (or digest): its NVMe index key
         return namespace_prefix(namespace) + oid
 
     def holds(self, namespace: str, oid) -> bool:
@@ -115,6 +114,12 @@ class TierMover:
     def size_of(self, namespace: str, oid) -> int | None:
         """Size on NVMe of `oid` (an ObjectId or its raw digest), None if NVMe lacks it."""
         return self.policy.size_of(self._key(namespace, oid))
+
+    def sizes_of(self, namespace: str, oids: list) -> list[int | None]:  # probed together when many
+        if len(oids) < 16:
+            return [self.size_of(namespace, oid) for oid in oids]
+        ids = np.frombuffer(b"".join(oids), np.uint8).reshape(-1, ID_BYTES)
+        return [size or None for size in self.policy.sizes_of(namespace_prefix(namespace), ids).tolist()]
 
     def remote_meta(self, namespace: str, oid):
         """What a peer lookup needs to know of an NVMe-only object (None if it went away)."""
@@ -134,8 +139,7 @@ class TierMover:
             return None
         return RemoteMeta(meta.size, meta.checksum, meta.descriptor, meta.hints), out
 
-    def keys(self) -> list[tuple[str, bytes]]:
-        """(namespace, digest) of every object NVMe holds (a copy: safe across awaits)."""
+    def keys(self) -> list[tuple[str, bytes]]:  # (namespace, digest) of every object NVMe holds: a copy
         return list(map(key_parts, self.policy.keys()))
 
     async def metas(self, keys) -> list:
@@ -348,13 +352,11 @@ class TierMover:
         return entry
 
     @property
-    def used_bytes(self) -> int:
-        """Bytes of the objects NVMe holds (what the policy tracks: it is the index)."""
+    def used_bytes(self) -> int:  # bytes of the objects NVMe holds
         return self.policy.tracked_bytes
 
     def compact(self) -> bool:
-        """Rebuild the policy's tables (the index) once evictions and deletes left them
-        sparse (as the host tier does: Python dicts never shrink). True if it was."""
+        """Give back the table's room once evictions and deletes left it sparse. True if it was."""
         return self.policy.compact()
 
     def _remember(self, key, size: int) -> None:
@@ -368,8 +370,7 @@ class TierMover:
     # --- other paths ------------------------------------------------------------------------------
 
     async def flush_host(self) -> int:
-        """On a clean stop, write the host objects NVMe lacks into its free room
-        (server/tiering/nvme_flush.py). Returns how many landed."""
+        """On a clean stop, write the host objects NVMe lacks into its free room (nvme_flush.py)."""
         return await flush_host(self)
 
     def write_in_background(self, entry: ObjectEntry) -> None:

@@ -138,8 +138,11 @@ class NvmeTable(BulkLoad, TableChecks):
         return 64 - (len(self._slots).bit_length() - 1)
 
     def _homes(self, rows: np.ndarray) -> np.ndarray:
+        return self._homes_of(self.hash[rows])
+
+    def _homes_of(self, hashes: np.ndarray) -> np.ndarray:
         with np.errstate(over="ignore"):
-            return ((self.hash[rows] * np.uint64(self._k2)) >> np.uint64(self._shift())).astype(np.int64)
+            return ((hashes * np.uint64(self._k2)) >> np.uint64(self._shift())).astype(np.int64)
 
     def _find(self, number: int, oid: bytes, h: int) -> tuple[int, int]:
         """(row, its slot) of a tracked key, or (-1, the slot an insert takes)."""
@@ -174,6 +177,26 @@ class NvmeTable(BulkLoad, TableChecks):
     def size_of(self, key: bytes) -> int | None:
         row = self._row_of(key)
         return None if row < 0 else int(self.state[row]) >> SIZE_SHIFT
+
+    def sizes_of(self, prefix: bytes, ids: np.ndarray) -> np.ndarray:
+        """Size of each id ((n, 32) uint8) under an index key prefix, 0 where untracked: all
+        probed at once (a key at a time costs ~2.5 us in Python; a lookup of 1,000 keys less)."""
+        sizes = np.zeros(len(ids), np.int64)
+        number = self._number.get(prefix)
+        if number is None or not len(ids):
+            return sizes
+        hashes = self._hashes(np.full(len(ids), number, np.uint16), ids)
+        pending, at, mask = np.arange(len(ids)), self._homes_of(hashes), len(self._slots) - 1
+        while len(pending):
+            rows = self._slots[at].astype(np.int64)
+            held = rows >= 0
+            safe = np.where(held, rows, 0)
+            found = held & (self.hash[safe] == hashes[pending]) & (self.ns[safe] == number) \
+                & (self.ids[safe] == ids[pending]).all(axis=1)
+            sizes[pending[found]] = self.state[safe[found]] >> SIZE_SHIFT
+            going = ~found & (rows != EMPTY)  # past a tombstone or another key: probe on
+            pending, at = pending[going], (at[going] + 1) & mask
+        return sizes
 
     @property
     def tracked_bytes(self) -> int:
