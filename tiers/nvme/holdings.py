@@ -33,7 +33,9 @@ def created_at_of(values: list[bytes]) -> np.ndarray:
     gather, no Python object per record."""
     n = len(values)
     lengths = np.fromiter(map(len, values), np.int64, n)
-    joined = np.frombuffer(b"".join(values) + bytes(_TAIL), np.uint8)
+    joined = np.frombuffer(b"".join(values), np.uint8)
+    if len(joined) < _TAIL:  # too short to hold one tail: reads as none
+        joined = np.concatenate([joined, np.zeros(_TAIL, np.uint8)])
     raw = joined[np.maximum(np.cumsum(lengths) - _TAIL, 0)[:, None] + np.arange(_TAIL)]
     times = np.ascontiguousarray(raw[:, 1:]).view(">f8").reshape(-1).astype(np.float64)
     good = (raw[:, 0] == _FLOAT64) & np.isfinite(times) & (lengths >= _TAIL)
