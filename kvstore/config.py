@@ -83,8 +83,9 @@ class HostTierConfig:
         object.__setattr__(self, "arena_bytes", parse_size(self.arena_bytes, "host.arena_bytes"))
         if self.arena_bytes < 4096 or self.arena_bytes % 4096:
             raise InvalidArgument(f"host.arena_bytes must be a positive multiple of 4096, got {self.arena_bytes}")
-        if not isinstance(self.max_namespaces, int) or self.max_namespaces < 1:
-            raise InvalidArgument("host.max_namespaces must be an integer >= 1")
+        if not isinstance(self.max_namespaces, int) or not 1 <= self.max_namespaces <= 1 << 16:
+            # The NVMe tier's table numbers namespaces in 16 bits (server/tiering/nvme_table.py).
+            raise InvalidArgument(f"host.max_namespaces must be an integer from 1 to 65536, got {self.max_namespaces!r}")
         if isinstance(self.namespaces, str) or not all(isinstance(n, str) and n for n in self.namespaces):
             raise InvalidArgument("host.namespaces must be a list of namespace names")
         object.__setattr__(self, "namespaces", tuple(self.namespaces))

@@ -68,7 +68,7 @@ class TierMover:
         self.policy = NvmeTable(self.config.capacity_bytes)
         self.admission = FrequencyAdmission(min_hits=self.config.admit_min_hits)
         self.bandwidth_bytes_s = DEFAULT_NVME_BANDWIDTH
-        self._promoting: dict[tuple[str, bytes], asyncio.Future] = {}
+        self._promoting: dict[bytes, asyncio.Future] = {}  # by table key
         self._background: set[asyncio.Task] = set()
         self.counters = MoverCounters()
 

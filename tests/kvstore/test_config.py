@@ -48,6 +48,7 @@ def test_bad_config_is_refused_with_the_key_named(data, match):
     ("admin", "enabled", "no"),
     ("host", "arena_bytes", True),  # bool is an int subclass: not 1 byte
     ("host", "max_namespaces", True),
+    ("host", "max_namespaces", 70_000),  # past what the NVMe table numbers (16 bits)
     ("admin", "port", False),
     ("limits", "max_clients", 4.0),
     ("limits", "lease_ttl_s", "300"),
