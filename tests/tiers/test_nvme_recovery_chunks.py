@@ -10,6 +10,7 @@ import pytest
 
 from kvstore.identity import ID_BYTES, ObjectId
 from tiers.nvme.files import ALIGN
+from tiers.nvme.holdings import lengths_of
 from tiers.nvme.index import EXTENT_HEAD, META_KEY, NvmeRecord, decode_extent, object_key, well_formed_heads
 from tiers.nvme.recovery import _check_chunk, _ExtentsByFile, _Reservoir, file_limits
 
@@ -76,7 +77,8 @@ def test_each_records_verdict_matches_the_one_record_check(seed):
     rng = np.random.default_rng(seed)
     keys, values = map(list, zip(*records(rng, 3000)))
     dropped: dict = {}
-    good, file, offset, length, size = _check_chunk(keys, values, file_limits(FILES), dropped)
+    good, file, offset, length, size = _check_chunk(keys, values, lengths_of(keys), lengths_of(values),
+                                                     file_limits(FILES), dropped)
     why = {key: reason for reason, ks in dropped.items() for key in ks}
     verdicts = Counter()
     for i, (key, value) in enumerate(zip(keys, values)):

@@ -28,11 +28,15 @@ _TAIL = 9  # 0xcb, then the float64
 _FLOAT64 = 0xCB
 
 
-def created_at_of(values: list[bytes]) -> np.ndarray:
+def lengths_of(parts: list[bytes]) -> np.ndarray:
+    """len() of each part, as int64 (recovery takes each chunk's once, for every check)."""
+    return np.fromiter(map(len, parts), np.int64, len(parts))
+
+
+def created_at_of(values: list[bytes], lengths: np.ndarray | None = None) -> np.ndarray:
     """created_at of each record (wall clock seconds; 0.0 where unreadable): one join and one
-    gather, no Python object per record."""
-    n = len(values)
-    lengths = np.fromiter(map(len, values), np.int64, n)
+    gather, no Python object per record. lengths: lengths_of(values), if the caller has it."""
+    lengths = lengths_of(values) if lengths is None else lengths
     joined = np.frombuffer(b"".join(values), np.uint8)
     if len(joined) < _TAIL:  # too short to hold one tail: reads as none
         joined = np.concatenate([joined, np.zeros(_TAIL, np.uint8)])
@@ -42,13 +46,15 @@ def created_at_of(values: list[bytes]) -> np.ndarray:
     return np.where(good, times, 0.0)
 
 
-def split_keys(keys: list[bytes], prefixes: dict[bytes, int]) -> tuple[np.ndarray, np.ndarray]:
+def split_keys(keys: list[bytes], prefixes: dict[bytes, int],
+               lengths: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """(prefix numbers as uint16, ids as (n, 32) uint8) of well-formed index keys; a prefix
-    not yet in `prefixes` gets the next number. Vectorised: one join, one gather per length."""
+    not yet in `prefixes` gets the next number. Vectorised: one join, one gather per length.
+    lengths: lengths_of(keys), if the caller has it."""
     n = len(keys)
     if n == 0:
         return np.zeros(0, np.uint16), np.zeros((0, ID_BYTES), np.uint8)
-    lengths = np.fromiter(map(len, keys), np.int64, n)
+    lengths = lengths_of(keys) if lengths is None else lengths
     joined = np.frombuffer(b"".join(keys), np.uint8)
     width = int(lengths[0])
     if (lengths == width).all():  # the usual chunk: keys of one namespace
@@ -146,16 +152,19 @@ class HoldingsBuilder:
         self._sizes: list[np.ndarray] = []
         self._created: list[np.ndarray] = []
 
-    def add(self, keys: list[bytes], values: list[bytes], goods: np.ndarray, sizes: np.ndarray) -> None:
-        """goods: indexes of the good records in keys/values; sizes: their sizes."""
+    def add(self, keys: list[bytes], values: list[bytes], key_lengths: np.ndarray, value_lengths: np.ndarray,
+            goods: np.ndarray, sizes: np.ndarray) -> None:
+        """goods: indexes of the good records in keys/values; sizes: their sizes. The lengths
+        are lengths_of(keys) and lengths_of(values), which recovery has already."""
         if len(goods) != len(keys):
             picked = goods.tolist()
             keys, values = [keys[i] for i in picked], [values[i] for i in picked]
-        numbers, ids = split_keys(keys, self._prefixes)
+            key_lengths, value_lengths = key_lengths[goods], value_lengths[goods]
+        numbers, ids = split_keys(keys, self._prefixes, key_lengths)
         self._namespaces.append(numbers)
         self._ids.append(ids)
         self._sizes.append(np.asarray(sizes, dtype=np.int64))
-        self._created.append(created_at_of(values))
+        self._created.append(created_at_of(values, value_lengths))
 
     def build(self, dropped: set[bytes]) -> Holdings:
         """The holdings, without the keys in `dropped` (records recovery dropped after the scan)."""

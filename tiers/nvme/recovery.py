@@ -28,7 +28,7 @@ import numpy as np
 from kvstore.identity import ID_BYTES
 from tiers.allocator import ExtentAllocator
 from tiers.nvme.files import ALIGN, DataFile, read_object
-from tiers.nvme.holdings import Holdings, HoldingsBuilder
+from tiers.nvme.holdings import Holdings, HoldingsBuilder, lengths_of
 from tiers.nvme.index import EXTENT_HEAD, META_KEY, NvmeIndex, NvmeRecord, decode_extent, well_formed_heads
 
 _log = logging.getLogger("kvstore.tiers.nvme")
@@ -76,11 +76,12 @@ def recover(index: NvmeIndex, files: list[DataFile], started: float) -> Recovere
     while chunk := list(itertools.islice(records, 2 * CHUNK_RECORDS)):
         keys, values = chunk[0::2], chunk[1::2]  # 2x faster than itemgetter maps over (key, value) pairs
         del chunk
-        good, file, offset, _, size = _check_chunk(keys, values, limits, dropped)
+        klen, vlen = lengths_of(keys), lengths_of(values)  # once, for the checks and the holdings
+        good, file, offset, _, size = _check_chunk(keys, values, klen, vlen, limits, dropped)
         goods = np.nonzero(good)[0]
         good_sizes = size[goods]
         extents.add(file[goods], offset[goods], good_sizes)
-        holdings.add(keys, values, goods, good_sizes)
+        holdings.add(keys, values, klen, vlen, goods, good_sizes)
         picked = goods[sample.pick(len(goods))].tolist()  # first: pick() replaces sample.items
         sample.items += [(keys[i], values[i]) for i in picked]
 
@@ -152,13 +153,11 @@ def _fixed(parts: list[bytes], width: int) -> np.ndarray:
     return np.fromiter(parts, f"S{width}", len(parts))
 
 
-def _check_chunk(keys: list, values: list, limits: np.ndarray, dropped: dict):
+def _check_chunk(keys: list, values: list, klen: np.ndarray, vlen: np.ndarray, limits: np.ndarray, dropped: dict):
     """Vectorised over one chunk of records: (good mask, file, offset, length, size), the
     arrays meaningful where `good`; every other record's key goes into `dropped` under its
-    reason (the checks, and their order, of one record at a time before). `limits`: what
-    file_limits answers."""
-    n = len(keys)
-    klen, vlen = np.fromiter(map(len, keys), np.int64, n), np.fromiter(map(len, values), np.int64, n)
+    reason (the checks, and their order, of one record at a time before). klen, vlen: the
+    keys' and values' lengths_of; `limits`: what file_limits answers."""
     names = _fixed(keys, 2).view(">u2").astype(np.int64)
     bad_key = (klen != 2 + names + ID_BYTES) | (names == 0)
     head = _fixed(values, EXTENT_HEAD.itemsize).view(EXTENT_HEAD)
