@@ -52,6 +52,7 @@ from kvstore.policy.s3fifo import (
 from server.tiering.fifo_ring import Ring
 from server.tiering.nvme_table_check import TableChecks
 from server.tiering.nvme_table_load import EMPTY, GONE, BulkLoad
+from tiers.nvme.holdings import index_keys, prefix_number
 
 _M64 = (1 << 64) - 1
 _WORDS = struct.Struct("<4Q")
@@ -104,9 +105,7 @@ class NvmeTable(BulkLoad, TableChecks):
         if number is None:
             if not add:
                 return None
-            if len(self.prefixes) >= 1 << 16:
-                raise InvalidArgument("more than 65,536 namespaces on one NVMe tier")
-            number = self._number[prefix] = len(self.prefixes)
+            number = prefix_number(self._number, prefix)
             self.prefixes.append(prefix)
         return number, oid, self._hash(number, oid)
 
@@ -205,8 +204,7 @@ class NvmeTable(BulkLoad, TableChecks):
     def keys(self) -> list[bytes]:
         """Every tracked key (a copy), in row order."""
         rows = np.nonzero(self.state[:self._next])[0]
-        prefixes = [self.prefixes[i] for i in self.ns[rows].tolist()]
-        return [p + i for p, i in zip(prefixes, self.ids[rows].view(f"V{ID_BYTES}").reshape(-1).tolist())]
+        return index_keys(self.prefixes, self.ns[rows], self.ids[rows])
 
     def on_insert(self, key: bytes, size_bytes: int, recompute_cost: float | None = None, priority: int = 0) -> None:
         if not isinstance(size_bytes, int) or isinstance(size_bytes, bool) or size_bytes <= 0:

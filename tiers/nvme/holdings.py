@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvstore.errors import InvalidArgument
 from kvstore.identity import ID_BYTES
 
 _TAIL = 9  # 0xcb, then the float64
@@ -61,7 +62,7 @@ def split_keys(keys: list[bytes], prefixes: dict[bytes, int],
         rows = joined.reshape(n, width)
         heads = rows[:, :width - ID_BYTES]
         if (heads == heads[0]).all():
-            return np.full(n, _number(prefixes, heads[0].tobytes()), np.uint16), rows[:, width - ID_BYTES:].copy()
+            return np.full(n, prefix_number(prefixes, heads[0].tobytes()), np.uint16), rows[:, width - ID_BYTES:].copy()
     ends = np.cumsum(lengths)
     ids = joined[(ends - ID_BYTES)[:, None] + np.arange(ID_BYTES)]
     numbers = np.empty(n, np.uint16)
@@ -70,17 +71,24 @@ def split_keys(keys: list[bytes], prefixes: dict[bytes, int],
         starts = ends[rows] - width
         heads = joined[starts[:, None] + np.arange(width - ID_BYTES)]
         distinct, inverse = np.unique(heads.view(f"V{width - ID_BYTES}").reshape(-1), return_inverse=True)
-        numbers[rows] = np.array([_number(prefixes, p) for p in distinct.tolist()], np.uint16)[inverse.reshape(-1)]
+        numbers[rows] = np.array([prefix_number(prefixes, p) for p in distinct.tolist()], np.uint16)[inverse.reshape(-1)]
     return numbers, ids
 
 
-def _number(prefixes: dict[bytes, int], prefix: bytes) -> int:
+def prefix_number(prefixes: dict[bytes, int], prefix: bytes) -> int:
+    """The number of an index key prefix in `prefixes`; a new one gets the next (16 bits)."""
     number = prefixes.get(prefix)
     if number is None:
         if len(prefixes) >= 1 << 16:
-            raise ValueError("more than 65,536 namespaces on one NVMe tier")
+            raise InvalidArgument("more than 65,536 namespaces on one NVMe tier")
         number = prefixes[prefix] = len(prefixes)
     return number
+
+
+def index_keys(prefixes: list[bytes], numbers: np.ndarray, ids: np.ndarray) -> list[bytes]:
+    """The index keys of rows given as prefix numbers (into `prefixes`) and (n, 32) ids."""
+    heads = [prefixes[i] for i in numbers.tolist()]
+    return [p + i for p, i in zip(heads, np.ascontiguousarray(ids).view(f"V{ID_BYTES}").reshape(-1).tolist())]
 
 
 @dataclass(slots=True)
@@ -115,9 +123,7 @@ class Holdings:
         rows = np.arange(len(self)) if rows is None else np.asarray(rows, np.int64)
         if len(rows) == 0:
             return []
-        numbers, ids = np.concatenate(self.namespaces)[rows], np.concatenate(self.ids)[rows]
-        prefixes = [self.prefixes[i] for i in numbers.tolist()]
-        return [p + i for p, i in zip(prefixes, ids.view(f"V{ID_BYTES}").reshape(-1).tolist())]
+        return index_keys(self.prefixes, np.concatenate(self.namespaces)[rows], np.concatenate(self.ids)[rows])
 
     def by_age(self) -> tuple[list[bytes], list[int]]:
         """(index keys, sizes), oldest first (what tests and tools read)."""
