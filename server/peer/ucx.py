@@ -14,6 +14,8 @@ listener always enables); UCX_WARN_UNUSED_ENV_VARS=n; UCX_RNDV_SCHEME as RNDV_SC
 UCXPY_PROGRESS_MODE=blocking.
 
 ucxx's listener takes a port only and accepts on every interface; the handshake guards it.
+
+A listener is never destroyed while the process runs (see `UcxListener.close`).
 """
 
 from __future__ import annotations
@@ -39,6 +41,9 @@ UCX_ENV_DEFAULTS = {"UCX_MM_ERROR_HANDLING": "y", "UCX_RNDV_SCHEME": RNDV_SCHEME
 
 
 _UCX_ERRORS: tuple = ()
+
+# Closed listeners, kept for the life of the process (see UcxListener.close).
+_CLOSED_LISTENERS: list = []
 
 
 def load_ucxx():
@@ -106,12 +111,24 @@ class UcxListener:
         self.listener = listener
         self.address = f"{host}:{listener.port}"
         self.tasks: set[asyncio.Task] = set()
+        self.closed = False
 
     async def close(self) -> None:
+        """Stop serving: end every channel, and abort each connection that arrives later.
+
+        The ucxx listener itself is kept, not closed. Closing it frees ucxx's callback state
+        while UCX may still hold a connection request for it in the worker's progress queue
+        ("destroying listener ... with 1 unprocessed connection requests"); the next progress
+        then runs that request's callback on freed memory: SIGSEGV in
+        ucp_cm_server_conn_request_progress, which killed 5 of 12 runs of the UCX peer tests
+        under CPU load. A kept listener costs its port until the process exits (a daemon
+        closes its one listener on shutdown).
+        """
+        self.closed = True
         for task in list(self.tasks):
             task.cancel()
         await asyncio.gather(*self.tasks, return_exceptions=True)
-        self.listener.close()
+        _CLOSED_LISTENERS.append(self.listener)
 
 
 class UcxTransport:
@@ -132,6 +149,9 @@ class UcxTransport:
 
         async def accept(endpoint) -> None:
             channel = UcxChannel(endpoint, f"ucx:{host}:{port}#{endpoint.uid:x}")
+            if holder[0].closed:
+                channel.close()
+                return
             task = asyncio.current_task()
             holder[0].tasks.add(task)
             try:
