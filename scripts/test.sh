@@ -27,6 +27,13 @@ trap 'exit 143' TERM
 trap 'exit 130' INT
 .venv/bin/python -m pytest -q -m "not slow and not engines and not docker" \
     --ignore=tests/adapters/vllm --ignore=tests/adapters/sglang --ignore=tests/adapters/lmcache "$@" || status=$?
+# The UCX peer tests under CPU load, 30 runs (about 3 minutes; marked slow, a step of its own:
+# it loads both cores on purpose). KVSTORE_UCX_LOAD_RUNS sets the count, 0 skips it (and says so).
+if [ "${KVSTORE_UCX_LOAD_RUNS:-30}" = 0 ]; then
+    echo "test: KVSTORE_UCX_LOAD_RUNS=0: the UCX peer tests under CPU load did not run"
+else
+    .venv/bin/python -m pytest -q -m slow -p no:cacheprovider tests/server/peer/test_ucx_under_load.py || status=1
+fi
 if [ "${KVSTORE_SKIP_ENGINES:-0}" = 1 ]; then
     echo "test: KVSTORE_SKIP_ENGINES=1: the vLLM, SGLang and LMCache adapter tests did not run"
 else
