@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib.metadata
 import os
 import re
+import sysconfig
 from collections import defaultdict
 from pathlib import Path
 
@@ -34,8 +35,15 @@ def locked_versions(text: str) -> dict[str, str]:
             for m in re.finditer(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==([^\s;\\]+)", text, re.MULTILINE)}
 
 
+def installed() -> list[importlib.metadata.Distribution]:
+    """What the environment installed: its site-packages only. Other sys.path entries may hold
+    vendored copies (setuptools puts setuptools/_vendor, with its own packaging, on sys.path)."""
+    paths = sorted({sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]})
+    return list(importlib.metadata.distributions(path=paths))
+
+
 def installed_versions() -> dict[str, str]:
-    return {canonical(d.metadata["Name"]): d.version for d in importlib.metadata.distributions()}
+    return {canonical(d.metadata["Name"]): d.version for d in installed()}
 
 
 def test_locked_versions_parse_a_hashed_lock():
@@ -57,7 +65,7 @@ def test_installed_versions_are_the_locked_ones():
 
 def test_no_file_is_installed_by_two_distributions():
     owners = defaultdict(set)
-    for dist in importlib.metadata.distributions():
+    for dist in installed():
         for file in dist.files or ():
             path = str(file)
             if not SHARED_OK.search(path):
