@@ -115,8 +115,11 @@ context() {
     # image layers stay cached.
     SOURCE_DATE_EPOCH=315532800 "$PY" -m pip wheel -q --no-deps "$ROOT" -w "$wheels" >"$WORK/pip.log" 2>&1 \
         || die "pip wheel failed; see $WORK/pip.log"
+    # The versions .venv has (locks/main-constraints.txt), so every image holds what the tests
+    # ran against; the images are Debian 12 (glibc 2.36), so manylinux_2_28 wheels fit them.
     "$PY" -m pip download -q --only-binary=:all: --python-version 3.11 --implementation cp \
-        --platform manylinux2014_x86_64 -d "$wheels" "$wheels"/kvstore-*.whl >>"$WORK/pip.log" 2>&1 \
+        --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -c "$ROOT/locks/main-constraints.txt" \
+        -d "$wheels" "$wheels"/kvstore-*.whl >>"$WORK/pip.log" 2>&1 \
         || die "pip download failed; see $WORK/pip.log"
 }
 
