@@ -19,6 +19,7 @@ def as_u8(data) -> np.ndarray:
         flat = data.detach().contiguous().reshape(-1)
         return flat.view(dtype=__import__("torch").uint8).numpy()
     if isinstance(data, np.ndarray):
+        _refuse_references(data)
         return np.ascontiguousarray(data).reshape(-1).view(np.uint8)
     try:
         return np.frombuffer(memoryview(data).cast("B"), dtype=np.uint8)
@@ -28,6 +29,14 @@ def as_u8(data) -> np.ndarray:
         ) from None
 
 
+def _refuse_references(array: np.ndarray) -> None:
+    """An array of Python objects holds pointers, not state: numpy's own refusal to view it
+    as bytes is a bare TypeError."""
+    if array.dtype.hasobject:
+        raise InvalidArgument(f"cannot store or fill a numpy array of dtype {array.dtype} (Python objects); "
+                              "pass an array of numbers")
+
+
 def as_writable_u8(out) -> np.ndarray:
     """A flat, writable uint8 view of a caller's output buffer."""
     if _is_torch(out):
@@ -35,6 +44,7 @@ def as_writable_u8(out) -> np.ndarray:
             raise InvalidArgument("get_into needs a contiguous CPU tensor")
         return out.reshape(-1).view(dtype=__import__("torch").uint8).numpy()
     if isinstance(out, np.ndarray):
+        _refuse_references(out)
         if not out.flags.c_contiguous or not out.flags.writeable:
             raise InvalidArgument("get_into needs a contiguous, writable numpy array")
         return out.reshape(-1).view(np.uint8)

@@ -193,6 +193,20 @@ def test_an_empty_or_odd_item_in_put_many_is_named_and_the_rest_stored(daemon):
         assert c.get_many([keys[0], keys[1]])[0] is None
 
 
+def test_an_array_of_python_objects_is_invalid_argument_per_item(daemon):
+    keys = ids(2, 20)
+    objects = np.array([object(), object()])
+    with daemon.client() as c:
+        with pytest.raises(InvalidArgument, match="Python objects"):
+            c.put(keys[0], objects)
+        results = c.put_many([(keys[0], objects), (keys[1], payload(64, 1))])
+        assert isinstance(results[0].error, InvalidArgument) and results[1].error is None
+        c.put(keys[0], payload(64, 0))
+        with pytest.raises(InvalidArgument, match="Python objects"):
+            c.get_into(keys[0], np.empty(8, dtype=object))
+        assert c.lookup([keys[0], keys[1]]).tiers == ("host", "host")
+
+
 @pytest.mark.parametrize("driver", ["sync", "asyncio"])
 def test_a_put_many_over_several_pipeline_steps_keeps_every_result_in_its_place(daemon_factory, driver):
     """put_many copies step k while the daemon reserves step k+1 and commits step k-1
