@@ -42,7 +42,8 @@ class DataDirLock:
 
 
 def hold_data_dir(path: str) -> DataDirLock:
-    """Make `path` (mode 0700) and lock it for this daemon. DataDirError, one line, if not."""
+    """Make `path` (mode 0700), or take an existing one that is this user's and that no one
+    else can write, and lock it for this daemon. DataDirError, one line, if not."""
     try:
         _private_dir(path)
         return DataDirLock(path)
@@ -62,15 +63,33 @@ def ensure_dir(path: str, key: str) -> None:
 
 
 def _private_dir(path: str) -> None:
-    """Make the data directory, or narrow an existing one to 0700."""
-    os.makedirs(path, mode=0o700, exist_ok=True)
+    """Make the data directory (0700), or check an existing one. The daemon never changes the
+    mode of a directory it did not make: it may be shared (a 1777 /tmp-like directory holding
+    other users' files). One another user owns, or that group or others can write, is refused:
+    they could replace the token or the index under the daemon. One only readable by others is
+    used as it is: everything the daemon writes there is 0600 or 0700 itself."""
+    parent = os.path.dirname(os.path.abspath(path))
+    os.makedirs(parent, exist_ok=True)
+    try:
+        os.mkdir(path, 0o700)
+        return
+    except FileExistsError:
+        pass
     st = os.stat(path)
     if not stat.S_ISDIR(st.st_mode):
         raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), path)
     mode = stat.S_IMODE(st.st_mode)
-    if mode & 0o077:
-        log.warning("event=data_dir_narrowed path=%s mode=%o new_mode=700", path, mode)
-        os.chmod(path, 0o700)
+    if st.st_uid != os.geteuid():
+        raise DataDirError(f"data directory {path} belongs to uid {st.st_uid}, not to this user "
+                           f"({os.geteuid()}); name a directory of your own (data_dir / --data-dir), "
+                           "or a path that does not exist yet: the daemon makes it private")
+    if mode & 0o022:
+        raise DataDirError(f"data directory {path} is mode {mode:o}: others can write it and could replace "
+                           "the admin token or the index; the daemon does not change the mode of a directory "
+                           f"it did not make: chmod go-w {path}, or name a path that does not exist yet")
+    if mode & 0o055:
+        log.warning("event=data_dir_readable path=%s mode=%o (its files are private; chmod 700 it to hide "
+                    "their names)", path, mode)
 
 
 def _lock(lock_path: str, data_dir: str) -> int:

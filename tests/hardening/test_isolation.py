@@ -23,6 +23,7 @@ from kvstore import messages as m
 from kvstore.errors import InvalidArgument, NotFound, PermissionDenied
 from kvstore.protocol import FrameCodec, Reply, Request
 from server.admin.client import AdminRequestFailed
+from server.data_dir import LOCK_FILE
 
 TOKEN_A, TOKEN_B = "tenant-a-token-0123456789", "tenant-b-token-9876543210"
 AUTH = f"""[auth]
@@ -221,13 +222,15 @@ def test_other_users_are_kept_out_by_file_modes_and_uid_rules(make_daemon):
     assert _open_as(shared.socket, "mine") == ["ok", 1]
 
 
-def test_data_and_nvme_dirs_are_private_when_made_elsewhere_or_found_too_open(make_daemon, tmp_path):
+def test_what_the_daemon_makes_is_private_and_a_readable_data_dir_keeps_its_mode(make_daemon, tmp_path):
     nvme_dir = tmp_path / "elsewhere" / "tier"
     d = make_daemon({"nvme": nvme(path=str(nvme_dir))}, start=False)
     os.makedirs(d.data_dir, mode=0o755)
-    os.chmod(d.data_dir, 0o755)  # made by hand before the first start
+    os.chmod(d.data_dir, 0o755)  # made by hand before the first start: used, never chmodded
     d.start()
-    assert stat.S_IMODE(os.stat(d.data_dir).st_mode) == 0o700  # it holds the admin token
+    assert stat.S_IMODE(os.stat(d.data_dir).st_mode) == 0o755
+    assert stat.S_IMODE(os.stat(os.path.join(d.data_dir, "admin.token")).st_mode) == 0o600
+    assert stat.S_IMODE(os.stat(os.path.join(d.data_dir, LOCK_FILE)).st_mode) == 0o600
     assert stat.S_IMODE(os.stat(nvme_dir).st_mode) == 0o700  # the index names every tenant's objects
     with d.client() as c:
         c.put(key("perm", 0), content(key("perm", 0), MiB))

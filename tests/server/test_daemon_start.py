@@ -100,6 +100,32 @@ def test_unusable_data_dir_is_one_line_not_a_traceback(root, where):
     assert not os.path.exists(os.path.join(root, "s"))
 
 
+@pytest.mark.parametrize("mode", [0o1777, 0o770, 0o702])
+def test_a_data_dir_others_can_write_is_refused_and_left_as_it_was(root, mode):
+    shared = os.path.join(root, "shared")
+    os.mkdir(shared)
+    os.chmod(shared, mode)  # e.g. a /tmp-like directory with another user's file in it
+    theirs = os.path.join(shared, "someone-elses-file")
+    with open(theirs, "w") as f:
+        f.write("theirs")
+    result = serve("--data-dir", shared, "--socket", os.path.join(root, "s"), "--arena-bytes", "1MiB")
+    assert_one_line_refusal(result, shared)
+    assert f"mode {mode:o}" in result.stderr and "others can write" in result.stderr
+    assert (os.stat(shared).st_mode & 0o7777) == mode  # never narrowed
+    assert sorted(os.listdir(shared)) == ["someone-elses-file"] and open(theirs).read() == "theirs"
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to give a directory to another user")
+def test_a_data_dir_of_another_user_is_refused(root):
+    theirs = os.path.join(root, "theirs")
+    os.mkdir(theirs, 0o700)
+    os.chown(theirs, 65534, 65534)
+    result = serve("--data-dir", theirs, "--socket", os.path.join(root, "s"), "--arena-bytes", "1MiB")
+    assert_one_line_refusal(result, theirs)
+    assert "belongs to uid 65534" in result.stderr
+    assert os.listdir(theirs) == [] and os.stat(theirs).st_uid == 65534
+
+
 def test_arena_beyond_the_machines_memory_is_refused_naming_the_key(root):
     result = serve("--data-dir", os.path.join(root, "data"), "--socket", os.path.join(root, "s"),
                    "--arena-bytes", "64TiB")
