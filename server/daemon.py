@@ -7,8 +7,6 @@ import hmac
 import logging
 import os
 import signal
-import socket
-import stat
 import time
 from dataclasses import replace
 
@@ -18,7 +16,8 @@ from kvstore.config import ServerConfig
 from kvstore.errors import KVStoreError, PermissionDenied
 from kvstore.protocol import MAX_BATCH
 from kvstore.replies import ClientLimits
-from server.data_dir import DataDirLock, ensure_dir, hold_data_dir
+from server.data_dir import DataDirLock, HeldLock, ensure_dir, hold_data_dir
+from server.socket_path import claim_socket_path
 from server.tiering.gpu_reads import GpuReads
 from server.host_memory import check_host_tier, host_memory
 from server.local.service import SERVER_VERSION, LocalConnection
@@ -75,6 +74,7 @@ class Daemon:
         self.ready = False  # True once recovery is done and the socket serves (GET /readyz)
         self.recovery: dict = {}
         self._data_dir: DataDirLock | None = None
+        self._socket_lock: HeldLock | None = None
         self._mover_open = False
         self._cluster_started = False
         self.gpu_availability: Availability | None = None  # probed at start
@@ -97,12 +97,7 @@ class Daemon:
         if self.config.nvme.enabled:
             ensure_dir(self.config.nvme_path, "nvme.path")
         path = self.config.socket_path
-        try:
-            os.makedirs(os.path.dirname(path) or ".", mode=0o700, exist_ok=True)
-        except OSError as exc:
-            raise DaemonError(f"cannot make the socket's directory for {path}: {exc.strerror}; "
-                              "set socket_path in the config or --socket") from None
-        _claim_socket_path(path)
+        self._socket_lock = claim_socket_path(path)  # before anything is made that a twin would orphan
         if self.config.admin.enabled:  # first, so /readyz can say "recovering"
             from server.admin.server import AdminServer
             self.admin = AdminServer(self)
@@ -206,6 +201,8 @@ class Daemon:
         self.manager.close()
         if self.gpu is not None:
             self.gpu.close()
+        if self._socket_lock is not None:  # our socket is gone: the next daemon may take the path
+            self._socket_lock.release()
         if self._data_dir is not None:  # last: a successor may start once we are done with it
             self._data_dir.release()
         log.info("event=stopped")
@@ -277,25 +274,6 @@ class Daemon:
             "gpu": self.gpu_stats(),
             **self.manager.stats(),
         }
-
-
-def _claim_socket_path(path: str) -> None:
-    """Remove a stale socket left by a dead daemon; refuse to start beside a live one."""
-    try:
-        mode = os.lstat(path).st_mode
-    except FileNotFoundError:
-        return
-    if not stat.S_ISSOCK(mode):
-        raise DaemonError(f"{path} exists and is not a socket; remove it or choose another socket_path")
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        probe.connect(path)
-    except OSError:
-        os.unlink(path)  # nobody listens: a stale socket
-        return
-    finally:
-        probe.close()
-    raise DaemonError(f"a daemon is already serving at {path}; stop it or use another socket_path")
 
 
 def run(config: ServerConfig) -> None:

@@ -28,17 +28,27 @@ class DataDirError(ServiceError):
     code = "data_dir"
 
 
-class DataDirLock:
-    """The exclusive hold of one data directory; `release()` (idempotent) gives it up."""
+class HeldLock:
+    """An exclusive flock on `lock_path` (made 0600), holding this process's pid;
+    `release()` (idempotent) gives it up. Held by another: `error(busy.format(pid=...))`."""
 
-    def __init__(self, path: str):
-        self.path = path
-        self._fd = _lock(os.path.join(path, LOCK_FILE), path)
+    def __init__(self, lock_path: str, error: type[Exception], busy: str):
+        self.path = lock_path
+        self._fd = _lock(lock_path, error, busy)
 
     def release(self) -> None:
         if self._fd >= 0:
             os.close(self._fd)  # the flock goes with the last fd; the file stays for the next daemon
             self._fd = -1
+
+
+class DataDirLock(HeldLock):
+    """The exclusive hold of one data directory."""
+
+    def __init__(self, path: str):
+        super().__init__(os.path.join(path, LOCK_FILE), DataDirError,
+                         f"data directory {path} is in use by another kvstore daemon (pid {{pid}}); "
+                         "stop that one, or give this one its own data_dir / --data-dir")
 
 
 def hold_data_dir(path: str) -> DataDirLock:
@@ -92,15 +102,14 @@ def _private_dir(path: str) -> None:
                     "their names)", path, mode)
 
 
-def _lock(lock_path: str, data_dir: str) -> int:
-    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+def _lock(lock_path: str, error: type[Exception], busy: str) -> int:
+    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
         os.close(fd)
-        raise DataDirError(f"data directory {data_dir} is in use by another kvstore daemon (pid {holder}); "
-                           "stop that one, or give this one its own data_dir / --data-dir") from None
+        raise error(busy.format(pid=holder)) from None
     except BaseException:
         os.close(fd)
         raise

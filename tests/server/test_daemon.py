@@ -318,7 +318,7 @@ def test_sigterm_shuts_down_cleanly_and_socket_is_private(daemon):
 def test_second_daemon_on_the_same_socket_refuses_to_start(daemon):
     proc = subprocess.run([sys.executable, "-m", "commands.cli", "serve", "--socket", daemon.socket, "--arena-bytes", "1MiB"],
                           capture_output=True, text=True, timeout=60)
-    assert proc.returncode != 0 and "already serving" in proc.stderr
+    assert proc.returncode != 0 and f"(pid {daemon.proc.pid}) is starting or serving at {daemon.socket}" in proc.stderr
     with daemon.client() as c:
         c.stats()
 

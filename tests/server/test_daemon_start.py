@@ -126,6 +126,56 @@ def test_a_data_dir_of_another_user_is_refused(root):
     assert os.listdir(theirs) == [] and os.stat(theirs).st_uid == 65534
 
 
+def test_two_daemons_started_together_on_one_socket_leave_one_serving(root):
+    """Both once passed the 'already serving' check (it ran before the arenas were made, the
+    bind after), both logged ready, and the orphaned one's SIGTERM deleted the socket."""
+    sock = os.path.join(root, "s")
+    procs = []
+    for i in range(2):
+        procs.append(subprocess.Popen([*SERVE, "--admin-port", "0", "--socket", sock, "--arena-bytes", "128MiB",
+                                       "--data-dir", os.path.join(root, f"data{i}")],
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                      stdin=subprocess.DEVNULL))
+        time.sleep(0.05)
+    try:
+        loser = procs[1]
+        _, err = loser.communicate(timeout=HANG_S)
+        assert loser.returncode != 0 and sock in err and f"(pid {procs[0].pid})" in err
+        assert procs[0].poll() is None
+        from client import Client
+        deadline = time.monotonic() + HANG_S
+        while not os.path.exists(sock) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        with Client.connect(sock) as c:
+            c.put(bytes(range(32)), b"still served")
+    finally:
+        procs[0].send_signal(signal.SIGTERM)
+        procs[0].communicate(timeout=HANG_S)
+    assert procs[0].returncode == 0 and not os.path.exists(sock)
+
+
+@pytest.mark.parametrize("mode", [0o777, 0o1777, 0o730])
+def test_a_socket_directory_others_can_write_is_refused(root, mode):
+    shared = os.path.join(root, "run")
+    os.mkdir(shared)
+    os.chmod(shared, mode)
+    result = serve("--socket", os.path.join(shared, "s"), "--data-dir", os.path.join(root, "data"),
+                   "--arena-bytes", "1MiB")
+    assert_one_line_refusal(result, shared, f"mode {mode:o}")
+    assert os.listdir(shared) == []
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to give a directory to another user")
+def test_a_socket_directory_of_another_user_is_refused(root):
+    """/tmp/kvstore-<uid> made first by someone else: its owner could listen at the path."""
+    theirs = os.path.join(root, "kvstore-0")
+    os.mkdir(theirs, 0o700)
+    os.chown(theirs, 65534, 65534)
+    result = serve("--socket", os.path.join(theirs, "kvstore.sock"), "--data-dir", os.path.join(root, "data"),
+                   "--arena-bytes", "1MiB")
+    assert_one_line_refusal(result, theirs, "belongs to uid 65534")
+
+
 def test_arena_beyond_the_machines_memory_is_refused_naming_the_key(root):
     result = serve("--data-dir", os.path.join(root, "data"), "--socket", os.path.join(root, "s"),
                    "--arena-bytes", "64TiB")

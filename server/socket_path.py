@@ -1,0 +1,82 @@
+"""The daemon's socket path: in a directory only this user controls, one daemon at a time.
+
+Clients find the daemon by path, so whoever controls the path's directory controls what they
+talk to: another user who can write it could move the socket aside and listen in its place.
+The daemon makes the directory itself (0700), or takes an existing one only when it belongs to
+this user and nobody else can write it (/tmp itself, or a /tmp/kvstore-<uid> another user made
+first, is refused). Clients check who serves as well (client/daemon_peer.py).
+
+Two daemons started together on one path: each takes an flock on `<socket>.lock` before it
+looks at the path and holds it until it has stopped, so the second is refused by name before
+it makes anything, instead of both binding and the first being orphaned.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import stat
+
+from kvstore.errors import ServiceError
+from server.data_dir import HeldLock
+
+
+class SocketPathError(ServiceError):
+    """The socket path cannot be used: its directory is not private, or a daemon serves there."""
+
+    code = "socket_path"
+
+
+def claim_socket_path(path: str) -> HeldLock:
+    """Make or check the socket's directory, lock the path for this daemon and clear a stale
+    socket. The lock is released when the daemon has stopped (after it removed its socket)."""
+    directory = os.path.dirname(os.path.abspath(path))
+    _private_directory(directory)
+    lock = HeldLock(path + ".lock", SocketPathError,
+                    f"another kvstore daemon (pid {{pid}}) is starting or serving at {path}; "
+                    "stop it or use another socket_path / --socket")
+    try:
+        _clear_stale(path)
+    except BaseException:
+        lock.release()
+        raise
+    return lock
+
+
+def _private_directory(directory: str) -> None:
+    try:
+        os.makedirs(directory, mode=0o700, exist_ok=True)
+        st = os.stat(directory)
+    except OSError as exc:
+        raise SocketPathError(f"cannot make the socket's directory {directory}: {exc.strerror or exc}; "
+                              "set socket_path in the config or --socket") from None
+    uid = os.geteuid()
+    if st.st_uid != uid:
+        raise SocketPathError(
+            f"the socket's directory {directory} belongs to uid {st.st_uid}, not to this user ({uid}): "
+            "its owner could put another server at the socket's path. Use a directory of your own "
+            "(socket_path / --socket, $KVSTORE_SOCKET or $XDG_RUNTIME_DIR)")
+    if stat.S_IMODE(st.st_mode) & 0o022:
+        raise SocketPathError(
+            f"the socket's directory {directory} is mode {stat.S_IMODE(st.st_mode):o}: others can write "
+            f"it and could put another server at the socket's path; chmod go-w {directory} or use "
+            "a private directory")
+
+
+def _clear_stale(path: str) -> None:
+    """Remove a socket left by a dead daemon; refuse to start beside a live one."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(mode):
+        raise SocketPathError(f"{path} exists and is not a socket; remove it or choose another socket_path")
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(path)
+    except OSError:
+        os.unlink(path)  # nobody listens: a stale socket
+        return
+    finally:
+        probe.close()
+    raise SocketPathError(f"a daemon is already serving at {path}; stop it or use another socket_path")
