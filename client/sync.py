@@ -15,6 +15,7 @@ from kvstore.identity import StateDescriptor
 from kvstore.protocol import NEED_DATA, BadFrame, Fatal, Reply
 from kvstore.replies import GpuHandleReply, HelloReply
 from client.core import ClientCore, Collect, Later
+from client.daemon_peer import check_daemon_peer
 from client import batched
 from client.results import LookupResult, PutResult
 from client.gpu import op_get_into_device
@@ -95,6 +96,11 @@ class Client:
             raise DaemonUnavailable(
                 f"no kvstore daemon at {self.socket_path} ({exc.strerror or exc}); start one with `kvstore serve`"
             ) from None
+        try:
+            check_daemon_peer(sock, self.socket_path)
+        except BaseException:
+            sock.close()
+            raise
         self._sock = sock
         self.core = ClientCore(self.namespace, self.token, self._release, self.shared_index)
         self.core.shared.watch(sock)

@@ -11,7 +11,9 @@ import json
 import mmap
 import os
 import socket
+import shutil
 import stat
+import tempfile
 
 import numpy as np
 import pytest
@@ -235,3 +237,69 @@ def test_what_the_daemon_makes_is_private_and_a_readable_data_dir_keeps_its_mode
     with d.client() as c:
         c.put(key("perm", 0), content(key("perm", 0), MiB))
         assert_clean(d, c)
+
+
+def _impostor(path: str, uid: int, ready_w: int, report_w: int) -> int:
+    """A fork that drops to `uid`, listens at `path`, and reports the bytes each client sent."""
+    pid = os.fork()
+    if pid:
+        return pid
+    try:
+        os.setgroups([])
+        os.setgid(uid)
+        os.setuid(uid)
+        server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        server.bind(path)
+        server.listen(4)
+        os.write(ready_w, b"1")
+        received = []
+        server.settimeout(5)
+        try:
+            while True:
+                conn, _ = server.accept()
+                conn.settimeout(1)
+                try:
+                    received.append(len(conn.recv(65536)))
+                except OSError:
+                    received.append(-1)
+                conn.close()
+        except OSError:  # no more clients
+            pass
+        os.write(report_w, json.dumps(received).encode())
+    finally:
+        os._exit(0)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another user")
+def test_a_client_sends_nothing_to_a_server_of_another_user(monkeypatch):
+    """Another uid that can write the socket's directory moves the socket aside and listens
+    at the path: the client must notice (SO_PEERCRED) before its hello, sync and asyncio."""
+    import asyncio
+
+    from client import AsyncClient, Client
+    from kvstore.errors import DaemonUnavailable, KVStoreError
+    nobody = 65534
+    shared = tempfile.mkdtemp(prefix="kvs-")  # pytest's tmp_path sits under a 0700 directory
+    os.chmod(shared, 0o777)
+    path = os.path.join(shared, "kvstore.sock")
+    ready_r, ready_w = os.pipe()
+    report_r, report_w = os.pipe()
+    pid = _impostor(path, nobody, ready_w, report_w)
+    os.close(ready_w)  # the child's copies only: a child that fails reads as EOF, not a hang
+    os.close(report_w)
+    assert os.read(ready_r, 1) == b"1", "the impostor could not listen"
+    with pytest.raises(PermissionDenied, match=f"runs as uid {nobody}.*KVSTORE_DAEMON_UID={nobody}"):
+        Client.connect(path, timeout_s=2)
+    with pytest.raises(PermissionDenied, match=f"runs as uid {nobody}"):
+        asyncio.run(AsyncClient.connect(path, timeout_s=2))
+    monkeypatch.setenv("KVSTORE_DAEMON_UID", "12, x")
+    with pytest.raises(InvalidArgument, match="KVSTORE_DAEMON_UID"):
+        Client.connect(path, timeout_s=2)
+    monkeypatch.setenv("KVSTORE_DAEMON_UID", str(nobody))  # trusted on purpose: the hello goes out
+    with pytest.raises(KVStoreError) as err:
+        Client.connect(path, timeout_s=2)
+    assert isinstance(err.value, DaemonUnavailable)
+    os.waitpid(pid, 0)
+    sent = json.loads(os.read(report_r, 256) or b"null")
+    assert sent is not None and sent[:3] == [0, 0, 0] and sent[3] > 0, sent  # only the trusted one spoke
+    shutil.rmtree(shared, ignore_errors=True)
