@@ -156,9 +156,13 @@ class TierManager:
                     "with commit (written after commit, or a short write); nothing was stored"
                 )
         old = ns.objects.get(put.object_id)
-        if old is not None and old.is_live(self.clock()):  # a concurrent put of the same id won the race
+        if old is None or not old.is_live(self.clock()):  # held only on NVMe: its bytes stand
+            old = self.mover.remote_meta(put.namespace, put.object_id) if self.mover.holds(
+                put.namespace, put.object_id) else None
+        if old is not None:  # a concurrent put of the same id won the race, or NVMe holds it
             ns.arena.free(put.extent)
-            check_same_object(put.object_id, old.size, old.descriptor, put.size, put.descriptor)
+            check_same_object(put.object_id, old.size, old.descriptor, put.size, put.descriptor,
+                              old.checksum, checksum)
             ns.counters.num_dedup_puts += 1
             return CommitReply(exists=True)
         entry = self.host.publish(ns, put.object_id, put.extent, put.size, checksum, put.descriptor, put.hints,

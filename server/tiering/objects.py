@@ -145,8 +145,16 @@ def live_in(ns, oid: ObjectId, now: float) -> ObjectEntry | None:
     return entry if entry is not None and entry.is_live(now) else None
 
 
-def check_same_object(oid: ObjectId, size: int, descriptor, new_size: int, new_descriptor) -> None:
-    """A put of an id already stored: the same state (dedup), or Conflict if it differs."""
+def check_same_object(oid: ObjectId, size: int, descriptor, new_size: int, new_descriptor,
+                      checksum: bytes | None = None, new_checksum: bytes | None = None) -> None:
+    """A put of an id already stored: the same state (dedup), or Conflict if it differs. With
+    both checksums (a commit, whose bytes are known), other bytes conflict too: one id names
+    one state, and a read must never see the stored bytes change."""
+    if checksum is not None and new_checksum is not None and checksum != new_checksum \
+            and size == new_size and descriptor == new_descriptor:
+        raise Conflict(
+            f"object {oid.hex} is already stored with other bytes of the same size and descriptor "
+            "(checksums differ); the stored bytes stand: delete the object first to replace it")
     if size != new_size or descriptor != new_descriptor:
         diff = descriptor_differences(descriptor, new_descriptor)
         raise Conflict(

@@ -110,6 +110,35 @@ def test_nvme_held_objects_keep_their_identity(daemon_factory):
         c.check_integrity()
 
 
+def test_a_re_put_of_an_nvme_held_id_is_existed_for_its_bytes_and_conflict_for_others(daemon_factory):
+    """Held only on NVMe: the same bytes once answered existed=False (a second copy), other
+    bytes of the same size were taken, and reads then flipped between the two as the host
+    copy came and went."""
+    d = daemon_factory("4MiB", config={"nvme": {"enabled": True, "capacity_bytes": "64MiB", "file_bytes": "32MiB",
+                                                "admit_min_hits": 0}})
+    big = MODEL_A.with_(layout=Layout.make("raw"))
+    keys = chunk_keys(list(range(256 * 12)), big)
+    with d.client() as c:
+        for i, key in enumerate(keys):
+            c.put(key, payload(1 << 20, i))
+        cold = [i for i, t in enumerate(c.lookup(keys).tiers) if t == "nvme"]
+        assert len(cold) >= 2
+        same, other = cold[0], cold[1]
+        assert c.put(keys[same], payload(1 << 20, same)).existed
+        with pytest.raises(Conflict, match="other bytes"):
+            c.put(keys[other], payload(1 << 20, 1000 + other))
+        results = c.put_many([(keys[other], payload(1 << 20, 2000))], big)
+        assert isinstance(results[0].error, Conflict)
+        for _ in range(2):  # again after the host copies went: still the first bytes
+            for i in (same, other):
+                got = np.empty(1 << 20, np.uint8)
+                assert c.get_into(keys[i], got) == 1 << 20 and np.array_equal(got, payload(1 << 20, i))
+            for i, key in enumerate(keys):
+                if i not in (same, other):
+                    c.get_into(key, np.empty(1 << 20, np.uint8))  # push both out of the host tier
+        c.check_integrity()
+
+
 def test_put_many_reports_an_empty_item_and_stores_the_rest(daemon):
     keys = [ObjectId(bytes([0x40 + i]) * 32) for i in range(4)]
     with daemon.client() as c:
