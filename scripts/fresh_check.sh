@@ -14,12 +14,13 @@ case "$runs" in ''|*[!0-9]*|0) echo "fresh_check: RUNS must be a positive whole 
 work=${KVSTORE_FRESH_DIR:-$(mktemp -d /tmp/kvstore-fresh.XXXXXX)}
 mkdir -p "$work"
 uv=$(scripts/uv.sh)
-echo "fresh_check: $runs run(s) of ./scripts/test.sh from a clone of $(git rev-parse --short HEAD) under $work"
+commit=$(git rev-parse HEAD)  # every run tests this commit, whatever is committed meanwhile
+echo "fresh_check: $runs run(s) of ./scripts/test.sh from a clone of ${commit:0:7} under $work"
 status=0
 for run in $(seq 1 "$runs"); do
     dir="$work/run-$run"
     rm -rf "$dir" && mkdir -p "$dir"
-    git clone -q . "$dir/clone"
+    git clone -q . "$dir/clone" && git -C "$dir/clone" checkout -q "$commit"
     started=$SECONDS
     code=0
     (cd "$dir/clone" && KVSTORE_ENGINE_ENVS="$dir/engines" UV_CACHE_DIR="$dir/uv-cache" PIP_CACHE_DIR="$dir/pip-cache" \

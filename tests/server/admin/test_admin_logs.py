@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import shutil
 import tempfile
 
 import aiohttp
@@ -58,7 +59,7 @@ def _run_logged(tmp_path, scenario):
     finally:
         logger.removeHandler(handler)
         logger.setLevel(old_level)
-        os.rmdir(sock_dir)
+        shutil.rmtree(sock_dir)  # the socket is gone; its lock file (<socket>.lock) stays, as it should
 
 
 def test_one_line_per_admin_error(tmp_path):
