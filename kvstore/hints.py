@@ -15,12 +15,14 @@ MAX_LABEL_CHARS = 128
 class Hints:
     """Advice from the producer. Every field is optional; none changes what a get returns.
 
-    ttl_s: drop the object this many seconds after put (None: never expires).
+    ttl_s: drop the object this many seconds after put (None: never expires). It counts from
+        the put on every tier: past it the object is a miss in host memory, on NVMe (also
+        after a restart) and once promoted back.
     priority: -10..10, higher is kept longer under pressure.
     session_id / branch_id: agent session and branch the state belongs to.
     next_access_s: when the producer expects the next read, in seconds from now.
     recompute_cost_ms: what a miss would cost the engine; drives cost-aware eviction.
-    pin: keep resident until unpinned (subject to the pin quota).
+    pin: keep resident in the host tier until unpinned.
     """
 
     ttl_s: float | None = None

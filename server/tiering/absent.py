@@ -80,6 +80,9 @@ class NoNvme:
     async def open(self) -> dict:
         return {}
 
+    def expire_due(self) -> None:
+        pass
+
     def compact(self) -> bool:
         return False
 

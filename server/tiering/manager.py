@@ -319,6 +319,7 @@ class TierManager:
             log.warning("event=lease_expired lease=%d owner=%s mode=%s", lease.lease_id, lease.owner, lease.mode)
             self._end_lease(lease)
         self.host.expire_objects()
+        self.mover.expire_due()
         if self.mover.compact():
             give_back_heap()
 

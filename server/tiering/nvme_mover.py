@@ -30,6 +30,7 @@ from kvstore.policy.admission import FrequencyAdmission
 from kvstore.replies import IN_MEMORY, CommitReply
 from server.later import MaybeAwaitable, resolve
 from server.tiering.nvme_flush import flush_host
+from server.tiering.nvme_deadlines import NvmeDeadlines
 from server.tiering.nvme_table import NvmeTable
 from server.tiering.objects import ObjectEntry
 from tiers.nvme import NvmeTier
@@ -49,6 +50,7 @@ class MoverCounters:
     num_rejected: int = 0  # copies turned away (admission, or no room a flush may take)
     num_nvme_evictions: int = 0
     num_demotion_failures: int = 0  # writes that failed (EIO, full disk, host bytes changed)
+    num_expired: int = 0  # NVMe objects deleted past their TTL
 
 
 class TierMover:
@@ -66,6 +68,7 @@ class TierMover:
         # What NVMe holds, and its eviction order: numpy columns keyed by the NVMe index's own
         # keys (~64 B per object; Python objects per key cost ~190 B: server/tiering/nvme_table.py).
         self.policy = NvmeTable(self.config.capacity_bytes)
+        self.deadlines = NvmeDeadlines()  # of the objects put with a TTL
         self.admission = FrequencyAdmission(min_hits=self.config.admit_min_hits)
         self.bandwidth_bytes_s = DEFAULT_NVME_BANDWIDTH
         self._promoting: dict[bytes, asyncio.Future] = {}  # by table key
@@ -85,6 +88,8 @@ class TierMover:
         held = self.nvme.take_holdings()
         order = self.nvme.executor.submit(held.age_order)
         await loop.run_in_executor(None, self.policy.load, held.prefixes, held.namespaces, held.ids, held.sizes, order)
+        for key, deadline in held.deadlines.items():
+            self.deadlines.add(key, deadline)
         report = self.nvme.recovery
         facts = {"objects": len(self.policy), "ready_s": time.monotonic() - start,
                  "recovered": report.recovered, "dropped": report.dropped,
@@ -109,17 +114,27 @@ class TierMover:
         return namespace_prefix(namespace) + oid
 
     def holds(self, namespace: str, oid) -> bool:
-        return self._key(namespace, oid) in self.policy
+        """NVMe holds `oid` and it is not past its TTL (an expired one is a miss at once)."""
+        key = self._key(namespace, oid)
+        return key in self.policy and not self._expired(key)
+
+    def _expired(self, key: bytes) -> bool:
+        return bool(self.deadlines) and self.deadlines.expired(key, time.time())
 
     def size_of(self, namespace: str, oid) -> int | None:
         """Size on NVMe of `oid` (an ObjectId or its raw digest), None if NVMe lacks it."""
-        return self.policy.size_of(self._key(namespace, oid))
+        key = self._key(namespace, oid)
+        return None if self._expired(key) else self.policy.size_of(key)
 
     def sizes_of(self, namespace: str, oids: list) -> list[int | None]:  # probed together when many
         if len(oids) < 16:
             return [self.size_of(namespace, oid) for oid in oids]
         ids = np.frombuffer(b"".join(oids), np.uint8).reshape(-1, ID_BYTES)
-        return [size or None for size in self.policy.sizes_of(namespace_prefix(namespace), ids).tolist()]
+        sizes = [size or None for size in self.policy.sizes_of(namespace_prefix(namespace), ids).tolist()]
+        if self.deadlines:
+            sizes = [None if size and self._expired(self._key(namespace, oid)) else size
+                     for size, oid in zip(sizes, oids)]
+        return sizes
 
     def remote_meta(self, namespace: str, oid):
         """What a peer lookup needs to know of an NVMe-only object (None if it went away)."""
@@ -214,6 +229,8 @@ class TierMover:
             self.host.release_hold(entry)
         if key not in self.policy:
             self._remember(key, entry.size)
+            if entry.hints.ttl_s is not None:  # counted from the put, not from this write
+                self.deadlines.add(key, entry.created_at + entry.hints.ttl_s)
         entry.on_nvme = True
         return put.durability
 
@@ -223,6 +240,7 @@ class TierMover:
         # They leave NVMe now: nothing counts on these copies from here on (a host entry of
         # one may be written back meanwhile; its new copy is then kept).
         for key in victims:
+            self.deadlines.discard(key)
             entry = self._host_entry(key)
             if entry is not None:
                 entry.on_nvme = False
@@ -322,6 +340,8 @@ class TierMover:
             del self._promoting[key]
 
     async def _promote(self, namespace: str, oid, key) -> ObjectEntry | None:
+        if self._expired(key):
+            return None  # housekeeping deletes it
         meta = await self._run(self.nvme.meta, namespace, oid)
         if meta is None:
             self._forget(key)
@@ -363,9 +383,28 @@ class TierMover:
         self.policy.on_insert(key, size)
 
     def _forget(self, key) -> None:
+        self.deadlines.discard(key)
         if key in self.policy:
             self.policy.on_remove(key)
             self._left_nvme(key)
+
+    def expire_due(self) -> None:
+        """Delete the NVMe objects past their TTL (housekeeping, every second): forgotten now,
+        their records and extents deleted in the background."""
+        due = [key for key in self.deadlines.due(time.time()) if key in self.policy and key not in self._promoting]
+        for key in due:
+            self.policy.on_remove(key)
+            self._left_nvme(key)
+        if due:
+            task = asyncio.get_running_loop().create_task(self._delete_keys(due))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+            self.counters.num_expired += len(due)
+
+    async def _delete_keys(self, keys: list[bytes]) -> None:
+        for key in keys:
+            name, digest = key_parts(key)
+            await self._run(self.nvme.delete, name, ObjectId(digest))
 
     # --- other paths ------------------------------------------------------------------------------
 
@@ -396,5 +435,6 @@ class TierMover:
 
     def check_integrity(self) -> None:
         self.policy.check_integrity()
+        self.deadlines.check_integrity(lambda key: key in self.policy)
         if self.nvme is not None:
             self.nvme.check_integrity()

@@ -54,11 +54,17 @@ class ObjectEntry:
     def create(cls, object_id: ObjectId, namespace: str, extent, size: int, checksum: bytes,
                descriptor: StateDescriptor, hints: Hints, now: float, created_at: float | None = None,
                pin: bool = False, on_nvme: bool = False) -> ObjectEntry:
-        """The one way to make an entry: it expires hints.ttl_s after `now` (monotonic), and is
-        pinned until unpinned when `pin`."""
+        """The one way to make an entry: it expires hints.ttl_s after its put (`now`, monotonic,
+        for a new one; for a copy of an older object, `created_at` on the wall clock: a TTL
+        counts from the put on every tier), and is pinned until unpinned when `pin`."""
+        wall = time.time()
         entry = cls(object_id, namespace, extent, size, checksum, descriptor, hints,
-                    time.time() if created_at is None else created_at, next(_SERIALS))
-        entry.expires_at = math.inf if hints.ttl_s is None else now + hints.ttl_s
+                    wall if created_at is None else created_at, next(_SERIALS))
+        if hints.ttl_s is None:
+            entry.expires_at = math.inf
+        else:
+            age = 0.0 if created_at is None else max(0.0, wall - created_at)
+            entry.expires_at = now + hints.ttl_s - age
         entry.pinned_until = math.inf if pin else 0.0
         entry.on_nvme = on_nvme
         return entry

@@ -14,16 +14,19 @@ order. Here recovery keeps columns only, and the daemon's index is built from th
     created the record's last field: msgpack float64, 0xcb then 8 bytes big-endian; records
             are written with created_at last (NvmeRecord.encode). A tail that is not one
             reads as 0.0 (oldest).
+    deadline created_at + hints.ttl_s, only for the few records put with a TTL: found by one
+            search of the chunk's joined records for the hint's name, then decoded one by one.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from kvstore.errors import InvalidArgument
 from kvstore.identity import ID_BYTES
+from tiers.nvme.index import NvmeRecord
 
 _TAIL = 9  # 0xcb, then the float64
 _FLOAT64 = 0xCB
@@ -34,17 +37,38 @@ def lengths_of(parts: list[bytes]) -> np.ndarray:
     return np.fromiter(map(len, parts), np.int64, len(parts))
 
 
-def created_at_of(values: list[bytes], lengths: np.ndarray | None = None) -> np.ndarray:
+_TTL = b"ttl_s"  # the hint's name as msgpack writes it into a record (Hints.to_wire)
+
+
+def created_at_of(values: list[bytes], lengths: np.ndarray | None = None, joined: bytes | None = None) -> np.ndarray:
     """created_at of each record (wall clock seconds; 0.0 where unreadable): one join and one
-    gather, no Python object per record. lengths: lengths_of(values), if the caller has it."""
+    gather, no Python object per record. lengths: lengths_of(values), and joined:
+    b"".join(values), if the caller has them."""
     lengths = lengths_of(values) if lengths is None else lengths
-    joined = np.frombuffer(b"".join(values), np.uint8)
+    joined = np.frombuffer(b"".join(values) if joined is None else joined, np.uint8)
     if len(joined) < _TAIL:  # too short to hold one tail: reads as none
         joined = np.concatenate([joined, np.zeros(_TAIL, np.uint8)])
     raw = joined[np.maximum(np.cumsum(lengths) - _TAIL, 0)[:, None] + np.arange(_TAIL)]
     times = np.ascontiguousarray(raw[:, 1:]).view(">f8").reshape(-1).astype(np.float64)
     good = (raw[:, 0] == _FLOAT64) & np.isfinite(times) & (lengths >= _TAIL)
     return np.where(good, times, 0.0)
+
+
+def deadlines_of(keys: list[bytes], values: list[bytes], joined: bytes) -> dict[bytes, float]:
+    """{key: created_at + ttl_s} of the records put with a TTL (usually none: one search)."""
+    if _TTL not in joined:
+        return {}
+    found = {}
+    for key, value in zip(keys, values):
+        if _TTL in value:
+            try:
+                record = NvmeRecord.decode(value)
+                ttl = record.hints.get("ttl_s")
+                if ttl is not None:
+                    found[key] = record.created_at + float(ttl)
+            except (ValueError, TypeError):  # recovery checked these records; unreadable hints: none
+                pass
+    return found
 
 
 def split_keys(keys: list[bytes], prefixes: dict[bytes, int],
@@ -101,6 +125,7 @@ class Holdings:
     ids: list[np.ndarray]  # chunks of (n, 32) uint8: each object's id
     sizes: np.ndarray  # int64, one per object
     created_at: np.ndarray  # float64 wall clock, one per object
+    deadlines: dict[bytes, float] = field(default_factory=dict)  # index key -> expiry (wall clock)
 
     def __len__(self) -> int:
         return len(self.sizes)
@@ -136,6 +161,7 @@ class Holdings:
         dropped = [key for key in dropped if len(key) > 2 + ID_BYTES and key[:-ID_BYTES] in known]  # held ones
         if not dropped:
             return self
+        gone_keys = set(dropped)
         numbers, ids = split_keys(dropped, known)
         # Candidates by the ids' first 8 bytes, then compared whole.
         heads = np.concatenate([chunk[:, :8] for chunk in self.ids]).view(np.uint64).reshape(-1)
@@ -145,7 +171,9 @@ class Holdings:
         out = [row for row in maybe if (int(all_numbers[row]), all_ids[row].tobytes()) in gone]
         kept = np.ones(len(self), bool)
         kept[out] = False
-        return Holdings(self.prefixes, [all_numbers[kept]], [all_ids[kept]], self.sizes[kept], self.created_at[kept])
+        deadlines = {key: at for key, at in self.deadlines.items() if key not in gone_keys}
+        return Holdings(self.prefixes, [all_numbers[kept]], [all_ids[kept]], self.sizes[kept], self.created_at[kept],
+                        deadlines)
 
 
 class HoldingsBuilder:
@@ -157,6 +185,7 @@ class HoldingsBuilder:
         self._ids: list[np.ndarray] = []
         self._sizes: list[np.ndarray] = []
         self._created: list[np.ndarray] = []
+        self._deadlines: dict[bytes, float] = {}
 
     def add(self, keys: list[bytes], values: list[bytes], key_lengths: np.ndarray, value_lengths: np.ndarray,
             goods: np.ndarray, sizes: np.ndarray) -> None:
@@ -170,12 +199,15 @@ class HoldingsBuilder:
         self._namespaces.append(numbers)
         self._ids.append(ids)
         self._sizes.append(np.asarray(sizes, dtype=np.int64))
-        self._created.append(created_at_of(values, value_lengths))
+        joined = b"".join(values)
+        self._created.append(created_at_of(values, value_lengths, joined))
+        self._deadlines.update(deadlines_of(keys, values, joined))
 
     def build(self, dropped: set[bytes]) -> Holdings:
         """The holdings, without the keys in `dropped` (records recovery dropped after the scan)."""
         held = Holdings(list(self._prefixes), self._namespaces, self._ids,
                         np.concatenate(self._sizes) if self._sizes else np.zeros(0, np.int64),
-                        np.concatenate(self._created) if self._created else np.zeros(0, np.float64))
+                        np.concatenate(self._created) if self._created else np.zeros(0, np.float64),
+                        self._deadlines)
         self.__init__()
         return held.without(dropped)
