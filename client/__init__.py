@@ -4,6 +4,6 @@ from client.results import LookupResult, PutResult
 from client.lease import ReadLease
 from client.aio import AsyncClient
 from client.sync import Client
-from kvstore.errors import DaemonUnavailable
+from kvstore.errors import DaemonUnavailable, LeaseEnded
 
-__all__ = ["AsyncClient", "Client", "DaemonUnavailable", "LookupResult", "PutResult", "ReadLease"]
+__all__ = ["AsyncClient", "Client", "DaemonUnavailable", "LeaseEnded", "LookupResult", "PutResult", "ReadLease"]

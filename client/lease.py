@@ -9,7 +9,7 @@ import time
 import numpy as np
 import xxhash
 
-from kvstore.errors import DaemonUnavailable, InvalidArgument
+from kvstore.errors import InvalidArgument, LeaseEnded
 from kvstore.identity import StateDescriptor
 from kvstore.ranges import starts
 
@@ -24,7 +24,7 @@ class ReadLease:
     `with` / `async with` block); release is idempotent. Views: `numpy()`, `buffer` and
     `read()` are zero-copy and read-only; `tensor()` is a copy (torch has no read-only
     tensors, and a writable view would change what every later reader of the object gets).
-    After release each of them raises DaemonUnavailable. `buffer` memoryviews go dead at
+    After release each of them raises LeaseEnded. `buffer` memoryviews go dead at
     release; a numpy array taken earlier cannot be revoked: it then shows whatever the daemon
     puts in that memory later, so copy (`.copy()`, or `tensor()`) what you keep past the lease.
 
@@ -66,8 +66,22 @@ class ReadLease:
     def closed(self) -> bool:
         """Released, its connection to the daemon closed, or near the daemon's lease TTL:
         the daemon takes such a lease back, and its bytes may then hold another object."""
-        return (self._done or (self._core is not None and self._core.closed)
-                or time.monotonic() >= self._stale_at)
+        return self._ended_by() is not None
+
+    def _ended_by(self) -> str | None:
+        if self._done:
+            return "it was released"
+        if self._core is not None and self._core.closed:
+            return "its connection to the daemon closed"
+        if time.monotonic() >= self._stale_at:
+            return "it reached the daemon's lease TTL (limits.lease_ttl_s); the daemon takes such leases back"
+        return None
+
+    def _refuse_if_ended(self, what: str) -> None:
+        why = self._ended_by()
+        if why is not None:
+            raise LeaseEnded(f"the lease on {self.object_id.hex} has ended ({why}); {what} is no longer valid: "
+                             "get the object again")
 
     @property
     def descriptor(self) -> StateDescriptor:
@@ -79,9 +93,7 @@ class ReadLease:
     def _whole(self, what: str) -> np.ndarray:
         """The leased bytes, for a view of the whole object: refused once the lease has
         ended, and on a ranged lease."""
-        if self.closed:
-            raise DaemonUnavailable(f"the lease on {self.object_id.hex} has ended (released, or its connection "
-                                    f"closed); {what} is no longer valid: get the object again")
+        self._refuse_if_ended(what)
         if self._array is None:
             raise InvalidArgument(f"{what} of a lease on the GPU tier: its bytes are in the daemon's GPU buffer; "
                                   "copy them with Client.get_into_device, or get without gpu")
@@ -113,9 +125,7 @@ class ReadLease:
     def read(self, offset: int, length: int) -> np.ndarray:
         """A read-only uint8 view of the object's bytes [offset, offset + length). On a ranged
         lease they must lie inside one of its ranges."""
-        if self.closed:
-            raise DaemonUnavailable(f"the lease on {self.object_id.hex} has ended (released, or its connection "
-                                    "closed); get the object again")
+        self._refuse_if_ended("read()")
         if self.ranges is None:
             if offset < 0 or length < 0 or offset + length > self.size:
                 raise InvalidArgument(f"bytes [{offset}, {offset + length}) are outside the object's {self.size}")

@@ -98,6 +98,13 @@ class DaemonUnavailable(ServiceError):
     code = "unavailable"
 
 
+class LeaseEnded(ServiceError):
+    """A read lease was used after it ended: released, its connection closed, or past the
+    daemon's limits.lease_ttl_s. The daemon is fine; get the object again."""
+
+    code = "lease_ended"
+
+
 _BY_CODE = {
     cls.code: cls
     for cls in (
@@ -114,6 +121,7 @@ _BY_CODE = {
         CapacityError,
         ChecksumError,
         DaemonUnavailable,
+        LeaseEnded,
     )
 }
 

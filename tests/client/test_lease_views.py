@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from client import AsyncClient
-from kvstore.errors import DaemonUnavailable, InvalidArgument
+from kvstore.errors import InvalidArgument, LeaseEnded
 from kvstore.identity import ObjectId
 
 KEY = ObjectId(b"\x11" * 32)
@@ -38,7 +38,7 @@ def test_views_of_a_released_lease_refuse(daemon):
         lease.release()
         for view in (lambda: lease.numpy(), lambda: lease.tensor(), lambda: lease.buffer,
                      lambda: lease.read(0, 1)):
-            with pytest.raises(DaemonUnavailable, match="has ended"):
+            with pytest.raises(LeaseEnded, match="has ended"):
                 view()
         with pytest.raises(ValueError, match="released"):
             early[0]  # a buffer taken before release went dead with the lease

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from client.lease import ReadLease
 from kvstore import messages as m
 from kvstore import ranges
-from kvstore.errors import DaemonUnavailable, InvalidArgument, RangeError
+from kvstore.errors import DaemonUnavailable, InvalidArgument, LeaseEnded, RangeError
 from kvstore.identity import ObjectId
 
 OID = ObjectId(b"r" * 32)
@@ -92,11 +92,11 @@ def test_a_released_or_orphaned_lease_refuses_reads():
     assert not lease.closed and lease.read(2, 3).tolist() == [2, 3, 4]
     core.closed = True  # the connection went: the daemon took the lease back
     assert lease.closed
-    with pytest.raises(DaemonUnavailable, match="has ended"):
+    with pytest.raises(LeaseEnded, match="connection to the daemon closed"):
         lease.read(2, 3)
     released = ReadLease(lambda _: None, 2, OID, 10, b"", {}, "host", obj, None, Core())
     released.release()
-    with pytest.raises(DaemonUnavailable):
+    with pytest.raises(LeaseEnded, match="it was released"):
         released.read(0, 1)
 
 
@@ -109,5 +109,6 @@ def test_a_lease_near_the_daemons_ttl_counts_as_ended():
     lease = ReadLease(lambda _: None, 1, OID, 10, b"", {}, "host", np.zeros(10, np.uint8), None, Core())
     time.sleep(0.05 * 0.8 + 0.01)  # past 80% of the ttl: the daemon may take it back any moment
     assert lease.closed
-    with pytest.raises(DaemonUnavailable):
+    with pytest.raises(LeaseEnded, match="lease_ttl_s") as ended:
         lease.read(0, 1)
+    assert not isinstance(ended.value, DaemonUnavailable)  # the daemon is fine
