@@ -129,7 +129,7 @@ secret() {
     if [ "$(id -u)" = 0 ]; then  # readable by the containers' kvstore user only
         chown "$UID_IN_IMAGE:$UID_IN_IMAGE" "$SECRET"
         chmod 0600 "$SECRET"
-    else
+    else  # the containers' user must read it; each daemon warns (event=secret_file_readable)
         chmod 0644 "$SECRET"
     fi
 }

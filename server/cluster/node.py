@@ -12,7 +12,9 @@ membership and the remote tier. The daemon supplies the PeerBackend (its tier ma
 from __future__ import annotations
 
 import logging
+import os
 import socket
+import stat
 from typing import Callable
 
 from kvstore.config import ClusterConfig, parse_address
@@ -30,12 +32,18 @@ MIN_PROBE_S = 0.5
 
 
 def read_secret(cluster: ClusterConfig) -> bytes:
+    """The cluster's shared secret. A secret file others can read is used, with a warning:
+    whoever reads it can join the cluster as a peer and read every tenant's objects."""
     if cluster.secret_file:
         try:
             with open(cluster.secret_file, "rb") as f:
                 secret = f.read().strip()
+                mode = stat.S_IMODE(os.fstat(f.fileno()).st_mode)
         except OSError as exc:
             raise InvalidArgument(f"cannot read cluster.secret_file {cluster.secret_file}: {exc.strerror}") from None
+        if mode & 0o077:
+            log.warning("event=secret_file_readable path=%s mode=%o note=\"others can read the cluster secret and "
+                        "join as a peer; chmod 0600 it, owned by the daemon's user\"", cluster.secret_file, mode)
         if len(secret) < 16:
             raise InvalidArgument(f"cluster.secret_file {cluster.secret_file} holds fewer than 16 characters")
         return secret

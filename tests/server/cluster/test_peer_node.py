@@ -62,6 +62,19 @@ def test_secret_file_is_read_and_checked(tmp_path):
         read_secret(ClusterConfig(enabled=True, secret_file=str(tmp_path / "missing")))
 
 
+def test_a_secret_file_others_can_read_is_used_with_a_warning(tmp_path, caplog):
+    secret = tmp_path / "secret"
+    secret.write_text(SECRET)
+    secret.chmod(0o600)
+    with caplog.at_level("WARNING", logger="kvstore.peer"):
+        assert read_secret(ClusterConfig(enabled=True, secret_file=str(secret))) == SECRET.encode()
+    assert "secret_file_readable" not in caplog.text
+    secret.chmod(0o644)
+    with caplog.at_level("WARNING", logger="kvstore.peer"):
+        assert read_secret(ClusterConfig(enabled=True, secret_file=str(secret))) == SECRET.encode()
+    assert "event=secret_file_readable" in caplog.text and "mode=644" in caplog.text
+
+
 def test_wildcard_listen_needs_an_advertised_address():
     node = PeerNode(ClusterConfig(enabled=True, node_id="a", listen="0.0.0.0:0", secret=SECRET), InMemoryBackend())
     with pytest.raises(InvalidArgument, match="cluster.advertise"):
