@@ -95,8 +95,9 @@ def _private_dir(path: str) -> None:
                            "or a path that does not exist yet: the daemon makes it private")
     if mode & 0o022:
         raise DataDirError(f"data directory {path} is mode {mode:o}: others can write it and could replace "
-                           "the admin token or the index; the daemon does not change the mode of a directory "
-                           f"it did not make: chmod go-w {path}, or name a path that does not exist yet")
+                           "the admin token or the index, and the daemon never changes the mode of a directory "
+                           "it did not make. Name a path that does not exist yet (the daemon makes it 0700), "
+                           "or a directory only you can write")
     if mode & 0o055:
         log.warning("event=data_dir_readable path=%s mode=%o (its files are private; chmod 700 it to hide "
                     "their names)", path, mode)

@@ -59,8 +59,8 @@ def _private_directory(directory: str) -> None:
     if stat.S_IMODE(st.st_mode) & 0o022:
         raise SocketPathError(
             f"the socket's directory {directory} is mode {stat.S_IMODE(st.st_mode):o}: others can write "
-            f"it and could put another server at the socket's path; chmod go-w {directory} or use "
-            "a private directory")
+            "it and could put another server at the socket's path. Name a socket in a directory only "
+            "you can write, or in one that does not exist yet (the daemon makes it 0700)")
 
 
 def _clear_stale(path: str) -> None:
