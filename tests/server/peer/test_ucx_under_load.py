@@ -17,7 +17,10 @@ import pytest
 
 from peer_helpers import transport_or_skip
 
-RUNS = int(os.environ.get("KVSTORE_UCX_LOAD_RUNS", "30"))
+_RUNS = os.environ.get("KVSTORE_UCX_LOAD_RUNS", "30")
+if not _RUNS.isdigit():
+    raise pytest.UsageError(f"KVSTORE_UCX_LOAD_RUNS must be a whole number of runs, not {_RUNS!r}")
+RUNS = int(_RUNS)
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[2]
 # Each busy loop ends by itself, so a killed test run leaves no spinning process behind.
