@@ -32,9 +32,13 @@ def claim_socket_path(path: str) -> HeldLock:
     socket. The lock is released when the daemon has stopped (after it removed its socket)."""
     directory = os.path.dirname(os.path.abspath(path))
     _private_directory(directory)
-    lock = HeldLock(path + ".lock", SocketPathError,
-                    f"another kvstore daemon (pid {{pid}}) is starting or serving at {path}; "
-                    "stop it or use another socket_path / --socket")
+    try:
+        lock = HeldLock(path + ".lock", SocketPathError,
+                        f"another kvstore daemon (pid {{pid}}) is starting or serving at {path}; "
+                        "stop it or use another socket_path / --socket")
+    except OSError as exc:
+        raise SocketPathError(f"cannot lock the socket path {path} ({path}.lock: {exc.strerror or exc}); "
+                              "set socket_path in the config or --socket") from None
     try:
         _clear_stale(path)
     except BaseException:

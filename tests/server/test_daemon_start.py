@@ -161,6 +161,13 @@ def test_two_daemons_started_together_on_one_socket_leave_one_serving(root):
     assert winner.returncode == 0 and not os.path.exists(sock)
 
 
+def test_a_socket_lock_that_cannot_be_made_is_one_line(root):
+    os.mkdir(os.path.join(root, "s.lock"))  # in the lock file's place
+    result = serve("--socket", os.path.join(root, "s"), "--data-dir", os.path.join(root, "data"),
+                   "--arena-bytes", "1MiB")
+    assert_one_line_refusal(result, "s.lock", "Is a directory")
+
+
 @pytest.mark.parametrize("mode", [0o777, 0o1777, 0o730])
 def test_a_socket_directory_others_can_write_is_refused(root, mode):
     shared = os.path.join(root, "run")
