@@ -391,7 +391,12 @@ class TierMover:
     def expire_due(self) -> None:
         """Delete the NVMe objects past their TTL (housekeeping, every second): forgotten now,
         their records and extents deleted in the background."""
-        due = [key for key in self.deadlines.due(time.time()) if key in self.policy and key not in self._promoting]
+        now, due = time.time(), []
+        for key in self.deadlines.due(now):
+            if key in self._promoting:  # its reader holds the record: again at the next pass
+                self.deadlines.add(key, now)
+            elif key in self.policy:
+                due.append(key)
         for key in due:
             self.policy.on_remove(key)
             self._left_nvme(key)
