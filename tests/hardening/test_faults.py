@@ -143,6 +143,10 @@ def test_sigkill_of_the_daemon_under_reads_and_writes_then_restart(make_daemon, 
     workers = [_spawn("writer", d.socket, acks)] + [_spawn("reader", d.socket, acks, bad) for _ in range(2)]
     try:
         assert wait_for(lambda: len(acks.read_text().splitlines()) >= 40, timeout=60)
+        # A reader still starting (imports on a loaded machine) when the daemon dies never reads.
+        ready = tmp_path / "bad.ready"
+        assert wait_for(lambda: ready.exists() and len(ready.read_text().splitlines()) >= 2, timeout=60), \
+            "the readers never read"
         time.sleep(random.Random(round_).uniform(0, 0.5))
         d.stop(signal.SIGKILL)
         for w in workers:

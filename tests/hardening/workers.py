@@ -140,6 +140,9 @@ def reader(socket_path: str, acks_path: str, bad_path: str) -> None:
                 good += state == "ok"
                 if state == "WRONG":
                     bad.write(f"{i}\n")
+                if good == 1 and state == "ok":  # the test kills the daemon only once every reader reads
+                    with open(bad_path + ".ready", "a") as ready:
+                        ready.write("1\n")
             time.sleep(0.005)
     except DaemonUnavailable:
         bad.write(f"reads {good}\n")
