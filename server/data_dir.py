@@ -88,19 +88,28 @@ def _private_dir(path: str) -> None:
     st = os.stat(path)
     if not stat.S_ISDIR(st.st_mode):
         raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), path)
-    mode = stat.S_IMODE(st.st_mode)
-    if st.st_uid != os.geteuid():
-        raise DataDirError(f"data directory {path} belongs to uid {st.st_uid}, not to this user "
-                           f"({os.geteuid()}); name a directory of your own (data_dir / --data-dir), "
-                           "or a path that does not exist yet: the daemon makes it private")
-    if mode & 0o022:
-        raise DataDirError(f"data directory {path} is mode {mode:o}: others can write it and could replace "
-                           "the admin token or the index, and the daemon never changes the mode of a directory "
-                           "it did not make. Name a path that does not exist yet (the daemon makes it 0700), "
-                           "or a directory only you can write")
+    mode = refuse_unless_ours(path, st, DataDirError, "data directory",
+                              "could replace the admin token or the index",
+                              "The daemon never changes the mode of a directory it did not make: name a path that "
+                              "does not exist yet (the daemon makes it 0700), or a directory only you can write "
+                              "(data_dir / --data-dir)")
     if mode & 0o055:
         log.warning("event=data_dir_readable path=%s mode=%o (its files are private; chmod 700 it to hide "
                     "their names)", path, mode)
+
+
+def refuse_unless_ours(path: str, st: os.stat_result, error: type[Exception], what: str, risk: str,
+                      fix: str) -> int:
+    """The mode of directory `path` (stat `st`) if this user owns it and nobody else can write
+    it; else `error`, naming the owner or the mode, what whoever controls it could do (`risk`)
+    and `fix`. The data directory and the socket's directory share this rule."""
+    mode = stat.S_IMODE(st.st_mode)
+    if st.st_uid != os.geteuid():
+        raise error(f"{what} {path} belongs to uid {st.st_uid}, not to this user ({os.geteuid()}), "
+                    f"and whoever controls it {risk}. {fix}")
+    if mode & 0o022:
+        raise error(f"{what} {path} is mode {mode:o}: others can write it, and whoever controls it {risk}. {fix}")
+    return mode
 
 
 def _lock(lock_path: str, error: type[Exception], busy: str) -> int:

@@ -18,7 +18,7 @@ import socket
 import stat
 
 from kvstore.errors import ServiceError
-from server.data_dir import HeldLock
+from server.data_dir import HeldLock, refuse_unless_ours
 
 
 class SocketPathError(ServiceError):
@@ -54,17 +54,10 @@ def _private_directory(directory: str) -> None:
     except OSError as exc:
         raise SocketPathError(f"cannot make the socket's directory {directory}: {exc.strerror or exc}; "
                               "set socket_path in the config or --socket") from None
-    uid = os.geteuid()
-    if st.st_uid != uid:
-        raise SocketPathError(
-            f"the socket's directory {directory} belongs to uid {st.st_uid}, not to this user ({uid}): "
-            "its owner could put another server at the socket's path. Use a directory of your own "
-            "(socket_path / --socket, $KVSTORE_SOCKET or $XDG_RUNTIME_DIR)")
-    if stat.S_IMODE(st.st_mode) & 0o022:
-        raise SocketPathError(
-            f"the socket's directory {directory} is mode {stat.S_IMODE(st.st_mode):o}: others can write "
-            "it and could put another server at the socket's path. Name a socket in a directory only "
-            "you can write, or in one that does not exist yet (the daemon makes it 0700)")
+    refuse_unless_ours(directory, st, SocketPathError, "the socket's directory",
+                       "could put another server at the socket's path",
+                       "Name a socket in a directory only you can write, or in one that does not exist yet "
+                       "(the daemon makes it 0700): socket_path / --socket, $KVSTORE_SOCKET or $XDG_RUNTIME_DIR")
 
 
 def _clear_stale(path: str) -> None:
