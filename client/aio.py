@@ -62,11 +62,7 @@ class AsyncClient:
             raise DaemonUnavailable(
                 f"no kvstore daemon at {self.socket_path} ({exc}); start one with `kvstore serve`"
             ) from None
-        try:
-            check_daemon_peer(sock, self.socket_path)
-        except BaseException:
-            sock.close()
-            raise
+        check_daemon_peer(sock, self.socket_path)  # closes sock when it refuses
         self._sock = sock
         self.core = ClientCore(self.namespace, self.token, self._release, self.shared_index)
         self.core.shared.watch(sock)

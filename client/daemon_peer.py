@@ -30,7 +30,16 @@ def trusted_uids() -> frozenset[int]:
 
 
 def check_daemon_peer(sock: socket.socket, path: str) -> None:
-    """Raise PermissionDenied unless the process serving `sock` runs as a trusted uid."""
+    """Raise PermissionDenied unless the process serving `sock` runs as a trusted uid (and
+    InvalidArgument for a bad $KVSTORE_DAEMON_UID); `sock` is closed when it raises."""
+    try:
+        _check(sock, path)
+    except BaseException:
+        sock.close()
+        raise
+
+
+def _check(sock: socket.socket, path: str) -> None:
     pid, uid, _ = _UCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
     if uid not in trusted_uids():
         raise PermissionDenied(

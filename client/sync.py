@@ -96,11 +96,7 @@ class Client:
             raise DaemonUnavailable(
                 f"no kvstore daemon at {self.socket_path} ({exc.strerror or exc}); start one with `kvstore serve`"
             ) from None
-        try:
-            check_daemon_peer(sock, self.socket_path)
-        except BaseException:
-            sock.close()
-            raise
+        check_daemon_peer(sock, self.socket_path)  # closes sock when it refuses
         self._sock = sock
         self.core = ClientCore(self.namespace, self.token, self._release, self.shared_index)
         self.core.shared.watch(sock)
