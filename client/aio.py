@@ -20,6 +20,7 @@ from kvstore.replies import GpuHandleReply, HelloReply
 from client.core import ClientCore, Collect, Later
 from client.daemon_peer import check_daemon_peer
 from client import batched
+from client import groups as group_ops
 from client.results import LookupResult, PutResult
 from client.gpu import op_get_into_device
 from client.lease import ReadLease
@@ -276,6 +277,26 @@ class AsyncClient:
                        timeout_s: float | None = None, namespace: str | None = None) -> int:
         return await self._run(self.core.op_batch(m.Prefetch, list(keys), namespace,
                                                   tier=tier, policy=policy, timeout_s=timeout_s))
+
+    async def put_group(self, items, hints: Hints | None = None) -> group_ops.GroupPutResult:
+        """Store objects that are only usable together as one group (kvstore/groups.py):
+        `items` are (key, data) pairs (a ChunkKey carries its descriptor) or (key, data,
+        descriptor) triples, all in one namespace. The daemon makes every member and the
+        group's manifest visible at once, or stores nothing and this raises; members it
+        holds already are not copied. `result.existed`: the whole group was stored."""
+        return await self._run(group_ops.put_group(self.core, list(items), hints))
+
+    async def lookup_groups(self, groups, namespace: str | None = None) -> group_ops.GroupLookup:
+        """Per group (a list of member keys: ChunkKeys, or kvstore.groups.Member) whether it
+        is complete: its manifest and every member held, live and under the descriptor the
+        key expects, on any tier. `leading` counts the complete groups before the first
+        incomplete one."""
+        return await self._run(group_ops.lookup_groups(self.core, list(groups), namespace))
+
+    async def get_group(self, members, namespace: str | None = None) -> group_ops.GroupLease | None:
+        """Read leases on every member of the group (a GroupLease, a context manager), or
+        None and nothing leased: never part of a group."""
+        return await self._run(group_ops.get_group(self.core, list(members), namespace))
 
     async def stats(self) -> dict:
         return (await self._run(self.core.op_simple(m.Stats()))).document

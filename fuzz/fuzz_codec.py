@@ -53,6 +53,11 @@ VALID = {
     "commit_many": {"leases": (1).to_bytes(8, "little"), "checksums": b"\x00" * 16},
     "get_many": {"namespace": "t", "ids": _ID * 3, "expect": _DESC},
     "release_many": {"leases": (1).to_bytes(8, "little") * 2}, "touch": {"namespace": "t", "ids": [_ID]},
+    "commit_group": {"manifest": 1, "members": _ID + b"\x02" * 32, "leases": (2).to_bytes(8, "little") + bytes(8),
+                     "checksums": b"\x00" * 32},
+    "lookup_groups": {"namespace": "t", "members": _ID + b"\x02" * 32, "counts": (1).to_bytes(8, "little") * 2,
+                      "expect": [_DESC]},
+    "get_group": {"namespace": "t", "members": _ID + b"\x02" * 32, "expect": [_DESC], "expect_of": b"\x00\xff"},
 }
 
 

@@ -42,6 +42,7 @@ class Kind(str, enum.Enum):
     RECURRENT = "recurrent"
     CONV = "conv"
     INDEXER = "indexer"
+    GROUP = "group"  # a store group's manifest (kvstore/groups.py)
 
     @classmethod
     def parse(cls, value: str | Kind) -> Kind:

@@ -59,6 +59,25 @@ class Message:
         return args
 
 
+def check_expectations(op: str, expect, expect_of: bytes | None, n: int) -> None:
+    """`expect_of` (one byte per id: an index into `expect`, or NO_EXPECTATION) fits `expect`."""
+    if expect_of is None:
+        return
+    if expect is None or len(expect_of) != n:
+        raise InvalidArgument(f"{op}.expect_of needs expect and one byte per id ({n} ids, {len(expect_of)} bytes)")
+    if any(i >= len(expect) and i != NO_EXPECTATION for i in expect_of):
+        raise InvalidArgument(f"{op}.expect_of: an index past expect's {len(expect)} descriptors")
+
+
+def expectations(expect, expect_of: bytes | None, n: int) -> list | None:
+    """Per id the descriptor it expects (or None); None when no id expects one."""
+    if expect is None:
+        return None
+    if expect_of is None:
+        return [expect[0]] * n
+    return [None if i == NO_EXPECTATION else expect[i] for i in expect_of]
+
+
 @dataclass(frozen=True, slots=True)
 class Hello(Message):
     client: str
@@ -165,21 +184,11 @@ class Lookup(Message):
     _defaults: ClassVar = {"expect": None, "expect_of": None}
 
     def __post_init__(self) -> None:
-        if self.expect_of is None:
-            return
-        if self.expect is None or len(self.expect_of) != len(self.ids):
-            raise InvalidArgument(f"lookup.expect_of needs expect and one byte per id ({len(self.ids)} ids, "
-                                  f"{len(self.expect_of)} bytes)")
-        if any(i >= len(self.expect) and i != NO_EXPECTATION for i in self.expect_of):
-            raise InvalidArgument(f"lookup.expect_of: an index past expect's {len(self.expect)} descriptors")
+        check_expectations(self.op, self.expect, self.expect_of, len(self.ids))
 
     def expectations(self) -> list | None:
         """Per id, the descriptor it expects (or None); None when no id expects one."""
-        if self.expect is None:
-            return None
-        if self.expect_of is None:
-            return [self.expect[0]] * len(self.ids)
-        return [None if i == NO_EXPECTATION else self.expect[i] for i in self.expect_of]
+        return expectations(self.expect, self.expect_of, len(self.ids))
 
 
 @dataclass(frozen=True, slots=True)
@@ -366,10 +375,12 @@ class Touch(Message):
     _codecs: ClassVar = {"namespace": NAMESPACE, "ids": RAW_IDS}
 
 
+from kvstore.group_messages import GROUP_OPS, CommitGroup, GetGroup, LookupGroups  # noqa: E402,F401 (they use Message)
+
 OPS: dict[str, type[Message]] = {
     cls.op: cls
     for cls in (Hello, OpenNamespace, Reserve, Commit, Abort, Get, Release, Lookup, Delete, Pin, Unpin, Prefetch,
-                Stats, Check, GpuHandle, ReserveMany, CommitMany, GetMany, ReleaseMany, Touch)
+                Stats, Check, GpuHandle, ReserveMany, CommitMany, GetMany, ReleaseMany, Touch, *GROUP_OPS)
 }
 
 

@@ -336,6 +336,48 @@ class GetManyReply(ReplyMessage):
     _codecs: ClassVar = {"descriptors": TUPLE, "errors": TUPLE}
 
 
+# --- store groups (kvstore/groups.py) -------------------------------------------------
+
+
+@reply
+class CommitGroupReply(ReplyMessage):
+    """A committed group: its id (the manifest's), whether it was stored already (every
+    member and the manifest held: nothing new was published), and the durability its
+    objects reached ("memory", or what NVMe write-through reached for all of them)."""
+    group: bytes
+    exists: bool
+    durability: str | None = None
+
+
+@reply
+class LookupGroupsReply(ReplyMessage):
+    """Per group one byte, 1 where it is complete (manifest and every member held, live,
+    as expected); `leading`: the complete groups before the first incomplete one; `tiers`:
+    per complete group the slowest tier a member is on ("host", "nvme", "remote"), None
+    for an incomplete one."""
+    complete: bytes
+    leading: int
+    tiers: tuple
+    _codecs: ClassVar = {"tiers": TUPLE}
+
+
+@reply
+class GetGroupReply(ReplyMessage):
+    """Every member leased (`hit`; per member, in request order, the columns of a
+    GetManyReply), or none: `missing` is the first member that could not be read (-1: the
+    manifest) and `reason` says why."""
+    hit: bool
+    reason: str | None = None
+    missing: int | None = None
+    leases: bytes = b""
+    offsets: bytes = b""
+    sizes: bytes = b""
+    checksums: bytes = b""
+    descriptors: tuple = ()
+    descriptor_of: bytes = b""
+    _codecs: ClassVar = {"descriptors": TUPLE}
+
+
 # What each op answers; release and abort answer nothing (None).
 REPLIES: dict[str, type[ReplyMessage] | None] = {
     "hello": HelloReply, "open": OpenReply, "reserve": ReserveReply, "commit": CommitReply,
@@ -343,4 +385,5 @@ REPLIES: dict[str, type[ReplyMessage] | None] = {
     "pin": PinReply, "unpin": UnpinReply, "prefetch": PrefetchReply, "stats": StatsReply, "check": CheckReply,
     "gpu_handle": GpuHandleReply, "reserve_many": ReserveManyReply, "commit_many": CommitManyReply,
     "get_many": GetManyReply, "release_many": None, "touch": None,
+    "commit_group": CommitGroupReply, "lookup_groups": LookupGroupsReply, "get_group": GetGroupReply,
 }

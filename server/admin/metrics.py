@@ -23,6 +23,7 @@ COUNTERS = {
     "num_evictions": ("kvstore_evictions", "Objects evicted to make room or by an operator"),
     "num_expired": ("kvstore_expired", "Objects dropped when their ttl passed"),
     "num_deletes": ("kvstore_deletes", "Objects deleted on request"),
+    "num_group_puts": ("kvstore_group_puts", "Store groups committed (their objects count as puts too)"),
     "num_checksum_failures": ("kvstore_checksum_failures", "Puts refused because their bytes failed the checksum"),
     "bytes_in": ("kvstore_bytes_in", "Bytes committed by puts"),
     "bytes_out": ("kvstore_bytes_out", "Bytes handed out by gets"),

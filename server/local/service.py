@@ -252,6 +252,12 @@ class LocalConnection(asyncio.Protocol):
             case m.ReleaseMany():
                 batches.release_many(mgr, owner, msg)
                 return None, None
+            case m.CommitGroup():
+                return mgr.groups.commit_group(owner, msg), None
+            case m.LookupGroups():
+                return mgr.groups.lookup_groups(self._ns(msg.namespace), msg.groups(), msg.expectations()), None
+            case m.GetGroup():
+                return mgr.groups.get_group(owner, self._ns(msg.namespace), msg.member_ids(), msg.expectations()), None
         raise ProtocolError(f"op {msg.op} not served on the local socket")
 
     async def _open_later(self, msg: m.OpenNamespace):

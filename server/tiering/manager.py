@@ -28,6 +28,7 @@ from kvstore.ranges import check_within
 from kvstore.replies import MISS, CommitReply, GetReply, ReserveReply
 from server.tiering.absent import NoCluster, NoGpu, NoNvme
 from server.tiering.host import HostTier, Namespace, give_back_heap
+from server.tiering.groups import GroupOps
 from server.tiering.index_ops import IndexOps
 from server.later import MaybeAwaitable, is_ready, resolve, then
 from server.tiering.objects import ObjectEntry, PendingPut, check_same_object
@@ -78,6 +79,7 @@ class TierManager:
         i = self.index
         self.lookup, self.delete, self.delete_here, self.prefetch = i.lookup, i.delete, i.delete_here, i.prefetch
         self.pin, self.unpin, self.pin_here, self.evict = i.pin, i.unpin, i.pin_here, i.evict
+        self.groups = GroupOps(self)
 
     def attach_gpu(self, gpu) -> None:
         """The GPU tier joins the chain (made at start: it needs the probe, and device memory)."""
@@ -140,25 +142,54 @@ class TierManager:
         return ReserveReply(lease=lease.lease_id, offset=extent.offset)
 
     def commit(self, owner: Owner, lease_id: int, checksum: bytes) -> MaybeAwaitable[CommitReply]:
-        self._own_lease(owner, lease_id, "write")
+        self.own_lease(owner, lease_id, "write")
+        put = self.take_put(owner, lease_id)
+        ns = self.namespaces[put.namespace]
+        if not self.bytes_match(ns, put, checksum):
+            ns.arena.free(put.extent)
+            raise ChecksumError(
+                f"object {put.object_id.hex}: bytes in the arena do not match the checksum sent "
+                "with commit (written after commit, or a short write); nothing was stored"
+            )
+        return self.publish_put(ns, put, checksum)
+
+    def pending_put(self, lease_id: int) -> PendingPut:
+        """The put a write lease reserved (check the lease with own_lease first)."""
+        return self._pending[lease_id]
+
+    def checksum_of(self, ns: Namespace, put: PendingPut) -> bytes:
+        """The xxh3-128 of a put's bytes as they are in the arena now."""
+        return xxhash.xxh3_128_digest(ns.arena.view(put.extent)[:put.size])
+
+    def take_put(self, owner: Owner, lease_id: int) -> PendingPut:
+        """End a write lease whose bytes are written: its put, extent still allocated."""
         put = self._pending.pop(lease_id)
         self.quotas.settled(owner, put.size)
         self.leases.release(lease_id)
-        ns = self.namespaces[put.namespace]
-        if self.verify_puts:
-            actual = xxhash.xxh3_128_digest(ns.arena.view(put.extent)[:put.size])
-            if actual != checksum:
-                ns.arena.free(put.extent)
-                ns.counters.num_checksum_failures += 1
-                log.warning("event=put_checksum_mismatch namespace=%s object=%s", put.namespace, put.object_id.hex)
-                raise ChecksumError(
-                    f"object {put.object_id.hex}: bytes in the arena do not match the checksum sent "
-                    "with commit (written after commit, or a short write); nothing was stored"
-                )
-        old = ns.objects.get(put.object_id)
+        return put
+
+    def bytes_match(self, ns: Namespace, put: PendingPut, checksum: bytes) -> bool:
+        """The put's bytes against the checksum sent (only under verify_puts; else True).
+        A mismatch is counted and logged."""
+        if not self.verify_puts:
+            return True
+        if self.checksum_of(ns, put) == checksum:
+            return True
+        ns.counters.num_checksum_failures += 1
+        log.warning("event=put_checksum_mismatch namespace=%s object=%s", put.namespace, put.object_id.hex)
+        return False
+
+    def held_copy(self, ns: Namespace, oid: ObjectId):
+        """What this node holds of `oid` (a live host entry, else NVMe's metadata), or None."""
+        old = ns.objects.get(oid)
         if old is None or not old.is_live(self.clock()):  # held only on NVMe: its bytes stand
-            old = self.mover.remote_meta(put.namespace, put.object_id) if self.mover.holds(
-                put.namespace, put.object_id) else None
+            old = self.mover.remote_meta(ns.name, oid) if self.mover.holds(ns.name, oid) else None
+        return old
+
+    def publish_put(self, ns: Namespace, put: PendingPut, checksum: bytes) -> MaybeAwaitable[CommitReply]:
+        """Verified bytes of a taken put become the object, or are dropped for a copy held
+        already (the same state: exists; other bytes: Conflict)."""
+        old = self.held_copy(ns, put.object_id)
         if old is not None:  # a concurrent put of the same id won the race, or NVMe holds it
             ns.arena.free(put.extent)
             check_same_object(put.object_id, old.size, old.descriptor, put.size, put.descriptor,
@@ -173,7 +204,7 @@ class TierManager:
         return self.mover.on_commit(entry)
 
     def abort(self, owner: Owner, lease_id: int) -> None:
-        self._own_lease(owner, lease_id, "write")
+        self.own_lease(owner, lease_id, "write")
         self._end_lease(self.leases.release(lease_id))
 
     # --- get --------------------------------------------------------------------
@@ -274,10 +305,10 @@ class TierManager:
         return lease.lease_id
 
     def release(self, owner: Owner, lease_id: int) -> None:
-        self._own_lease(owner, lease_id, "read")
+        self.own_lease(owner, lease_id, "read")
         self._end_lease(self.leases.release(lease_id))
 
-    def _own_lease(self, owner: Owner, lease_id: int, mode: str) -> Lease:
+    def own_lease(self, owner: Owner, lease_id: int, mode: str) -> Lease:
         try:
             lease = self.leases.get(lease_id)
         except NotFound:

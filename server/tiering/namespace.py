@@ -28,6 +28,7 @@ class TierCounters:
     num_deletes: int = 0
     num_checksum_failures: int = 0
     num_shared_hits: int = 0  # hits clients resolved from the shared index (in num_hits too)
+    num_group_puts: int = 0  # store groups committed (kvstore/groups.py; their objects are in num_puts)
     bytes_in: int = 0
     bytes_out: int = 0
 

@@ -61,6 +61,19 @@ def _lookup_expecting(namespace, ids, expect) -> m.Lookup:
     return m.Lookup(namespace, ids, expect, of)
 
 
+def _commit_group(manifest, ids, lease, exists) -> m.CommitGroup:
+    """A group commit over `ids`: every member leased (`lease`, `lease`+1, ...) or, with
+    `exists`, every other one said to be stored already."""
+    leases = [0 if exists and i % 2 else lease + i for i in range(len(ids))]
+    return m.CommitGroup(manifest, b"".join(ids), m.pack_uints(leases), bytes(16 * len(ids)))
+
+
+def _lookup_groups(namespace, ids, split, expect) -> m.LookupGroups:
+    counts = [len(ids)] if not split else [1] * len(ids)
+    return m.LookupGroups(namespace, b"".join(ids), m.pack_uints(counts), expect)
+
+
+group_ids = st.lists(oids, min_size=1, max_size=8, unique=True)
 messages = st.one_of(
     st.builds(m.Hello, st.text(max_size=20), st.integers(0, 2**31)),
     st.builds(m.OpenNamespace, names, st.none() | st.text(max_size=40), st.booleans(), st.booleans()),
@@ -79,6 +92,9 @@ messages = st.one_of(
     st.builds(m.GetMany.of, names, st.lists(oids, min_size=1, max_size=8), st.none() | descriptors),
     st.builds(m.ReleaseMany.of, st.lists(leases, min_size=1, max_size=8)),
     st.builds(m.Touch, names, id_batches),
+    st.builds(_commit_group, st.integers(0, 2**40), group_ids, st.integers(1, 2**40), st.booleans()),
+    st.builds(_lookup_groups, names, group_ids, st.booleans(), st.none() | st.tuples(descriptors)),
+    st.builds(lambda n, ids, e: m.GetGroup(n, b"".join(ids), e), names, group_ids, st.none() | st.tuples(descriptors)),
 )
 
 

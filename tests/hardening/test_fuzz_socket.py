@@ -27,6 +27,7 @@ from hypothesis import strategies as st
 from fuzz_strategies import HOSTILE, body_frame, hostile, requests
 from hardening_support import FUZZ_EXAMPLES, TOKEN, assert_clean, content, key, nvme, read_state, size_of
 from kvstore import StateDescriptor
+from kvstore import messages as m
 from kvstore.protocol import HEADER, MAX_FRAME_BYTES, NEED_DATA, FrameCodec, Reply, Request
 
 SENTINEL = 2**64 - 1
@@ -133,6 +134,10 @@ def blast(path: str, seed: int, stop: threading.Event, vault_ids, default_ids, p
         ("lookup", {"namespace": "default", "ids": default_ids}),
         ("reserve", {"namespace": "default", "object_id": b"\x05" * 32, "size": 300_000,
                      "descriptor": StateDescriptor("default", "m", "r").to_wire()}),
+        ("commit_group", {"manifest": 3, "members": b"".join(default_ids[:3]), "leases": bytes(24),
+                          "checksums": bytes(48)}),
+        ("lookup_groups", {"namespace": "vault", "members": b"".join(vault_ids[:4]), "counts": m.pack_uints([2, 2])}),
+        ("get_group", {"namespace": "vault", "members": b"".join(vault_ids[:2])}),
     ]
     while not stop.is_set():
         frames = []
