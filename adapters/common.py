@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvstore.errors import InvalidArgument
+from kvstore.errors import DaemonUnavailable, InvalidArgument, KVStoreError
 from kvstore.identity import ObjectId, StateDescriptor, chain_hash, namespace_salt, object_id, root_hash
 from client.connector_link import StoreLink
 
@@ -173,6 +173,51 @@ class SafeStore:
         stored = self._call(op, [False] * len(items))
         self.num_stored += sum(stored)
         return stored
+
+    def put_group(self, items: list, hints=None) -> bool:
+        """Store (key, data, descriptor) triples as one group (kvstore/groups.py): True once
+        all of them are visible together; False and nothing new visible otherwise (a full or
+        conflicting store is logged as a refusal, not counted as an outage)."""
+        def op(client):
+            try:
+                client.put_group(items, hints)
+            except DaemonUnavailable:
+                raise
+            except KVStoreError as exc:
+                return _Refused(exc)
+            return True
+
+        stored = self._call(op, False)
+        self.num_stored += len(items) if stored else 0
+        return stored
+
+    def lookup_groups(self, groups: list[list]) -> list[bool]:
+        """Per group (member keys: ChunkKeys or kvstore.groups.Member) whether it is complete."""
+        if not groups:
+            return []
+        found = self._call(lambda client: list(client.lookup_groups(groups).complete), [False] * len(groups))
+        self.num_hits += sum(found)
+        self.num_misses += len(found) - sum(found)
+        return found
+
+    def get_group_into(self, members: list, outs: list) -> bool:
+        """Copy every member of a group into its buffer (`outs`, in member order), or none:
+        False on a miss or any failure (then a buffer may be partly written only if a copy
+        itself failed: the caller must not use any of them)."""
+        def op(client):
+            got = client.get_group(members)
+            if got is None:
+                return False
+            with got:
+                for lease, out in zip(got, outs):
+                    dst = as_u8(out)
+                    if lease.size != dst.size:
+                        raise InvalidArgument(f"group member {lease.object_id.hex} is {lease.size} bytes, "
+                                              f"its buffer {dst.size}")
+                    np.copyto(dst, lease.numpy())
+            return True
+
+        return self._call(op, False)
 
     def delete(self, ids: list[ObjectId]) -> int:
         return self._call(lambda client: client.delete(ids), 0) if ids else 0
