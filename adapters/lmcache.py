@@ -35,6 +35,17 @@ caller's; a get cancelled mid-copy releases what it allocated.
 
 Never raises on the data path: a daemon that is down, restarted or slow is a miss (exists False,
 get None) and a put is a no-op; both are counted (`stats()`) and logged once per outage.
+
+Hybrid models (Mamba / linear-attention state): a `RemoteConnector` chunk is attention KV only,
+so this connector never carries recurrent state. LMCache's in-process engine, which drives
+remote connectors, has no notion of it either (its kernel groups are built without engine
+group infos, so none is marked `recurrent_state`), and vLLM does not start a Mamba hybrid with
+`LMCacheConnectorV1` (not `SupportsHMA`). The connector cannot see the model's config; what it
+can see is LMCache's `metadata.kv_layer_groups_manager`: if any kernel group there holds
+recurrent state, creation raises (`HybridStateUnsupported`), and if that shows only later,
+every chunk is refused (a counted miss, logged once as an error): KV of a hybrid model is
+never stored without its state. For a hybrid model use kvstore as vLLM's KV connector
+(adapters.vllm); LMCache carries hybrid state only in its multi-process mode.
 """
 
 from __future__ import annotations
@@ -60,6 +71,24 @@ IO_THREADS = 4
 _DTYPES = {"torch.bfloat16": "bf16", "torch.float16": "fp16", "torch.float32": "fp32",
            "torch.float8_e4m3fn": "fp8_e4m3", "torch.float8_e5m2": "fp8_e5m2"}
 _OPAQUE = Layout.make("raw")  # bytes=0: any size; partial chunks are shorter than full ones
+_HYBRID_ADVICE = "for this model use kvstore as vLLM's KV connector (adapters.vllm) instead of LMCache"
+
+
+class HybridStateUnsupported(InvalidArgument):
+    """LMCache shows a model with recurrent state, which a RemoteConnector chunk cannot carry."""
+
+
+def hybrid_refusal(metadata) -> str | None:
+    """Why LMCache's metadata shows a model this connector must not store (its kernel groups
+    name recurrent Mamba / linear-attention state), or None. Read from LMCache's own
+    `kv_layer_groups_manager`, which its GPU connector sets on the first transfer."""
+    groups = getattr(getattr(metadata, "kv_layer_groups_manager", None), "kernel_groups", None) or []
+    recurrent = [i for i, group in enumerate(groups) if getattr(group, "recurrent_state", False)]
+    if not recurrent:
+        return None
+    return (f"the kvstore LMCache RemoteConnector cannot carry hybrid state: LMCache's kernel groups {recurrent} "
+            f"(of {len(groups)}) hold recurrent state, and a RemoteConnector chunk is KV only, so a hit would "
+            f"restore attention KV without its state; {_HYBRID_ADVICE}")
 
 
 def _build_classes(name: str) -> dict | None:
@@ -89,7 +118,11 @@ class _Connector:
         if metadata is None:
             raise InvalidArgument("the kvstore LMCache connector needs LMCache's metadata: create it in a worker "
                                   "(a local CPU backend with max_local_cpu_size > 0)")
+        reason = hybrid_refusal(metadata)
+        if reason is not None:
+            raise HybridStateUnsupported(reason)
         super().__init__(config, metadata)
+        self.metadata = metadata
         self.plugin_name = plugin_name or _plugin_name(config)
         prefix = f"remote_storage_plugin.{self.plugin_name}."
         extra = config.extra_config or {}
@@ -115,7 +148,12 @@ class _Connector:
 
     def _ids(self, key) -> tuple[ObjectId, ObjectId, StateDescriptor] | None:
         """(data id, header id, descriptor) of an LMCache key; None for a key kvstore cannot
-        describe (an unsupported dtype, worker_id outside world_size)."""
+        describe (an unsupported dtype, worker_id outside world_size) and for every key once
+        LMCache's metadata shows a hybrid model (see `hybrid_refusal`)."""
+        hybrid = hybrid_refusal(self.metadata)
+        if hybrid is not None:
+            self._refuse(hybrid, logging.ERROR)
+            return None
         desc = self._descriptor(key)
         if desc is None:
             return None
@@ -140,12 +178,12 @@ class _Connector:
         self._descriptors[spec] = desc  # one entry per model/rank/dtype: a handful
         return desc
 
-    def _refuse(self, why: str) -> None:
+    def _refuse(self, why: str, level: int = logging.WARNING) -> None:
         """Count a chunk this connector cannot store or load; log each reason once."""
         self.num_refused += 1
         if why not in self._logged:
             self._logged.add(why)
-            _log.warning("%s", why)
+            _log.log(level, "%s", why)
 
     # --- blocking work (LMCache's threads, or the I/O threads for the async methods) ----
 

@@ -1,13 +1,17 @@
 """LMCache's own parts, built on CPU, for the kvstore plug-in tests: its engine config naming
-the plug-in, metadata for a tiny model, CacheEngineKeys, and MemoryObjs from LMCache's allocator."""
+the plug-in, metadata for a tiny model (plain or hybrid), CacheEngineKeys, and MemoryObjs from
+LMCache's allocator."""
 
 import asyncio
 
 import torch
 from lmcache.utils import CacheEngineKey
 from lmcache.v1.config import LMCacheEngineConfig
+from lmcache.v1.gpu_connector.utils import EngineType, normalize_and_discover_per_layer_formats
+from lmcache.v1.kv_layer_groups import KVLayerGroupsManager
 from lmcache.v1.memory_management import MemoryFormat
 from lmcache.v1.metadata import LMCacheMetadata
+from lmcache.v1.multiprocess.group_view import EngineGroupInfo
 from lmcache.v1.storage_backend.connector import CreateConnector
 
 PLUGIN = "kvstore"
@@ -47,6 +51,19 @@ def engine_metadata(kv_shape=KV_SHAPE) -> LMCacheMetadata:
     """LMCache's metadata of a model whose chunks have `kv_shape` (its third entry is the chunk size)."""
     return LMCacheMetadata(model_name=MODEL, world_size=1, local_world_size=1, worker_id=0, local_worker_id=0,
                            kv_dtype=torch.bfloat16, kv_shape=kv_shape, chunk_size=kv_shape[2])
+
+
+def hybrid_layer_groups() -> KVLayerGroupsManager:
+    """LMCache's layer groups of a two-layer hybrid model, built from CPU tensors: layer 0
+    attention KV, layer 1 recurrent (Mamba-style) state pages, as its multi-process mode
+    builds them from vLLM's KV cache groups."""
+    caches = [torch.zeros(2, 4, CHUNK_TOKENS, 2, 16, dtype=torch.bfloat16) for _ in range(2)]
+    caches, formats = normalize_and_discover_per_layer_formats(caches, [[0], [1]], EngineType.VLLM)
+    infos = [EngineGroupInfo(engine_group_id=0, layer_indices=(0,), tokens_per_block=CHUNK_TOKENS),
+             EngineGroupInfo(engine_group_id=1, layer_indices=(1,), tokens_per_block=CHUNK_TOKENS,
+                             sw_size_tokens=CHUNK_TOKENS, recurrent_state=True)]
+    return KVLayerGroupsManager(caches, formats, infos, lmcache_tokens_per_chunk=CHUNK_TOKENS,
+                                separate_object_groups=True)
 
 
 def connect(daemon, loop, backend, **settings):

@@ -17,8 +17,9 @@ import adapters.lmcache
 from adapters.common import engine_object_id
 from kvstore import StateDescriptor
 from kvstore.errors import InvalidArgument
-from lmcache_helpers import (CHUNK_TOKENS, MODEL, PLUGIN, chunk, connect, engine_config, engine_metadata, key, put_chunk,
-                             run, yaml_config)
+from adapters.lmcache import HybridStateUnsupported
+from lmcache_helpers import (CHUNK_TOKENS, MODEL, PLUGIN, chunk, connect, engine_config, engine_metadata,
+                             hybrid_layer_groups, key, put_chunk, run, yaml_config)
 
 pytestmark = pytest.mark.engines
 
@@ -204,3 +205,32 @@ def test_a_bad_setting_names_its_config_key(daemon, lmcache_loop, cpu_backend):
     with pytest.raises(InvalidArgument, match=f"remote_storage_plugin.{PLUGIN}.timeout_s"):
         CreateConnector(f"plugin://{PLUGIN}", lmcache_loop, cpu_backend, config, cpu_backend.metadata,
                         plugin_name=PLUGIN)
+
+
+def test_a_hybrid_model_is_refused_at_creation(daemon, lmcache_loop, cpu_backend):
+    """LMCache's metadata (its CPU backend's, which LMCache's plug-in loader hands over) names
+    a recurrent-state kernel group: the connector must not start."""
+    cpu_backend.metadata.kv_layer_groups_manager = hybrid_layer_groups()
+    with pytest.raises(HybridStateUnsupported, match=r"kernel groups \[1\].*recurrent state.*adapters\.vllm"):
+        connect(daemon, lmcache_loop, cpu_backend)
+
+
+def test_kv_of_a_hybrid_model_is_never_stored_without_its_state(daemon, lmcache_loop, cpu_backend):
+    """LMCache's GPU connector sets the layer groups on its first transfer, after the
+    connector exists: from then on every chunk is a counted refusal, and the daemon holds
+    nothing for it."""
+    connector = connect(daemon, lmcache_loop, cpu_backend)
+    ours = connector.getWrappedConnector()
+    sent = chunk(cpu_backend, seed=11)
+    cpu_backend.metadata.kv_layer_groups_manager = hybrid_layer_groups()
+    sent.ref_count_up()
+    run(lmcache_loop, connector.put(key(11), sent))
+    assert sent.get_ref_count() == 1
+    assert not connector.exists_sync(key(11)) and run(lmcache_loop, connector.get(key(11))) is None
+    assert ours.num_refused >= 3 and ours.stats()["num_stored"] == 0
+    desc = StateDescriptor("default", MODEL, "main", kind="kv", dtype="bf16", layout="raw(bytes=0)",
+                           chunk_tokens=CHUNK_TOKENS)
+    with daemon.client() as client:
+        assert list(client.lookup([engine_object_id(desc, "lmcache", key(11).to_string())]).tiers) == [None]
+    sent.ref_count_down()
+    run(lmcache_loop, connector.close())
