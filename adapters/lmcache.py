@@ -44,8 +44,9 @@ group infos, so none is marked `recurrent_state`), and vLLM does not start a Mam
 can see is LMCache's `metadata.kv_layer_groups_manager`: if any kernel group there holds
 recurrent state, creation raises (`HybridStateUnsupported`), and if that shows only later,
 every chunk is refused (a counted miss, logged once as an error): KV of a hybrid model is
-never stored without its state. For a hybrid model use kvstore as vLLM's KV connector
-(adapters.vllm); LMCache carries hybrid state only in its multi-process mode.
+never stored without its state. For a hybrid model use kvstore from vLLM directly
+(adapters.vllm); LMCache carries hybrid state only in its multi-process mode, through L2
+adapters, and kvstore has none.
 """
 
 from __future__ import annotations
@@ -71,7 +72,8 @@ IO_THREADS = 4
 _DTYPES = {"torch.bfloat16": "bf16", "torch.float16": "fp16", "torch.float32": "fp32",
            "torch.float8_e4m3fn": "fp8_e4m3", "torch.float8_e5m2": "fp8_e5m2"}
 _OPAQUE = Layout.make("raw")  # bytes=0: any size; partial chunks are shorter than full ones
-_HYBRID_ADVICE = "for this model use kvstore as vLLM's KV connector (adapters.vllm) instead of LMCache"
+_HYBRID_ADVICE = ("for this model use kvstore from vLLM directly, without LMCache (adapters.vllm; the README's "
+                  "vLLM section says which hybrid layouts it carries)")
 
 
 class HybridStateUnsupported(InvalidArgument):
