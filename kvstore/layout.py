@@ -38,6 +38,38 @@ class _Schema:
     # elements in one (layer, block) segment; blocked=False means one segment per layer
     segment_elements: Callable[[dict], int]
     blocked: bool
+    # bytes of one segment where they do not follow from the descriptor's dtype (states of mixed dtypes)
+    segment_bytes: Callable[[dict], int] | None = None
+
+
+# A Mamba layer's states, each shape and dtype: "3x32:fp16+2x4x8:fp32" (conv state, then SSM state).
+_STATES_RE = re.compile(r"^\d+(x\d+)*:[a-z0-9_]+(\+\d+(x\d+)*:[a-z0-9_]+)*$")
+_STATE_DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "fp8_e4m3": 1, "fp8_e5m2": 1, "int8": 1, "uint8": 1}
+
+
+def parse_states(text: str) -> list[tuple[tuple[int, ...], str]]:
+    """(shape, dtype name) of each state in a `mamba` layout's `states` parameter."""
+    if not isinstance(text, str) or not _STATES_RE.match(text):
+        raise InvalidArgument(f"layout parameter states must look like 3x32:fp16+2x4x8:fp32, got {text!r}")
+    out = []
+    for part in text.split("+"):
+        shape, dtype = part.split(":")
+        dims = tuple(int(d) for d in shape.split("x"))
+        if dtype not in _STATE_DTYPE_BYTES or 0 in dims:
+            raise InvalidArgument(f"state {part!r}: dimensions must be > 0 and the dtype one of "
+                                  f"{sorted(_STATE_DTYPE_BYTES)}")
+        out.append((dims, dtype))
+    return out
+
+
+def _states_bytes(params: dict) -> int:
+    total = 0
+    for dims, dtype in parse_states(params["states"]):
+        size = _STATE_DTYPE_BYTES[dtype]
+        for d in dims:
+            size *= d
+        total += size
+    return total
 
 
 _SCHEMAS: dict[str, _Schema] = {
@@ -76,6 +108,9 @@ _SCHEMAS: dict[str, _Schema] = {
         lambda p: p["channels"] * p["width"],
         False,
     ),
+    # a Mamba / linear-attention layer's recurrent states at one token boundary, state after
+    # state (typically the conv state, then the SSM state), each of its own shape and dtype
+    "mamba": _Schema(("layers", "states"), {}, lambda p: 0, False, _states_bytes),
     # opaque bytes: bytes=0 means "any size" (the daemon checks nothing)
     "raw": _Schema(("bytes",), {"bytes": 0}, lambda p: p["bytes"], False),
 }
@@ -105,6 +140,8 @@ class Layout:
             if key == "order":
                 if value not in _ORDERS:
                     raise InvalidArgument(f"layout order must be one of {_ORDERS}, got {value!r}")
+            elif key == "states":
+                parse_states(value)
             elif not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise InvalidArgument(f"layout parameter {key} must be an integer >= 0, got {value!r}")
             elif value == 0 and key not in schema.defaults:
@@ -173,7 +210,10 @@ class Layout:
         return chunk_tokens // block
 
     def segment_bytes(self, dtype: DType) -> int:
-        return dtype.segment_bytes(self._schema.segment_elements(dict(self.params)))
+        schema = self._schema
+        if schema.segment_bytes is not None:
+            return schema.segment_bytes(dict(self.params))
+        return dtype.segment_bytes(schema.segment_elements(dict(self.params)))
 
     def total_bytes(self, dtype: DType, chunk_tokens: int) -> int:
         """Size of one object with this layout (every segment, scales included)."""

@@ -84,3 +84,16 @@ def test_recurrent_has_one_segment_per_layer():
     layout = Layout.parse("recurrent(layers=3,heads=2,k_dim=4,v_dim=4)")
     assert layout.total_bytes(DType.FP32, 256) == 3 * 2 * 4 * 4 * 4
     assert layout.segment(2, 0, DType.FP32, 256) == ByteRange(2 * 128, 128)
+
+
+def test_a_mamba_layout_names_each_state_and_sizes_the_object_in_bytes():
+    from kvstore.dtypes import DType
+    from kvstore.layout import Layout, parse_states
+    layout = Layout.parse("mamba(layers=2,states=3x32:fp16+2x4x8:fp32)")
+    assert parse_states(layout.param("states")) == [((3, 32), "fp16"), ((2, 4, 8), "fp32")]
+    # per layer 3*32*2 + 2*4*8*4 bytes, whatever the descriptor's dtype says
+    assert layout.total_bytes(DType.FP32, 256) == layout.total_bytes(DType.BF16, 16) == 2 * (192 + 256)
+    for bad in ("mamba(layers=2,states=3x:fp16)", "mamba(layers=2,states=3x32:int3)", "mamba(layers=2,states=0x3:fp16)",
+                "mamba(layers=2,states=7)", "mamba(layers=0,states=3:fp16)"):
+        with pytest.raises(InvalidArgument):
+            Layout.parse(bad)
