@@ -21,9 +21,15 @@ The serving path never raises: a daemon that is down or slow is a miss, counted 
 Hybrid models: the connector declares `SupportsHMA`, so vLLM keeps its hybrid KV cache
 manager on. Each attention group (full attention, sliding window) stores its own chunk
 objects; a lookup hits the chunks every group holds; a sliding-window group loads only the
-blocks vLLM keeps inside its window (`adapters.vllm_plan`). Mamba groups (recurrent state)
-are refused with an error that points to the secondary tier (`adapters.vllm_tier`), where
-vLLM's own offloading keeps recurrent state.
+blocks vLLM keeps inside its window (`adapters.vllm_plan`). Mamba groups (recurrent state of
+Mamba / linear-attention layers) need vLLM's `mamba_cache_mode = "align"` (any other mode is
+refused at start, naming the setting, as vLLM's own Mooncake connector does): the state at a
+chunk boundary is its own object (kind recurrent, layout `mamba(layers, states)` naming
+each state's shape and dtype), stored with that chunk's attention objects as one store group
+(kvstore/groups.py) and hit and read with them whole, or not at all. With more than one KV
+cache group, loads are reported asynchronously (`get_transfer_results`): a load that fails
+is a failed receive and vLLM recomputes the request, the only failure path vLLM 0.33 offers
+models with several groups (it refuses block-level load errors for them).
 
 vLLM (and torch) are imported only when vLLM asks this module for `KVStoreConnector`.
 """
@@ -38,7 +44,6 @@ from adapters.vllm_plan import LoadSpec, RequestPlan, SaveSpec, plan_request, re
 
 log = logging.getLogger("kvstore.adapters.vllm")
 DEFAULT_CHUNK_TOKENS = 256
-STAGED_CHUNKS = 32  # pinned staging chunks kept per KV cache group when the cache is on a GPU
 
 _DTYPES = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32",
            "float8_e4m3fn": "fp8_e4m3", "float8_e5m2": "fp8_e5m2"}
@@ -53,16 +58,40 @@ def chunk_tokens_for(block_size: int, wanted: int | None) -> int:
     return wanted
 
 
-def _spec_kind(spec) -> str:
-    """"full" or "sliding"; anything else (Mamba's recurrent state) this connector does not store."""
+def _spec_kind(spec, index: int) -> str:
+    """"full", "sliding" or "mamba"; anything else this connector does not store."""
     name = type(spec).__name__
+    if "Mamba" in name:
+        mode = getattr(spec, "mamba_cache_mode", "none")
+        if mode != "align":
+            raise ValueError(f"kvstore: the KV connector does not support: group {index}: mamba_cache_mode={mode!r} "
+                             "!= 'align'. Run vLLM with --mamba-cache-mode align (prefix caching on), or use kvstore "
+                             "as vLLM's secondary offloading tier (adapters.vllm_tier)")
+        return "mamba"
     if "SlidingWindow" in name:
         return "sliding"
-    if "Mamba" in name or not hasattr(spec, "num_kv_heads"):
-        raise ValueError(f"kvstore: the KV connector stores attention KV only, not {name} (a hybrid SSM model): "
-                         "use kvstore as vLLM's secondary offloading tier (adapters.vllm_tier), which keeps "
-                         "recurrent state, or drop the connector")
+    if "Cross" in name or not hasattr(spec, "num_kv_heads"):
+        raise ValueError(f"kvstore: the KV connector does not support: group {index}: {name}")
     return "full"
+
+
+_STATE_DTYPES = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32", "float8_e4m3fn": "fp8_e4m3",
+                 "float8_e5m2": "fp8_e5m2", "int8": "int8", "uint8": "uint8"}
+
+
+def mamba_layout(spec, num_layers: int) -> tuple[str, str]:
+    """(layout, dtype) of a Mamba group's state objects: every state of every layer, in the
+    order vLLM keeps them (conv, then SSM), and the descriptor's dtype: the last state's
+    (the SSM state: fp32 where vLLM keeps it so)."""
+    states = []
+    for shape, dtype in zip(spec.shapes, spec.dtypes):
+        name = _STATE_DTYPES.get(str(dtype).removeprefix("torch."))
+        if name is None:
+            raise ValueError(f"kvstore: Mamba state dtype {dtype} is not one kvstore stores")
+        states.append(f"{'x'.join(map(str, shape))}:{name}")
+    descriptor_dtype = next((_DTYPES[str(d).removeprefix("torch.")] for d in reversed(spec.dtypes)
+                             if str(d).removeprefix("torch.") in _DTYPES), "fp32")
+    return f"mamba(layers={num_layers},states={'+'.join(states)})", descriptor_dtype
 
 
 def describe(vllm_config, kv_cache_config, chunk_tokens: int, namespace: str, revision: str | None):
@@ -82,11 +111,13 @@ def describe(vllm_config, kv_cache_config, chunk_tokens: int, namespace: str, re
     described = []
     for index, group in enumerate(groups):
         spec = group.kv_cache_spec
-        kind_of_group = _spec_kind(spec)
-        dtype = _DTYPES.get(str(spec.dtype).removeprefix("torch."))
-        if dtype is None:
+        kind_of_group = _spec_kind(spec, index)
+        dtype = _DTYPES.get(str(getattr(spec, "dtype", "")).removeprefix("torch."))
+        if kind_of_group == "mamba":
+            (layout, dtype), kind = mamba_layout(spec, len(group.layer_names)), "recurrent"
+        elif dtype is None:
             raise ValueError(f"kvstore: KV cache dtype {spec.dtype} is not one kvstore stores")
-        if getattr(model, "use_mla", False):
+        elif getattr(model, "use_mla", False):
             layout, kind = "raw(bytes=0)", "mla_latent"
         else:
             layout = (f"paged(order=layer_first,layers={len(group.layer_names)},block={spec.block_size},"
@@ -106,9 +137,10 @@ def _build_classes(name: str) -> dict | None:
     """vLLM's factory does getattr(module, "KVStoreConnector"): build the classes then."""
     if name not in ("KVStoreConnector", "KVStoreMetadata"):
         return None
-    import torch
     from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorMetadata,
                                                                       SupportsHMA)
+
+    from adapters.vllm_worker import WorkerIO
 
     class KVStoreMetadata(KVConnectorMetadata):
         """What one step asks of the workers: chunks to load and chunks to save."""
@@ -117,8 +149,8 @@ def _build_classes(name: str) -> dict | None:
             self.loads = loads
             self.saves = saves
 
-    class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
-        """See the module docstring."""
+    class KVStoreConnector(WorkerIO, KVConnectorBase_V1, SupportsHMA):
+        """See the module docstring; the worker role is adapters.vllm_worker.WorkerIO."""
 
         def __init__(self, vllm_config, role, kv_cache_config=None):
             super().__init__(vllm_config, role, kv_cache_config)
@@ -133,6 +165,13 @@ def _build_classes(name: str) -> dict | None:
             self.groups = describe(vllm_config, kv_cache_config, self.chunk_tokens, self.store.config.namespace,
                                    extra.get("model_revision"))
             self._sliding = [g for g, (_, _, kind) in enumerate(self.groups) if kind == "sliding"]
+            self._mamba = [g for g, (_, _, kind) in enumerate(self.groups) if kind == "mamba"]
+            self._attention = [g for g, (_, _, kind) in enumerate(self.groups) if kind != "mamba"]
+            if not self._attention:
+                raise ValueError("kvstore: the KV connector needs at least one attention KV cache group")
+            # vLLM takes block-level load errors only from single-group models: the others load
+            # "asynchronously" (the request waits a step) and a failure fails the whole receive.
+            self._load_async = len(self.groups) > 1
             self._layer_names = [list(group.layer_names) for group in kv_cache_config.kv_cache_groups]
             self.num_blocks = kv_cache_config.num_blocks
             # scheduler side
@@ -143,8 +182,12 @@ def _build_classes(name: str) -> dict | None:
             self._pinned: dict[int, list] = {}  # per group, pinned staging chunks (CUDA caches)
             self._block_dim = 1
             self._load_errors: set[int] = set()
+            self._received: set[str] = set()  # requests whose (async) load ran
+            self._failed: set[str] = set()  # ... and failed: vLLM recomputes them
             self.num_loaded_chunks = 0
+            self.num_loaded_states = 0
             self.num_saved_chunks = 0
+            self.num_saved_groups = 0  # store groups put: a chunk's attention objects with the states at its end
             log.info("kvstore connector (%s): %s, %d-token chunks", role.name,
                      "; ".join(f"{desc.layout} ({kind})" for desc, _, kind in self.groups), self.chunk_tokens)
 
@@ -154,7 +197,12 @@ def _build_classes(name: str) -> dict | None:
             try:
                 plan = self._plan(request)
                 hits = plan.hits_of(self.store.contains(plan.lookup_ids))
-                return plan.matched_tokens(hits, num_computed_tokens), False
+                if self._mamba:  # the hit ends where a chunk's store group (KV and state) is whole
+                    ks = plan.state_candidates(hits, num_computed_tokens)
+                    complete = self.store.lookup_groups([plan.state_members(k) for k in ks])
+                    hits = max((k for k, ok in zip(ks, complete) if ok), default=0)
+                matched = plan.matched_tokens(hits, num_computed_tokens, exact=bool(self._mamba))
+                return matched, self._load_async and matched > 0
             except Exception:  # never into the engine: a miss
                 log.exception("kvstore lookup failed for %s; recomputing", request.request_id)
                 return 0, False
@@ -176,6 +224,9 @@ def _build_classes(name: str) -> dict | None:
             if plan is not None and num_external_tokens > 0:
                 plan.num_load_tokens = num_external_tokens
                 plan.load_pending = True
+                tables = blocks.get_block_ids()
+                plan.set_blocks(tables, True)  # an async load runs before the request is scheduled
+                plan.set_state_blocks(tables)
 
         def build_connector_meta(self, scheduler_output):
             loads: list[LoadSpec] = []
@@ -195,6 +246,8 @@ def _build_classes(name: str) -> dict | None:
                          for new in scheduler_output.scheduled_new_reqs]
                 steps += [(req_id, cached.new_block_ids[i], req_id in cached.resumed_req_ids,
                            cached.num_computed_tokens[i]) for i, req_id in enumerate(cached.req_ids)]
+                state = getattr(scheduler_output, "kv_connector_block_state", None)
+                offers = state.boundary_state_offloads if state is not None else {}
                 for req_id, block_ids, replace, computed in steps:
                     plan = self._plans.get(req_id)
                     if plan is None:
@@ -203,8 +256,11 @@ def _build_classes(name: str) -> dict | None:
                         plan.set_blocks(block_ids or [[] for _ in self.groups], replace)
                     loads += plan.loads()
                     unsaved = plan.num_unsaved_chunks
-                    saves += plan.saves(computed + scheduler_output.num_scheduled_tokens.get(req_id, 0))
+                    saves += plan.saves(computed + scheduler_output.num_scheduled_tokens.get(req_id, 0),
+                                        offers.get(req_id, ()))
                     self.num_unsaved_chunks += plan.num_unsaved_chunks - unsaved
+                for plan in self._plans.values():  # async loads: the request is not scheduled yet
+                    loads += plan.loads()
             except Exception:
                 log.exception("kvstore: building the step's metadata failed; this step loads and saves nothing")
                 loads, saves = [], []
@@ -216,101 +272,6 @@ def _build_classes(name: str) -> dict | None:
 
         def request_finished_all_groups(self, request, block_ids):
             return self.request_finished(request, block_ids)
-
-        # --- worker role -----------------------------------------------------------------------
-
-        def register_kv_caches(self, kv_caches: dict):
-            missing = [name for names in self._layer_names for name in names if name not in kv_caches]
-            if missing:
-                raise ValueError(f"kvstore: vLLM registered no KV cache for layers {missing[:4]}")
-            self._layers = [[kv_caches[name] for name in names] for names in self._layer_names]
-            first = self._layers[0][0]
-            # vLLM's paged caches are (2, num_blocks, ...) or (num_blocks, ...) (MLA).
-            self._block_dim = 1 if first.dim() > 1 and first.shape[1] == self.num_blocks else 0
-            for (desc, _, _), layers in zip(self.groups, self._layers):
-                if layers[0].shape[self._block_dim] != self.num_blocks:
-                    raise ValueError(f"kvstore: no dimension of size num_blocks={self.num_blocks} in the KV cache "
-                                     f"of shape {tuple(layers[0].shape)}")
-                per_block = layers[0].select(self._block_dim, 0).numel() * layers[0].element_size()
-                actual = per_block * len(layers) * (self.chunk_tokens // self.block_size)
-                if desc.object_bytes and desc.object_bytes != actual:
-                    raise ValueError(f"kvstore: the KV cache holds {actual} bytes per chunk, its descriptor "
-                                     f"{desc.layout} says {desc.object_bytes}")
-
-        def _staging(self, specs) -> list:
-            """One host tensor per chunk of `specs`, each the shape of its group's chunk. Where
-            the cache is on a GPU they are pinned (copies by DMA) and kept for the next steps,
-            up to STAGED_CHUNKS per group; beyond that, and on CPU, they are made per step."""
-            taken: dict[int, int] = {}
-            out = []
-            for spec in specs:
-                first = self._layers[spec.group][0]
-                shape = (len(self._layers[spec.group]), self.chunk_tokens // self.block_size,
-                         *first.select(self._block_dim, 0).shape)
-                if not first.is_cuda:
-                    out.append(torch.empty(shape, dtype=first.dtype))
-                    continue
-                pool = self._pinned.setdefault(spec.group, [])
-                index = taken[spec.group] = taken.get(spec.group, -1) + 1
-                if index < len(pool):
-                    out.append(pool[index])
-                elif index < STAGED_CHUNKS:
-                    pool.append(torch.empty(shape, dtype=first.dtype, pin_memory=True))
-                    out.append(pool[index])
-                else:
-                    out.append(torch.empty(shape, dtype=first.dtype))
-            return out
-
-        def start_load_kv(self, forward_context, **kwargs):
-            """Every chunk of the step in one pipelined get, then each into its blocks."""
-            loads = self._get_connector_metadata().loads
-            if not loads:
-                return
-            chunks = self._staging(loads)
-            got = self.store.get_many_into([(spec.object_id, chunk.view(-1).view(torch.uint8).numpy())
-                                            for spec, chunk in zip(loads, chunks)])
-            for spec, chunk, ok in zip(loads, chunks, got):
-                try:
-                    if ok:
-                        self._scatter(spec, chunk)
-                        continue
-                except Exception:
-                    log.exception("kvstore: loading chunk %s failed; vLLM recomputes it", spec.object_id)
-                self._load_errors.update(block for _, block in spec.blocks)
-
-        def _scatter(self, spec: LoadSpec, chunk) -> None:
-            inside = torch.tensor([i for i, _ in spec.blocks])
-            dest = torch.tensor([b for _, b in spec.blocks])
-            for layer, cache in enumerate(self._layers[spec.group]):
-                picked = chunk[layer].index_select(0, inside).to(cache.device)
-                cache.index_copy_(self._block_dim, dest.to(cache.device), picked.movedim(0, self._block_dim))
-            self.num_loaded_chunks += 1
-
-        def wait_for_layer_load(self, layer_name: str):
-            return  # loads are synchronous: complete when start_load_kv returns
-
-        def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs):
-            return  # chunks are saved whole, once every layer ran (wait_for_save)
-
-        def wait_for_save(self):
-            if not self.has_connector_metadata():
-                return
-            meta = self._get_connector_metadata()
-            per_group: dict[int, list] = {}
-            for spec, chunk in zip(meta.saves, self._staging(meta.saves)):
-                try:
-                    for layer, cache in enumerate(self._layers[spec.group]):
-                        index = torch.tensor(spec.block_ids, device=cache.device)
-                        chunk[layer].copy_(cache.index_select(self._block_dim, index).movedim(self._block_dim, 0))
-                    per_group.setdefault(spec.group, []).append((spec.object_id, chunk.view(-1).view(torch.uint8).numpy()))
-                except Exception:
-                    log.exception("kvstore: reading chunk %s out of the KV cache failed", spec.object_id)
-            for group, items in per_group.items():
-                self.num_saved_chunks += sum(self.store.put_many(items, self.groups[group][0]))
-
-        def get_block_ids_with_load_errors(self) -> set[int]:
-            errors, self._load_errors = self._load_errors, set()
-            return errors
 
         def shutdown(self):
             self.store.close()

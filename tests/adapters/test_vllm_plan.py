@@ -63,3 +63,34 @@ def test_saved_positions_are_left_alone():
     plan.saves(32)
     plan.forget_reused({4, 5}, groups=[1])  # chunk 0 is stored: its ids no longer matter
     assert plan.block_ids == [[1, 2], [4, 5]]
+
+
+def mamba_plan(tokens=100):
+    state = StateDescriptor("default", "m", "r1", kind="recurrent", dtype="fp32",
+                            layout="mamba(layers=2,states=3x32:fp16+2x4x8:fp32)", chunk_tokens=CHUNK)
+    groups = [(desc(2), ["layout", "vllm-group:0/2:full"]), (state, ["layout", "vllm-group:1/2:mamba"])]
+    return plan_request("r", list(range(tokens)), groups, BLOCK)
+
+
+def test_a_chunk_ending_at_an_offered_state_is_saved_with_it_as_one_group():
+    plan = mamba_plan()
+    assert plan.attention == [0] and plan.mamba == [1] and plan.lookup_ids == plan.ids[0]
+    plan.matched_tokens(0, 0)
+    plan.set_blocks([[1, 2, 3, 4], [NULL_BLOCK, 9, NULL_BLOCK, 10]], True)  # Mamba tables are never read
+    saves = plan.saves(64, [(1, 10, 64), (1, 11, 48), (0, 5, 64)])  # only group 1's offer at a chunk end counts
+    assert [(s.group, s.block_ids, s.joint) for s in saves] == [(0, (1, 2), None), (0, (3, 4), 1), (1, (10,), 1)]
+    assert saves[2].object_id == plan.ids[1][1] and {s.request_id for s in saves} == {"r"}
+
+
+def test_a_mamba_hit_ends_at_a_whole_group_and_loads_its_state_into_vllms_block():
+    plan = mamba_plan()
+    assert plan.state_candidates(3, 0) == [1, 2, 3] and plan.state_candidates(3, 64) == [3]
+    assert [m.object_id for m in plan.state_members(2)] == [plan.ids[0][1], plan.ids[1][1]]
+    assert plan.matched_tokens(3, 0, exact=True) == 96
+    assert mamba_plan(96).matched_tokens(3, 0, exact=True) == 0  # 96 would leave no prompt token to compute
+    plan.num_load_tokens, plan.load_pending = 64, True
+    plan.set_blocks([[1, 2, 3, 4, 5], [NULL_BLOCK, NULL_BLOCK, NULL_BLOCK, 7, 8]], True)
+    plan.set_state_blocks(plan.block_ids)
+    loads = plan.loads()
+    assert [(s.group, s.blocks, s.joint) for s in loads] == [
+        (0, ((0, 1), (1, 2)), None), (0, ((0, 3), (1, 4)), 1), (1, ((0, 7),), 1)]

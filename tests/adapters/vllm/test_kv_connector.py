@@ -14,145 +14,13 @@ import signal
 import pytest
 import torch
 
-from tests.v1.kv_connector.unit.utils import create_request, create_scheduler, create_vllm_config
+from tests.v1.kv_connector.unit.utils import create_scheduler
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-from vllm.utils.hashing import sha256
-from vllm.v1.core.kv_cache_utils import get_request_block_hasher
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
-from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
-from vllm.v1.request import Request
+from vllm_engine import (BLOCK, LAYER_NAMES, NUM_BLOCKS, Engine, base_config, expected_blocks,  # noqa: F401
+                         hybrid_kv_cache_config, kv_cache_config, make_request, tokens_of)
 
 pytestmark = pytest.mark.engines
-
-BLOCK, LAYERS, HEADS, DIM, NUM_BLOCKS, CHUNK = 16, 3, 2, 8, 64, 32
-
-
-@pytest.fixture(scope="module")
-def base_config():
-    return create_vllm_config(kv_connector="KVStoreConnector", kv_connector_module_path="adapters.vllm",
-                              kv_role="kv_both", kv_load_failure_policy="recompute", block_size=BLOCK,
-                              max_num_batched_tokens=64, kv_connector_extra_config={"chunk_tokens": CHUNK})
-
-
-LAYER_NAMES = [f"model.layers.{i}.attn" for i in range(LAYERS)]
-
-
-def kv_cache_config(num_blocks=NUM_BLOCKS):
-    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=HEADS, head_size=DIM, dtype=torch.float16)
-    return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(LAYER_NAMES, spec)])
-
-
-class Engine:
-    """One vLLM scheduler (its connector made by vLLM) and one worker connector over CPU caches.
-    `make_kv_config` gives the KV cache groups (one, or a hybrid model's several)."""
-
-    def __init__(self, base, socket_path, device="cpu", make_kv_config=kv_cache_config, num_blocks=NUM_BLOCKS):
-        config = copy.deepcopy(base)
-        config.kv_transfer_config.kv_connector_extra_config["socket_path"] = socket_path
-        config.kv_transfer_config.kv_connector_extra_config["retry_after_s"] = 0.05
-        kv_config = make_kv_config(num_blocks)
-        self.scheduler = create_scheduler(config, num_blocks=num_blocks, kv_cache_config=kv_config)
-        self.connector = self.scheduler.connector
-        self.worker = KVConnectorFactory.create_connector(config, KVConnectorRole.WORKER, make_kv_config(num_blocks))
-        self.groups = [list(group.layer_names) for group in kv_config.kv_cache_groups]
-        self.caches = {name: torch.zeros(2, num_blocks, BLOCK, HEADS, DIM, dtype=torch.float16, device=device)
-                       for name in LAYER_NAMES}
-        self.worker.register_kv_caches(self.caches)
-        self.requests = {}
-        self.group_blocks = {}  # request id -> per group, its block table
-        self.load_errors = set()
-
-    @property
-    def blocks(self):
-        """request id -> the first group's block table."""
-        return {rid: tables[0] for rid, tables in self.group_blocks.items()}
-
-    def add(self, request):
-        self.requests[request.request_id] = request
-        self.scheduler.add_request(request)
-
-    def step(self):
-        out = self.scheduler.schedule()
-        self.worker.bind_connector_metadata(out.kv_connector_metadata)
-        self.worker.start_load_kv(None)
-        for new in out.scheduled_new_reqs:
-            self.group_blocks[new.req_id] = [list(ids) for ids in new.block_ids]
-            self.forward(new.req_id, new.num_computed_tokens, out.num_scheduled_tokens[new.req_id])
-        cached = out.scheduled_cached_reqs
-        for i, rid in enumerate(cached.req_ids):
-            if cached.new_block_ids[i] is not None:
-                if rid in cached.resumed_req_ids:
-                    self.group_blocks[rid] = [list(ids) for ids in cached.new_block_ids[i]]
-                else:
-                    for table, ids in zip(self.group_blocks[rid], cached.new_block_ids[i]):
-                        table += ids
-            self.forward(rid, cached.num_computed_tokens[i], out.num_scheduled_tokens[rid])
-        self.worker.wait_for_save()
-        self.worker.clear_connector_metadata()
-        errors = self.worker.get_block_ids_with_load_errors()
-        self.load_errors |= errors
-        self.scheduler.update_from_output(out, self.runner_output(out, errors))
-        return out
-
-    def runner_output(self, out, errors):
-        """What a model runner reports: a sampled token only for requests whose prompt is done."""
-        ids = list(out.num_scheduled_tokens)
-        computed = {new.req_id: new.num_computed_tokens for new in out.scheduled_new_reqs}
-        computed.update(zip(out.scheduled_cached_reqs.req_ids, out.scheduled_cached_reqs.num_computed_tokens))
-        sampled = [[0] if computed[r] + out.num_scheduled_tokens[r] >= self.requests[r].num_prompt_tokens else []
-                   for r in ids]
-        return ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
-                                 sampled_token_ids=sampled, logprobs=None, prompt_logprobs_dict={},
-                                 pooler_output=None,
-                                 kv_connector_output=KVConnectorOutput(invalid_block_ids=errors) if errors else None)
-
-    def forward(self, rid, start, count):
-        """Write the KV the model computes for positions [start, start + count), every group."""
-        tokens = self.requests[rid].all_token_ids
-        for pos in range(start, start + count):
-            for names, table in zip(self.groups, self.group_blocks[rid]):
-                block, slot = table[pos // BLOCK], pos % BLOCK
-                assert block != 0, f"vLLM gave the null block for computed position {pos}"
-                for name in names:
-                    cache = self.caches[name]
-                    cache[:, block, slot] = expected_kv(tokens, pos, LAYER_NAMES.index(name)).to(cache.device)
-
-    def block_kv(self, block, names=LAYER_NAMES):
-        return torch.stack([self.caches[name][:, block].cpu() for name in names])
-
-    def run_to_end(self, max_steps=500):
-        outs = []
-        while self.scheduler.has_unfinished_requests():
-            assert len(outs) < max_steps, "vLLM's scheduler made no progress"
-            outs.append(self.step())
-        return outs
-
-
-def expected_kv(tokens, pos, layer) -> torch.Tensor:
-    h = 0
-    for t in tokens[:pos + 1]:
-        h = (h * 31 + t + 7) % 65521
-    base = torch.arange(2 * HEADS * DIM, dtype=torch.float32).reshape(2, HEADS, DIM)
-    return (((base + h + 13 * layer) % 251) / 8).to(torch.float16)
-
-
-def tokens_of(n, seed):
-    return [(seed * 7919 + i * 104729) % 50000 + 3 for i in range(n)]
-
-
-def make_request(number, tokens, cache_salt=None):
-    """A vLLM Request as create_request makes it, with these tokens (and cache salt)."""
-    template = create_request(request_id=number, num_tokens=len(tokens), max_tokens=1, block_size=BLOCK)
-    return Request(request_id=template.request_id, prompt_token_ids=list(tokens),
-                   sampling_params=template.sampling_params, pooling_params=None, cache_salt=cache_salt,
-                   block_hasher=get_request_block_hasher(BLOCK, sha256))
-
-
-def expected_blocks(tokens, count):
-    return [torch.stack([torch.stack([expected_kv(tokens, index * BLOCK + s, layer) for s in range(BLOCK)], dim=1)
-                         for layer in range(LAYERS)]) for index in range(count)]
-
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_vllm_loads_a_prefix_saved_by_another_engine_bit_exact(base_config, daemon, device):
@@ -245,18 +113,6 @@ def test_cache_salt_and_model_revision_keep_requests_apart(base_config, daemon):
 
 # --- hybrid models (SupportsHMA) ---------------------------------------------------------------
 
-WINDOW = 2 * BLOCK  # the sliding-window group's window, in tokens
-
-
-def hybrid_kv_cache_config(num_blocks=NUM_BLOCKS, window=WINDOW):
-    """A hybrid model: layers 0 and 2 full attention, layer 1 a sliding window."""
-    full = FullAttentionSpec(block_size=BLOCK, num_kv_heads=HEADS, head_size=DIM, dtype=torch.float16)
-    sliding = SlidingWindowSpec(block_size=BLOCK, num_kv_heads=HEADS, head_size=DIM, dtype=torch.float16,
-                                sliding_window=window)
-    return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[
-        KVCacheGroupSpec([LAYER_NAMES[0], LAYER_NAMES[2]], full), KVCacheGroupSpec([LAYER_NAMES[1]], sliding)])
-
-
 def test_a_hybrid_model_keeps_vllm_hybrid_manager_and_loads_each_group_bit_exact(base_config, daemon):
     assert base_config.scheduler_config.disable_hybrid_kv_cache_manager is False  # SupportsHMA: vLLM keeps it on
     tokens = tokens_of(100, 11)
@@ -267,9 +123,9 @@ def test_a_hybrid_model_keeps_vllm_hybrid_manager_and_loads_each_group_bit_exact
     b = Engine(base_config, daemon.socket, make_kv_config=hybrid_kv_cache_config)
     again = make_request(22, tokens)
     b.add(again)
-    out = b.step()
+    out = b.step_until_scheduled(again)  # several groups: the load takes a step of its own
     assert out.num_scheduled_tokens[again.request_id] == 4  # 96 tokens from the store
-    assert not b.load_errors
+    assert not b.load_errors and not b.failed_receives
     full, sliding = b.group_blocks[again.request_id]
     want = expected_blocks(tokens, 6)
     for index in range(6):
@@ -293,14 +149,14 @@ def test_a_hybrid_prefix_missing_in_one_group_is_no_hit(base_config, daemon):
     assert len(plan_ids) == 2 and plan_ids[0] != plan_ids[1]  # the groups never share an id
     with daemon.client() as c:
         c.delete([plan_ids[1][1]])  # the sliding-window group's second chunk
-    assert b.connector.get_num_new_matched_tokens(make_request(25, tokens), 0) == (32, False)
+    assert b.connector.get_num_new_matched_tokens(make_request(25, tokens), 0) == (32, True)  # async: several groups
 
 
-def test_a_mamba_group_is_refused_with_a_pointer_to_the_secondary_tier(base_config, daemon):
+def test_a_mamba_group_outside_align_mode_is_refused_naming_the_setting(base_config, daemon):
     from tests.v1.kv_connector.unit.utils import make_kv_cache_config
     config = copy.deepcopy(base_config)
     config.kv_transfer_config.kv_connector_extra_config["socket_path"] = daemon.socket
-    with pytest.raises(ValueError, match="secondary offloading tier"):
+    with pytest.raises(ValueError, match=r"does not support: group 1: mamba_cache_mode='none' != 'align'"):
         KVConnectorFactory.create_connector(config, KVConnectorRole.WORKER,
                                             make_kv_cache_config(BLOCK, mamba_enabled=True))
 
@@ -326,8 +182,8 @@ def test_a_window_that_moves_while_a_chunk_is_computed_loads_back_bit_exact(base
     b = Engine(small_steps, daemon.socket, make_kv_config=tight)
     again = make_request(27, tokens)
     b.add(again)
-    out = b.step()
-    assert not b.load_errors
+    out = b.step_until_scheduled(again)
+    assert not b.load_errors and not b.failed_receives
     from_store = out.scheduled_new_reqs[0].num_computed_tokens  # a fresh engine: nothing local
     assert from_store > 0 and from_store % 64 == 0
     want = expected_blocks(tokens, 200 // BLOCK)
