@@ -115,7 +115,30 @@ async def _target(request: web.Request):
 
 async def show_object(request: web.Request) -> web.Response:
     manager, view = await _target(request)
-    return json_response(doc(manager, view, manager.clock()))
+    document = doc(manager, view, manager.clock())
+    document.update(await _groups_doc(manager, view.namespace, view.object_id))
+    return json_response(document)
+
+
+async def _groups_doc(manager, namespace: str, oid) -> dict:
+    """The store groups naming the object (those whose manifest is in host memory here), each
+    complete or not; for a manifest, its members too."""
+    ns = manager.namespaces.get(namespace)
+    index = ns.groups if ns is not None else None
+    gids = index.groups(oid) if index is not None else []
+    out: dict = {}
+    if index is not None and oid in index.members:
+        out["members"] = [member.hex for member in index.members[oid]]
+        gids = [oid, *gids]
+    if gids:
+        found = await resolve(manager.groups.lookup_groups(namespace, [list(index.members[g]) for g in gids], None))
+        complete = dict(zip(gids, found.complete))
+        if "members" in out:
+            out["complete"] = bool(complete.pop(oid))
+        out["groups"] = [{"group": g.hex, "complete": bool(ok)} for g, ok in complete.items()]
+    else:
+        out["groups"] = []
+    return out
 
 
 async def delete_object(request: web.Request) -> web.Response:

@@ -127,6 +127,14 @@ class HostTier:
         victims = ns.policy.victims(ns.arena.footprint(size), lambda oid: self.evictable(ns, oid, now))
         if not victims:
             raise self.no_room(ns, size)
+        if ns.groups:  # a member of a group goes with the rest of its group (server/tiering/group_index.py)
+            chosen = set(victims)
+            for oid in list(victims):
+                for other in ns.groups.companions(oid):
+                    if other not in chosen and self.evictable(ns, other, now):
+                        ns.policy.on_remove(other)
+                        chosen.add(other)
+                        victims.append(other)
         return [ns.objects[oid] for oid in victims]
 
     def alloc_now(self, ns: Namespace, size: int) -> Extent:
@@ -203,6 +211,7 @@ class HostTier:
         ns.policy.on_insert(entry.object_id, entry.size, entry.hints.recompute_cost_ms, entry.hints.priority)
         self.expiry.add(entry)
         ns.shared.publish(entry)
+        ns.groups.add(entry, lambda: ns.arena.view(entry.extent)[:entry.size])
 
     def publish(self, ns: Namespace, oid: ObjectId, extent: Extent, size: int, checksum: bytes, descriptor,
                 hints, pin_hint: bool = False, created_at: float | None = None,
@@ -285,6 +294,7 @@ class HostTier:
         """Drop an entry from the index; its extent is freed now or when its last reader leaves."""
         ns.shared.remove(entry)  # first: clients must stop reading the extent before it can be reused
         del ns.objects[entry.object_id]
+        ns.groups.remove(entry)
         if tracked:  # victims() already stopped tracking evicted keys
             ns.policy.on_remove(entry.object_id)
         if entry.readers:
@@ -325,6 +335,7 @@ class HostTier:
             ns.arena.check_integrity()
             ns.policy.check_integrity()
             ns.shared.check_integrity(ns.objects)
+            ns.groups.check_integrity(ns.objects)
             if len(ns.policy) != len(ns.objects) or any(oid not in ns.policy for oid in ns.objects):
                 raise RuntimeError(f"namespace {ns.name}: policy tracks {len(ns.policy)} keys, index has {len(ns.objects)}")
             live = [e.extent for e in ns.objects.values()]

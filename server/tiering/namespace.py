@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from kvstore.identity import ObjectId
 from kvstore.policy.base import EvictionPolicy, sparse
+from server.tiering.group_index import GroupIndex
 from server.tiering.objects import ObjectEntry
 from server.tiering.shared_index import NO_SHARED_INDEX, NoSharedIndex, SharedIndex
 from tiers.arena import HostArena
@@ -50,6 +51,7 @@ class Namespace:
     counters: TierCounters = field(default_factory=TierCounters)
     peak_objects: int = 0  # the most objects indexed since the index was last compacted
     shared: SharedIndex | NoSharedIndex = NO_SHARED_INDEX  # what clients read without asking
+    groups: GroupIndex = field(default_factory=GroupIndex)  # the store groups whose manifest is held here
 
     def compact(self) -> bool:
         """Rebuild the index's and the policy's tables once removals left them sparse (Python

@@ -193,3 +193,39 @@ def test_cut_off_node_misses_others_keep_working_then_it_rejoins(cluster):
     assert not reader.bad, reader.bad[:3]
     assert not reader.is_alive()
     assert c.counters()["num_checksum_failures"] == 0
+
+
+def test_a_group_put_on_a_is_found_and_read_whole_on_c(cluster):
+    """A store group's manifest and members are ordinary objects homed on any node: C finds
+    the group complete through its peers and reads every member bit-exact; a member deleted
+    cluster-wide makes it incomplete everywhere."""
+    from kvstore import StateDescriptor
+    from kvstore.identity import chunk_keys
+    a, c = cluster["a"], cluster["c"]
+    tokens = list(range(4096))
+    kv = chunk_keys(tokens, StateDescriptor("groups", "hybrid", "r1", kind="kv"))
+    state = chunk_keys(tokens, StateDescriptor("groups", "hybrid", "r1", kind="recurrent", dtype="fp32"))
+    groups = [[(kv[i], payload(SIZE, kv[i].object_id)), (state[i], payload(9_000, state[i].object_id))]
+              for i in range(6)]
+    with a.client("groups") as ca:
+        for items in groups:
+            assert not ca.put_group(items).existed
+    keys = [[k for k, _ in items] for items in groups]
+
+    def complete_on_c():
+        with c.client("groups") as cc:
+            return cc.lookup_groups(keys).leading == 6
+    wait_until(complete_on_c, 10.0, "C finds every group A put")
+    with c.client("groups") as cc:
+        assert "remote" in cc.lookup_groups(keys).tiers  # some are found only through a peer
+        for items in groups:
+            with cc.get_group([k for k, _ in items]) as got:
+                assert all(np.array_equal(lease.numpy(), data) for lease, (_, data) in zip(got, items))
+        assert cc.lookup_groups(keys).tiers == ("host",) * 6  # read whole: every member fetched here
+        assert cc.delete([state[2]]) == 1
+        assert cc.lookup_groups(keys).complete == (True, True, False, True, True, True)
+        assert cc.get_group(keys[2]) is None
+        assert cc.stats()["leases"] == 0
+        cc.check_integrity()
+    with a.client("groups") as ca:
+        assert ca.lookup_groups([keys[2]]).complete == (False,)

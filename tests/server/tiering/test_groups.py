@@ -19,6 +19,7 @@ from kvstore.identity import chunk_keys
 from kvs_testing import payload
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.append(os.path.join(HERE, "..", "admin"))  # test_admin_support
 KV = StateDescriptor("default", "hybrid", "r1", kind="kv", dtype="bf16")
 STATE = StateDescriptor("default", "hybrid", "r1", kind="recurrent", dtype="fp32")
 
@@ -243,3 +244,62 @@ def test_sigkill_at_any_step_of_a_group_put_never_leaves_a_partial_group(daemon_
                         assert same_bytes(got, items), (round_, g)
                 assert complete or g not in acked, f"round {round_}: acknowledged group {g} is not whole"
             c.check_integrity()
+
+
+def test_eviction_takes_a_broken_groups_other_members_before_breaking_another(daemon_factory):
+    """Every group's state member is read again (so LRU alone would keep the states and evict
+    the KV members, breaking every old group); a member evicted takes its group's other
+    members and manifest with it, so no group is left half stored."""
+    d = daemon_factory("2MiB")
+    tokens = list(range(256 * 60))
+    groups = [chunk_group(tokens, ch, sizes=(30_000, 6_000)) for ch in range(60)]
+    with d.client() as c:
+        for g, items in enumerate(groups):
+            c.put_group(items)
+            for older in groups[max(0, g - 8):g]:  # the states stay recently used, the KV does not
+                assert c.get_into(older[1][0], np.empty(6_000, np.uint8)) in (None, 6_000)
+        found = c.lookup_groups([[k for k, _ in g] for g in groups])
+        tiers = c.lookup([k for g in groups for k, _ in g]).tiers
+        evicted = c.stats()["namespaces"]["default"]["num_evictions"]
+        assert evicted > 0 and 0 < sum(found.complete) < 60
+        partial = [g for g in range(60) if not found.complete[g] and (tiers[2 * g], tiers[2 * g + 1]) != (None, None)]
+        assert not partial, f"groups left half stored: {partial}"
+        c.check_integrity()
+
+
+def test_the_admin_api_names_an_objects_groups(tmp_path):
+    from test_admin_support import admin_daemon
+    with admin_daemon(tmp_path) as d, d.client() as c:
+        items = chunk_group(list(range(512)), 0)
+        gid = c.put_group(items).group
+        state = items[1][0].object_id
+        shown = d.api.get(f"/v1/objects/{state.hex}")
+        assert shown["groups"] == [{"group": gid.hex, "complete": True}]
+        manifest = d.api.get(f"/v1/objects/{gid.hex}")
+        assert manifest["descriptor"]["kind"] == "group" and manifest["complete"] is True
+        assert manifest["members"] == [k.object_id.hex for k, _ in items]
+        c.delete([items[0][0]])
+        assert d.api.get(f"/v1/objects/{state.hex}")["groups"] == [{"group": gid.hex, "complete": False}]
+        assert d.api.get(f"/v1/objects/{gid.hex}")["complete"] is False
+        assert d.api.get(f"/v1/objects/{state.hex}")["groups"] != [] and c.stats()["leases"] == 0
+
+
+def test_the_asyncio_client_puts_finds_and_reads_groups(daemon):
+    import asyncio
+    from client.aio import AsyncClient
+
+    async def main():
+        items = chunk_group(list(range(768)), 2)
+        c = await AsyncClient.connect(daemon.socket)
+        try:
+            result = await c.put_group(items)
+            assert not result.existed and (await c.put_group(items)).existed
+            found = await c.lookup_groups([[k for k, _ in items], [items[0][0]]])
+            assert found.complete == (True, False) and found.leading == 1
+            got = await c.get_group([k for k, _ in items])
+            with got:
+                assert same_bytes(got, items) and got.group == result.group
+            assert (await c.stats())["leases"] == 0
+        finally:
+            await c.close()
+    asyncio.run(main())
