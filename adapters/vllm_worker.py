@@ -145,7 +145,7 @@ class WorkerIO:
                 for t in states:
                     row = t[block]
                     size = row.numel() * row.element_size()
-                    row.copy_(buf[at:at + size].view(t.dtype).view(row.shape).to(t.device))
+                    row.copy_(buf[at:at + size].clone().view(t.dtype).view(row.shape).to(t.device))  # clone: aligned
                     at += size
             self.num_loaded_states += 1
             return

@@ -19,9 +19,9 @@ pytestmark = pytest.mark.engines
 PROMPT = 100  # steps of 64 tokens: vLLM offers the state at 64 and at 96 (the prompt's last cacheable boundary)
 
 
-def mamba_engine(base, socket, sliding=False, **kwargs) -> Engine:
-    return Engine(mamba_config(base), socket, make_kv_config=lambda n: mamba_kv_cache_config(n, sliding=sliding),
-                  **kwargs)
+def mamba_engine(base, socket, sliding=False, shapes=((3, 32), (2, 4, 8)), **kwargs) -> Engine:
+    return Engine(mamba_config(base), socket,
+                  make_kv_config=lambda n: mamba_kv_cache_config(n, sliding=sliding, shapes=shapes), **kwargs)
 
 
 def saved(base, daemon, seed, sliding=False) -> tuple[Engine, list]:
@@ -58,6 +58,21 @@ def test_a_prefix_and_its_state_load_bit_exact_in_a_fresh_engine(base_config, da
     assert full_blocks_exact(b, again, tokens, 96 // BLOCK)
     b.run_to_end()
     assert not b.state_errors  # the first step after the load read exactly the model's state at 96
+
+
+def test_states_of_odd_sizes_round_trip(base_config, daemon):
+    """A conv state of 3x3 fp16 (18 bytes) puts the fp32 SSM state at an odd offset of the object."""
+    tokens = tokens_of(PROMPT, 35)
+    a = mamba_engine(base_config, daemon.socket, shapes=((3, 3), (2, 4, 8)))
+    a.add(make_request(150, tokens))
+    a.run_to_end()
+    assert str(a.connector.groups[-1][0].layout) == "mamba(layers=2,states=3x3:fp16+2x4x8:fp32)"
+    b = mamba_engine(base_config, daemon.socket, shapes=((3, 3), (2, 4, 8)))
+    again = make_request(151, tokens)
+    b.add(again)
+    b.step_until_scheduled(again)
+    b.run_to_end()
+    assert b.worker.num_loaded_states == 1 and not b.state_errors and not b.failed_receives
 
 
 def test_a_prefix_whose_state_is_deleted_is_no_hit_beyond_the_last_whole_group(base_config, daemon):

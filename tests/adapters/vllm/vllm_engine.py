@@ -225,13 +225,13 @@ def expected_state(tokens, n, spec, names, by_layer=False):
 MAMBA_NAMES = ["model.layers.3.mixer", "model.layers.4.mixer"]
 
 
-def mamba_kv_cache_config(num_blocks=NUM_BLOCKS, mode="align", sliding=False):
+def mamba_kv_cache_config(num_blocks=NUM_BLOCKS, mode="align", sliding=False, shapes=((3, 32), (2, 4, 8))):
     """A hybrid SSM model: full attention (layers 0 and 2), optionally a sliding window
     (layer 1), and two Mamba layers whose conv state is fp16 and SSM state fp32."""
     groups = hybrid_kv_cache_config(num_blocks).kv_cache_groups if sliding else [
         KVCacheGroupSpec(LAYER_NAMES, FullAttentionSpec(block_size=BLOCK, num_kv_heads=HEADS, head_size=DIM,
                                                         dtype=torch.float16))]
-    mamba = MambaSpec(block_size=BLOCK, shapes=((3, 32), (2, 4, 8)), dtypes=(torch.float16, torch.float32),
+    mamba = MambaSpec(block_size=BLOCK, shapes=shapes, dtypes=(torch.float16, torch.float32),
                       mamba_cache_mode=mode)
     return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
                          kv_cache_groups=[*groups, KVCacheGroupSpec(MAMBA_NAMES, mamba)])
