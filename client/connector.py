@@ -8,7 +8,8 @@ Shaped like vLLM's KV connector (KVConnectorBase_V1), so a vLLM adapter is a thi
     wait_for_layer_load         -> wait_for_layer_load(request_id, layer)  (no-op: objects hold
                                    every layer, so a load is complete when start_load_kv returns)
     save_kv_layer               -> save_kv(request_id, token_ids, num_computed_tokens)
-    wait_for_save               -> wait_for_save()                  one put_many per state kind
+    wait_for_save               -> wait_for_save()   one put_many per state kind, one put_group
+                                   per chunk saved with the snapshots at its end
     request_finished            -> request_finished(request_id, token_ids, num_computed_tokens)
 
 Engine-agnostic and tensor-free: the engine side passes one `StateCodec` per kind of state it
@@ -16,6 +17,12 @@ keeps (KV of attention layers; for hybrid models also recurrent snapshots). A co
 conversion between the engine's tensors and the object's bytes (dtype casts, fp8, mxfp8), so
 client/ never imports torch or gpu/. Keys follow kvstore-key-v1 (`kvstore.identity`): one chain
 over the token ids, one object id per codec descriptor.
+
+Hybrid models (codecs with `boundary_only`): a recurrent snapshot is only ever stored, found
+and read with the chunk it ends, as one store group (client.connector_objects): a chunk whose
+end has every snapshot is saved with them by put_group; a hit ends where such a group is
+complete (lookup_groups) and every earlier chunk is held; the load reads that last chunk and
+its snapshots with get_group. KV is never imported without the state after it.
 
 Every store failure (daemon down, miss after lookup, checksum, timeout, full) becomes a
 recompute: nothing is imported unless every object of the load was leased first, so the
@@ -32,9 +39,10 @@ from typing import Callable, Protocol, Sequence
 import numpy as np
 
 from kvstore.errors import InvalidArgument
-from kvstore.identity import ChunkKey, StateDescriptor, chunk_keys, namespace_salt, object_id
-from client.connector_plan import plan_load
+from kvstore.identity import ChunkKey, StateDescriptor, chunk_keys, namespace_salt
 from client.connector_link import StoreLink
+from client.connector_objects import ChunkObjects
+from client.connector_plan import plan_load
 from client.connector_ranged import SegmentReader
 
 # Load-rate guess when a lookup has no hit bytes to derive one from (host memcpy speed here).
@@ -45,7 +53,7 @@ class StateCodec(Protocol):
     """The engine side of one kind of state. Called from the connector's thread only."""
 
     descriptor: StateDescriptor  # kind, dtype and layout of the objects this codec writes
-    boundary_only: bool  # True: one object per hit boundary (recurrent snapshot), not per chunk
+    boundary_only: bool  # True: the state after a chunk (recurrent snapshot), stored in that chunk's group
 
     def export(self, request_id, start_token: int, end_token: int):
         """The object bytes (bytes-like, numpy or CPU tensor, descriptor.object_bytes long)
@@ -87,7 +95,9 @@ class MatchResult:
 class ConnectorStats:
     num_lookups: int = 0
     num_loaded_tokens: int = 0
-    num_saved_objects: int = 0
+    num_saved_objects: int = 0  # members of saved groups included
+    num_saved_groups: int = 0  # store groups saved: a chunk's objects and the snapshots at its end
+    num_loaded_groups: int = 0  # loads whose last chunk and snapshots came as one group read
     bytes_loaded: int = 0
     bytes_saved: int = 0
     load_s: float = 0.0
@@ -98,7 +108,7 @@ class ConnectorStats:
 @dataclass(slots=True)
 class _Request:
     keys: list[ChunkKey] = field(default_factory=list)
-    stored: list[list[bool]] | None = None  # per codec, per chunk (None: unknown)
+    stored: list[list[bool]] | None = None  # per codec, per chunk; boundary codecs: its group is complete (None: unknown)
     match: MatchResult | None = None
     saved_chunks: int = 0  # chunks [0, saved_chunks) are stored or queued
 
@@ -122,33 +132,24 @@ class KVConnector:
         self.chunk_tokens = first.chunk_tokens
         self.stats = ConnectorStats()
         self._prefill_s = prefill_s
-        self._salt = namespace_salt(first.namespace, config.secret)
-        self._boundary = any(c.boundary_only for c in codecs)
+        self.objects = ChunkObjects(self.codecs, namespace_salt(first.namespace, config.secret))
+        self._boundary = bool(self.objects.boundary)
         self.link = StoreLink(socket_path, first.namespace, config.timeout_s, config.retry_after_s)
         self.segments = SegmentReader(self.link, first, self._keys)
-        self._pending: list[tuple[int, object, object]] = []  # (codec index, object id, bytes)
+        self._pending: list[tuple[int, ChunkKey, object]] = []  # (codec, key, bytes): put alone
+        self._pending_groups: list[list[tuple[int, ChunkKey, object]]] = []  # each put as one group
         self._requests: dict = {}
-
-    # -- keys ---------------------------------------------------------------------------
 
     def _keys(self, token_ids) -> list[ChunkKey]:
         return chunk_keys(token_ids, self.codecs[0].descriptor, self.config.extra_keys,
                           secret=self.config.secret)
 
-    def _oid(self, key: ChunkKey, codec: int) -> ChunkKey:
-        """The key of codec `codec`'s object for the chunk of `key`; it carries that codec's
-        descriptor, so a read expects it (an object stored under another is a miss)."""
-        if codec == 0:
-            return key
-        desc = self.codecs[codec].descriptor
-        return replace(key, object_id=object_id(self._salt, key.logical, desc), descriptor=desc)
-
     # -- load -----------------------------------------------------------------------------
 
     def get_num_new_matched_tokens(self, request_id, token_ids, num_computed_tokens: int = 0) -> MatchResult:
-        """Ask the store (one lookup) how much of the prompt it holds and decide how much to
-        load (remembered for start_load_kv). Loads nothing unless it goes past
-        num_computed_tokens, the tokens the engine holds already."""
+        """Ask the store how much of the prompt it holds (one lookup; for a hybrid model one
+        lookup_groups more) and decide how much to load (remembered for start_load_kv).
+        Loads nothing unless it goes past num_computed_tokens, the tokens the engine holds."""
         req = self._requests[request_id] = _Request(keys=self._keys(token_ids))
         C = self.chunk_tokens
         # A hybrid model must compute at least the last prompt token after its snapshot.
@@ -156,21 +157,18 @@ class KVConnector:
         if usable * C <= num_computed_tokens:
             req.match = MatchResult(0, 0, (), 0.0, 0.0, "too_short")
             return req.match
-        n = len(req.keys)
-        ids = [self._oid(k, c) for c in range(len(self.codecs)) for k in req.keys]
-        found = self.link.call(lambda client: client.lookup(ids))
+        found = self.link.call(lambda client: self.objects.look_up(client, req.keys, usable))
         if found is None:
             req.match = MatchResult(0, 0, (), 0.0, 0.0, "store_error")
             return req.match
         self.stats.num_lookups += 1
-        tiers = [found.tiers[c * n:(c + 1) * n] for c in range(len(self.codecs))]
-        req.stored = [[t is not None for t in row] for row in tiers]
+        req.stored = [[t is not None for t in row] for row in found.tiers]
         rate = found.est_load_s / found.hit_bytes if found.hit_bytes else DEFAULT_LOAD_S_PER_BYTE
         plan = plan_load(req.stored, [c.boundary_only for c in self.codecs],
                          [c.descriptor.object_bytes for c in self.codecs], usable, C, rate,
                          self._prefill_s, self.config.min_gain_s)
         req.match = MatchResult(plan.num_chunks * C, plan.num_hit_chunks * C,
-                                tuple(tiers[0][:plan.num_chunks]), plan.est_load_s,
+                                tuple(found.tiers[0][:plan.num_chunks]), plan.est_load_s,
                                 plan.est_recompute_s, plan.reason)
         return req.match
 
@@ -180,8 +178,10 @@ class KVConnector:
         return None if req is None else req.match
 
     def start_load_kv(self, request_id) -> int:
-        """Lease every object of the plan, then hand each to its codec; returns the prompt
-        tokens loaded (0: nothing was imported, recompute). Leases end before it returns."""
+        """Lease every object of the plan (a hybrid model's last chunk and its snapshots in
+        one group read), then hand each to its codec: per-chunk codecs chunk by chunk, then
+        the snapshots. Returns the prompt tokens loaded (0: nothing was imported,
+        recompute). Leases end before it returns."""
         req = self._requests.get(request_id)
         if req is None or req.match is None or req.match.num_tokens == 0:
             return 0
@@ -189,36 +189,20 @@ class KVConnector:
         wanted = [(c, j) for c, codec in enumerate(self.codecs)
                   for j in ([n - 1] if codec.boundary_only else range(n))]
         started = time.perf_counter()
-
-        def lease_all(client):
-            leases = []
-            try:
-                for c, j in wanted:
-                    lease = client.get(self._oid(req.keys[j], c))
-                    if lease is None:
-                        break
-                    leases.append(lease)
-            except BaseException:
-                for lease in leases:
-                    lease.release()
-                raise
-            return leases
-
-        leases = self.link.call(lease_all)
-        if leases is None or len(leases) < len(wanted):
-            for lease in leases or ():
-                lease.release()
+        leases = self.link.call(lambda client: self.objects.lease(client, req.keys, n))
+        if not leases:
             req.match = replace(req.match, num_tokens=0, tiers=(),
                                 reason="store_error" if leases is None else "evicted")
             return 0
         try:
-            for (c, j), lease in zip(wanted, leases):
-                self.codecs[c].load(request_id, j * C, (j + 1) * C, lease.numpy())
-                self.stats.bytes_loaded += lease.size
+            for c, j in wanted:
+                self.codecs[c].load(request_id, j * C, (j + 1) * C, leases[(c, j)].numpy())
+                self.stats.bytes_loaded += leases[(c, j)].size
         finally:
-            for lease in leases:
+            for lease in leases.values():
                 lease.release()
         self.stats.num_loaded_tokens += n * C
+        self.stats.num_loaded_groups += self._boundary
         self.stats.load_s += time.perf_counter() - started
         return n * C
 
@@ -234,7 +218,10 @@ class KVConnector:
 
     def save_kv(self, request_id, token_ids, num_computed_tokens: int) -> int:
         """Queue the objects of every full chunk computed since the last call and not known
-        to be stored; returns how many were queued. Cheap when no chunk was completed."""
+        to be stored; returns how many were queued. A chunk whose end has every snapshot is
+        queued whole with them as one group (unless that group is known complete); other
+        chunks queue their per-chunk objects alone and no snapshot. Cheap when no chunk was
+        completed."""
         req = self._requests.setdefault(request_id, _Request())
         done = min(num_computed_tokens, len(token_ids)) // self.chunk_tokens
         if done <= req.saved_chunks:
@@ -246,37 +233,49 @@ class KVConnector:
             req.keys = self._keys(token_ids[:done * self.chunk_tokens])
         queued = 0
         for j in range(first, done):
-            for c, codec in enumerate(self.codecs):
-                if req.stored is not None and j < len(req.stored[c]) and req.stored[c][j]:
-                    continue
-                data = codec.export(request_id, j * self.chunk_tokens, (j + 1) * self.chunk_tokens)
+            held = ([j < len(row) and row[j] for row in req.stored] if req.stored is not None
+                    else [False] * len(self.codecs))
+            group = None
+            if self._boundary and not held[self.objects.boundary[0]]:  # its group is not known complete
+                group = self._export_group(request_id, req.keys[j], j)
+            if group is not None:
+                self._pending_groups.append(group)
+                queued += len(group)
+                continue
+            for c in self.objects.per_chunk:
+                data = None if held[c] else self._export(request_id, c, j)
                 if data is not None:
-                    self._pending.append((c, self._oid(req.keys[j], c), data))
+                    self._pending.append((c, self.objects.key(req.keys[j], c), data))
                     queued += 1
         return queued
 
+    def _export(self, request_id, c: int, j: int):
+        return self.codecs[c].export(request_id, j * self.chunk_tokens, (j + 1) * self.chunk_tokens)
+
+    def _export_group(self, request_id, key: ChunkKey, j: int) -> list | None:
+        """Chunk j's group members (codec, key, bytes), or None when the engine lacks one."""
+        data = {}
+        for c in self.objects.boundary + self.objects.per_chunk:  # snapshots first: often absent
+            data[c] = self._export(request_id, c, j)
+            if data[c] is None:
+                return None
+        return [(c, self.objects.key(key, c), data[c]) for c in self.objects.member_codecs()]
+
     def wait_for_save(self) -> int:
-        """Store everything queued (one put_many per codec); returns the objects stored.
-        Failures drop the queue: the state stays in the engine, and later runs recompute."""
-        if not self._pending:
+        """Store everything queued (one put_many per codec, one put_group per queued group);
+        returns the objects stored. Failures drop the queue: the state stays in the engine,
+        and later runs recompute. A group is stored whole or not at all."""
+        if not self._pending and not self._pending_groups:
             return 0
-        pending, self._pending = self._pending, []
+        singles, self._pending = self._pending, []
+        groups, self._pending_groups = self._pending_groups, []
         started = time.perf_counter()
-
-        def put(client):
-            results = []
-            for c, codec in enumerate(self.codecs):
-                items = [(oid, data) for i, oid, data in pending if i == c]
-                if items:
-                    results += [(c, r) for r in client.put_many(items, codec.descriptor)]
-            return results
-
-        results = self.link.call(put) or []
-        stored = [c for c, r in results if r.error is None]
-        errors = [r.error for _, r in results if r.error is not None]
-        if errors:
-            self.stats.last_error = f"{len(errors)} puts failed: {errors[0]}"
+        saved = self.link.call(lambda client: self.objects.put(client, singles, groups))
+        stored = saved.codecs if saved is not None else []
+        if saved is not None and saved.errors:
+            self.stats.last_error = f"{len(saved.errors)} puts failed: {saved.errors[0]}"
         self.stats.num_saved_objects += len(stored)
+        self.stats.num_saved_groups += saved.num_groups if saved is not None else 0
         self.stats.bytes_saved += sum(self.codecs[c].descriptor.object_bytes for c in stored)
         self.stats.save_s += time.perf_counter() - started
         return len(stored)

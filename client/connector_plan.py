@@ -5,7 +5,8 @@ the daemon estimated, and the engine's own prefill estimate, pick the prefix who
 saves the most time over recomputing it:
 
     for n in 1 .. usable chunks, while every per-chunk object of chunk n-1 is stored:
-        if every boundary object (a recurrent snapshot) of chunk n-1 is stored:
+        if the model has boundary objects (recurrent snapshots), only where the store group
+        of chunk n-1 (its objects and the snapshots at its end) is complete:
             gain(n) = prefill_s(n * chunk_tokens) - load_rate * bytes(n chunks + 1 snapshot)
     load the n with the largest gain, if that gain exceeds min_gain_s; else recompute.
 """
@@ -35,8 +36,9 @@ def plan_load(
     prefill_s: Callable[[int], float],
     min_gain_s: float = 0.0,
 ) -> LoadPlan:
-    """stored[c][j]: the object of codec c for chunk j is stored. boundary_only[c]: codec c
-    needs only the object at the last loaded chunk (a recurrent snapshot). object_bytes[c]:
+    """stored[c][j]: the object of codec c for chunk j is stored; for a boundary codec, that
+    chunk j's store group is complete. boundary_only[c]: codec c needs only the object at
+    the last loaded chunk (a recurrent snapshot). object_bytes[c]:
     the size of one object of codec c. prefill_s(tokens): the engine's estimate of computing
     that many prompt tokens from scratch."""
     per_chunk = [c for c, b in enumerate(boundary_only) if not b]

@@ -1,7 +1,8 @@
 """The hybrid model (attention + gated delta rule) and its recurrent snapshots through the store.
 
 A prefix hit needs the KV chunks of the attention layers plus one recurrent snapshot at the
-hit boundary; with both restored, greedy tokens are identical to recomputing."""
+hit boundary, stored with the chunk it ends as one store group; with both restored, greedy
+tokens are identical to recomputing."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import torch
 from client.connector import KVConnector
 from gpu.engine.hybrid import HybridConfig, HybridModel
 from gpu.engine.hybrid_engine import HybridEngine
-from kvstore.identity import object_id, namespace_salt
+from kvstore.identity import chunk_keys, namespace_salt, object_id
 
 CHUNK = 128
 
@@ -45,6 +46,7 @@ def test_recurrent_snapshots_restore_identically(daemon, engine):
     reference = engine.generate(prompt, 8).token_ids
     assert engine.generate(prompt, 8, conn).loaded_tokens == 0  # computes and saves
     assert conn.stats.num_saved_objects == 4  # 2 KV chunks + 2 snapshots
+    assert conn.stats.num_saved_groups == 2  # each chunk with the snapshot at its end
     loaded = engine.generate(prompt, 8, conn)
     assert loaded.loaded_tokens == 256 and loaded.token_ids == reference
     branch = prompt[:270] + tokens(2, 40)  # shares two chunks, then differs
@@ -75,8 +77,43 @@ def test_a_hit_needs_the_snapshot_at_its_boundary(daemon, engine):
     conn.close()
 
 
+def group_members(conn, prompt) -> list[list]:
+    """Each chunk's store group by the published key scheme: its KV, then the snapshot after it."""
+    kv_codec, snapshot_codec = conn.codecs
+    return [list(pair) for pair in zip(chunk_keys(prompt, kv_codec.descriptor),
+                                       chunk_keys(prompt, snapshot_codec.descriptor))]
+
+
+def test_a_hybrid_save_is_visible_as_groups(daemon, engine):
+    conn = connector(engine, daemon.socket)
+    prompt = tokens(6, 300)
+    engine.generate(prompt, 4, conn)
+    with daemon.client() as client:
+        assert client.lookup_groups(group_members(conn, prompt)).complete == (True, True)
+    loaded = engine.generate(prompt, 4, conn)
+    assert loaded.loaded_tokens == 256 and conn.stats.num_loaded_groups == 1
+    conn.close()
+
+
+def test_a_snapshot_deleted_after_the_lookup_imports_no_kv(daemon, engine):
+    """Never KV without its state: the group read fails whole, and the engine holds nothing."""
+    conn = connector(engine, daemon.socket)
+    prompt = tokens(7, 300)
+    reference = engine.generate(prompt, 6, conn).token_ids
+    seq_id = engine.add_request(prompt, 6)
+    assert conn.get_num_new_matched_tokens(seq_id, prompt).num_tokens == 256
+    with daemon.client() as client:
+        client.delete([group_members(conn, prompt)[1][1]])
+    assert conn.start_load_kv(seq_id) == 0
+    seq = engine.sequence(seq_id)
+    assert (seq.kv_tokens, seq.num_computed) == (0, 0)
+    engine.release(seq_id)
+    assert engine.generate(prompt, 6, conn).token_ids == reference
+    conn.close()
+
+
 def test_wrong_snapshot_changes_the_output(daemon, engine):
-    """The identity test above is sensitive: a zeroed state at the boundary shows."""
+    """test_recurrent_snapshots_restore_identically is sensitive: a zeroed state at the boundary shows."""
     conn = connector(engine, daemon.socket)
     prompt = tokens(4, 300)
     reference = engine.generate(prompt, 8, conn).token_ids
