@@ -14,6 +14,15 @@ answers how many leading pages are held whole. Without `interface_v1` SGLang cop
 into a flat tensor and calls the older `batch_set` / `batch_get` / `set` / `get` / `exists`;
 those store one object per flat page, apart from the v1 parts (the two modes share nothing).
 
+Hybrid models (SGLang's v2 interface, adapters.sglang_v2): KV stays on the path above;
+`register_mem_host_pool_v2` gives the MAMBA, SWA and DSA INDEXER pools their own page
+plans, and `batch_exists_v2` / `batch_get_v2` / `batch_set_v2` carry them, each page of
+each such pool one store group (all or nothing). A page's KV and its extra pools are not
+one group (SGLang writes them in separate calls, the extra pools first); a prefix is a hit
+only when its KV and every pool's groups are held. Any other pool (DeepSeek V4's, draft
+pools) is refused when it is registered, as is heterogeneous-TP head splitting
+(`tp_lcm_size`): the attach fails with a message naming it.
+
 No connection is made in the constructor, and no data-path call raises: a daemon that is
 down, restarted, slow or full is a miss or a failed write (`adapters.common.SafeStore`), so
 SGLang recomputes. Extra config keys besides SGLang's own: `socket_path` (default
@@ -22,8 +31,7 @@ $KVSTORE_SOCKET, then the daemon's default), `namespace`, `timeout_s`, `retry_af
 `kv_cache_dtype` (only for pools that keep fp8 as bytes).
 
 SGLang (and torch) are imported only when SGLang's factory asks this module for
-`KVStoreHiCacheStorage`. Not supported: the v2 interface (hybrid models' extra pools:
-Mamba, SWA, DeepSeek V4), heterogeneous-TP head splitting (`tp_lcm_size`).
+`KVStoreHiCacheStorage`.
 """
 
 from __future__ import annotations
@@ -31,7 +39,7 @@ from __future__ import annotations
 import logging
 
 from adapters.common import SafeStore, StoreConfig, lazy_classes
-from adapters.sglang_pages import PagePlan, base_descriptor, host_view
+from adapters.sglang_pages import PagePlan, plan_for, sidecar_plan
 
 log = logging.getLogger("kvstore.adapters.sglang")
 
@@ -41,34 +49,28 @@ def _build_classes(name: str) -> dict | None:
     return {name: _build_class()} if name == "KVStoreHiCacheStorage" else None
 
 
-def plan_for(pool, storage_config, namespace: str, extra: dict) -> PagePlan:
-    """The page plan of a registered host pool: its parts from one page's buffer metadata."""
-    import torch
-
-    base = base_descriptor(storage_config, str(pool.dtype), pool.logical_page_size, namespace, extra)
-    _, part_bytes = pool.get_page_buffer_meta(torch.arange(pool.logical_page_size))
-    page = pool.get_dummy_flat_data_page()
-    return PagePlan.build(base, pool.layout, part_bytes, page.numel() * page.element_size())
-
-
 def _build_class():
-    from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, PoolName, PoolTransferResult
+
+    from adapters.sglang_v2 import SidecarPools
 
     class KVStoreHiCacheStorage(HiCacheStorage):
         """See the module docstring. SGLang calls it from its prefetch and backup threads at
-        once: the store handle is thread-safe, and nothing else here changes after
-        `register_mem_pool_host`."""
+        once: the store handle is thread-safe, and nothing else here changes after the
+        pools are registered."""
 
         def __init__(self, storage_config, kwargs=None):
             extra = dict(storage_config.extra_config or {})
             if storage_config.should_split_heads:
-                raise ValueError("kvstore: heterogeneous-TP head splitting (tp_lcm_size) is not supported")
+                raise ValueError('kvstore: heterogeneous-TP head splitting is not supported: remove "tp_lcm_size" '
+                                 "from --hicache-storage-backend-extra-config")
             self.storage_config = storage_config
             self.extra = extra
             self.store = SafeStore(StoreConfig.from_mapping(extra))
             self.interface_v1 = bool(extra.get("interface_v1", 0))
             self.mem_pool_host = None
             self.plan: PagePlan | None = None
+            self.sidecars = SidecarPools(self.store)
             self.num_errors = 0
             if not self.interface_v1:
                 log.warning('kvstore: "interface_v1" is not set: SGLang copies every page through a flat '
@@ -80,6 +82,40 @@ def _build_class():
             self.plan = plan_for(mem_pool_host, self.storage_config, self.store.config.namespace, self.extra)
             log.info("kvstore HiCache backend: %s, %d part(s) per page of %d tokens (%s)", self.plan.engine,
                      self.plan.num_parts, self.plan.page_tokens, self.plan.part_descs[0])
+
+        def register_mem_host_pool_v2(self, host_pool, host_pool_name):
+            """KV stays on the v1 / older path (register_mem_pool_host); a hybrid model's
+            MAMBA, SWA and INDEXER pools get their own page plans (adapters.sglang_v2).
+            Raises ValueError for any other pool, or one that cannot be described."""
+            super().register_mem_host_pool_v2(host_pool, host_pool_name)
+            if host_pool_name == PoolName.KV:
+                return
+            if self.plan is None:
+                raise ValueError(f"kvstore: SGLang registered its {host_pool_name} pool before the KV pool")
+            plan = sidecar_plan(host_pool, host_pool_name, self.storage_config, self.store.config.namespace,
+                                self.extra, self.plan.page_tokens)
+            self.sidecars.register(host_pool_name, host_pool, plan)
+            log.info("kvstore HiCache backend: %s pool, %d part(s) per page (%s)", host_pool_name,
+                     plan.num_parts, ", ".join(f"{d.kind.value} {d.dtype.value}" for d in plan.part_descs))
+
+        # --- v2: hybrid models' extra pools (adapters.sglang_v2) ----------------------------
+
+        def batch_exists_v2(self, keys, pool_transfers=None, extra_info=None):
+            """The prefixes every pool can restore (a PoolTransferResult), from one KV
+            lookup and one group lookup."""
+            return self._guard("batch_exists_v2", PoolTransferResult(0, {}, []), self._exists_v2, keys,
+                               pool_transfers)
+
+        def batch_get_v2(self, transfers, extra_info=None) -> dict:
+            """Per transfer's pool, which pages were read whole into its host indices."""
+            return self._guard("batch_get_v2", _failed(transfers), self.sidecars.get, transfers)
+
+        def batch_set_v2(self, transfers, extra_info=None) -> dict:
+            """Per transfer's pool, which pages the store now holds whole."""
+            return self._guard("batch_set_v2", _failed(transfers), self.sidecars.set, transfers)
+
+        def _exists_v2(self, keys, transfers):
+            return self.sidecars.exists(keys, transfers, self._leading_pages(keys))
 
         # --- v1: pages straight from and into the host pool ---------------------------------
 
@@ -98,13 +134,8 @@ def _build_class():
 
         def _parts(self, keys, host_indices):
             """Per page: (object ids, views of the pool's memory) of its parts."""
-            ptrs, sizes = self.mem_pool_host.get_page_buffer_meta(host_indices)
-            part_bytes, parts = self.plan.part_bytes, self.plan.num_parts
-            if len(ptrs) != len(keys) * parts or tuple(sizes) != part_bytes * len(keys):
-                raise ValueError(f"{len(keys)} keys but {len(ptrs)} page parts of sizes {sorted(set(sizes))} "
-                                 f"(expected {parts} per page of sizes {part_bytes})")
-            return [(self.plan.part_ids(key), [host_view(ptrs[i * parts + j], n) for j, n in enumerate(part_bytes)])
-                    for i, key in enumerate(keys)]
+            views = self.plan.views(len(keys), *self.mem_pool_host.get_page_buffer_meta(host_indices))
+            return [(self.plan.part_ids(key), page) for key, page in zip(keys, views)]
 
         def _set_pages(self, keys, host_indices):
             pages = self._parts(keys, host_indices)
@@ -187,6 +218,9 @@ def _build_class():
 
         def close(self) -> None:
             self.store.close()
+
+    def _failed(transfers) -> dict:
+        return {t.name: [False] * len(t.keys or ()) for t in transfers or ()}
 
     KVStoreHiCacheStorage.__qualname__ = "KVStoreHiCacheStorage"
     return KVStoreHiCacheStorage
