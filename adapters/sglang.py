@@ -20,8 +20,14 @@ plans, and `batch_exists_v2` / `batch_get_v2` / `batch_set_v2` carry them, each 
 each such pool one store group (all or nothing). A page's KV and its extra pools are not
 one group (SGLang writes them in separate calls, the extra pools first); a prefix is a hit
 only when its KV and every pool's groups are held. Any other pool (DeepSeek V4's, draft
-pools) is refused when it is registered, as is heterogeneous-TP head splitting
-(`tp_lcm_size`): the attach fails with a message naming it.
+pools) is refused when it is registered: the attach fails with a message naming it.
+
+Heterogeneous TP (`tp_lcm_size` in the extra config: SGLang then splits the heads of MHA
+pages in its page_head layout): a rank of TP size T stores each page as the tp_lcm_size/T
+head slices it holds, each under the ids a rank of TP size tp_lcm_size gives its own page
+(adapters.sglang_pages.plan_for), so ranks of any TP size that divides tp_lcm_size (all in
+page_head) read each other's pages. Only the KV pool is split (as in SGLang's Mooncake
+backend): the extra pools of hybrid models stay per TP size. Needs `interface_v1`.
 
 No connection is made in the constructor, and no data-path call raises: a daemon that is
 down, restarted, slow or full is a miss or a failed write (`adapters.common.SafeStore`), so
@@ -61,13 +67,16 @@ def _build_class():
 
         def __init__(self, storage_config, kwargs=None):
             extra = dict(storage_config.extra_config or {})
-            if storage_config.should_split_heads:
-                raise ValueError('kvstore: heterogeneous-TP head splitting is not supported: remove "tp_lcm_size" '
-                                 "from --hicache-storage-backend-extra-config")
+            self.interface_v1 = bool(extra.get("interface_v1", 0))
+            # SGLang sets should_split_heads for MHA in page_head with tp_lcm_size > tp_size.
+            self.split_factor = storage_config.tp_lcm_size // storage_config.tp_size \
+                if storage_config.should_split_heads else 1
+            if self.split_factor > 1 and not self.interface_v1:
+                raise ValueError('kvstore: "tp_lcm_size" (heterogeneous-TP head splitting) needs "interface_v1": 1 '
+                                 "in --hicache-storage-backend-extra-config")
             self.storage_config = storage_config
             self.extra = extra
             self.store = SafeStore(StoreConfig.from_mapping(extra))
-            self.interface_v1 = bool(extra.get("interface_v1", 0))
             self.mem_pool_host = None
             self.plan: PagePlan | None = None
             self.sidecars = SidecarPools(self.store)
@@ -79,7 +88,8 @@ def _build_class():
         def register_mem_pool_host(self, mem_pool_host):
             """Raises ValueError when the pool cannot be described (the attach then fails)."""
             super().register_mem_pool_host(mem_pool_host)
-            self.plan = plan_for(mem_pool_host, self.storage_config, self.store.config.namespace, self.extra)
+            self.plan = plan_for(mem_pool_host, self.storage_config, self.store.config.namespace, self.extra,
+                                 split_factor=self.split_factor)
             log.info("kvstore HiCache backend: %s, %d part(s) per page of %d tokens (%s)", self.plan.engine,
                      self.plan.num_parts, self.plan.page_tokens, self.plan.part_descs[0])
 
@@ -134,7 +144,10 @@ def _build_class():
 
         def _parts(self, keys, host_indices):
             """Per page: (object ids, views of the pool's memory) of its parts."""
-            views = self.plan.views(len(keys), *self.mem_pool_host.get_page_buffer_meta(host_indices))
+            pool = self.mem_pool_host
+            meta = pool.get_split_heads_page_buffer_meta(host_indices, self.split_factor) if self.split_factor > 1 \
+                else pool.get_page_buffer_meta(host_indices)
+            views = self.plan.views(len(keys), *meta)
             return [(self.plan.part_ids(key), page) for key, page in zip(keys, views)]
 
         def _set_pages(self, keys, host_indices):

@@ -12,7 +12,9 @@ Identity: the object id of part j of the page with SGLang page hash h is
 (extra config `model_revision`), the kind (`mla_latent` for MLA, `kv` otherwise), the dtype,
 the slice of the model's state this rank holds (`storage_shard`), the page length in tokens,
 and the part's exact size (`raw`; the daemon refuses any other size). The host layout goes
-into the engine tag because the same bytes are ordered differently per layout.
+into the engine tag because the same bytes are ordered differently per layout. With
+`tp_lcm_size` (`plan_for`'s split_factor) a page's parts are its head slices' K and V,
+named and sharded as a rank of TP size tp_lcm_size names its whole page's.
 
 A hybrid model's extra pools (SGLang's v2 interface, `sidecar_plan`) are planned the same
 way under the engine tag "sglang:<host layout>:<pool>" (mamba, swa, indexer), so no extra
@@ -42,15 +44,17 @@ _DTYPES = {"torch.bfloat16": DType.BF16, "torch.float16": DType.FP16, "torch.flo
 _BYTE_DTYPES = {"torch.uint8", "torch.int8"}
 
 
-def storage_shard(cfg, tp_sharded: bool | None = None) -> Shard:
+def storage_shard(cfg, tp_sharded: bool | None = None, head_slice: tuple[int, int] = (0, 1)) -> Shard:
     """The slice of the model's state this rank holds, flattened to one index/count:
     pipeline stage, then TP rank where TP ranks hold different slices (`tp_sharded`; by
     default all but MLA: an MLA latent is the same on every TP rank, so all of them share
     one object, while a Mamba state is TP-sharded even in an MLA model), then the
-    decode-context and attention-context ranks (each holds a disjoint slice of every page)."""
+    decode-context and attention-context ranks (each holds a disjoint slice of every page).
+    head_slice (i, f): slice i of the f that a rank splits its heads into for `tp_lcm_size`,
+    so the TP axis counts the ranks of tp_size * f, whose slices the same ids name."""
     axes = [(cfg.pp_rank, cfg.pp_size)]
     if (not cfg.is_mla_model) if tp_sharded is None else tp_sharded:
-        axes.append((cfg.tp_rank, cfg.tp_size))
+        axes.append((cfg.tp_rank * head_slice[1] + head_slice[0], cfg.tp_size * head_slice[1]))
     axes += [(cfg.dcp_rank, cfg.dcp_size), (cfg.attn_cp_rank, cfg.attn_cp_size)]
     index, count = 0, 1
     for rank, size in axes:
@@ -109,26 +113,30 @@ class PagePlan:
     page_tokens: int
     part_bytes: tuple[int, ...]
     part_descs: tuple[StateDescriptor, ...]
+    part_names: tuple[str, ...]  # "h#<name>" is part j's engine key
     groups: tuple[tuple[StateDescriptor, tuple[int, ...]], ...]
     page_desc: StateDescriptor | None
 
     @classmethod
-    def build(cls, engine: str, part_descs, page_desc: StateDescriptor | None) -> PagePlan:
+    def build(cls, engine: str, part_descs, page_desc: StateDescriptor | None, part_names=None) -> PagePlan:
         """The plan of pages whose part j is stored under part_descs[j] (each sized: its
-        object_bytes is the part's size) by engine tag `engine`."""
+        object_bytes is the part's size) and named part_names[j] (default: j) by engine
+        tag `engine`."""
         part_descs = tuple(part_descs)
+        names = tuple(part_names) if part_names is not None else tuple(str(j) for j in range(len(part_descs)))
         groups: dict[StateDescriptor, list[int]] = {}
         for j, desc in enumerate(part_descs):
             groups.setdefault(desc, []).append(j)
         return cls(engine, part_descs[0].chunk_tokens, tuple(d.object_bytes for d in part_descs), part_descs,
-                   tuple((d, tuple(js)) for d, js in groups.items()), page_desc)
+                   names, tuple((d, tuple(js)) for d, js in groups.items()), page_desc)
 
     @property
     def num_parts(self) -> int:
         return len(self.part_bytes)
 
     def part_ids(self, key: str) -> list[ObjectId]:
-        return [engine_object_id(desc, self.engine, f"{key}#{j}") for j, desc in enumerate(self.part_descs)]
+        return [engine_object_id(desc, self.engine, f"{key}#{name}")
+                for desc, name in zip(self.part_descs, self.part_names)]
 
     def members(self, key: str) -> list[Member]:
         """The page's parts as the members of one store group."""
@@ -155,17 +163,29 @@ class PagePlan:
         return len(found) // parts
 
 
-def plan_for(pool, cfg, namespace: str, extra: dict, pool_name: str = "") -> PagePlan:
+def plan_for(pool, cfg, namespace: str, extra: dict, pool_name: str = "", split_factor: int = 1) -> PagePlan:
     """The page plan of a KV-like host pool (the KV pool, or an SWA pool as `pool_name`):
     its parts from one page's buffer metadata. A pool_name goes into the engine tag, so an
-    SWA page is never the KV page of the same hash."""
+    SWA page is never the KV page of the same hash.
+
+    split_factor f > 1 (heterogeneous TP, `tp_lcm_size`; MHA in SGLang's page_head layout,
+    where a page holds one head after another): each page is the K and V of each of f head
+    slices (the pool's get_split_heads_page_buffer_meta), each stored as the page of a rank
+    of TP tp_size * f, under the same ids such a rank gives its whole page."""
     import torch
 
     base = base_descriptor(cfg, kv_dtype(str(pool.dtype), extra), pool.logical_page_size, namespace, extra)
-    _, part_bytes = pool.get_page_buffer_meta(torch.arange(pool.logical_page_size))
-    page = pool.get_dummy_flat_data_page()
     engine = f"sglang:{pool.layout}" + (f":{pool_name}" if pool_name else "")
-    return PagePlan.build(engine, [sized(base, n) for n in part_bytes], sized(base, page.numel() * page.element_size()))
+    page = pool.get_dummy_flat_data_page()
+    page_desc = sized(base, page.numel() * page.element_size())
+    if split_factor == 1:
+        _, part_bytes = pool.get_page_buffer_meta(torch.arange(pool.logical_page_size))
+        return PagePlan.build(engine, [sized(base, n) for n in part_bytes], page_desc)
+    _, part_bytes = pool.get_split_heads_page_buffer_meta(torch.arange(pool.logical_page_size), split_factor)
+    per_slice = len(part_bytes) // split_factor  # K and V
+    descs = [sized(base.with_(shard=storage_shard(cfg, head_slice=(j // per_slice, split_factor))), n)
+             for j, n in enumerate(part_bytes)]
+    return PagePlan.build(engine, descs, page_desc, [str(j % per_slice) for j in range(len(descs))])
 
 
 def _swa_plan(pool, cfg, namespace: str, extra: dict, page_tokens: int) -> PagePlan:
@@ -185,15 +205,17 @@ def _mamba_plan(pool, cfg, namespace: str, extra: dict, page_tokens: int) -> Pag
         raise ValueError("it has slot side states (extra_checkpoint_buffers), which SGLang's zero-copy page "
                          "metadata does not cover")
     _, part_bytes = pool.get_page_buffer_meta(torch.tensor([0]))
-    states = [(Kind.RECURRENT, pool.temporal_dtype, pool.temporal_state_shape)] if pool.temporal_state_elem_size else []
+    states = [(Kind.RECURRENT, pool.temporal_dtype, pool.temporal_state_shape)] * bool(pool.temporal_state_elem_size)
     states += [(Kind.CONV, pool.conv_dtype, shape) for shape in pool.conv_state_shapes]
     if len(states) != len(part_bytes):
         raise ValueError(f"it has {len(part_bytes)} parts a slot, expected {len(states)}")
-    base = base_descriptor(cfg, DType.FP32, page_tokens, namespace, extra).with_(shard=storage_shard(cfg, tp_sharded=True))
+    base = base_descriptor(cfg, DType.FP32, page_tokens, namespace, extra)
+    base = base.with_(shard=storage_shard(cfg, tp_sharded=True))
     descs = []
     for (kind, torch_dtype, shape), nbytes in zip(states, part_bytes):
         dtype = kv_dtype(str(torch_dtype), extra)
-        layout = Layout.make("mamba", layers=pool.num_mamba_layers, states=f"{'x'.join(map(str, shape))}:{dtype.value}")
+        shape = "x".join(map(str, shape))
+        layout = Layout.make("mamba", layers=pool.num_mamba_layers, states=f"{shape}:{dtype.value}")
         descs.append(base.with_(kind=kind, dtype=dtype, layout=layout))
         if descs[-1].object_bytes != nbytes:
             raise ValueError(f"a slot's {kind.value} state is {nbytes} bytes, not {layout}")

@@ -87,24 +87,28 @@ def make_dsa_pools(device_tokens=4 * DSA_PAGE):
     return kv, _randomized(indexer, indexer.index_k_with_scale_buffer, "dsa-indexer")
 
 
-def storage_config(kind: str, layout: str, extra: dict, *, tp=(0, 1), pp=(0, 1), model="test-org/test-model"):
-    """The HiCacheStorageConfig SGLang's cache controller builds for one rank."""
+def storage_config(kind: str, layout: str, extra: dict, *, tp=(0, 1), pp=(0, 1), model="test-org/test-model",
+                   tp_lcm_size=None):
+    """The HiCacheStorageConfig SGLang's cache controller builds for one rank (with
+    tp_lcm_size, should_split_heads as cache_controller.py sets it)."""
+    split = kind != "mla" and layout == "page_head" and tp_lcm_size is not None and tp_lcm_size > tp[1]
     return HiCacheStorageConfig(tp_rank=tp[0], tp_size=tp[1], pp_rank=pp[0], pp_size=pp[1], attn_cp_rank=0,
                                 attn_cp_size=1, is_mla_model=kind == "mla", enable_storage_metrics=False,
                                 is_page_first_layout=layout == "page_first", model_name=model,
-                                extra_config=dict(extra))
+                                tp_lcm_size=tp_lcm_size, should_split_heads=split, extra_config=dict(extra))
 
 
 BACKEND = {"backend_name": "kvstore", "module_path": "adapters.sglang", "class_name": "KVStoreHiCacheStorage"}
 
 
-def create_backend(pool, kind: str, socket_path: str | None, *, interface_v1=True, tp=(0, 1), pp=(0, 1), **extra):
+def create_backend(pool, kind: str, socket_path: str | None, *, interface_v1=True, tp=(0, 1), pp=(0, 1),
+                   tp_lcm_size=None, **extra):
     """As SGLang's cache controller attaches a storage backend: the factory's "dynamic"
     backend from the extra config, then register_mem_pool_host."""
     extra = {**BACKEND, "interface_v1": int(interface_v1), "timeout_s": 2, "retry_after_s": 0.05, **extra}
     if socket_path is not None:
         extra["socket_path"] = socket_path
-    config = storage_config(kind, pool.layout, extra, tp=tp, pp=pp)
+    config = storage_config(kind, pool.layout, extra, tp=tp, pp=pp, tp_lcm_size=tp_lcm_size)
     backend = StorageBackendFactory.create_backend("dynamic", config, pool)
     backend.register_mem_pool_host(pool)
     return backend

@@ -150,3 +150,40 @@ def test_indices_that_do_not_match_the_keys_are_a_miss_not_an_exception(daemon):
     assert backend.batch_set_v1(keys, token_indices([1, 2, 3])) == [False, False]
     assert backend.batch_get_v1(keys, token_indices([1])) == [False, False]
     assert backend.num_errors == 2 and backend.batch_exists(keys) == 0
+
+
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit-exact (random bytes hold NaNs, which torch.equal calls unequal)."""
+    return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+def test_heads_split_for_tp_lcm_size_are_read_by_ranks_of_another_tp_size(daemon):
+    """tp_lcm_size=4 over 8 heads in page_head: a TP-2 rank (4 heads) stores each page as the
+    two 2-head slices TP-4 ranks hold, and reads the pages TP-4 ranks stored."""
+    keys = page_keys(2)
+    wide = [make_pool("mha", "page_head", heads=4, label=f"tp2-{r}") for r in range(2)]
+    narrow = [make_pool("mha", "page_head", heads=2, label=f"tp4-{r}") for r in range(4)]
+    tp2 = [create_backend(wide[r], "mha", daemon.socket, tp=(r, 2), tp_lcm_size=4) for r in range(2)]
+    tp4 = [create_backend(narrow[r], "mha", daemon.socket, tp=(r, 4), tp_lcm_size=4) for r in range(4)]
+
+    assert tp2[1].batch_set_v1(keys, token_indices([1, 2])) == [True, True]  # heads 4..7
+    assert [rank.batch_exists(keys) for rank in tp4] == [0, 0, 2, 2]
+    for r, heads in ((2, slice(0, 2)), (3, slice(2, 4))):
+        assert tp4[r].batch_get_v1(keys, token_indices([5, 6])) == [True, True]
+        for source, target in ((1, 5), (2, 6)):  # kv_buffer: [k/v, page, head, token, layer, dim]
+            assert same_bytes(narrow[r].kv_buffer[:, target], wide[1].kv_buffer[:, source, heads])
+
+    assert tp4[0].batch_set_v1(keys, token_indices([3, 4])) == [True, True]  # heads 0..1
+    assert tp2[0].batch_exists(keys) == 0  # heads 2..3 are still missing
+    assert tp4[1].batch_set_v1(keys, token_indices([3, 4])) == [True, True]
+    assert tp2[0].batch_get_v1(keys, token_indices([7, 8])) == [True, True]
+    for source, target in ((3, 7), (4, 8)):
+        assert same_bytes(wide[0].kv_buffer[:, target, 0:2], narrow[0].kv_buffer[:, source])
+        assert same_bytes(wide[0].kv_buffer[:, target, 2:4], narrow[1].kv_buffer[:, source])
+    assert all(rank.num_errors == 0 for rank in tp2 + tp4)
+
+
+def test_head_splitting_without_interface_v1_is_refused_naming_both_settings():
+    pool = make_pool("mha", "page_head", heads=4)
+    with pytest.raises(ValueError, match='"tp_lcm_size".*"interface_v1"'):
+        create_backend(pool, "mha", None, tp=(0, 2), tp_lcm_size=4, interface_v1=False)

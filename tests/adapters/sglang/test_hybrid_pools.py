@@ -10,9 +10,8 @@ import pytest
 import torch
 from sglang.srt.mem_cache.hicache_storage import (HiCacheStorageExtraInfo, PoolHitPolicy, PoolName, PoolTransfer,
                                                   PoolTransferResult)
-from sglang.srt.mem_cache.storage import StorageBackendFactory
 from sglang_helpers import (DSA_PAGE, PAGE, create_backend, create_hybrid_backend, make_dsa_pools, make_mamba_pool,
-                            make_pool, page_bytes, page_keys, storage_config, token_indices)
+                            make_pool, page_bytes, page_keys, token_indices)
 
 pytestmark = pytest.mark.engines
 
@@ -221,7 +220,7 @@ def test_dsa_indexer_pages_ride_on_kv_pages_and_every_one_is_needed(daemon):
         1, {PoolName.KV: 3, PoolName.INDEXER: 1}, [1])
 
 
-def test_pools_kvstore_cannot_carry_and_head_splitting_are_refused_at_registration(daemon):
+def test_pools_kvstore_cannot_carry_are_refused_at_registration(daemon):
     kv = make_pool("mha", "page_first")
     with pytest.raises(ValueError, match="deepseek_v4_c4 host pool is not supported"):
         create_hybrid_backend(kv, "mha", daemon.socket, {PoolName.DEEPSEEK_V4_C4: make_pool("mha", "page_first")})
@@ -229,11 +228,4 @@ def test_pools_kvstore_cannot_carry_and_head_splitting_are_refused_at_registrati
     side_states.slot_state_device_tensors = [torch.zeros(1)]
     with pytest.raises(ValueError, match="slot side states"):
         create_hybrid_backend(kv, "mha", daemon.socket, {PoolName.MAMBA: side_states})
-
-    config = storage_config("mha", "page_first", {"backend_name": "kvstore", "module_path": "adapters.sglang",
-                                                  "class_name": "KVStoreHiCacheStorage", "tp_lcm_size": 4},
-                            tp=(0, 2))
-    config.tp_lcm_size, config.should_split_heads = 4, True
-    with pytest.raises(ValueError, match="tp_lcm_size"):
-        StorageBackendFactory.create_backend("dynamic", config, kv)
     assert create_backend(kv, "mha", daemon.socket).batch_exists(page_keys(1)) == 0  # KV-only is unchanged
