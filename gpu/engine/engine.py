@@ -32,6 +32,9 @@ from .sampling import GREEDY, SamplingParams, sample
 from .sequence import Sequence
 from .tokenizer import Tokenizer
 
+# A measured prefill rate counts only after this much prefill time (the first steps include warm-up).
+MIN_MEASURED_PREFILL_S = 0.5
+
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
@@ -74,6 +77,11 @@ class EngineStats:
     prefill_s: float = 0.0
     num_decode_tokens: int = 0
     decode_s: float = 0.0
+
+    def prefill_tokens_per_s(self, default: float) -> float:
+        """The measured prefill rate once MIN_MEASURED_PREFILL_S of prefill has run, else `default`."""
+        measured = self.prefill_s >= MIN_MEASURED_PREFILL_S and self.num_prefill_tokens
+        return self.num_prefill_tokens / self.prefill_s if measured else default
 
 
 class Engine:

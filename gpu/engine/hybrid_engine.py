@@ -3,8 +3,11 @@
 It keeps, per sequence, pages of attention KV (a `PagedKVCache` with one layer per attention
 layer), the fp32 recurrent state, and a snapshot of that state at every chunk boundary it
 passed. `generate(prompt, n, connector)` asks the connector how much of the prompt the store
-holds (KV chunks plus the snapshot at the hit boundary, see `hybrid_codecs`), loads it,
-computes the rest and greedy-decodes, then saves the chunks and snapshots of its prompt.
+holds (KV chunks plus the snapshot at the hit boundary, the codecs of `codecs()`), loads it,
+computes the rest and greedy-decodes, then saves the chunks and snapshots of its prompt. The
+connector stores each chunk with the snapshot at its end as one store group and reads the
+hit's last chunk and snapshot with one group read (client.connector_objects): the engine is
+handed the KV and the state after it together, or nothing.
 
 Like the Llama engine (`chunked`), it computes a prompt in chunk-aligned pieces, one forward
 per piece, so a chunk's KV and the snapshot after it depend only on the tokens before and in
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -31,9 +35,13 @@ from kvstore.identity import DEFAULT_CHUNK_TOKENS, StateDescriptor
 from kvstore.layout import Layout
 
 from .chunked import pieces
+from .engine import EngineStats
 from .hybrid import HybridConfig, HybridModel
 from .kv_cache import CacheConfig, PagedKVCache
 from .store_codecs import PagedKVCodec, RecurrentCodec, paged_layout
+
+if TYPE_CHECKING:
+    from client.connector import MatchResult
 
 
 @dataclass(slots=True, eq=False)
@@ -53,6 +61,12 @@ class HybridResult:
     token_ids: list[int]
     ttft_s: float
     loaded_tokens: int
+    match: MatchResult | None = None  # the connector's decision for the prompt (None: no connector)
+
+
+# Prefill rate assumed until the engine has measured its own (the reference delta-rule scan
+# steps token by token: ~900 tokens/s for the default config on 2 CPU cores).
+DEFAULT_PREFILL_TOKENS_PER_S = 500.0
 
 
 class HybridEngine:
@@ -65,8 +79,13 @@ class HybridEngine:
         self.cache = PagedKVCache(CacheConfig(
             num_layers=len(self.config.attention_layers), num_kv_heads=self.config.num_kv_heads,
             head_dim=self.config.head_dim, num_pages=num_pages, page_tokens=page_tokens))
+        self.stats = EngineStats()  # prefill only (generate's prompt part)
         self._seqs: dict[int, HybridSequence] = {}
         self._next_id = 0
+
+    def estimate_prefill_s(self, num_tokens: int) -> float:
+        """The connector's prefill_s: this engine's measured prefill rate (a default first)."""
+        return num_tokens / self.stats.prefill_tokens_per_s(DEFAULT_PREFILL_TOKENS_PER_S)
 
     def add_request(self, prompt_ids: list[int], max_new_tokens: int) -> int:
         if not prompt_ids or max_new_tokens < 1:
@@ -139,17 +158,21 @@ class HybridEngine:
         save the chunks computed at the end."""
         started = time.perf_counter()
         seq_id = self.add_request(prompt_ids, max_new_tokens)
-        loaded = 0
+        loaded, match = 0, None
         try:
             if connector is not None and connector.get_num_new_matched_tokens(seq_id, prompt_ids).num_tokens:
                 loaded = connector.start_load_kv(seq_id)
+            match = connector.match(seq_id) if connector is not None else None
             seq = self.sequence(seq_id)
+            computed = time.perf_counter()
             seq.token_ids.append(self._compute(seq))
+            self.stats.prefill_s += time.perf_counter() - computed
+            self.stats.num_prefill_tokens += seq.num_prompt_tokens - loaded
             ttft = time.perf_counter() - started
             tokens = self.run(seq_id)
             if connector is not None:  # the prompt's full chunks: computed in one piece each
                 connector.request_finished(seq_id, seq.token_ids, seq.num_prompt_tokens)
-            return HybridResult(tokens, ttft, loaded)
+            return HybridResult(tokens, ttft, loaded, match)
         finally:
             self.release(seq_id)
 

@@ -7,7 +7,8 @@ KV as [layers, 2 (K, V), tokens, kv_heads, head_dim]; the codec reorders between
 converts dtypes with `gpu.formats` (bf16/fp16/fp32 casts, fp8 saturating casts, mxfp8 with its
 own per-segment scales). A recurrent object is the fp32 state after a chunk boundary,
 [delta layers, heads, v_dim, k_dim] (`gpu.delta_rule`'s S convention), in layout
-`recurrent(layers, heads, k_dim, v_dim)`.
+`recurrent(layers, heads, k_dim, v_dim)`; the connector stores it only together with the
+chunk it ends, as one store group (`boundary_only`).
 
 Codecs work on CPU bytes: export moves the encoded object to the CPU; load decodes on the CPU
 and the engine's import moves it to its device.

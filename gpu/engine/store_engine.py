@@ -42,8 +42,6 @@ from .tokenizer import Tokenizer
 DEFAULT_MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 # Prefill rate assumed until the engine has measured its own (bf16 on 2 CPU cores: ~600).
 DEFAULT_PREFILL_TOKENS_PER_S = 500.0
-# Measured rates count only after this much prefill time (the first steps include warm-up).
-MIN_MEASURED_PREFILL_S = 0.5
 _DIGEST_BYTES = 8 << 20
 
 
@@ -111,11 +109,7 @@ class StoreEngine(Engine):
         self._recomputed: dict[int, torch.Tensor] = {}  # seq_id -> KV of those chunks, in order
 
     def estimate_prefill_s(self, num_tokens: int) -> float:
-        rate = self.store.prefill_tokens_per_s
-        if rate is None:
-            s = self.stats
-            measured = s.prefill_s >= MIN_MEASURED_PREFILL_S and s.num_prefill_tokens
-            rate = s.num_prefill_tokens / s.prefill_s if measured else DEFAULT_PREFILL_TOKENS_PER_S
+        rate = self.store.prefill_tokens_per_s or self.stats.prefill_tokens_per_s(DEFAULT_PREFILL_TOKENS_PER_S)
         return num_tokens / rate
 
     def add_request(self, prompt_ids: list[int], max_new_tokens: int = 16,

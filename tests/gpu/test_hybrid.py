@@ -91,7 +91,7 @@ def test_a_hybrid_save_is_visible_as_groups(daemon, engine):
     with daemon.client() as client:
         assert client.lookup_groups(group_members(conn, prompt)).complete == (True, True)
     loaded = engine.generate(prompt, 4, conn)
-    assert loaded.loaded_tokens == 256 and conn.stats.num_loaded_groups == 1
+    assert loaded.loaded_tokens == 256 and loaded.match.reason == "load" and conn.stats.num_loaded_groups == 1
     conn.close()
 
 
