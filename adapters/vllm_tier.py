@@ -1,19 +1,28 @@
 """kvstore as a secondary tier of vLLM's CPU KV offloading (vLLM 0.33 `kv_offload/tiering`).
 
 vLLM keeps the GPU copies, the CPU (primary) tier, async jobs, preemption and hybrid models;
-this tier stores and loads the primary tier's chunks (pure bytes) in the kvstore daemon:
+this tier stores and loads the primary tier's chunks (pure bytes) in the kvstore daemon.
+vLLM reads `secondary_tiers` only with `"spec_name": "TieringOffloadingSpec"`:
 
     --kv-transfer-config '{"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
-        "kv_connector_extra_config": {"cpu_bytes_to_use": 4000000000,
+        "kv_connector_extra_config": {"spec_name": "TieringOffloadingSpec",
+          "cpu_bytes_to_use": 4000000000,
           "secondary_tiers": [{"type": "KVStoreSecondaryTier",
                                "module_path": "adapters.vllm_tier",
                                "socket_path": "/run/kvstore/kvstore.sock"}]}}'
 
-An `OffloadKey` (vLLM's block hash + KV cache group) becomes an object id under a full
-descriptor (model, revision, dtype, `raw(bytes=<chunk bytes>)`), so another model's or
-another chunk geometry's chunks are other objects. vLLM's block hashes are seeded per process
+An `OffloadKey` (vLLM's block hash + KV cache group index) becomes an object id under a full
+descriptor (model, revision, dtype, `raw(bytes=<chunk bytes>)`) and the chunk geometry
+(`chunk_geometry`: vLLM's cache groups, chunking and parallel layout), so another group's,
+model's or layout's chunks are other objects. vLLM's block hashes are seeded per process
 unless PYTHONHASHSEED is set: set it (the same on every instance) for hits across restarts
 and instances.
+
+Hybrid models: vLLM's OffloadingConnector offloads every prefix-cacheable group, Mamba
+("align" mode) included: a Mamba group's chunk is the recurrent state vLLM hands over at a
+block boundary, keyed by the prefix hash there and the group index, the same size as every
+other chunk. This tier stores and loads it like any chunk; vLLM counts a hit only where the
+state and every attention chunk before it are found.
 
 Lookups are batched: vLLM's own AsyncLookupManager collects a step's keys and this tier
 answers them with one daemon lookup per 4,096 keys in its background thread (RETRY until
@@ -21,12 +30,15 @@ then). Stores and loads run in one I/O thread; every method the scheduler calls 
 once. A daemon that is down or slow is a miss, a failed store or a failed load (with the keys
 that did load), never an exception in the scheduler.
 
-Extra tier config keys: socket_path, namespace, timeout_s, retry_after_s; model,
-model_revision and dtype (default: vLLM's model config and KV cache dtype).
+Extra tier config keys: socket_path, namespace, timeout_s, retry_after_s; model and dtype
+(default: the model name and KV cache dtype in vLLM's OffloadingConfig) and model_revision
+(default "main": vLLM does not tell a tier the revision).
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import queue
 import threading
@@ -45,31 +57,57 @@ _DTYPES = {"float16": "fp16", "half": "fp16", "bfloat16": "bf16", "float32": "fp
            "float8_e5m2": "fp8_e5m2"}
 
 
+def _offloading_config(offloading_spec):
+    """vLLM's OffloadingConfig of the spec, or None (a stand-in spec has none)."""
+    from vllm.v1.kv_offload.config import OffloadingConfig
+
+    config = getattr(offloading_spec, "config", None)
+    return config if isinstance(config, OffloadingConfig) else None
+
+
 def chunk_descriptor(offloading_spec, chunk_bytes: int, namespace: str, model=None, model_revision=None,
                      dtype=None) -> StateDescriptor:
-    """The descriptor of this tier's chunks: explicit settings first, else vLLM's config."""
-    vllm_config = getattr(offloading_spec, "vllm_config", None)
-    model_config = getattr(vllm_config, "model_config", None)
-    def text(value):  # only what vLLM's config really says (a spec without one has none)
-        return value if isinstance(value, str) else None
-
-    if model is None:
-        model = text(getattr(model_config, "model", None))
-    if model_revision is None:
-        model_revision = text(getattr(model_config, "revision", None)) or "main"
-    if dtype is None:
-        cache_dtype = text(getattr(getattr(vllm_config, "cache_config", None), "cache_dtype", None)) or "auto"
-        dtype = str(getattr(model_config, "dtype", "")) if cache_dtype == "auto" else cache_dtype
+    """The descriptor of this tier's chunks: explicit settings first, else what vLLM's
+    OffloadingConfig says (model name, KV cache dtype). vLLM gives a tier no revision: "main"
+    unless `model_revision` is set."""
+    config = _offloading_config(offloading_spec)
+    if model is None and config is not None:
+        model = config.model.name
+    if dtype is None and config is not None:
+        dtype = config.model.dtype
+    if not isinstance(model, str) or not model or dtype is None:
+        raise ValueError("kvstore tier: cannot tell the model or its KV cache dtype from vLLM's config; set "
+                         "'model' and 'dtype' in the tier's config")
     dtype = _DTYPES.get(str(dtype).removeprefix("torch."), dtype)
-    if not isinstance(model, str) or not isinstance(model_revision, str):
-        raise ValueError("kvstore tier: cannot tell the model from vLLM's config; set 'model' (and "
-                         "'model_revision') in the tier's config")
     # raw(bytes=N) counts elements of the dtype; a chunk that is no whole number of them
     # (it cannot be, for vLLM's caches) would take "any size".
     dtype = DType.parse(dtype)
     elements = chunk_bytes // dtype.element_bytes if chunk_bytes % dtype.element_bytes == 0 else 0
-    return StateDescriptor(namespace, model, model_revision, kind="kv", dtype=dtype,
+    return StateDescriptor(namespace, model, model_revision or "main", kind="kv", dtype=dtype,
                            layout=f"raw(bytes={elements})")
+
+
+def chunk_geometry(offloading_spec) -> str:
+    """What places the bytes inside a chunk, beyond its size (vLLM's FileMapper keys its
+    folders by the same facts): every offloaded cache group (index, tokens per block, layer
+    names, window), blocks per chunk, tokens per hash, the parallel layout (one chunk holds
+    every worker's pages) and the host layout. Folded into every object id, so a chunk is only
+    ever read back by an engine that places its bytes the same way: a Mamba group's chunk
+    holds each Mamba layer's state where vLLM's worker put it, an attention group's chunk each
+    layer's KV. "" for a stand-in spec without an OffloadingConfig."""
+    config = _offloading_config(offloading_spec)
+    if config is None:
+        return ""
+    parallel = config.parallel
+    facts = {
+        "groups": [[g.group_id, g.tokens_per_block, list(g.layer_names), g.sliding_window_size_in_chunks]
+                   for g in config.groups],
+        "worker_kv_bytes_per_block": config.worker_kv_bytes_per_block,
+        "blocks_per_chunk": config.cache.blocks_per_chunk, "tokens_per_hash": config.cache.tokens_per_hash,
+        "parallel": [parallel.world_size, parallel.tp_size, parallel.pp_size, parallel.pcp_size, parallel.dcp_size],
+        "host_layout": [config.replicated_layout, config.canonical_layout, config.kv_cache_layout],
+    }
+    return hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()[:32]
 
 
 def _build_classes(name: str) -> dict | None:
@@ -104,10 +142,11 @@ def _build_tier_class():
             self.store = SafeStore(StoreConfig(socket_path, namespace, float(timeout_s), float(retry_after_s)))
             self.desc = chunk_descriptor(offloading_spec, self.block_size_bytes, namespace, model, model_revision,
                                          dtype)
-            flat = primary_kv_view.cast("B") if primary_kv_view.ndim != 1 or primary_kv_view.format != "B" \
-                else primary_kv_view
-            self._chunks = np.frombuffer(flat, dtype=np.uint8).reshape(-1, self.block_size_bytes)
-            self._lookups = _BatchedLookups(tier_type, self._ids, self.store)
+            geometry = chunk_geometry(offloading_spec)
+            self._engine_key = f"vllm-offload/{geometry}" if geometry else "vllm-offload"
+            self._flat = primary_kv_view.cast("B")  # released at shutdown, so vLLM can unmap its CPU tier
+            self._chunks = np.frombuffer(self._flat, dtype=np.uint8).reshape(-1, self.block_size_bytes)
+            self._lookups = _BatchedLookups(tier_type, self.object_ids, self.store)
             self._io = ThreadPoolExecutor(1, thread_name_prefix="kvstore-tier-io")
             self._finished: queue.SimpleQueue = queue.SimpleQueue()
             self._pending = 0
@@ -115,8 +154,10 @@ def _build_tier_class():
             self._idle = threading.Condition(self._pending_lock)
             log.info("kvstore secondary tier: %d-byte chunks of %s", self.block_size_bytes, self.desc.model)
 
-        def _ids(self, keys):
-            return [engine_object_id(self.desc, "vllm-offload", bytes(k)) for k in keys]
+        def object_ids(self, keys) -> list:
+            """The store's object ids of vLLM's OffloadKeys (block hash + group index, both
+            hashed in whole), under this tier's descriptor and chunk geometry."""
+            return [engine_object_id(self.desc, self._engine_key, bytes(k)) for k in keys]
 
         # --- lookups (batched, in vLLM's lookup thread) ------------------------------------
 
@@ -160,7 +201,7 @@ def _build_tier_class():
             self._submit(self._store_job, job_metadata)
 
         def _store_job(self, job):
-            ids = self._ids(job.keys)
+            ids = self.object_ids(job.keys)
             held = self.store.contains(ids)
             items = [(oid, self._chunks[int(chunk)]) for oid, chunk, ok in zip(ids, job.chunk_ids, held) if not ok]
             stored = self.store.put_many(items, self.desc)
@@ -173,7 +214,7 @@ def _build_tier_class():
         def _load_job(self, job):
             keys = list(job.keys)
             got = self.store.get_many_into([(oid, self._chunks[int(chunk)])
-                                            for oid, chunk in zip(self._ids(keys), job.chunk_ids)])
+                                            for oid, chunk in zip(self.object_ids(keys), job.chunk_ids)])
             loaded = [key for key, ok in zip(keys, got) if ok]
             if len(loaded) == len(keys):
                 return JobResult(job_id=job.job_id, success=True,
@@ -202,9 +243,13 @@ def _build_tier_class():
                 self._idle.wait_for(lambda: self._pending == 0)
 
         def shutdown(self) -> None:
+            """vLLM shuts its secondary tiers down before the CPU tier, which then unmaps its
+            shared region: nothing of this tier may still hold a view of it."""
             self._io.shutdown(wait=True)
             self._lookups.shutdown()
             self.store.close()
+            self._chunks = None
+            self._flat.release()
 
     return KVStoreSecondaryTier
 
