@@ -1,6 +1,9 @@
 """The worker role of the vLLM connector (adapters/vllm.py): bytes between vLLM's caches and
 the store. Imported by adapters.vllm only once vLLM asks for the connector (it needs torch).
 
+torch is imported where it is used: an adapter module imports without its engine's packages
+(tests/test_dependency_direction.py).
+
 Attention groups: a chunk object is every layer of the group, K and V, for the chunk's
 blocks; it is staged in a host tensor shaped (layers, blocks, *block shape) and copied from or
 to the paged caches with index_select / index_copy_ (pinned staging where they are on a GPU).
@@ -18,8 +21,6 @@ from __future__ import annotations
 
 import logging
 
-import torch
-
 from kvstore.groups import Member
 from adapters.vllm_plan import LoadSpec, SaveSpec
 
@@ -27,7 +28,9 @@ log = logging.getLogger("kvstore.adapters.vllm")
 STAGED_CHUNKS = 32  # pinned staging chunks kept per KV cache group when the cache is on a GPU
 
 
-def _u8(tensor) -> "np.ndarray":  # noqa: F821 (numpy, through torch)
+def _u8(tensor):
+    """A tensor's bytes as a flat uint8 numpy array (no copy)."""
+    import torch
     return tensor.view(-1).view(torch.uint8).numpy()
 
 
@@ -74,6 +77,7 @@ class WorkerIO:
         in its group's shape. Where the cache is on a GPU chunks are pinned (copies by DMA) and
         kept for the next steps, up to STAGED_CHUNKS per group; beyond that, and on CPU, they
         are made per step."""
+        import torch
         taken: dict[int, int] = {}
         out = []
         for spec in specs:
@@ -138,6 +142,7 @@ class WorkerIO:
             self._load_errors.update(block for spec in specs for _, block in spec.blocks)
 
     def _scatter(self, spec: LoadSpec, buf) -> None:
+        import torch
         if self.groups[spec.group][2] == "mamba":
             block = spec.blocks[0][1]
             at = 0
@@ -207,6 +212,7 @@ class WorkerIO:
                 self.num_saved_chunks += sum(1 for _, _, desc in items if desc.layout.name != "mamba")
 
     def _gather(self, spec: SaveSpec, buf) -> None:
+        import torch
         if self.groups[spec.group][2] == "mamba":
             block, at = spec.block_ids[0], 0
             for states in self._layers[spec.group]:
