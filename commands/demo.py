@@ -5,8 +5,10 @@ so objects survive a restart), loads the model from the installed GGUF (download
 and runs sessions that share a long system prompt with tool descriptions: several turns each,
 one branch that retries an earlier turn, and one session resumed after the daemon restarts.
 Every turn runs twice on the same prompt: through the store (`StoreEngine`: load what the
-store holds, compute the rest, save new chunks) and recomputing (`Engine`). The table compares
-TTFT and the generated tokens; a JSON report and a PNG plot go to `--out`.
+store holds, compute the rest, save new chunks) and recomputing (`Engine`). Then the same
+prompt runs on a hybrid model (attention + gated delta rule, `commands.demo_hybrid`), whose
+chunks and the recurrent state after them are stored and hit as store groups. The tables
+compare TTFT and the generated tokens; a JSON report and a PNG plot go to `--out`.
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ import shutil
 import tempfile
 import time
 
-from commands.demo_report import Progress, plot, print_table, summary, write_json
+from commands.demo_hybrid import HybridTurns
+from commands.demo_report import Progress, hybrid_summary, plot, print_table, summary, write_json
 from commands.demo_workload import PROFILES, TOOLS, Turn, plan, system_text
 
 # One namespace arena; the default workload stores ~60 MiB of bf16 KV.
@@ -105,10 +108,10 @@ def run_demo(profile: str = "default", out_dir: str = "kvstore-demo", socket_pat
 
     shape = PROFILES[profile]
     max_new = max_new_tokens or shape.max_new_tokens
-    turns, notes, rows = plan(shape), [], []
+    turns, notes, rows, hybrid_rows = plan(shape), [], [], []
     started = time.perf_counter()
     root = tempfile.mkdtemp(prefix="kvs-demo-")
-    daemon, engine = None, None
+    daemon, engine, hybrid = None, None, None
     progress = Progress(len(turns) + 1)
     try:
         if socket_path is None:
@@ -126,6 +129,7 @@ def run_demo(profile: str = "default", out_dir: str = "kvstore-demo", socket_pat
         plain = Engine(config=engine.config, model=model, tokenizer=tokenizer)
         # warm-up (kernels for a chunk-sized and a short segment), not measured or stored
         plain.generate([tokenizer.encode(system_text(len(TOOLS)))[:300]], 2)
+        hybrid = HybridTurns(socket_path, model.config.vocab_size, engine.connector.chunk_tokens)
         progress.advance("model loaded")
         system = tokenizer.encode(_block("system", system_text(shape.num_tools)))
         history = {t.session: [system] for t in turns}  # per session: prefix after each turn
@@ -134,23 +138,34 @@ def run_demo(profile: str = "default", out_dir: str = "kvstore-demo", socket_pat
                 progress.show("restarting the daemon")
                 daemon.restart()
             progress.show(turn.label)
-            rows.append(_run_turn(turn, history, engine, plain, tokenizer, max_new,
+            prompt = _prompt(turn, history, tokenizer)
+            rows.append(_run_turn(turn, prompt, history, engine, plain, tokenizer, max_new,
                                   restarted=turn.after_restart and daemon is not None and daemon.nvme is not None))
+            progress.show(f"{turn.label} (hybrid)")
+            hybrid_rows.append(hybrid.run(turn.label, prompt, max_new))
             progress.advance(turn.label)
         progress.close()
     finally:
         if engine is not None:
             engine.close()
+        if hybrid is not None:
+            hybrid.close()
         if daemon is not None:
             daemon.stop()
         shutil.rmtree(root, ignore_errors=True)
-    return _report(rows, notes, engine, dtype, profile, max_new, out_dir, time.perf_counter() - started)
+    return _report(rows, hybrid.report(hybrid_rows), notes, engine, dtype, profile, max_new, out_dir,
+                   time.perf_counter() - started)
 
 
-def _run_turn(turn: Turn, history: dict, engine, plain, tokenizer, max_new: int, restarted: bool) -> dict:
+def _prompt(turn: Turn, history: dict, tokenizer) -> list[int]:
     past = history[turn.session]
     base = past[turn.parent] if turn.parent is not None else past[-1]
-    prompt = base + tokenizer.encode(_block("user", turn.text)) + tokenizer.encode("<|im_start|>assistant\n")
+    return base + tokenizer.encode(_block("user", turn.text)) + tokenizer.encode("<|im_start|>assistant\n")
+
+
+def _run_turn(turn: Turn, prompt: list[int], history: dict, engine, plain, tokenizer, max_new: int,
+              restarted: bool) -> dict:
+    past = history[turn.session]
     [stored] = engine.generate([prompt], max_new)
     match = engine.matches.pop(stored.seq_id)
     [recomputed] = plain.generate([prompt], max_new)
@@ -170,7 +185,7 @@ def _run_turn(turn: Turn, history: dict, engine, plain, tokenizer, max_new: int,
             "reply": tokenizer.decode(stored.token_ids, skip_special=True)}
 
 
-def _report(rows, notes, engine, dtype, profile, max_new, out_dir, elapsed_s) -> dict:
+def _report(rows, hybrid, notes, engine, dtype, profile, max_new, out_dir, elapsed_s) -> dict:
     out_dir = os.path.abspath(out_dir)
     os.makedirs(out_dir, exist_ok=True)
     desc = engine.descriptor
@@ -178,12 +193,19 @@ def _report(rows, notes, engine, dtype, profile, max_new, out_dir, elapsed_s) ->
            "chunk_tokens": desc.chunk_tokens, "profile": profile, "max_new_tokens": max_new,
            "elapsed_s": round(elapsed_s, 1), "notes": notes, "turns": rows, "summary": summary(rows),
            "connector": dataclasses.asdict(engine.connector.stats),
-           "store_errors": engine.connector.link.num_errors}
+           "store_errors": engine.connector.link.num_errors, "hybrid": hybrid}
     print()
     print_table(rows)
     s = doc["summary"]
     print(f"\n{s['identical_turns']}/{s['turns']} turns produced identical tokens; TTFT total "
           f"{s['ttft_store_s']:.2f} s with kvstore against {s['ttft_recompute_s']:.2f} s recomputing")
+    print(f"\nhybrid model ({hybrid['model']}: attention KV + fp32 recurrent state), each chunk and the "
+          "state after it one store group:")
+    print_table(hybrid["turns"], groups=True)
+    h = hybrid["summary"] = hybrid_summary(hybrid)
+    print(f"\nhybrid: {h['groups_saved']} store groups saved, {h['group_hits']}/{h['turns']} turns hit through a "
+          f"whole group ({h['hit_tokens']} tokens loaded); {h['identical_turns']}/{h['turns']} turns identical; "
+          f"TTFT total {h['ttft_store_s']:.2f} s with kvstore against {h['ttft_recompute_s']:.2f} s recomputing")
     for note in notes:
         print(f"note: {note}")
     plot_path = os.path.join(out_dir, "ttft.png")
@@ -202,7 +224,9 @@ def _report(rows, notes, engine, dtype, profile, max_new, out_dir, elapsed_s) ->
 
 def main(args) -> int:
     doc = run_demo(args.profile, args.out, args.socket, args.dtype, args.max_new_tokens)
-    return 0 if doc["summary"]["identical_turns"] == doc["summary"]["turns"] or args.dtype != "bf16" else 1
+    hybrid = doc["hybrid"]["summary"]  # fp32 KV and state: lossless whatever --dtype says
+    smol = doc["summary"]["identical_turns"] == doc["summary"]["turns"] or args.dtype != "bf16"
+    return 0 if smol and hybrid["identical_turns"] == hybrid["turns"] else 1
 
 
 def register(sub) -> None:

