@@ -59,9 +59,11 @@ _DTYPES = {"float16": "fp16", "half": "fp16", "bfloat16": "bf16", "float32": "fp
 
 def _offloading_config(offloading_spec):
     """vLLM's OffloadingConfig of the spec, or None (a stand-in spec has none)."""
+    config = getattr(offloading_spec, "config", None)
+    if config is None:  # no spec: vLLM need not be installed
+        return None
     from vllm.v1.kv_offload.config import OffloadingConfig
 
-    config = getattr(offloading_spec, "config", None)
     return config if isinstance(config, OffloadingConfig) else None
 
 
