@@ -11,7 +11,7 @@ import signal
 import pytest
 import torch
 
-from vllm_engine import (BLOCK, LAYER_NAMES, Engine, base_config, expected_blocks,  # noqa: F401
+from vllm_engine import (BLOCK, LAYER_NAMES, Engine, base_config, expected_blocks,  # noqa: F401 (a fixture)
                          make_request, mamba_config, mamba_kv_cache_config, tokens_of)
 
 pytestmark = pytest.mark.engines

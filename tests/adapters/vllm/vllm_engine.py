@@ -12,7 +12,6 @@ the Mamba state at s and records any difference from what the model would have c
 """
 
 import copy
-from dataclasses import replace
 from math import prod
 
 import pytest
