@@ -11,7 +11,7 @@ import signal
 import pytest
 import torch
 
-from vllm_engine import (BLOCK, LAYER_NAMES, Engine, base_config, expected_blocks,  # noqa: F401 (a fixture)
+from vllm_engine import (BLOCK, LAYER_NAMES, MAMBA_NAMES, Engine, base_config, expected_blocks,  # noqa: F401 (a fixture)
                          make_request, mamba_config, mamba_kv_cache_config, tokens_of)
 
 pytestmark = pytest.mark.engines
@@ -176,3 +176,40 @@ def test_the_scheduler_never_hits_kv_whose_state_was_evicted(base_config, daemon
     assert not b.state_errors and not b.failed_receives
     assert set(hits) <= {0, 64, 96} and min(hits) < 96 == max(hits)  # some prompts lost objects, some none
     assert hits[-1] < 96 or state_at_96  # the pinned KV is never a hit past the states it lost
+
+
+def test_a_state_corrupted_on_disk_is_never_loaded(base_config, daemon_factory):
+    """A flipped byte in the stored state at 96 (on NVMe, across a restart), caught by the
+    restart's sample check or by the group read's checksum (then the receive fails and vLLM
+    looks up again): the hit lands on the last whole group (64), and the state the engine
+    reads is always the model's."""
+    import os
+    from vllm_engine import expected_state
+    d = daemon_factory("64MiB", config={"nvme": {"enabled": True, "capacity_bytes": "64MiB", "file_bytes": "16MiB",
+                                                 "write_policy": "write_through"}})
+    tokens = tokens_of(PROMPT, 91)
+    a = mamba_engine(base_config, d.socket)
+    a.add(make_request(800, tokens))
+    a.run_to_end()
+    d.stop(signal.SIGKILL)
+    spec = mamba_kv_cache_config().kv_cache_groups[-1].kv_cache_spec
+    # the whole state object at 96: layer after layer, conv state then SSM state
+    needle = b"".join(t.numpy().tobytes() for t in expected_state(tokens, 96, spec, MAMBA_NAMES))
+    flipped = 0
+    for root, _, files in os.walk(os.path.join(d.data_dir, "nvme")):
+        for name in files:
+            with open(os.path.join(root, name), "r+b") as f:
+                blob = f.read()
+                if (at := blob.find(needle)) >= 0:
+                    f.seek(at + 500)
+                    f.write(bytes([blob[at + 500] ^ 0xFF]))
+                    flipped += 1
+    assert flipped == 1
+    d.start("64MiB")
+    b = mamba_engine(base_config, d.socket)
+    again = make_request(801, tokens)
+    b.add(again)
+    out = b.step_until_scheduled(again, max_steps=8)
+    assert out.scheduled_new_reqs[0].num_computed_tokens == 64
+    b.run_to_end()
+    assert not b.state_errors
