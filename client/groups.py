@@ -134,8 +134,8 @@ def _put_once(core: ClientCore, namespace: str, members: list, gid: ObjectId, gd
     if not manifest.exists:  # else only members are missing: they join the stored manifest
         listing = manifest_bytes([oid for oid, _, _ in members], checksums)
         arena[manifest.offset:manifest.offset + len(listing)] = memoryview(listing)
-    commit = m.CommitGroup(0 if manifest.exists else manifest.lease, b"".join(oid.digest for oid, _, _ in members), pack_uints(leases),
-                           b"".join(checksums))
+    commit = m.CommitGroup(0 if manifest.exists else manifest.lease, b"".join(oid.digest for oid, _, _ in members),
+                           pack_uints(leases), b"".join(checksums))
     (reply,) = yield [core.request(commit)]
     done = core.result(reply, r.CommitGroupReply)
     return GroupPutResult(ObjectId(done.group), done.exists, done.durability)

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from kvstore.errors import InvalidArgument
-from kvstore.fields import EXPECT_LIST, EXPECT_OF, NAMESPACE, PACKED_CHECKSUMS, PACKED_IDS, PACKED_U64, _int, unpack_uints
+from kvstore.fields import (EXPECT_LIST, EXPECT_OF, NAMESPACE, PACKED_CHECKSUMS, PACKED_IDS, PACKED_U64, _int,
+                            unpack_uints)
 from kvstore.groups import MAX_GROUP_MEMBERS, check_members
 from kvstore.identity import ObjectId
 from kvstore.messages import Message, check_expectations, expectations

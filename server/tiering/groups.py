@@ -212,6 +212,7 @@ def _hit(members: list[GetReply]) -> GetGroupReply:
         if got.descriptor not in descriptors:
             descriptors.append(got.descriptor)
         of.append(descriptors.index(got.descriptor))
-    return GetGroupReply(True, leases=pack_uints(g.lease for g in members), offsets=pack_uints(g.offset for g in members),
-                         sizes=pack_uints(g.size for g in members), checksums=b"".join(g.checksum for g in members),
+    return GetGroupReply(True, leases=pack_uints(g.lease for g in members),
+                         offsets=pack_uints(g.offset for g in members), sizes=pack_uints(g.size for g in members),
+                         checksums=b"".join(g.checksum for g in members),
                          descriptors=tuple(descriptors), descriptor_of=pack_uints(of, 2))

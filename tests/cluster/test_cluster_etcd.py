@@ -3,8 +3,8 @@ two replicas per object.
 
 Shown: every daemon registers and sees all three; B cut off leaves the member list once its
 lease runs out, and objects put meanwhile go to the live nodes; once its link is back B
-registers again, receives the objects put meanwhile that it is now home to (re-homing),
-and takes its share of new objects; a copy that fails its checksum is
+registers again, receives the objects put meanwhile that it is now home to (re-homing; a
+store group put meanwhile is whole from B), and takes its share of new objects; a copy that fails its checksum is
 refused and the next home serves; with two replicas, SIGKILL of B loses no object: every
 object put on any node (B included) reads back bit-exact on A and C, both while B is still
 listed (its reads fail over to the other home) and after it has left.
@@ -33,6 +33,15 @@ def cluster(tmp_path_factory):
         yield cluster
     finally:
         cluster.close()
+
+
+def group_members(namespace):
+    """A chunk's KV and the recurrent state at its end, as an engine stores them together."""
+    from kvstore import StateDescriptor
+    from kvstore.identity import chunk_keys
+    tokens = list(range(256))
+    return [chunk_keys(tokens, StateDescriptor(namespace, "hybrid", "r1", kind=kind))[0]
+            for kind in ("kv", "recurrent")]
 
 
 def sees(daemon, members):
@@ -64,6 +73,8 @@ def test_cut_off_member_leaves_and_rejoins(cluster):
         with a.client("gone") as ca:
             for oid in ids:
                 ca.put(oid, payload(SIZE, oid))
+            group = [(k, payload(SIZE, k.object_id)) for k in group_members("gone")]
+            ca.put_group(group)  # a store group's manifest and members re-home as any object
         wait_until(held_by_homes(cluster, "gone", ids, ["a", "c"]), 10.0, "A's puts reach C")
         with c.client("gone") as cc:
             for oid in ids:
@@ -79,6 +90,11 @@ def test_cut_off_member_leaves_and_rejoins(cluster):
             if "b" in home_nodes(oid, NAMES, 2):
                 assert cb.lookup([oid]).tiers == ("host",) and read_exact(cb, oid, SIZE), oid
     assert sum(cluster[n].cluster_stats()["rehome"]["objects_sent"] for n in "ac") >= 1
+    with b.client("gone") as cb:  # the group put while B was away is whole from B, and reads whole
+        keys = [k for k, _ in group]
+        assert cb.lookup_groups([keys]).complete == (True,)
+        with cb.get_group(keys) as got:
+            assert all(bytes(lease.numpy()) == bytes(data) for lease, (_, data) in zip(got, group))
     # B takes its share of new objects again: puts on C replicate to B (and A); B reads them all.
     groups = keys_by_homes("back", NAMES, 1, replicas=2)
     ids = [oid for group in groups.values() for oid in group]
