@@ -18,7 +18,7 @@ from kvstore import messages as m
 from kvstore import replies as r
 from kvstore.errors import InvalidArgument, NotFound, from_wire
 from kvstore.fields import pack_uints, unpack_uints
-from kvstore.groups import Member, group_descriptor, group_id, manifest_bytes, manifest_size
+from kvstore.groups import Member, check_members, group_descriptor, group_id, manifest_bytes, manifest_size
 from kvstore.hints import Hints
 from kvstore.identity import ObjectId
 from kvstore.protocol import MAX_BATCH
@@ -84,8 +84,10 @@ def put_group(core: ClientCore, items, hints: Hints | None = None):
     """Store `items` as one group: every member and the manifest become visible at once,
     or nothing is stored (the error is raised). Members already stored are not copied."""
     hints = hints or Hints()
+    given = _members(items)
+    check_members([member.object_id for member, _ in given])
     members = []
-    for member, data in _members(items):
+    for member, data in given:
         oid, desc, src = core.put_item(member.object_id, data, member.descriptor)
         members.append((oid, desc, src))
     namespaces = {desc.namespace for _, desc, _ in members}
@@ -156,6 +158,8 @@ def _frames(groups: list[list[Member]]) -> list[list[int]]:
 def lookup_groups(core: ClientCore, groups, namespace: str | None = None):
     """Per group (a list of member keys: ChunkKeys, Members) whether it is complete."""
     groups = [[Member.of(key) for key in members] for members in groups]
+    for members in groups:
+        check_members([member.object_id for member in members])
     namespace = namespace or core.namespace
     yield from core.op_open(namespace, create=False)
     if not groups:
@@ -181,6 +185,7 @@ def get_group(core: ClientCore, members, namespace: str | None = None):
     leased. The daemon checks each member's bytes against those the group was committed
     with; a reader who wants to check the bytes it copies uses each lease's checksum."""
     members = [Member.of(key) for key in members]
+    check_members([member.object_id for member in members])
     namespace = namespace or core.namespace
     yield from core.op_open(namespace, create=False)
     expect, expect_of = _expect_fields([member.descriptor for member in members])

@@ -22,7 +22,7 @@ import logging
 
 import xxhash
 
-from kvstore.errors import ChecksumError, InvalidArgument, NotFound
+from kvstore.errors import ChecksumError, Conflict, InvalidArgument, NotFound
 from kvstore.groups import group_descriptor, group_id, manifest_bytes, parse_manifest
 from kvstore.identity import ObjectId, descriptor_differences
 from kvstore.fields import pack_uints
@@ -94,8 +94,8 @@ class GroupOps:
                     raise NotFound(f"commit_group: member {i} ({oid.hex}) is not stored here any more (its put "
                                    "said it was, then it left); put the group again")
                 if old.checksum != checksum:
-                    raise InvalidArgument(f"commit_group: member {i} ({oid.hex}) is stored with other bytes than "
-                                          "the checksum sent")
+                    raise Conflict(f"commit_group: member {i} ({oid.hex}) is already stored with other bytes; the "
+                                   "stored bytes stand: delete it first to replace it")
                 desc = old.descriptor
             first = first or group_descriptor(desc)
         listing = manifest_bytes(ids, sums)

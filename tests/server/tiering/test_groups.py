@@ -303,3 +303,24 @@ def test_the_asyncio_client_puts_finds_and_reads_groups(daemon):
         finally:
             await c.close()
     asyncio.run(main())
+
+
+def test_bad_groups_are_refused_by_name_and_store_nothing(daemon):
+    from kvstore.errors import Conflict
+    tokens = list(range(256))
+    kv, state = chunk_keys(tokens, KV)[0], chunk_keys(tokens, STATE)[0]
+    data = payload(100, 1)
+    with daemon.client() as c:
+        for bad, match in (([], "1..256 members, got 0"), ([(kv, data), (kv, data)], "twice"),
+                           ([(kv, data), (chunk_keys(tokens, KV.with_(namespace="other"))[0], data)], "one namespace")):
+            with pytest.raises(InvalidArgument, match=match):
+                c.put_group(bad)
+        with pytest.raises(InvalidArgument, match="got 0"):
+            c.lookup_groups([[]])
+        with pytest.raises(InvalidArgument, match="got 0"):
+            c.get_group([])
+        c.put(state, payload(100, 2))
+        with pytest.raises(Conflict, match="member 1 .* other bytes"):
+            c.put_group([(kv, data), (state, payload(100, 3))])  # the state's id holds other bytes
+        assert c.lookup([kv]).tiers == (None,) and c.stats()["leases"] == 0
+        c.check_integrity()
