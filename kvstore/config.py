@@ -14,6 +14,7 @@ import re
 from dataclasses import dataclass, field, fields, is_dataclass, replace
 
 from kvstore.config_auth import AuthConfig, NamespaceAuth  # noqa: F401 (re-exported)
+from kvstore.config_events import EventsConfig
 from kvstore.errors import InvalidArgument
 from kvstore.policy import POLICIES
 from kvstore.protocol import MAX_FRAME_BYTES
@@ -332,6 +333,7 @@ class ServerConfig:
     gpu: GpuConfig = GpuConfig()
     cluster: ClusterConfig = ClusterConfig()
     auth: AuthConfig = AuthConfig()
+    events: EventsConfig = EventsConfig()
 
     def __post_init__(self) -> None:
         if self.log_level not in ("debug", "info", "warning", "error"):

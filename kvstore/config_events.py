@@ -1,0 +1,79 @@
+"""The `[events]` table: the daemon's KV event stream for prefix-aware routers.
+
+Pure validation, like the rest of kvstore/config.py (which composes EventsConfig into
+ServerConfig); the daemon's publisher (server/events/) takes it with its endpoints filled in
+(`EventsConfig.under(data_dir)`).
+
+    [events]
+    enabled = true
+    endpoint = "tcp://127.0.0.1:5557"          # "" = ipc://<data_dir>/events.pub
+    replay_endpoint = "tcp://127.0.0.1:5558"   # "" = ipc://<data_dir>/events.replay
+    topic = "kvstore."                          # prefix of every namespace's topic
+    buffer_batches = 10000                      # batches kept per namespace for replay
+    hwm = 100000                                # ZMQ send high-water mark (per subscriber)
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, replace
+
+from kvstore.errors import InvalidArgument
+
+# tcp://host:port (a name, an IPv4 address, [IPv6] or *) or ipc://<path>. Port 0 is refused:
+# subscribers must know where to connect, and the daemon does not publish a chosen port.
+_TCP_RE = re.compile(r"^tcp://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9*][A-Za-z0-9.*_-]*):(\d{1,5})$")
+# A Unix socket path must fit sun_path (108 bytes with its NUL).
+MAX_IPC_PATH_BYTES = 107
+# Each namespace's ring keeps at most this many batches: a bound on a typo's memory, not a tuning.
+MAX_BUFFER_BATCHES = 1_000_000
+# Past this a slow subscriber's queue in the daemon is memory the operator did not mean to give.
+MAX_HWM = 10_000_000
+
+
+def check_endpoint(key: str, value) -> None:
+    """Refuse anything but tcp://host:port (port 1..65535) or ipc://<path>; errors name `key`."""
+    if not isinstance(value, str):
+        raise InvalidArgument(f"{key} must be a string, got {value!r}")
+    if value.startswith("ipc://"):
+        path = value[len("ipc://"):]
+        if not path or len(os.fsencode(path)) > MAX_IPC_PATH_BYTES:
+            raise InvalidArgument(f"{key}: an ipc:// path of 1..{MAX_IPC_PATH_BYTES} bytes, got {value!r}")
+        return
+    match = _TCP_RE.match(value)
+    if match is None or not 1 <= int(match.group(2)) <= 65535:
+        raise InvalidArgument(f"{key} must be tcp://host:port (port 1..65535) or ipc://<path>, got {value!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class EventsConfig:
+    """The event stream (off unless enabled). Each namespace is its own stream: its topic,
+    its gapless sequence numbers from 0 at start, its replay ring of `buffer_batches`."""
+
+    enabled: bool = False
+    endpoint: str = ""  # the PUB socket; "" = ipc://<data_dir>/events.pub
+    replay_endpoint: str = ""  # the ROUTER socket for replays; "" = ipc://<data_dir>/events.replay
+    topic: str = "kvstore."
+    buffer_batches: int = 10_000
+    hwm: int = 100_000
+
+    def __post_init__(self) -> None:
+        for name in ("endpoint", "replay_endpoint"):
+            value = getattr(self, name)
+            if value != "":
+                check_endpoint(f"events.{name}", value)
+        if self.endpoint and self.endpoint == self.replay_endpoint:
+            raise InvalidArgument("events.endpoint and events.replay_endpoint must differ")
+        if not isinstance(self.topic, str) or len(self.topic.encode()) > 256:
+            raise InvalidArgument(f"events.topic must be a string of at most 256 bytes, got {self.topic!r}")
+        if type(self.buffer_batches) is not int or not 1 <= self.buffer_batches <= MAX_BUFFER_BATCHES:
+            raise InvalidArgument(f"events.buffer_batches must be an integer in 1..{MAX_BUFFER_BATCHES}, "
+                                  f"got {self.buffer_batches!r}")
+        if type(self.hwm) is not int or not 1 <= self.hwm <= MAX_HWM:
+            raise InvalidArgument(f"events.hwm must be an integer in 1..{MAX_HWM}, got {self.hwm!r}")
+
+    def under(self, data_dir: str) -> EventsConfig:
+        """This table with empty endpoints made ipc:// paths in `data_dir` (checked again)."""
+        return replace(self, endpoint=self.endpoint or f"ipc://{os.path.join(data_dir, 'events.pub')}",
+                       replay_endpoint=self.replay_endpoint or f"ipc://{os.path.join(data_dir, 'events.replay')}")

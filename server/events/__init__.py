@@ -1,0 +1,10 @@
+"""The KV event stream for prefix-aware routers (`[events]`, issue 27): vLLM's wire format.
+
+`stream.py` batches what the tiers report on the event loop, `publisher.py` sends the
+batches from its own thread over ZMQ and answers replays, `wire.py` is the format itself.
+"""
+
+from server.events.stream import EventStream, NoEvents
+from server.events.wire import MEDIUM_CPU, MEDIUM_GPU, MEDIUM_STORAGE, topic_of
+
+__all__ = ["EventStream", "NoEvents", "MEDIUM_CPU", "MEDIUM_GPU", "MEDIUM_STORAGE", "topic_of"]

@@ -1,0 +1,213 @@
+"""The publisher thread: sends numbered batches on a ZMQ PUB socket and answers replays.
+
+Compatible with vLLM's ZmqEventPublisher (vllm/distributed/kv_events.py):
+
+    PUB frames      [topic, seq (8 bytes big-endian), msgpack KVEventBatch]
+    replay request  a DEALER sends [b"", start_seq (8 bytes)]           vLLM's own form
+                    or             [b"", topic, start_seq (8 bytes)]     kvstore's: one namespace
+    replay answer   [b"", topic, seq, payload] for each kept batch numbered start_seq or later,
+                    then the end marker [b"", b"", END_SEQ (-1), b""]
+
+Each namespace numbers its own batches, so a replay names the namespace by its topic; vLLM's
+form, which names none, replays namespace VLLM_REPLAY_NAMESPACE. A request of any other
+shape is ignored (counted), as vLLM does.
+
+The event loop only calls `offer` (a non-blocking put on a bounded queue, plus a wake-up
+frame on an inproc socket). Everything else runs in the thread, which owns the PUB, ROUTER
+and wake-up receiver sockets. A subscriber that does not read never blocks the thread: PUB
+drops frames past the high-water mark `hwm` (ZMQ does not count those; the subscriber sees
+the gap in the sequence numbers and replays).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+
+import zmq
+
+from kvstore.config_events import EventsConfig
+from kvstore.errors import KVStoreError
+from server.events.wire import END_SEQ, encode_batch, seq_bytes, topic_of
+
+log = logging.getLogger("kvstore.events")
+# Batches waiting for the thread. Past this the loop stops offering (counted): the batches
+# stay in their rings for replay, and the daemon's memory does not grow with a stuck thread.
+QUEUE_BATCHES = 10_000
+# vLLM's replay request names no topic: it replays this namespace (the one a daemon opens
+# by default, host.namespaces).
+VLLM_REPLAY_NAMESPACE = "default"
+# On close, frames still queued for subscribers get this long to leave (then dropped).
+CLOSE_LINGER_MS = 500
+# How long the daemon's stop waits for the thread to send what it was offered.
+CLOSE_JOIN_S = 5.0
+
+
+class EventsError(KVStoreError):
+    code = "events"
+
+
+class ZmqPublisher:
+    """Made by the daemon with its EventStream; `start()` binds at the daemon's start."""
+
+    def __init__(self, config: EventsConfig, rings: dict):
+        """rings: topic -> server.events.stream.Ring, the batches a replay may send (the
+        stream adds rings while the thread reads them)."""
+        self.config = config
+        self.rings = rings
+        self._queue: queue.Queue = queue.Queue(maxsize=QUEUE_BATCHES)
+        self._ctx: zmq.Context | None = None
+        self._wake: zmq.Socket | None = None  # the event loop's end of the wake-up pair
+        self._thread: threading.Thread | None = None
+        self._vllm_topic = topic_of(config.topic, VLLM_REPLAY_NAMESPACE)
+        self.num_sent_batches = 0  # written by the thread only
+        self.num_replays = 0
+        self.num_bad_replay_requests = 0
+
+    def start(self) -> None:
+        """Bind both endpoints (EventsError naming the key if one cannot be bound) and start
+        the thread. On the event loop thread, once."""
+        self._ctx = zmq.Context()
+        pub = self._bind(zmq.PUB, self.config.endpoint, "events.endpoint", self.config.hwm)
+        # A full replay plus its end marker must fit in the ROUTER's queue for a slow reader
+        # (vLLM's sizing: ZMQ acknowledges reads only every HWM/2 messages).
+        router = self._bind(zmq.ROUTER, self.config.replay_endpoint, "events.replay_endpoint",
+                            2 * (self.config.buffer_batches + 1), close_first=pub)
+        address = f"inproc://kvstore-events-wake-{id(self)}"
+        wake_in = self._ctx.socket(zmq.PULL)
+        wake_in.bind(address)
+        self._wake = self._ctx.socket(zmq.PUSH)
+        self._wake.setsockopt(zmq.SNDHWM, 1)  # one pending wake-up is as good as many
+        self._wake.setsockopt(zmq.LINGER, 0)
+        self._wake.connect(address)
+        self._thread = threading.Thread(target=self._run, args=(pub, router, wake_in), daemon=True,
+                                        name="kvstore-events")
+        self._thread.start()
+        log.info("event=events_ready endpoint=%s replay_endpoint=%s topic_prefix=%r",
+                 self.config.endpoint, self.config.replay_endpoint, self.config.topic)
+
+    def _bind(self, kind: int, endpoint: str, key: str, hwm: int, close_first=None) -> zmq.Socket:
+        sock = self._ctx.socket(kind)
+        sock.setsockopt(zmq.SNDHWM, hwm)
+        sock.setsockopt(zmq.LINGER, CLOSE_LINGER_MS)
+        try:
+            sock.bind(endpoint)
+        except zmq.ZMQError as exc:
+            sock.close(linger=0)
+            if close_first is not None:
+                close_first.close(linger=0)
+            self._ctx.term()
+            raise EventsError(f"{key} = {endpoint!r} cannot be bound: {exc}. Name a free address "
+                              f"(tcp://127.0.0.1:<port> or ipc://<path>)") from None
+        return sock
+
+    def offer(self, ring, batch) -> bool:
+        """Queue a numbered batch for sending, without blocking: False when the queue is full
+        (the batch stays in its ring for replays). Event loop thread only."""
+        if self._thread is None:  # not started, or closed
+            return False
+        try:
+            self._queue.put_nowait((ring.topic, batch))
+        except queue.Full:
+            return False
+        try:
+            self._wake.send(b"", zmq.NOBLOCK)
+        except zmq.Again:  # a wake-up is pending already
+            pass
+        return True
+
+    def close(self) -> None:
+        """Send what was offered, then stop the thread and close the sockets (waits at most
+        about CLOSE_JOIN_S). Event loop thread; idempotent."""
+        if self._thread is None:
+            return
+        try:
+            self._queue.put(None, timeout=CLOSE_JOIN_S)  # the thread drains the queue: room comes
+        except queue.Full:
+            pass
+        try:
+            self._wake.send(b"", zmq.NOBLOCK)
+        except zmq.Again:  # a wake-up is pending already
+            pass
+        self._thread.join(CLOSE_JOIN_S)
+        self._wake.close(linger=0)
+        if self._thread.is_alive():  # stuck: its sockets stay open, so the context is left as is
+            log.warning("event=events_close_timeout queued=%d", self._queue.qsize())
+        else:
+            self._ctx.term()  # waits for the thread's sockets to linger out (CLOSE_LINGER_MS)
+        self._thread = None
+
+    def stats(self) -> dict:
+        return {"num_sent_batches": self.num_sent_batches, "num_replays": self.num_replays,
+                "num_bad_replay_requests": self.num_bad_replay_requests, "queued_batches": self._queue.qsize()}
+
+    # --- the thread -------------------------------------------------------------------
+
+    def _run(self, pub: zmq.Socket, router: zmq.Socket, wake_in: zmq.Socket) -> None:
+        poller = zmq.Poller()
+        poller.register(wake_in, zmq.POLLIN)
+        poller.register(router, zmq.POLLIN)
+        try:
+            running = True
+            while running:
+                ready = dict(poller.poll())
+                if router in ready:
+                    self._serve_replays(router)
+                if wake_in in ready:
+                    while _drain_one(wake_in):
+                        pass
+                    running = self._send_queued(pub)
+        except Exception:
+            log.exception("event=events_thread_failed")
+        finally:
+            for sock in (pub, router, wake_in):
+                sock.close()
+
+    def _send_queued(self, pub: zmq.Socket) -> bool:
+        """Send every queued batch; False once the close sentinel came."""
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                return True
+            if item is None:
+                return False
+            topic, batch = item
+            try:
+                pub.send_multipart((topic, seq_bytes(batch.seq), encode_batch(batch.ts, batch.events)), zmq.NOBLOCK)
+            except zmq.Again:  # PUB drops rather than blocks; kept for replay either way
+                continue
+            self.num_sent_batches += 1
+
+    def _serve_replays(self, router: zmq.Socket) -> None:
+        while True:
+            try:
+                frames = router.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if len(frames) == 3 and frames[1] == b"" and len(frames[2]) == 8:
+                client, topic, start = frames[0], self._vllm_topic, frames[2]
+            elif len(frames) == 4 and frames[1] == b"" and len(frames[3]) == 8:
+                client, topic, start = frames[0], frames[2], frames[3]
+            else:
+                self.num_bad_replay_requests += 1
+                continue
+            self.num_replays += 1
+            ring = self.rings.get(topic)
+            batches = ring.since(int.from_bytes(start, "big")) if ring is not None else []
+            try:
+                for batch in batches:
+                    router.send_multipart((client, b"", topic, seq_bytes(batch.seq),
+                                           encode_batch(batch.ts, batch.events)), zmq.NOBLOCK)
+                router.send_multipart((client, b"", b"", END_SEQ, b""), zmq.NOBLOCK)
+            except zmq.Again:  # that subscriber's queue is full: it asks again
+                continue
+
+
+def _drain_one(sock: zmq.Socket) -> bool:
+    try:
+        sock.recv(zmq.NOBLOCK)
+        return True
+    except zmq.Again:
+        return False

@@ -1,0 +1,173 @@
+"""The event loop's side of the KV event stream: what the tiers report, batched per namespace.
+
+    a tier stores or drops an object -> stored() / removed() append to its namespace's batch
+    once per loop iteration          -> each namespace's batch gets its next sequence number,
+                                        joins that namespace's replay ring, and is offered to
+                                        the publisher thread (server/events/publisher.py)
+    the thread's queue is full       -> the batch is not sent live (counted in
+                                        num_dropped_batches); the subscriber sees a gap in the
+                                        sequence numbers at its next batch and replays it
+
+Sequence numbers are per namespace (each namespace is one topic), from 0 at start, gapless:
+every number is in the ring before it is offered. The calls never block and do no I/O; a tier
+calls them on the event loop thread only. `NoEvents` stands in when `[events]` is off.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from kvstore.config_events import EventsConfig
+from server.events.wire import CLEARED, REMOVED, STORED, topic_of
+
+
+class NoEvents:
+    """The event stream of a daemon with `[events] enabled = false`: every report is dropped."""
+
+    enabled = False
+
+    def stored(self, namespace: str, digest: bytes, medium: str, block_size: int, session_id: str | None) -> None:
+        pass
+
+    def removed(self, namespace: str, digest: bytes, medium: str) -> None:
+        pass
+
+    def cleared(self, namespace: str) -> None:
+        pass
+
+    def start(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def namespaces(self) -> list[str]:
+        return []
+
+    def stats(self) -> None:
+        return None
+
+
+@dataclass(slots=True)
+class Batch:
+    seq: int
+    ts: float  # wall-clock seconds, like vLLM's
+    events: list[tuple]  # wire.STORED / REMOVED / CLEARED tuples
+
+
+class Ring:
+    """One namespace's last batches, for replays. Appended on the event loop, read by the
+    publisher thread: both under the lock."""
+
+    def __init__(self, topic: bytes, size: int):
+        self.topic = topic
+        self.next_seq = 0
+        self._batches: deque[Batch] = deque(maxlen=size)
+        self._lock = threading.Lock()
+
+    def append(self, ts: float, events: list[tuple]) -> Batch:
+        batch = Batch(self.next_seq, ts, events)
+        with self._lock:
+            self._batches.append(batch)
+            self.next_seq += 1
+        return batch
+
+    def since(self, seq: int) -> list[Batch]:
+        """The kept batches numbered `seq` and later, oldest first (a copy)."""
+        with self._lock:
+            return [b for b in self._batches if b.seq >= seq]
+
+
+@dataclass(slots=True)
+class StreamCounters:
+    num_batches: int = 0  # batches numbered and kept for replay
+    num_events: int = 0
+    num_dropped_batches: int = 0  # not sent live: the publisher thread's queue was full
+
+
+class EventStream:
+    """Per-namespace batches of holdings changes for the publisher (`[events] enabled`)."""
+
+    enabled = True
+
+    def __init__(self, config: EventsConfig, make_publisher):
+        """config: the `[events]` table with its endpoints filled in (EventsConfig.under).
+        make_publisher(config, rings): the sender (server.events.publisher.ZmqPublisher), which
+        replays from `rings` (topic -> Ring); it has `start()`, `offer(ring, batch) -> bool`,
+        `close()` and `stats()`."""
+        self.config = config
+        self.rings: dict[bytes, Ring] = {}
+        self._by_namespace: dict[str, Ring] = {}
+        self._pending: dict[str, list[tuple]] = {}
+        self._flush_scheduled = False
+        self.counters = StreamCounters()
+        self.publisher = make_publisher(config, self.rings)
+
+    def start(self) -> None:
+        """Bind the sockets and start the publisher thread (at the daemon's start)."""
+        self.publisher.start()
+
+    # --- what the tiers report (event loop thread) -------------------------------------
+
+    def stored(self, namespace: str, digest: bytes, medium: str, block_size: int, session_id: str | None) -> None:
+        self._record(namespace, (STORED, bytes(digest), medium, block_size, session_id))
+
+    def removed(self, namespace: str, digest: bytes, medium: str) -> None:
+        self._record(namespace, (REMOVED, bytes(digest), medium))
+
+    def cleared(self, namespace: str) -> None:
+        """Everything of the namespace is gone from this node's view (the daemon stops)."""
+        self._record(namespace, (CLEARED,))
+
+    def _record(self, namespace: str, event: tuple) -> None:
+        pending = self._pending.get(namespace)
+        if pending is None:
+            pending = self._pending[namespace] = []
+        pending.append(event)
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            try:
+                asyncio.get_running_loop().call_soon(self.flush)
+            except RuntimeError:  # no loop (a synchronous caller): now
+                self.flush()
+
+    def flush(self) -> None:
+        """Number, keep and offer every namespace's pending batch (once per loop iteration)."""
+        self._flush_scheduled = False
+        pending, self._pending = self._pending, {}
+        ts = time.time()
+        for namespace, events in pending.items():
+            ring = self._ring(namespace)
+            batch = ring.append(ts, events)
+            self.counters.num_batches += 1
+            self.counters.num_events += len(events)
+            if not self.publisher.offer(ring, batch):
+                self.counters.num_dropped_batches += 1
+
+    def _ring(self, namespace: str) -> Ring:
+        ring = self._by_namespace.get(namespace)
+        if ring is None:
+            ring = Ring(topic_of(self.config.topic, namespace), self.config.buffer_batches)
+            self._by_namespace[namespace] = self.rings[ring.topic] = ring
+        return ring
+
+    def namespaces(self) -> list[str]:
+        """Namespaces that published at least one batch."""
+        return list(self._by_namespace)
+
+    def close(self) -> None:
+        """Send what is pending, then stop the publisher (it sends what it was offered first)."""
+        self.flush()
+        self.publisher.close()
+
+    def stats(self) -> dict:
+        doc = {"namespaces": {name: {"topic": ring.topic.decode(errors="replace"), "next_seq": ring.next_seq}
+                              for name, ring in self._by_namespace.items()},
+               "endpoint": self.config.endpoint, "replay_endpoint": self.config.replay_endpoint}
+        doc.update({k: getattr(self.counters, k) for k in self.counters.__slots__})
+        doc.update(self.publisher.stats())
+        return doc

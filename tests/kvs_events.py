@@ -1,0 +1,102 @@
+"""A subscriber of a daemon's KV event stream, as a router would be one (real ZMQ sockets).
+
+Shared by tests/server/events/ (decoded with msgpack) and tests/adapters/vllm/test_kv_events.py
+(decoded with vLLM's own classes): `decode` turns a payload into what the test compares.
+The waits poll with a liveness bound; nothing here measures time.
+"""
+
+from __future__ import annotations
+
+import os
+
+import msgpack
+import zmq
+
+from server.events import topic_of
+
+END_SEQ = (-1).to_bytes(8, "big", signed=True)
+POLL_MS = 10_000  # a liveness bound: the daemon sends within it on any machine
+
+
+def endpoints(daemon) -> tuple[str, str]:
+    """The default endpoints of a DaemonProcess started with `[events] enabled = true`."""
+    return f"ipc://{os.path.join(daemon.data_dir, 'events.pub')}", f"ipc://{os.path.join(daemon.data_dir, 'events.replay')}"
+
+
+class EventSubscriber:
+    """One namespace's topic on the PUB endpoint, and a DEALER on the replay endpoint.
+    received: (seq, payload bytes) in arrival order."""
+
+    def __init__(self, daemon, namespace: str, prefix: str = "kvstore.", rcvhwm: int | None = None):
+        self.topic = topic_of(prefix, namespace)
+        pub, replay = endpoints(daemon)
+        self.ctx = zmq.Context()
+        self.sub = self.ctx.socket(zmq.SUB)
+        if rcvhwm is not None:
+            self.sub.setsockopt(zmq.RCVHWM, rcvhwm)
+        self.sub.setsockopt(zmq.SUBSCRIBE, self.topic)
+        self.sub.connect(pub)
+        self.replay_socket = self.ctx.socket(zmq.DEALER)
+        self.replay_socket.connect(replay)
+        self.received: list[tuple[int, bytes]] = []
+
+    def receive(self, timeout_ms: int = POLL_MS) -> tuple[int, bytes] | None:
+        """The next frame of this topic (checked), or None when none came within timeout_ms."""
+        if not self.sub.poll(timeout_ms):
+            return None
+        topic, seq, payload = self.sub.recv_multipart()
+        assert topic == self.topic, (topic, self.topic)
+        self.received.append((int.from_bytes(seq, "big"), payload))
+        return self.received[-1]
+
+    def receive_until(self, done, what: str) -> None:
+        """Receive until done(self) is true; AssertionError naming `what` if the stream dries up."""
+        while not done(self):
+            if self.receive() is None:
+                raise AssertionError(f"{what}: no event within {POLL_MS} ms; received {len(self.received)}")
+
+    def drain(self, timeout_ms: int = 200) -> None:
+        """Receive what is already on its way (stops after timeout_ms without a frame)."""
+        while self.receive(timeout_ms) is not None:
+            pass
+
+    def replay(self, start_seq: int, topic: bytes | None = None) -> list[tuple[int, bytes]]:
+        """Ask for the kept batches from start_seq on (vLLM's request without `topic`)."""
+        request = [b""] + ([topic] if topic is not None else []) + [start_seq.to_bytes(8, "big")]
+        self.replay_socket.send_multipart(request)
+        out = []
+        while True:
+            assert self.replay_socket.poll(POLL_MS), "the replay did not end with its marker"
+            frames = self.replay_socket.recv_multipart()
+            assert frames[0] == b"", frames
+            if frames[2] == END_SEQ:
+                assert frames[1] == b"" and frames[3] == b""
+                return out
+            out.append((int.from_bytes(frames[2], "big"), frames[3]))
+            assert frames[1] == (self.topic if topic is None else topic)
+
+    def close(self) -> None:
+        self.sub.close(linger=0)
+        self.replay_socket.close(linger=0)
+        self.ctx.term()
+
+
+def events_of(payload: bytes) -> list[dict]:
+    """The event maps of one KVEventBatch payload (plain msgpack)."""
+    ts, events, rank = msgpack.unpackb(payload)
+    assert isinstance(ts, float) and rank == 0
+    return events
+
+
+def all_events(received) -> list[dict]:
+    return [e for _, payload in received for e in events_of(payload)]
+
+
+def wait_subscribed(subscriber: EventSubscriber, poke) -> None:
+    """ZMQ subscriptions take effect a moment after connect: poke() (a put in the namespace)
+    until a frame arrives. The frames after it come gapless."""
+    for _ in range(200):
+        poke()
+        if subscriber.receive(timeout_ms=100) is not None:
+            return
+    raise AssertionError("the subscription never took effect")

@@ -1,0 +1,210 @@
+"""The KV event stream of a real daemon, read over real ZMQ sockets as a router reads it.
+
+Each test checks the stream against what the store holds: applying a namespace's events in
+sequence order gives the objects its lookup finds, per medium.
+"""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from kvstore import Hints
+from kvstore.identity import ObjectId
+from kvs_events import EventSubscriber, all_events, events_of, wait_subscribed
+from kvs_testing import payload, wait_until
+
+MiB = 1 << 20
+EVENTS = {"events": {"enabled": True}}
+
+
+def read(c, key, size) -> bool:
+    out = np.empty(size, np.uint8)
+    return c.get_into(key, out) == size
+
+
+def new_ids(n):
+    return [ObjectId(os.urandom(32)) for _ in range(n)]
+
+
+def holdings(events) -> dict[str, set[bytes]]:
+    """medium -> ids held, from events applied in order."""
+    held: dict[str, set[bytes]] = {}
+    for e in events:
+        if e["type"] == "BlockStored":
+            held.setdefault(e["medium"], set()).update(e["block_hashes"])
+        elif e["type"] == "BlockRemoved":
+            held.setdefault(e["medium"], set()).difference_update(e["block_hashes"])
+        else:
+            held.clear()
+    return held
+
+
+def catch_up(subscriber, client, namespace):
+    """Receive until the subscriber has the last batch the daemon numbered for `namespace`."""
+    def last_seq():
+        return client.stats()["events"]["namespaces"][namespace]["next_seq"] - 1
+    subscriber.receive_until(lambda s: s.received and s.received[-1][0] >= last_seq(), f"catch up on {namespace}")
+
+
+def assert_gapless(received):
+    seqs = [seq for seq, _ in received]
+    assert seqs == list(range(seqs[0], seqs[0] + len(seqs))), seqs
+
+
+def test_a_subscriber_sees_stored_evicted_deleted_and_expired_of_its_namespace_only(daemon_factory):
+    d = daemon_factory("4MiB", config=EVENTS)
+    # "a" and "ab": one name is a prefix of the other, as ZMQ's topic filter matches prefixes
+    mine, other = EventSubscriber(d, "a"), EventSubscriber(d, "ab")
+    put_in = {"a": [], "ab": []}
+    try:
+        with d.client(namespace="a") as a, d.client(namespace="ab") as ab:
+            for name, c, sub in (("a", a, mine), ("ab", ab, other)):
+                def poke(c=c, name=name):
+                    put_in[name].extend(new_ids(1))
+                    c.put(put_in[name][-1], b"probe")
+                wait_subscribed(sub, poke)
+            keys = new_ids(8)
+            put_in["a"] += keys
+            for i, key in enumerate(keys):  # 8 MiB through a 4 MiB arena: the first ones are evicted
+                a.put(key, payload(MiB, i), hints=Hints(session_id="s1"))
+            ab.put(put_in["ab"][-1], b"probe")  # the other namespace stores meanwhile
+            assert a.delete([keys[-1]]) == 1
+            short = new_ids(1)[0]
+            put_in["a"].append(short)
+            a.put(short, b"short-lived", hints=Hints(ttl_s=0.5))
+            mine.receive_until(lambda s: any(e["type"] == "BlockRemoved" and short in e["block_hashes"]
+                                             for e in all_events(s.received)), "the expiry's event")
+            catch_up(mine, a, "a")
+            catch_up(other, ab, "ab")
+            found = a.lookup(put_in["a"]).tiers
+            resident = {key for key, tier in zip(put_in["a"], found) if tier == "host"}
+    finally:
+        mine.close(), other.close()
+    mine_events = all_events(mine.received)
+    seen = {h for e in mine_events for h in e.get("block_hashes", ())}
+    assert seen <= set(put_in["a"]) and not seen & set(put_in["ab"])
+    assert {h for e in all_events(other.received) for h in e.get("block_hashes", ())} <= set(put_in["ab"])
+    assert_gapless(mine.received), assert_gapless(other.received)
+    stored = {e["block_hashes"][0]: e for e in mine_events if e["type"] == "BlockStored"}
+    assert set(keys) <= set(stored)
+    assert all(stored[k]["medium"] == "CPU" and stored[k]["block_size"] == 256 and stored[k]["session_id"] == "s1"
+               for k in keys)
+    removed = {e["block_hashes"][0] for e in mine_events if e["type"] == "BlockRemoved"}
+    assert keys[-1] in removed and short in removed and keys[0] in removed  # deleted, expired, evicted
+    # The events replay to what the store holds, the probes before the subscription aside.
+    held = holdings(mine_events).get("CPU", set())
+    assert held == resident - (resident - seen)
+
+
+def test_a_replay_returns_the_batches_a_subscriber_missed(daemon_factory):
+    d = daemon_factory("16MiB", config=EVENTS)
+    early = EventSubscriber(d, "default")
+    with d.client() as c:
+        wait_subscribed(early, lambda: c.put(new_ids(1)[0], b"probe"))
+        for key in new_ids(5):
+            c.put(key, b"x" * 100)
+        catch_up(early, c, "default")
+        late = EventSubscriber(d, "default")  # missed everything so far
+        try:
+            missed = late.replay(0)  # vLLM's request: no topic, the namespace "default"
+            by_topic = late.replay(3, topic=late.topic)
+        finally:
+            late.close()
+        early.close()
+    assert [seq for seq, _ in missed] == list(range(len(missed))) and missed[-1][0] == early.received[-1][0]
+    live = dict(early.received)
+    assert all(live[seq] == body for seq, body in missed if seq in live)
+    assert by_topic == missed[3:]
+
+
+def test_a_subscriber_that_never_reads_does_not_stop_puts_and_gets(daemon_factory):
+    d = daemon_factory("16MiB", config={"events": {"enabled": True, "hwm": 1, "buffer_batches": 100_000}})
+    stuck = EventSubscriber(d, "default", rcvhwm=1)
+    n = 2000
+    try:
+        with d.client() as c:
+            wait_subscribed(stuck, lambda: c.put(new_ids(1)[0], b"probe"))
+            keys = new_ids(n)
+            for i, key in enumerate(keys):  # the subscriber reads nothing meanwhile
+                c.put(key, payload(4096, i))
+                assert read(c, key, 4096)
+            # The publisher thread sent every batch: the PUB socket dropped frames, never waited.
+            wait_until(lambda: c.stats()["events"]["num_sent_batches"] == c.stats()["events"]["num_batches"],
+                       10, "every batch sent")
+            last = c.stats()["events"]["namespaces"]["default"]["next_seq"] - 1
+        stuck.drain()
+        got = dict(stuck.received)
+        first_missing = next((seq for seq in range(min(got), last + 1) if seq not in got), last + 1)
+        replayed = dict(stuck.replay(first_missing)) if first_missing <= last else {}
+    finally:
+        stuck.close()
+    assert set(got) | set(replayed) >= set(range(min(got), last + 1))  # what was dropped comes back
+    assert all(got[seq] == replayed[seq] for seq in set(got) & set(replayed))
+
+
+def test_nvme_holdings_are_storage_events(daemon_factory):
+    d = daemon_factory("4MiB", config={**EVENTS, "nvme": {"enabled": True, "capacity_bytes": "64MiB",
+                                                         "file_bytes": "16MiB", "admit_min_hits": 0}})
+    sub = EventSubscriber(d, "default")
+    probes = []
+    try:
+        with d.client() as c:
+            def poke():
+                probes.extend(new_ids(1))
+                c.put(probes[-1], b"probe")
+            wait_subscribed(sub, poke)
+            keys = new_ids(8)
+            for i, key in enumerate(keys):  # the first ones are demoted to NVMe
+                c.put(key, payload(MiB, i))
+            assert read(c, keys[0], MiB)  # promoted back
+            catch_up(sub, c, "default")
+            tiers = dict(zip(keys, c.lookup(keys).tiers))
+            held = holdings(all_events(sub.received))
+            assert {k for k in keys if tiers[k] == "host"} == held["CPU"] & set(keys)
+            assert {k for k in keys if tiers[k] == "nvme"} <= held["STORAGE"] - held["CPU"]
+            assert keys[0] in held["CPU"] and keys[0] in held["STORAGE"]
+            assert c.delete(keys) == len(keys)
+            catch_up(sub, c, "default")
+    finally:
+        sub.close()
+    held = holdings(all_events(sub.received))
+    assert not (held.get("CPU", set()) | held.get("STORAGE", set())) & set(keys)
+
+
+def test_a_stopping_daemon_clears_every_namespace_it_published(daemon_factory):
+    d = daemon_factory("16MiB", config=EVENTS)
+    sub = EventSubscriber(d, "default")
+    try:
+        with d.client() as c:
+            wait_subscribed(sub, lambda: c.put(new_ids(1)[0], b"probe"))
+        assert d.stop(signal.SIGTERM) == 0
+        sub.drain()
+    finally:
+        sub.close()
+    assert events_of(sub.received[-1][1]) == [{"type": "AllBlocksCleared"}]
+    assert_gapless(sub.received)
+
+
+def test_an_endpoint_that_cannot_be_bound_is_refused_naming_the_key(unstarted_daemon):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        d = unstarted_daemon({"events": {"enabled": True, "endpoint": f"tcp://127.0.0.1:{port}"}})
+        result = subprocess.run([sys.executable, "-m", "commands.cli", "serve", "--config", d.config_path,
+                                 "--socket", d.socket], capture_output=True, text=True, timeout=60,
+                                stdin=subprocess.DEVNULL)
+    assert result.returncode != 0
+    assert "events.endpoint" in result.stderr and "Traceback" not in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize("namespace", ["default", "a:b", "ünï"])
+def test_topics_are_not_prefixes_of_each_other(namespace):
+    from server.events import topic_of
+    others = ["default2", "a", "a:", "ün", "defaul"]
+    assert not any(topic_of("kvstore.", o).startswith(topic_of("kvstore.", namespace)) for o in others if o != namespace)
