@@ -17,6 +17,7 @@ from kvstore.errors import KVStoreError, PermissionDenied
 from kvstore.protocol import MAX_BATCH
 from kvstore.replies import ClientLimits
 from server.data_dir import DataDirLock, HeldLock, ensure_dir, hold_data_dir
+from server.events import EventStream, NoEvents
 from server.socket_path import claim_socket_path
 from server.tiering.gpu_reads import GpuReads
 from server.host_memory import check_host_tier, host_memory
@@ -63,8 +64,12 @@ class Daemon:
         if config.cluster.enabled:
             from server.cluster.link import ClusterLink
             cluster = lambda manager: ClusterLink(manager, config.cluster)  # noqa: E731
+        self.events = NoEvents()  # the KV event stream for routers, when [events] enabled
+        if config.events.enabled:
+            from server.events.publisher import ZmqPublisher
+            self.events = EventStream(config.events.under(config.data_dir), ZmqPublisher)
         self.manager = TierManager(config.host, config.limits, verify_puts=config.verify_puts, make_nvme=nvme,
-                                   make_cluster=cluster)
+                                   make_cluster=cluster, events=self.events)
         self.connections: dict[int, LocalConnection] = {}
         self.started_at = time.time()
         self._server: asyncio.AbstractServer | None = None
@@ -93,6 +98,7 @@ class Daemon:
                      "note=\"a namespace whose arena does not fit in the memory available then is refused\"",
                      host.arena_bytes, host.max_namespaces, memory.total_bytes)
         self._data_dir = hold_data_dir(self.config.data_dir)  # before anything is made there
+        self.events.start()  # binds its sockets (ipc:// ones in the data directory by default)
         self._start_gpu()
         if self.config.nvme.enabled:
             ensure_dir(self.config.nvme_path, "nvme.path")
@@ -199,6 +205,9 @@ class Daemon:
                 await self.manager.mover.flush_host()
             await self.manager.mover.close()
         self.manager.close()
+        for name in self.events.namespaces():  # what this daemon held cannot be read until it is back
+            self.events.cleared(name)
+        self.events.close()  # sends what is pending first
         if self.gpu is not None:
             self.gpu.close()
         if self._socket_lock is not None:  # our socket is gone: the next daemon may take the path
@@ -273,6 +282,7 @@ class Daemon:
             "recovery": self.recovery,
             "gpu": self.gpu_stats(),
             **self.manager.stats(),
+            **({"events": self.events.stats()} if self.events.enabled else {}),
         }
 
 

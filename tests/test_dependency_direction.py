@@ -21,9 +21,11 @@ ALLOWED = {
 # Inside the daemon (docs/architecture.md, "The parts"): which of its packages each may use.
 # The peer protocol knows nothing of tiers; the chain of tiers knows nothing of clients,
 # peers or the admin API (the cluster joins it through a factory the daemon passes in).
+# The event stream for routers is a leaf the tiers report to; it knows nothing of them.
 SERVER = {
     "server/peer": {"server.peer", "server.later", "server.logs"},
-    "server/tiering": {"server.tiering", "server.later", "server.host_memory"},
+    "server/events": {"server.events"},
+    "server/tiering": {"server.tiering", "server.later", "server.host_memory", "server.events"},
     "server/cluster": {"server.cluster", "server.peer", "server.tiering", "server.later"},
     "server/local": {"server.local", "server.tiering", "server.later"},
     "server/admin": {"server.admin", "server.tiering", "server.cluster", "server.later", "server.logs"},

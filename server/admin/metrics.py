@@ -65,6 +65,16 @@ CLUSTER_COUNTERS = {
     ("rehome", "bytes_sent"): ("kvstore_rehome_bytes", "Bytes copied to new homes"),
     ("rehome", "failures"): ("kvstore_rehome_failures", "Re-homing sends that failed (retried)"),
 }
+# The KV event stream for routers (server/events/), node-wide, when [events] enabled.
+EVENTS_COUNTERS = {
+    "num_batches": ("kvstore_events_batches", "Event batches numbered and kept for replay (all namespaces)"),
+    "num_events": ("kvstore_events", "Holdings changes published (stored, removed, cleared)"),
+    "num_sent_batches": ("kvstore_events_sent_batches", "Batches the publisher thread sent on the PUB socket"),
+    "num_dropped_batches": ("kvstore_events_dropped_batches",
+                            "Batches not sent live (publisher queue full); subscribers get them by replay"),
+    "num_replays": ("kvstore_events_replays", "Replay requests answered"),
+    "num_bad_replay_requests": ("kvstore_events_bad_replay_requests", "Replay requests of neither form, ignored"),
+}
 # Puts (stored or deduplicated), gets and deletes count as operations for the ops/s meter.
 OPS_COUNTERS = ("num_puts", "num_dedup_puts", "num_gets", "num_deletes")
 
@@ -116,6 +126,10 @@ class StatsCollector:
         if nvme is not None:
             for key, (name, doc) in NVME_COUNTERS.items():
                 yield CounterMetricFamily(name, doc, value=nvme.get(key, 0))
+        events = stats.get("events")
+        if events is not None:
+            for key, (name, doc) in EVENTS_COUNTERS.items():
+                yield CounterMetricFamily(name, doc, value=events.get(key, 0))
         remote = stats.get("tiers", {}).get("remote")
         if remote is not None:  # a clustered node
             yield from _cluster_families(remote)

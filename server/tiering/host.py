@@ -23,6 +23,7 @@ from kvstore.config import HostTierConfig
 from kvstore.errors import CapacityError, NotFound
 from kvstore.identity import ObjectId
 from kvstore.policy import make_policy
+from server.events import MEDIUM_CPU, NoEvents
 from server.host_memory import check_new_arena, host_memory
 from server.later import MaybeAwaitable
 from server.tiering.expiry import ExpiryQueue
@@ -41,10 +42,14 @@ Sink = Callable[["Namespace", list[ObjectEntry]], Awaitable[None]]
 
 class HostTier:
     def __init__(self, config: HostTierConfig, clock=time.monotonic,
-                 on_leave: Callable[[Namespace, ObjectEntry], None] = lambda ns, entry: None):
+                 on_leave: Callable[[Namespace, ObjectEntry], None] = lambda ns, entry: None,
+                 events=NoEvents()):
         """on_leave(ns, entry): told when an entry leaves the index (evicted, expired,
-        deleted, dropped); the tier manager forgets it in the cluster if no lower tier keeps it."""
+        deleted, dropped); the tier manager forgets it in the cluster if no lower tier keeps it.
+        events: the KV event stream (server/events/), told of every entry that enters or
+        leaves the index, as medium "CPU"."""
         self.config = config
+        self.events = events
         self.clock = clock
         self.on_leave = on_leave
         self.namespaces: dict[str, Namespace] = {}
@@ -212,6 +217,7 @@ class HostTier:
         self.expiry.add(entry)
         ns.shared.publish(entry)
         ns.groups.add(entry, lambda: ns.arena.view(entry.extent)[:entry.size])
+        self.events.stored(ns.name, entry.object_id, MEDIUM_CPU, entry.descriptor.chunk_tokens, entry.hints.session_id)
 
     def publish(self, ns: Namespace, oid: ObjectId, extent: Extent, size: int, checksum: bytes, descriptor,
                 hints, pin_hint: bool = False, created_at: float | None = None,
@@ -302,6 +308,7 @@ class HostTier:
             self._zombies[id(entry)] = entry
         else:
             ns.arena.free(entry.extent)
+        self.events.removed(ns.name, entry.object_id, MEDIUM_CPU)
         self.on_leave(ns, entry)
 
     # --- housekeeping -----------------------------------------------------------

@@ -26,6 +26,7 @@ from kvstore.identity import ObjectId, descriptor_differences
 from kvstore.messages import Reserve
 from kvstore.ranges import check_within
 from kvstore.replies import MISS, CommitReply, GetReply, ReserveReply
+from server.events import NoEvents
 from server.tiering.absent import NoCluster, NoGpu, NoNvme
 from server.tiering.host import HostTier, Namespace, give_back_heap
 from server.tiering.groups import GroupOps
@@ -43,14 +44,16 @@ class TierManager:
     def __init__(self, host: HostTierConfig, limits: LimitsConfig = LimitsConfig(), *,
                  verify_puts: bool = False, clock=time.monotonic,
                  make_nvme: Callable[[TierManager], object] | None = None,
-                 make_cluster: Callable[[TierManager], object] | None = None):
+                 make_cluster: Callable[[TierManager], object] | None = None, events=NoEvents()):
         """The `[host]` and `[limits]` tables and ServerConfig.verify_puts. make_nvme / make_cluster:
         factories of the tiers below the host arena (server.tiering.nvme_mover.TierMover, server.cluster.link.
-        ClusterLink), given this manager; None: that tier is off (a null object stands in)."""
+        ClusterLink), given this manager; None: that tier is off (a null object stands in).
+        events: the KV event stream (server/events/) the host and NVMe tiers report to."""
         self.limits_config = limits
         self.verify_puts = verify_puts
         self.clock = clock
-        self.host = HostTier(host, clock, on_leave=self._left_host)
+        self.events = events
+        self.host = HostTier(host, clock, on_leave=self._left_host, events=events)
         self.leases = LeaseTable()
         self.quotas = ClientQuotas(limits, self.leases)
         self._pending: dict[int, PendingPut] = {}  # write lease id -> reserved put

@@ -8,6 +8,10 @@
               durable write), selective (after write_after_hits hits, in the background)
     evict:    a full NVMe tier drops its own victims (S3-FIFO over NVMe objects)
 
+Every object that enters or leaves the NVMe table is reported to the KV event stream
+(`manager.events`, server/events/) as medium "STORAGE"; what recovery finds at start is not
+(a snapshot for routers is not built yet).
+
 Runs on the event loop; NVMe I/O runs in the NVMe tier's thread pool. While an object is
 copied out of the host arena it holds a reader, so its extent cannot be freed or reused
 under the copy; a reader that arrives meanwhile keeps it resident.
@@ -28,6 +32,7 @@ from kvstore.identity import ID_BYTES, ObjectId
 from kvstore.peer_messages import RemoteMeta
 from kvstore.policy.admission import FrequencyAdmission
 from kvstore.replies import IN_MEMORY, CommitReply
+from server.events import MEDIUM_STORAGE
 from server.later import MaybeAwaitable, resolve
 from server.tiering.nvme_flush import flush_host
 from server.tiering.nvme_deadlines import NvmeDeadlines
@@ -63,6 +68,7 @@ class TierMover:
         """`config` is the `[nvme]` table with its path filled in (ServerConfig.nvme_path)."""
         self.manager = manager
         self.host = manager.host
+        self.events = manager.events
         self.config = config
         self.nvme: NvmeTier | None = None
         # What NVMe holds, and its eviction order: numpy columns keyed by the NVMe index's own
@@ -229,6 +235,8 @@ class TierMover:
             self.host.release_hold(entry)
         if key not in self.policy:
             self._remember(key, entry.size)
+            self.events.stored(entry.namespace, entry.object_id, MEDIUM_STORAGE, entry.descriptor.chunk_tokens,
+                               entry.hints.session_id)
             if entry.hints.ttl_s is not None:  # counted from the put, not from this write
                 self.deadlines.add(key, entry.created_at + entry.hints.ttl_s)
         entry.on_nvme = True
@@ -240,6 +248,7 @@ class TierMover:
         # They leave NVMe now: nothing counts on these copies from here on (a host entry of
         # one may be written back meanwhile; its new copy is then kept).
         for key in victims:
+            self._report_removed(key)
             self.deadlines.discard(key)
             entry = self._host_entry(key)
             if entry is not None:
@@ -269,7 +278,14 @@ class TierMover:
         ns = self.host.namespaces.get(name)
         return ns.objects.get(ObjectId(digest)) if ns else None
 
+    def _report_removed(self, key) -> None:
+        name, digest = key_parts(key)
+        self.events.removed(name, digest, MEDIUM_STORAGE)
+
     def _left_nvme(self, key) -> None:
+        """`key` left the table (forgotten, deleted, expired): reported, and the host entry
+        no longer counts on the copy."""
+        self._report_removed(key)
         entry = self._host_entry(key)
         if entry is not None:
             entry.on_nvme = False

@@ -12,11 +12,13 @@ import sys
 
 import numpy as np
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvstore import Hints
 from kvstore.identity import ObjectId
 from kvs_events import EventSubscriber, all_events, events_of, wait_subscribed
 from kvs_testing import payload, wait_until
+from server.admin.client import AdminClient
 
 MiB = 1 << 20
 EVENTS = {"events": {"enabled": True}}
@@ -120,6 +122,10 @@ def test_a_replay_returns_the_batches_a_subscriber_missed(daemon_factory):
     live = dict(early.received)
     assert all(live[seq] == body for seq, body in missed if seq in live)
     assert by_topic == missed[3:]
+    metrics = AdminClient.from_data_dir(d.data_dir).request("GET", "/metrics", raw=True)
+    samples = {s.name: s.value for f in text_string_to_metric_families(metrics) for s in f.samples}
+    assert samples["kvstore_events_replays_total"] == 2
+    assert samples["kvstore_events_batches_total"] == len(missed) and samples["kvstore_events_dropped_batches_total"] == 0
 
 
 def test_a_subscriber_that_never_reads_does_not_stop_puts_and_gets(daemon_factory):
