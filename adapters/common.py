@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvstore.errors import DaemonUnavailable, InvalidArgument, KVStoreError
+from kvstore.errors import InvalidArgument
 from kvstore.identity import ObjectId, StateDescriptor, chain_hash, namespace_salt, object_id, root_hash
 from client.connector_link import StoreLink
 
@@ -178,17 +178,22 @@ class SafeStore:
         """Store (key, data, descriptor) triples as one group (kvstore/groups.py): True once
         all of them are visible together; False and nothing new visible otherwise (a full or
         conflicting store is logged as a refusal, not counted as an outage)."""
-        def op(client):
-            try:
-                client.put_group(items, hints)
-            except DaemonUnavailable:
-                raise
-            except KVStoreError as exc:
-                return _Refused(exc)
-            return True
+        return self.put_groups([items], hints)[0]
 
-        stored = self._call(op, False)
-        self.num_stored += len(items) if stored else 0
+    def put_groups(self, groups: list[list], hints=None) -> list[bool]:
+        """put_group for many groups, batched (two round trips a window): which were stored."""
+        if not groups:
+            return []
+
+        def op(client):
+            results = client.put_groups(groups, hints)
+            refused = [r for r in results if isinstance(r, Exception)]
+            if refused:  # the store is up but turned these away (full, conflicting): say why
+                log.warning("kvstore refused %d of %d group puts: %s", len(refused), len(results), refused[0])
+            return [not isinstance(r, Exception) for r in results]
+
+        stored = self._call(op, [False] * len(groups))
+        self.num_stored += sum(len(items) for items, ok in zip(groups, stored) if ok)
         return stored
 
     def lookup_groups(self, groups: list[list]) -> list[bool]:
@@ -204,20 +209,27 @@ class SafeStore:
         """Copy every member of a group into its buffer (`outs`, in member order), or none:
         False on a miss or any failure (then a buffer may be partly written only if a copy
         itself failed: the caller must not use any of them)."""
-        def op(client):
-            got = client.get_group(members)
-            if got is None:
-                return False
-            with got:
-                for lease, out in zip(got, outs):
-                    dst = as_u8(out)
-                    if lease.size != dst.size:
-                        raise InvalidArgument(f"group member {lease.object_id.hex} is {lease.size} bytes, "
-                                              f"its buffer {dst.size}")
-                    np.copyto(dst, lease.numpy())
-            return True
+        return self.get_groups_into([(members, outs)])[0]
 
-        return self._call(op, False)
+    def get_groups_into(self, groups: list[tuple[list, list]]) -> list[bool]:
+        """get_group_into for many (members, outs) pairs, the reads in one round trip: per
+        group whether every member was copied (a False group's buffers must not be used)."""
+        if not groups:
+            return []
+
+        def op(client):
+            got = client.get_groups([members for members, _ in groups])
+            copied = []
+            try:
+                for lease, (_, outs) in zip(got, groups):
+                    copied.append(lease is not None and _copy_group(lease, outs))
+            finally:
+                for lease in got:
+                    if lease is not None:
+                        lease.release()
+            return copied
+
+        return self._call(op, [False] * len(groups))
 
     def delete(self, ids: list[ObjectId]) -> int:
         return self._call(lambda client: client.delete(ids), 0) if ids else 0
@@ -230,6 +242,16 @@ class SafeStore:
     def close(self) -> None:
         with self._lock:
             self._link.close()
+
+
+def _copy_group(lease, outs) -> bool:
+    """Copy a GroupLease's members into `outs`; InvalidArgument when a buffer's size differs."""
+    for member, out in zip(lease, outs):
+        dst = as_u8(out)
+        if member.size != dst.size:
+            raise InvalidArgument(f"group member {member.object_id.hex} is {member.size} bytes, its buffer {dst.size}")
+        np.copyto(dst, member.numpy())
+    return True
 
 
 def as_u8(buffer) -> np.ndarray:

@@ -35,8 +35,9 @@ SGLang drops the whole prefetch of its Mamba / SWA pools (it requires every one)
 Semantics follow SGLang's own backends (HiCacheFile, Mooncake): transfers' keys in
 `batch_exists_v2` are placeholders (only their number, a TRAILING pool's window, counts) and
 pools are tested against the KV keys; results are keyed by `transfer.name`, one bool per
-key, and only their leading run of True counts. Reads and writes stop at a pool's first
-failed page. Each page group costs its own round trips (one to read, two to write).
+key, and only their leading run of True counts (a page after a pool's first failed one is
+reported False). A transfer's page groups are read in one round trip and written in two (batched
+get_group / commit_group requests).
 
 Never raises into SGLang: the backend calls these through its guard, and a daemon that is
 down is a miss or a failed write (adapters.common.SafeStore). SGLang's types are imported
@@ -47,6 +48,13 @@ from __future__ import annotations
 
 from adapters.common import SafeStore
 from adapters.sglang_pages import PagePlan
+
+
+def _leading(done: list[bool]) -> list[bool]:
+    """A pool's pages as SGLang counts them: only the leading run of True (a page after the
+    first failed one is reported False, even where it was read or stored)."""
+    run = next((i for i, ok in enumerate(done) if not ok), len(done))
+    return [True] * run + [False] * (len(done) - run)
 
 
 def restorable_prefixes(policy, window: int, present: list[bool]) -> set[int]:
@@ -107,12 +115,8 @@ class SidecarPools:
         results = {}
         for transfer in transfers:
             plan, pages = self._pages(transfer)
-            got = [False] * len(pages)
-            for i, (key, views) in enumerate(pages):
-                got[i] = self.store.get_group_into(plan.members(key), views)
-                if not got[i]:
-                    break
-            results[transfer.name] = got
+            results[transfer.name] = _leading(self.store.get_groups_into([(plan.members(key), views)
+                                                                          for key, views in pages]))
         return results
 
     def set(self, transfers) -> dict:
@@ -122,13 +126,9 @@ class SidecarPools:
         results = {}
         for transfer in transfers:
             plan, pages = self._pages(transfer)
-            stored = [False] * len(pages)
-            for i, (key, views) in enumerate(pages):
-                items = [(oid, view, desc) for oid, view, desc in zip(plan.part_ids(key), views, plan.part_descs)]
-                stored[i] = self.store.put_group(items)
-                if not stored[i]:
-                    break
-            results[transfer.name] = stored
+            results[transfer.name] = _leading(self.store.put_groups(
+                [[(oid, view, desc) for oid, view, desc in zip(plan.part_ids(key), views, plan.part_descs)]
+                 for key, views in pages]))
         return results
 
     def _pages(self, transfer) -> tuple[PagePlan, list]:

@@ -11,7 +11,8 @@ Mamba groups: a state object is, layer after layer, each state tensor's row of o
 (vLLM's conv state, then its SSM state), the `mamba(layers, states)` layout.
 
 Objects of one store group (LoadSpec / SaveSpec `joint`: a chunk's attention objects and the
-states at its end) are read with `get_group_into` and put with `put_group`: all or nothing.
+states at its end) are read with `get_groups_into` and put with `put_groups` (all of a step's
+groups in one or two round trips): each all or nothing.
 A load that fails is reported as vLLM asks: block ids (`get_block_ids_with_load_errors`) for
 a single-group model, a failed receive of the whole request (`get_transfer_results`) for a
 model with several groups.
@@ -115,10 +116,11 @@ class WorkerIO:
         for spec in loads:
             if spec.joint is not None:
                 joint.setdefault((spec.request_id, spec.joint), []).append(spec)
-        for specs in joint.values():
-            bufs = self._staging(specs)
-            members = [Member(spec.object_id, self.groups[spec.group][0]) for spec in specs]
-            self._place(specs, bufs, self.store.get_group_into(members, [_u8(b) for b in bufs]))
+        reads = [(specs, self._staging(specs)) for specs in joint.values()]
+        got = self.store.get_groups_into([([Member(spec.object_id, self.groups[spec.group][0]) for spec in specs],
+                                           [_u8(b) for b in bufs]) for specs, bufs in reads])
+        for (specs, bufs), ok in zip(reads, got):
+            self._place(specs, bufs, ok)
         alone = [spec for spec in loads if spec.joint is None and spec.request_id not in self._failed]
         chunks = self._staging(alone)
         got = self.store.get_many_into([(spec.object_id, _u8(chunk)) for spec, chunk in zip(alone, chunks)])
@@ -206,8 +208,9 @@ class WorkerIO:
                 items.append((spec.object_id, _u8(buf), self.groups[spec.group][0]))
         for group, items in per_group.items():
             self.num_saved_chunks += sum(self.store.put_many(items, self.groups[group][0]))
-        for items in joint.values():
-            if items and self.store.put_group(items):
+        groups = [items for items in joint.values() if items]
+        for items, ok in zip(groups, self.store.put_groups(groups)):
+            if ok:
                 self.num_saved_groups += 1
                 self.num_saved_chunks += sum(1 for _, _, desc in items if desc.layout.name != "mamba")
 

@@ -286,12 +286,23 @@ class AsyncClient:
         holds already are not copied. `result.existed`: the whole group was stored."""
         return await self._run(group_ops.put_group(self.core, list(items), hints))
 
+    async def put_groups(self, groups, hints: Hints | None = None) -> list:
+        """put_group for many groups (each a list of items), a window of them per two round
+        trips. Never raises for one group's failure: per group its GroupPutResult, or the
+        exception that refused it (that group stored nothing)."""
+        return await self._run(group_ops.put_groups(self.core, [list(items) for items in groups], hints))
+
     async def lookup_groups(self, groups, namespace: str | None = None) -> group_ops.GroupLookup:
         """Per group (a list of member keys: ChunkKeys, or kvstore.groups.Member) whether it
         is complete: its manifest and every member held, live and under the descriptor the
         key expects, on any tier. `leading` counts the complete groups before the first
         incomplete one."""
         return await self._run(group_ops.lookup_groups(self.core, list(groups), namespace))
+
+    async def get_groups(self, groups, namespace: str | None = None) -> list:
+        """get_group for many groups in one round trip (per window of leases): per group a
+        GroupLease, or None with nothing of it leased."""
+        return await self._run(group_ops.get_groups(self.core, [list(members) for members in groups], namespace))
 
     async def get_group(self, members, namespace: str | None = None) -> group_ops.GroupLease | None:
         """Read leases on every member of the group (a GroupLease, a context manager), or

@@ -1,11 +1,15 @@
-"""Store groups from the client: put_group, lookup_groups, get_group (kvstore/groups.py).
+"""Store groups from the client: put_groups, lookup_groups, get_groups (kvstore/groups.py).
 
 Generators over a ClientCore, driven like its op_* (client/core.py):
 
-    put_group:     reserve each member and the manifest (one round trip)
-                   -> copy + hash the new members, write the manifest -> commit_group
+    put_groups:    reserve each group's members and manifest (one round trip for a window of
+                   groups) -> copy + hash the new members, write the manifests
+                   -> one commit_group per group (one more round trip for the window)
     lookup_groups: lookup_groups per frame of members -> per group complete or not
-    get_group:     get_group -> a ReadLease per member, or None (nothing leased)
+    get_groups:    one get_group per group, in one round trip -> per group a GroupLease
+                   (a ReadLease per member), or None (nothing of it leased)
+
+put_group and get_group are the same for one group.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from kvstore.groups import Member, check_members, group_descriptor, group_id, ma
 from kvstore.hints import Hints
 from kvstore.identity import ObjectId
 from kvstore.protocol import MAX_BATCH
-from client.core import ClientCore, _expect_fields, copy_and_hash
+from client.core import PUT_WINDOW_BYTES, ClientCore, _expect_fields, copy_and_hash
 from client.lease import ReadLease
 
 PUT_ATTEMPTS = 3  # a member said to be stored may leave before the commit: put again
@@ -83,48 +87,111 @@ def _members(items) -> list:
 def put_group(core: ClientCore, items, hints: Hints | None = None):
     """Store `items` as one group: every member and the manifest become visible at once,
     or nothing is stored (the error is raised). Members already stored are not copied."""
-    hints = hints or Hints()
+    (result,) = yield from put_groups(core, [items], hints)
+    if isinstance(result, Exception):
+        raise result
+    return result
+
+
+def _prepare(core: ClientCore, items) -> tuple:
+    """(namespace, [(oid, descriptor, source bytes)], group id, manifest descriptor) of one
+    group to put; InvalidArgument names its problem."""
     given = _members(items)
     check_members([member.object_id for member, _ in given])
-    members = []
-    for member, data in given:
-        oid, desc, src = core.put_item(member.object_id, data, member.descriptor)
-        members.append((oid, desc, src))
+    members = [core.put_item(member.object_id, data, member.descriptor) for member, data in given]
     namespaces = {desc.namespace for _, desc, _ in members}
     if len(namespaces) != 1:
         raise InvalidArgument(f"a group's members are in one namespace, got {sorted(namespaces)}")
-    namespace = namespaces.pop()
-    ids = [oid for oid, _, _ in members]
-    gid, gdesc = group_id(ids), group_descriptor(members[0][1])
-    yield from core.op_open(namespace)
-    for attempt in range(PUT_ATTEMPTS):
+    return namespaces.pop(), members, group_id([oid for oid, _, _ in members]), group_descriptor(members[0][1])
+
+
+def _windows(core: ClientCore, groups: list) -> list[list[int]]:
+    """Indexes of prepared groups per window: each window's reserved bytes and leases fit
+    what one client may hold at once (a group larger than that alone)."""
+    max_bytes = min(PUT_WINDOW_BYTES, core.max_inflight_bytes,
+                    min((core.arenas[g[0]].size for g in groups), default=PUT_WINDOW_BYTES) // 4)
+    max_leases = max(1, (core.max_leases or 2048) // 2)
+    windows, size, leases = [], 0, 0
+    for i, (_, members, _, _) in enumerate(groups):
+        need, count = sum(src.size for _, _, src in members), len(members) + 1
+        if not windows or size + need > max_bytes or leases + count > max_leases:
+            windows.append([])
+            size = leases = 0
+        windows[-1].append(i)
+        size += need
+        leases += count
+    return windows
+
+
+def put_groups(core: ClientCore, groups, hints: Hints | None = None):
+    """Store each of `groups` (lists of put items) as a group, all of a window's reserves in
+    one round trip and all its commits in another. Per group its GroupPutResult, or the
+    exception that refused it (that group stored nothing; the others are stored)."""
+    hints = hints or Hints()
+    results: list = [None] * len(groups)
+    prepared = {}
+    for i, items in enumerate(groups):
         try:
-            return (yield from _put_once(core, namespace, members, gid, gdesc, hints))
-        except NotFound:
-            if attempt == PUT_ATTEMPTS - 1:
-                raise
+            prepared[i] = _prepare(core, items)
+        except InvalidArgument as exc:
+            results[i] = exc
+    for namespace in {p[0] for p in prepared.values()}:
+        yield from core.op_open(namespace)
+    order = list(prepared)
+    for window in _windows(core, [prepared[i] for i in order]):
+        todo = [order[k] for k in window]
+        for attempt in range(PUT_ATTEMPTS):  # a member said to be stored may leave before its commit
+            done = yield from _put_window(core, [prepared[i] for i in todo], hints)
+            for i, result in zip(todo, done):
+                results[i] = result
+            todo = [i for i in todo if isinstance(results[i], NotFound)]
+            if not todo or attempt == PUT_ATTEMPTS - 1:
+                break
+    return results
 
 
-def _put_once(core: ClientCore, namespace: str, members: list, gid: ObjectId, gdesc, hints: Hints):
-    reserves = [m.Reserve(namespace, oid, src.size, desc, hints) for oid, desc, src in members]
-    reserves.append(m.Reserve(namespace, gid, manifest_size(len(members)), gdesc, hints))
-    replies = yield [core.request(msg) for msg in reserves]
-    got, error = [], None
-    for reply in replies:
-        if reply.error is not None:
-            error = error or from_wire(reply.error)
-            got.append(None)
-        else:
-            got.append(r.ReserveReply.from_wire(reply.result))
-    if error is not None:
-        leased = [g.lease for g in got if g is not None and not g.exists]
-        if leased:
-            yield [core.request(m.Abort(lease), no_reply=True) for lease in leased]
-        raise error
-    *member_replies, manifest = got
-    if manifest.exists and all(g.exists for g in member_replies):
-        return GroupPutResult(gid, True)  # the whole group is stored already
-    arena = core.arenas[namespace]
+def _put_window(core: ClientCore, groups: list, hints: Hints):
+    requests = []
+    for namespace, members, gid, gdesc in groups:
+        requests += [core.request(m.Reserve(namespace, oid, src.size, desc, hints)) for oid, desc, src in members]
+        requests.append(core.request(m.Reserve(namespace, gid, manifest_size(len(members)), gdesc, hints)))
+    replies = iter((yield requests))
+    results, commits, aborts = [], [], []
+    for namespace, members, gid, _ in groups:
+        got, error = [], None
+        for _ in range(len(members) + 1):
+            reply = next(replies)
+            if reply.error is not None:
+                error = error or from_wire(reply.error)
+                got.append(None)
+            else:
+                got.append(r.ReserveReply.from_wire(reply.result))
+        if error is not None:
+            aborts += [g.lease for g in got if g is not None and not g.exists]
+            results.append(error)
+            continue
+        *member_replies, manifest = got
+        if manifest.exists and all(g.exists for g in member_replies):
+            results.append(GroupPutResult(gid, True))  # the whole group is stored already
+            continue
+        commits.append((len(results), _written(core.arenas[namespace], members, member_replies, manifest)))
+        results.append(None)
+    if aborts:
+        yield [core.request(m.Abort(lease), no_reply=True) for lease in aborts]
+    if commits:
+        replies = yield [core.request(commit) for _, commit in commits]
+        for (at, _), reply in zip(commits, replies):
+            if reply.error is not None:
+                results[at] = from_wire(reply.error)
+            else:
+                done = r.CommitGroupReply.from_wire(reply.result)
+                results[at] = GroupPutResult(ObjectId(done.group), done.exists, done.durability)
+    return results
+
+
+def _written(arena, members: list, member_replies: list, manifest) -> m.CommitGroup:
+    """Copy and hash the reserved members into the arena, write the manifest (unless it is
+    stored already): the group's commit."""
     checksums, leases = [], []
     for (oid, _, src), reserved in zip(members, member_replies):
         if reserved.exists:
@@ -136,11 +203,8 @@ def _put_once(core: ClientCore, namespace: str, members: list, gid: ObjectId, gd
     if not manifest.exists:  # else only members are missing: they join the stored manifest
         listing = manifest_bytes([oid for oid, _, _ in members], checksums)
         arena[manifest.offset:manifest.offset + len(listing)] = memoryview(listing)
-    commit = m.CommitGroup(0 if manifest.exists else manifest.lease, b"".join(oid.digest for oid, _, _ in members),
-                           pack_uints(leases), b"".join(checksums))
-    (reply,) = yield [core.request(commit)]
-    done = core.result(reply, r.CommitGroupReply)
-    return GroupPutResult(ObjectId(done.group), done.exists, done.durability)
+    return m.CommitGroup(0 if manifest.exists else manifest.lease, b"".join(oid.digest for oid, _, _ in members),
+                         pack_uints(leases), b"".join(checksums))
 
 
 def _frames(groups: list[list[Member]]) -> list[list[int]]:
@@ -184,19 +248,54 @@ def get_group(core: ClientCore, members, namespace: str | None = None):
     """Read leases on every member of the group (a GroupLease), or None: then nothing is
     leased. The daemon checks each member's bytes against those the group was committed
     with; a reader who wants to check the bytes it copies uses each lease's checksum."""
-    members = [Member.of(key) for key in members]
-    check_members([member.object_id for member in members])
+    (got,) = yield from get_groups(core, [members], namespace)
+    return got
+
+
+def get_groups(core: ClientCore, groups, namespace: str | None = None):
+    """Per group (a list of member keys) a GroupLease, or None (nothing of it leased); one
+    get_group request each, sent together, in windows of at most half the client's lease
+    quota. A refused request raises after every lease was released."""
+    groups = [[Member.of(key) for key in members] for members in groups]
+    for members in groups:
+        check_members([member.object_id for member in members])
     namespace = namespace or core.namespace
     yield from core.op_open(namespace, create=False)
-    expect, expect_of = _expect_fields([member.descriptor for member in members])
-    (reply,) = yield [core.request(m.GetGroup(namespace, b"".join(mb.object_id.digest for mb in members),
-                                              expect, expect_of))]
-    got = core.result(reply, r.GetGroupReply)
-    if not got.hit:
-        return None
-    if namespace not in core.arenas:  # made since we opened (a promotion for this read)
-        yield from core.op_open(namespace)
-    arena = core.arenas[namespace]
+    out: list = [None] * len(groups)
+    window, first_error = max(1, (core.max_leases or 2048) // 2), None
+    if not groups:
+        return out
+    starts, count = [0], 0
+    for g, members in enumerate(groups):
+        if count and count + len(members) + 1 > window:
+            starts.append(g)
+            count = 0
+        count += len(members) + 1
+    for begin, end in zip(starts, starts[1:] + [len(groups)]):
+        requests = []
+        for members in groups[begin:end]:
+            expect, expect_of = _expect_fields([member.descriptor for member in members])
+            requests.append(core.request(m.GetGroup(namespace, b"".join(mb.object_id.digest for mb in members),
+                                                    expect, expect_of)))
+        replies = yield requests
+        if namespace not in core.arenas and any(reply.error is None for reply in replies):
+            yield from core.op_open(namespace)  # made since we opened (a promotion for this read)
+        for g, reply in zip(range(begin, end), replies):
+            if reply.error is not None:
+                first_error = first_error or from_wire(reply.error)
+                continue
+            got = r.GetGroupReply.from_wire(reply.result)
+            if got.hit:
+                out[g] = _group_lease(core, core.arenas[namespace], groups[g], got)
+    if first_error is not None:
+        for lease in out:
+            if lease is not None:
+                lease.release()
+        raise first_error
+    return out
+
+
+def _group_lease(core: ClientCore, arena, members: list[Member], got: r.GetGroupReply) -> GroupLease:
     leases = []
     sizes, offsets = unpack_uints(got.sizes), unpack_uints(got.offsets)
     of = unpack_uints(got.descriptor_of, 2)

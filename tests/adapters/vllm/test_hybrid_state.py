@@ -124,16 +124,16 @@ def test_a_daemon_killed_during_a_group_put_leaves_no_partial_hit(base_config, d
                                                  "write_policy": "write_through"}})
     tokens = tokens_of(PROMPT, 61)
     a = mamba_engine(base_config, d.socket)
-    real_put = a.worker.store.put_group
+    real_put = a.worker.store.put_groups
     calls = []
 
-    def put_then_die(items, hints=None):  # the second group's put meets a dead daemon
-        calls.append(len(items))
+    def put_then_die(groups, hints=None):  # the second group's put meets a dead daemon
+        calls.extend(len(items) for items in groups)
         if len(calls) == 2:
             d.stop(signal.SIGKILL)
-        return real_put(items, hints)
+        return real_put(groups, hints)
 
-    a.worker.store.put_group = put_then_die
+    a.worker.store.put_groups = put_then_die
     a.add(make_request(400, tokens))
     a.run_to_end()
     assert calls == [2, 2] and a.worker.num_saved_groups == 1

@@ -324,3 +324,24 @@ def test_bad_groups_are_refused_by_name_and_store_nothing(daemon):
             c.put_group([(kv, data), (state, payload(100, 3))])  # the state's id holds other bytes
         assert c.lookup([kv]).tiers == (None,) and c.stats()["leases"] == 0
         c.check_integrity()
+
+
+def test_many_groups_put_and_read_in_batches_each_whole_or_not(daemon):
+    tokens = list(range(256 * 8))
+    groups = [chunk_group(tokens, ch) for ch in range(8)]
+    with daemon.client() as c:
+        c.put(groups[3][1][0], payload(9_000, 999))  # group 3's state id already holds other bytes
+        results = c.put_groups(groups)
+        assert [isinstance(r, Exception) for r in results] == [False, False, False, True, False, False, False, False]
+        assert "other bytes" in str(results[3]) and not results[0].existed
+        assert c.lookup_groups([[k for k, _ in g] for g in groups]).complete == (True,) * 3 + (False,) + (True,) * 4
+        c.delete([groups[5][0][0]])
+        got = c.get_groups([[k for k, _ in g] for g in groups])
+        assert [g is None for g in got] == [False, False, False, True, False, True, False, False]
+        for lease, items in zip(got, groups):
+            if lease is not None:
+                with lease:
+                    assert same_bytes(lease, items)
+        assert c.put_groups(groups[:3]) and all(r.existed for r in c.put_groups(groups[:3]))
+        assert c.stats()["leases"] == 0
+        c.check_integrity()
