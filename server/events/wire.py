@@ -3,9 +3,11 @@
 A frame on the PUB socket is three parts: the topic, the sequence number as 8 bytes
 big-endian, and one msgpack `KVEventBatch`: an array [ts, events, data_parallel_rank]. Each
 event is a map whose first key "type" names its class (msgspec's tagged structs), then the
-class's fields in declaration order, fields at their default left out. This writes the bytes
-msgspec writes for the same values (tests/adapters/vllm/test_kv_events.py checks that with
-vLLM's own classes), so a consumer of vLLM's events needs no code of ours.
+class's fields in declaration order, fields at their default left out. This writes the same
+document msgspec writes for the same values (only the map header may differ: msgspec gives a
+struct of more than 15 fields a map16 header even when it writes fewer);
+tests/adapters/vllm/test_kv_events.py checks that with vLLM's own classes. So a consumer of
+vLLM's events needs no code of ours.
 
 What the fields say here (docs/architecture.md, "Events for routers"):
 - block_hashes: one 32-byte object id (the engine's own block hashes come later, from the
