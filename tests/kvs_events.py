@@ -8,6 +8,7 @@ The waits poll with a liveness bound; nothing here measures time.
 from __future__ import annotations
 
 import os
+import time
 
 import msgpack
 import zmq
@@ -20,7 +21,8 @@ POLL_MS = 10_000  # a liveness bound: the daemon sends within it on any machine
 
 def endpoints(daemon) -> tuple[str, str]:
     """The default endpoints of a DaemonProcess started with `[events] enabled = true`."""
-    return f"ipc://{os.path.join(daemon.data_dir, 'events.pub')}", f"ipc://{os.path.join(daemon.data_dir, 'events.replay')}"
+    return (f"ipc://{os.path.join(daemon.data_dir, 'events.pub')}",
+            f"ipc://{os.path.join(daemon.data_dir, 'events.replay')}")
 
 
 class EventSubscriber:
@@ -90,6 +92,16 @@ def events_of(payload: bytes) -> list[dict]:
 
 def all_events(received) -> list[dict]:
     return [e for _, payload in received for e in events_of(payload)]
+
+
+def last_seq(client, namespace: str) -> int:
+    """The number of the last batch of `namespace`, once no report waits for its batch."""
+    for _ in range(1000):
+        events = client.stats()["events"]
+        if events["pending_events"] == 0:
+            return events["namespaces"][namespace]["next_seq"] - 1
+        time.sleep(0.01)
+    raise AssertionError("reports still wait for their batch")
 
 
 def wait_subscribed(subscriber: EventSubscriber, poke) -> None:

@@ -13,8 +13,9 @@ form, which names none, replays namespace VLLM_REPLAY_NAMESPACE. A request of an
 shape is ignored (counted), as vLLM does.
 
 The event loop only calls `offer` (a non-blocking put on a bounded queue, plus a wake-up
-frame on an inproc socket). Everything else runs in the thread, which owns the PUB, ROUTER
-and wake-up receiver sockets. A subscriber that does not read never blocks the thread: PUB
+frame on an inproc socket when the queue was empty: once woken, the thread sends until it
+is empty). Everything else runs in the thread, which owns the PUB, ROUTER and wake-up
+receiver sockets. A subscriber that does not read never blocks the thread: PUB
 drops frames past the high-water mark `hwm` (ZMQ does not count those; the subscriber sees
 the gap in the sequence numbers and replays).
 """
@@ -22,8 +23,8 @@ the gap in the sequence numbers and replays).
 from __future__ import annotations
 
 import logging
-import queue
 import threading
+from collections import deque
 
 import zmq
 
@@ -56,7 +57,9 @@ class ZmqPublisher:
         stream adds rings while the thread reads them)."""
         self.config = config
         self.rings = rings
-        self._queue: queue.Queue = queue.Queue(maxsize=QUEUE_BATCHES)
+        # (topic, batch), or None to stop. A deque: append and popleft are atomic, and the
+        # put path takes no lock (queue.Queue takes one and notifies a condition per put).
+        self._queue: deque = deque()
         self._ctx: zmq.Context | None = None
         self._wake: zmq.Socket | None = None  # the event loop's end of the wake-up pair
         self._thread: threading.Thread | None = None
@@ -105,16 +108,14 @@ class ZmqPublisher:
     def offer(self, ring, batch) -> bool:
         """Queue a numbered batch for sending, without blocking: False when the queue is full
         (the batch stays in its ring for replays). Event loop thread only."""
-        if self._thread is None:  # not started, or closed
+        if self._thread is None or len(self._queue) >= QUEUE_BATCHES:  # not running, or full
             return False
-        try:
-            self._queue.put_nowait((ring.topic, batch))
-        except queue.Full:
-            return False
-        try:
-            self._wake.send(b"", zmq.NOBLOCK)
-        except zmq.Again:  # a wake-up is pending already
-            pass
+        self._queue.append((ring.topic, batch))
+        if len(self._queue) == 1:  # it was empty: the thread sleeps, or drains what is queued anyway
+            try:
+                self._wake.send(b"", zmq.NOBLOCK)
+            except zmq.Again:  # a wake-up is pending already
+                pass
         return True
 
     def close(self) -> None:
@@ -122,10 +123,7 @@ class ZmqPublisher:
         about CLOSE_JOIN_S). Event loop thread; idempotent."""
         if self._thread is None:
             return
-        try:
-            self._queue.put(None, timeout=CLOSE_JOIN_S)  # the thread drains the queue: room comes
-        except queue.Full:
-            pass
+        self._queue.append(None)
         try:
             self._wake.send(b"", zmq.NOBLOCK)
         except zmq.Again:  # a wake-up is pending already
@@ -133,14 +131,14 @@ class ZmqPublisher:
         self._thread.join(CLOSE_JOIN_S)
         self._wake.close(linger=0)
         if self._thread.is_alive():  # stuck: its sockets stay open, so the context is left as is
-            log.warning("event=events_close_timeout queued=%d", self._queue.qsize())
+            log.warning("event=events_close_timeout queued=%d", len(self._queue))
         else:
             self._ctx.term()  # waits for the thread's sockets to linger out (CLOSE_LINGER_MS)
         self._thread = None
 
     def stats(self) -> dict:
         return {"num_sent_batches": self.num_sent_batches, "num_replays": self.num_replays,
-                "num_bad_replay_requests": self.num_bad_replay_requests, "queued_batches": self._queue.qsize()}
+                "num_bad_replay_requests": self.num_bad_replay_requests, "queued_batches": len(self._queue)}
 
     # --- the thread -------------------------------------------------------------------
 
@@ -168,8 +166,8 @@ class ZmqPublisher:
         """Send every queued batch; False once the close sentinel came."""
         while True:
             try:
-                item = self._queue.get_nowait()
-            except queue.Empty:
+                item = self._queue.popleft()
+            except IndexError:
                 return True
             if item is None:
                 return False

@@ -17,7 +17,7 @@ from vllm.distributed.kv_events import (MEDIUM_CPU, MEDIUM_STORAGE, AllBlocksCle
 
 from kvstore import Hints
 from kvstore.identity import ObjectId
-from kvs_events import EventSubscriber, wait_subscribed
+from kvs_events import EventSubscriber, last_seq, wait_subscribed
 from kvs_testing import payload
 
 pytestmark = pytest.mark.engines
@@ -92,7 +92,7 @@ def test_a_replay_decodes_with_vllms_classes(daemon_factory):
     try:
         with d.client() as c:
             wait_subscribed(live, lambda: c.put(ObjectId(os.urandom(32)), b"probe"))
-            last = c.stats()["events"]["namespaces"]["default"]["next_seq"] - 1
+            last = last_seq(c, "default")
             live.receive_until(lambda s: s.received[-1][0] >= last, "catch up")
             replayed = live.replay(0)  # vLLM's request: [b"", start_seq]
     finally:

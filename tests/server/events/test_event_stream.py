@@ -11,6 +11,7 @@ from kvs_events import EventSubscriber, events_of
 from kvs_testing import wait_until
 from server.events import MEDIUM_CPU, MEDIUM_STORAGE, EventStream, topic_of
 from server.events.publisher import ZmqPublisher
+from server.events.stream import FLUSH_INTERVAL_S
 from server.events.wire import CLEARED, REMOVED, STORED, encode_batch
 
 A, B = b"a" * 32, b"b" * 32
@@ -43,17 +44,18 @@ def test_a_refused_batch_is_counted_and_kept_for_replay():
     assert [b.seq for b in ring.since(1)] == [1, 2] and ring.since(1)[0].events[0][1] == B
 
 
-def test_reports_within_one_loop_iteration_are_one_batch_per_namespace():
+def test_reports_within_one_flush_interval_are_one_batch_per_namespace():
     publisher = RefusingPublisher(set())
     stream = EventStream(EventsConfig(enabled=True), lambda config, rings: publisher)
 
     async def main():
         stream.stored("x", A, MEDIUM_CPU, 16, "s")
         stream.removed("y", A, MEDIUM_STORAGE)
+        await asyncio.sleep(0)  # another loop iteration, the same batch
         stream.removed("x", B, MEDIUM_CPU)
-        await asyncio.sleep(0)
+        await asyncio.sleep(FLUSH_INTERVAL_S)  # a timer due no earlier than the flush's: after it
         stream.cleared("x")
-        await asyncio.sleep(0)
+        await asyncio.sleep(FLUSH_INTERVAL_S)
     asyncio.run(main())
     x = stream.rings[topic_of("kvstore.", "x")].since(0)
     assert [len(b.events) for b in x] == [2, 1] and [b.seq for b in x] == [0, 1]
