@@ -10,6 +10,7 @@ ServerConfig); the daemon's publisher (server/events/) takes it with its endpoin
     replay_endpoint = "tcp://127.0.0.1:5558"   # "" = ipc://<data_dir>/events.replay
     topic = "kvstore."                          # prefix of every namespace's topic
     buffer_batches = 10000                      # batches kept per namespace for replay
+                                                # (and at most 1,000,000 events)
     hwm = 100000                                # ZMQ send high-water mark (per subscriber)
 """
 

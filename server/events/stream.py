@@ -29,6 +29,10 @@ from server.events.wire import CLEARED, REMOVED, STORED, topic_of
 # 0.82-0.87x with 2 ms, 1.0x with 50 ms, and within that run's noise (0.89-1.04x) with 10 ms,
 # where the lag from a put's reply to its event is ~5 ms at the median.
 FLUSH_INTERVAL_S = 0.01
+# A namespace's replay ring keeps at most this many events (~150 B each: ~150 MB), whatever
+# buffer_batches says: batches of 10 ms under a put_many stream hold hundreds of events, and
+# 10,000 of them would be gigabytes. A replay from further back gets what is kept (as vLLM's).
+MAX_RING_EVENTS = 1_000_000
 
 
 class NoEvents:
@@ -66,19 +70,25 @@ class Batch:
 
 
 class Ring:
-    """One namespace's last batches, for replays. Appended on the event loop only; read by
-    the publisher thread through `since`, which copies the deque in one C call (list() holds
-    the GIL throughout, so no append lands in the middle of it): no lock on the put path."""
+    """One namespace's last batches, for replays: at most `size` batches and MAX_RING_EVENTS
+    events. Appended (and trimmed) on the event loop only; read by the publisher thread
+    through `since`, which copies the deque in one C call (list() holds the GIL throughout,
+    so no change lands in the middle of it): no lock on the put path."""
 
     def __init__(self, topic: bytes, size: int):
         self.topic = topic
         self.next_seq = 0
-        self._batches: deque[Batch] = deque(maxlen=size)
+        self.size = size
+        self.num_events = 0
+        self._batches: deque[Batch] = deque()
 
     def append(self, ts: float, events: list[tuple]) -> Batch:
         batch = Batch(self.next_seq, ts, events)
         self._batches.append(batch)
         self.next_seq += 1
+        self.num_events += len(events)
+        while len(self._batches) > self.size or (self.num_events > MAX_RING_EVENTS and len(self._batches) > 1):
+            self.num_events -= len(self._batches.popleft().events)
         return batch
 
     def since(self, seq: int) -> list[Batch]:

@@ -11,6 +11,7 @@ from kvs_events import EventSubscriber, events_of
 from kvs_testing import wait_until
 from server.events import MEDIUM_CPU, MEDIUM_STORAGE, EventStream, topic_of
 from server.events.publisher import ZmqPublisher
+from server.events import stream as stream_module
 from server.events.stream import FLUSH_INTERVAL_S
 from server.events.wire import CLEARED, REMOVED, STORED, encode_batch
 
@@ -42,6 +43,18 @@ def test_a_refused_batch_is_counted_and_kept_for_replay():
     assert publisher.offered == [0, 2] and stream.counters.num_dropped_batches == 1
     ring = stream.rings[topic_of("kvstore.", "ns")]
     assert [b.seq for b in ring.since(1)] == [1, 2] and ring.since(1)[0].events[0][1] == B
+
+
+def test_the_ring_keeps_at_most_its_batches_and_max_ring_events(monkeypatch):
+    monkeypatch.setattr(stream_module, "MAX_RING_EVENTS", 5)
+    ring = stream_module.Ring(b"t", size=3)
+    for n in (1, 1, 1, 1):
+        ring.append(0.0, [(CLEARED,)] * n)
+    assert [b.seq for b in ring.since(0)] == [1, 2, 3]  # size
+    ring.append(0.0, [(CLEARED,)] * 4)
+    assert [b.seq for b in ring.since(0)] == [3, 4] and ring.num_events == 5  # events
+    ring.append(0.0, [(CLEARED,)] * 9)
+    assert [b.seq for b in ring.since(0)] == [5]  # the newest batch stays, whatever its size
 
 
 def test_reports_within_one_flush_interval_are_one_batch_per_namespace():
