@@ -34,11 +34,11 @@ class GroupIndex:
         return len(self.members)
 
     def add(self, entry, data) -> None:
-        """Index `entry` if it is a manifest; `data` its bytes (read only for a manifest)."""
+        """Index manifest `entry`, whose bytes are `data` (another kind is ignored)."""
         if entry.descriptor.kind is not Kind.GROUP or entry.object_id in self.members:
             return
         try:
-            ids, _ = parse_manifest(data())
+            ids, _ = parse_manifest(data)
         except InvalidArgument:
             return  # not a manifest this daemon wrote: it stays an opaque object
         self.members[entry.object_id] = tuple(ids)

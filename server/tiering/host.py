@@ -21,7 +21,7 @@ from typing import Awaitable, Callable
 
 from kvstore.config import HostTierConfig
 from kvstore.errors import CapacityError, NotFound
-from kvstore.identity import ObjectId
+from kvstore.identity import Kind, ObjectId
 from kvstore.policy import make_policy
 from server.events import MEDIUM_CPU, NoEvents
 from server.host_memory import check_new_arena, host_memory
@@ -216,7 +216,8 @@ class HostTier:
         ns.policy.on_insert(entry.object_id, entry.size, entry.hints.recompute_cost_ms, entry.hints.priority)
         self.expiry.add(entry)
         ns.shared.publish(entry)
-        ns.groups.add(entry, lambda: ns.arena.view(entry.extent)[:entry.size])
+        if entry.descriptor.kind is Kind.GROUP:  # a store group's manifest: index its members
+            ns.groups.add(entry, ns.arena.view(entry.extent)[:entry.size])
         self.events.stored(ns.name, entry.object_id, MEDIUM_CPU, entry.descriptor.chunk_tokens, entry.hints.session_id)
 
     def publish(self, ns: Namespace, oid: ObjectId, extent: Extent, size: int, checksum: bytes, descriptor,
