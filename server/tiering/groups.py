@@ -55,24 +55,23 @@ class GroupOps:
                 mgr.own_lease(owner, lease, "write")
             puts = {lease: mgr.pending_put(lease) for lease in leases}
             ns = mgr.namespaces[puts[leases[0]].namespace]
-            self._check(ns, msg, puts)
+            gid = group_id(msg.member_ids())
+            self._check(ns, msg, puts, gid)
         except Exception:
             self._abandon(owner, leases)
             raise
         # Everything checked: from here to the end of this call nothing awaits.
         published = [mgr.publish_put(ns, mgr.take_put(owner, lease), checksum) for _, lease, checksum in items if lease]
-        gid = group_id(msg.member_ids())
         if msg.manifest:
             manifest = mgr.take_put(owner, msg.manifest)
             published.append(mgr.publish_put(ns, manifest, mgr.checksum_of(ns, manifest)))
         ns.counters.num_group_puts += 1
         return then(_all(published), lambda replies: _committed(gid, replies))
 
-    def _check(self, ns, msg: CommitGroup, puts: dict) -> None:
-        """Raise (naming the member) unless the whole group can be published now."""
+    def _check(self, ns, msg: CommitGroup, puts: dict, gid: ObjectId) -> None:
+        """Raise (naming the member) unless the whole group `gid` can be published now."""
         mgr = self.manager
         ids = msg.member_ids()
-        gid = group_id(ids)
         if any(put.tier != "host" or put.namespace != ns.name for put in puts.values()):
             raise InvalidArgument('commit_group: a group is put on tier "host" of one namespace')
         sums, first = [], None
@@ -143,13 +142,14 @@ class GroupOps:
 
     async def get_group(self, owner: int, namespace: str, ids: list[ObjectId], expect: list | None) -> GetGroupReply:
         mgr = self.manager
-        if namespace not in mgr.namespaces and not await mgr.arena_if_held(namespace, (group_id(ids),)):
+        gid = group_id(ids)
+        if namespace not in mgr.namespaces and not await mgr.arena_if_held(namespace, (gid,)):
             return GetGroupReply(False, "the group's manifest is not stored", -1)
         wanted = expect if expect is not None else [None] * len(ids)
         first = None if wanted[0] is None else group_descriptor(wanted[0])
         leased: list[GetReply] = []
         try:
-            manifest = await resolve(mgr.get(owner, namespace, group_id(ids), None, None, first))
+            manifest = await resolve(mgr.get(owner, namespace, gid, None, None, first))
             if not manifest.hit:
                 return GetGroupReply(False, f"the group's manifest: {manifest.reason or 'not stored'}", -1)
             leased.append(manifest)

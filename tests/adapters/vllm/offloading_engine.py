@@ -18,7 +18,8 @@ from vllm.v1.kv_cache_interface import MambaSpec
 from vllm.v1.kv_offload.base import OffloadingWorker, TransferResult
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 
-from vllm_engine import BLOCK, DIM, HEADS, LAYER_NAMES, expected_kv, expected_state, mamba_kv_cache_config
+from vllm_engine import (BLOCK, DIM, HEADS, LAYER_NAMES, expected_kv, expected_state, mamba_kv_cache_config,
+                         step_until_scheduled)
 
 
 NUM_BLOCKS = 64
@@ -148,12 +149,7 @@ class OffloadingEngine:
 
     def step_until_scheduled(self, request, max_steps=200):
         """Steps (the tier's lookups and promotions take a few) until `request` computes."""
-        for _ in range(max_steps):
-            out = self.step()
-            if request.request_id in out.num_scheduled_tokens:
-                return out
-            time.sleep(0.01)
-        raise AssertionError(f"{request.request_id} was not scheduled in {max_steps} steps")
+        return step_until_scheduled(self, request, max_steps, pause_s=0.01)
 
     def run_to_end(self, max_steps=200):
         """Steps until every request is done and every store reached the store."""

@@ -12,6 +12,7 @@ the Mamba state at s and records any difference from what the model would have c
 """
 
 import copy
+import time
 from math import prod
 
 import pytest
@@ -103,11 +104,7 @@ class Engine:
 
     def step_until_scheduled(self, request, max_steps=5):
         """Steps until `request` computes (a hybrid model's load takes a step of its own)."""
-        for _ in range(max_steps):
-            out = self.step()
-            if request.request_id in out.num_scheduled_tokens:
-                return out
-        raise AssertionError(f"{request.request_id} was not scheduled in {max_steps} steps")
+        return step_until_scheduled(self, request, max_steps)
 
     def runner_output(self, out, errors, results):
         """What a model runner reports: a sampled token only for requests whose prompt is done,
@@ -163,6 +160,17 @@ class Engine:
             assert len(outs) < max_steps, "vLLM's scheduler made no progress"
             outs.append(self.step())
         return outs
+
+
+def step_until_scheduled(engine, request, max_steps: int, pause_s: float = 0.0):
+    """engine.step() until `request` computes this step (its scheduler output), pausing
+    `pause_s` between steps; AssertionError after `max_steps`."""
+    for _ in range(max_steps):
+        out = engine.step()
+        if request.request_id in out.num_scheduled_tokens:
+            return out
+        time.sleep(pause_s)
+    raise AssertionError(f"{request.request_id} was not scheduled in {max_steps} steps")
 
 
 def expected_kv(tokens, pos, layer) -> torch.Tensor:
