@@ -233,8 +233,8 @@ class AsyncClient:
         return await self._run(batched.put(self.core, key, data, desc, hints, tier))
 
     async def put_many(self, items, desc: StateDescriptor | None = None, hints: Hints | None = None,
-                       tier: str = "host") -> list[PutResult]:
-        return await self._run(batched.put_many(self.core, list(items), desc, hints, tier))
+                       tier: str = "host", routes=None) -> list[PutResult]:
+        return await self._run(batched.put_many(self.core, list(items), desc, hints, tier, routes))
 
     async def get(self, key, namespace: str | None = None, accept=None, ranges=None,
                   expect: StateDescriptor | None = None) -> ReadLease | None:
@@ -278,19 +278,14 @@ class AsyncClient:
         return await self._run(self.core.op_batch(m.Prefetch, list(keys), namespace,
                                                   tier=tier, policy=policy, timeout_s=timeout_s))
 
-    async def put_group(self, items, hints: Hints | None = None) -> group_ops.GroupPutResult:
-        """Store objects that are only usable together as one group (kvstore/groups.py):
-        `items` are (key, data) pairs (a ChunkKey carries its descriptor) or (key, data,
-        descriptor) triples, all in one namespace. The daemon makes every member and the
-        group's manifest visible at once, or stores nothing and this raises; members it
-        holds already are not copied. `result.existed`: the whole group was stored."""
-        return await self._run(group_ops.put_group(self.core, list(items), hints))
+    async def put_group(self, items, hints: Hints | None = None, routes=None) -> group_ops.GroupPutResult:
+        """Store objects that are only usable together as one group (see Client.put_group)."""
+        return await self._run(group_ops.put_group(self.core, list(items), hints, routes))
 
-    async def put_groups(self, groups, hints: Hints | None = None) -> list:
-        """put_group for many groups (each a list of items), a window of them per two round
-        trips. Never raises for one group's failure: per group its GroupPutResult, or the
-        exception that refused it (that group stored nothing)."""
-        return await self._run(group_ops.put_groups(self.core, [list(items) for items in groups], hints))
+    async def put_groups(self, groups, hints: Hints | None = None, routes=None) -> list:
+        """put_group for many groups; per group its GroupPutResult or the exception that
+        refused it (see Client.put_groups)."""
+        return await self._run(group_ops.put_groups(self.core, [list(items) for items in groups], hints, routes))
 
     async def lookup_groups(self, groups, namespace: str | None = None) -> group_ops.GroupLookup:
         """Per group (a list of member keys: ChunkKeys, or kvstore.groups.Member) whether it

@@ -22,6 +22,7 @@ from kvstore.fields import unpack_uints
 from kvstore.hints import Hints
 from kvstore.identity import ChunkKey, ObjectId, StateDescriptor
 from kvstore.protocol import MAX_BATCH
+from kvstore.route import packed_route
 from client.buffers import as_writable_u8
 from client.core import PUT_WINDOW_BYTES, ClientCore, Collect, Later, copy_and_hash, expectation, to_object_id
 from client.lease import ReadLease
@@ -31,6 +32,11 @@ from client.results import PutResult
 # half the daemon's lease quota per client (limits.max_leases_per_client, 4,096 by default),
 # leaving room for the leases an engine holds at the same time.
 WINDOW_ITEMS = 1024
+
+
+# A put_many window's routes (kvstore.route, up to 64 KiB each) stay under this many bytes,
+# so its reserve_many frames stay well inside the 4 MiB frame limit.
+ROUTES_PER_FRAME_BYTES = 1 << 20
 
 
 # Bytes per step of a put window's pipeline: copying one step (~1 ms) overlaps the daemon's
@@ -58,12 +64,15 @@ def _groups(items: list, key) -> list[list]:
 # --- put_many ---------------------------------------------------------------------
 
 
-def put_many(core: ClientCore, items, desc: StateDescriptor | None, hints: Hints | None, tier: str = "host"):
+def put_many(core: ClientCore, items, desc: StateDescriptor | None, hints: Hints | None, tier: str = "host",
+             routes=None):
     """Per item a PutResult; an item that cannot be stored carries its error (its
-    object_id is None when the key itself is not one) and the others are stored."""
+    object_id is None when the key itself is not one) and the others are stored.
+    routes: per item a kvstore.route.Route or None (its blocks as the engine names them)."""
     hints = hints or Hints()
     if tier not in m.PUT_TIERS:
         raise InvalidArgument(f"put tier must be one of {m.PUT_TIERS}, got {tier!r}")
+    packed = _packed_routes(routes, len(items))
     results: list[PutResult | None] = [None] * len(items)
     sources = []  # (index, oid, descriptor, bytes) of the items to send
     for i, (key, data) in enumerate(items):
@@ -78,9 +87,22 @@ def put_many(core: ClientCore, items, desc: StateDescriptor | None, hints: Hints
     # whole batch, so a large batch cannot fill the arena (or the lease quota) by itself.
     arena_bytes = min((core.arenas[d.namespace].size for _, _, d, _ in sources), default=0)
     limit = max(1, min(PUT_WINDOW_BYTES, arena_bytes // 4, core.max_inflight_bytes))
-    for window in _runs(sources, limit, _window(core)):
-        yield from _put_window(core, window, hints, tier, results)
+    max_items = _window(core)
+    if packed:  # a reserve_many frame carries its routes: keep them well inside one frame
+        max_items = max(1, min(max_items, ROUTES_PER_FRAME_BYTES // max(map(len, filter(None, packed)))))
+    for window in _runs(sources, limit, max_items):
+        yield from _put_window(core, window, hints, tier, results, packed)
     return results
+
+
+def _packed_routes(routes, n: int) -> list | None:
+    if routes is None:
+        return None
+    routes = list(routes)
+    if len(routes) != n:
+        raise InvalidArgument(f"put_many: {n} items but {len(routes)} routes")
+    packed = [packed_route(r) for r in routes]
+    return packed if any(packed) else None
 
 
 def _runs(sources: list, max_bytes: int, max_items: int) -> list[list]:
@@ -96,16 +118,16 @@ def _runs(sources: list, max_bytes: int, max_items: int) -> list[list]:
     return runs
 
 
-def _put_window(core: ClientCore, sources: list, hints: Hints, tier: str, results: list):
+def _put_window(core: ClientCore, sources: list, hints: Hints, tier: str, results: list, routes: list | None):
     """Reserve, copy and commit a window in steps of PIPE_BYTES, overlapped: the daemon
     reserves step k+1 and commits step k-1 while this process copies and hashes step k."""
     steps = [_groups(step, lambda item: id(item[2])) for step in _runs(sources, PIPE_BYTES, len(sources))]
-    reserving = yield Later(_reserves(core, steps[0], hints, tier))
+    reserving = yield Later(_reserves(core, steps[0], hints, tier, routes))
     committing = []
     for k, groups in enumerate(steps):
         replies = yield Collect(reserving)
         if k + 1 < len(steps):
-            reserving = yield Later(_reserves(core, steps[k + 1], hints, tier))
+            reserving = yield Later(_reserves(core, steps[k + 1], hints, tier, routes))
         commits, written = _copy_reserved(core, groups, replies, results)
         if commits:
             committing.append(((yield Later(commits)), written))
@@ -113,10 +135,11 @@ def _put_window(core: ClientCore, sources: list, hints: Hints, tier: str, result
         _settle_commits(written, (yield Collect(handle)), results)
 
 
-def _reserves(core: ClientCore, groups: list, hints: Hints, tier: str) -> list:
+def _reserves(core: ClientCore, groups: list, hints: Hints, tier: str, routes: list | None) -> list:
     """One reserve_many per descriptor."""
     return [core.request(m.ReserveMany.of(g[0][2].namespace, [oid for _, oid, _, _ in g],
-                                          [src.size for _, _, _, src in g], g[0][2], hints, tier))
+                                          [src.size for _, _, _, src in g], g[0][2], hints, tier,
+                                          None if routes is None else [routes[i] for i, _, _, _ in g]))
             for g in groups]
 
 
@@ -165,7 +188,7 @@ def _settle_commits(committed: list, replies: list, results: list) -> None:
 
 
 def put(core: ClientCore, key, data, desc: StateDescriptor | None, hints: Hints | None, tier: str = "host"):
-    """One object: a put_many of one, whose error is raised."""
+    """One object: a put_many of one, whose error is raised (a route travels in its hints)."""
     oid, d, src = core.put_item(key, data, desc)  # the caller's mistakes raise here
     (result,) = yield from put_many(core, [(oid, src)], d, hints, tier)
     if result.error is not None:

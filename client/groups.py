@@ -84,25 +84,31 @@ def _members(items) -> list:
     return out
 
 
-def put_group(core: ClientCore, items, hints: Hints | None = None):
+def put_group(core: ClientCore, items, hints: Hints | None = None, routes=None):
     """Store `items` as one group: every member and the manifest become visible at once,
-    or nothing is stored (the error is raised). Members already stored are not copied."""
-    (result,) = yield from put_groups(core, [items], hints)
+    or nothing is stored (the error is raised). Members already stored are not copied.
+    routes: per item a kvstore.route.Route or None (the member's hints.route)."""
+    (result,) = yield from put_groups(core, [items], hints, None if routes is None else [routes])
     if isinstance(result, Exception):
         raise result
     return result
 
 
-def _prepare(core: ClientCore, items) -> tuple:
-    """(namespace, [(oid, descriptor, source bytes)], group id, manifest descriptor) of one
-    group to put; InvalidArgument names its problem."""
+def _prepare(core: ClientCore, items, hints: Hints, routes) -> tuple:
+    """(namespace, [(oid, descriptor, source bytes, hints)], group id, manifest descriptor)
+    of one group to put; InvalidArgument names its problem."""
     given = _members(items)
     check_members([member.object_id for member, _ in given])
-    members = [core.put_item(member.object_id, data, member.descriptor) for member, data in given]
-    namespaces = {desc.namespace for _, desc, _ in members}
+    if routes is not None and len(routes) != len(given):
+        raise InvalidArgument(f"a group of {len(given)} members got {len(routes)} routes")
+    members = [(*core.put_item(member.object_id, data, member.descriptor),
+                hints if routes is None or routes[k] is None else hints.with_route(routes[k]))
+               for k, (member, data) in enumerate(given)]
+    namespaces = {desc.namespace for _, desc, _, _ in members}
     if len(namespaces) != 1:
         raise InvalidArgument(f"a group's members are in one namespace, got {sorted(namespaces)}")
-    return namespaces.pop(), members, group_id([oid for oid, _, _ in members]), group_descriptor(members[0][1])
+    return (namespaces.pop(), members, group_id([oid for oid, _, _, _ in members]),
+            group_descriptor(members[0][1]))
 
 
 def _windows(core: ClientCore, groups: list) -> list[list[int]]:
@@ -113,7 +119,7 @@ def _windows(core: ClientCore, groups: list) -> list[list[int]]:
     max_leases = max(1, (core.max_leases or 2048) // 2)
     windows, size, leases = [], 0, 0
     for i, (_, members, _, _) in enumerate(groups):
-        need, count = sum(src.size for _, _, src in members), len(members) + 1
+        need, count = sum(src.size for _, _, src, _ in members), len(members) + 1
         if not windows or size + need > max_bytes or leases + count > max_leases:
             windows.append([])
             size = leases = 0
@@ -123,16 +129,19 @@ def _windows(core: ClientCore, groups: list) -> list[list[int]]:
     return windows
 
 
-def put_groups(core: ClientCore, groups, hints: Hints | None = None):
+def put_groups(core: ClientCore, groups, hints: Hints | None = None, routes=None):
     """Store each of `groups` (lists of put items) as a group, all of a window's reserves in
     one round trip and all its commits in another. Per group its GroupPutResult, or the
-    exception that refused it (that group stored nothing; the others are stored)."""
+    exception that refused it (that group stored nothing; the others are stored).
+    routes: per group None or per item a kvstore.route.Route or None."""
     hints = hints or Hints()
+    if routes is not None and len(routes) != len(groups):
+        raise InvalidArgument(f"put_groups: {len(groups)} groups but {len(routes)} route lists")
     results: list = [None] * len(groups)
     prepared = {}
     for i, items in enumerate(groups):
         try:
-            prepared[i] = _prepare(core, items)
+            prepared[i] = _prepare(core, items, hints, None if routes is None else routes[i])
         except InvalidArgument as exc:
             results[i] = exc
     for namespace in {p[0] for p in prepared.values()}:
@@ -153,7 +162,8 @@ def put_groups(core: ClientCore, groups, hints: Hints | None = None):
 def _put_window(core: ClientCore, groups: list, hints: Hints):
     requests = []
     for namespace, members, gid, gdesc in groups:
-        requests += [core.request(m.Reserve(namespace, oid, src.size, desc, hints)) for oid, desc, src in members]
+        requests += [core.request(m.Reserve(namespace, oid, src.size, desc, member_hints))
+                     for oid, desc, src, member_hints in members]
         requests.append(core.request(m.Reserve(namespace, gid, manifest_size(len(members)), gdesc, hints)))
     replies = iter((yield requests))
     results, commits, aborts = [], [], []
@@ -193,7 +203,7 @@ def _written(arena, members: list, member_replies: list, manifest) -> m.CommitGr
     """Copy and hash the reserved members into the arena, write the manifest (unless it is
     stored already): the group's commit."""
     checksums, leases = [], []
-    for (oid, _, src), reserved in zip(members, member_replies):
+    for (oid, _, src, _), reserved in zip(members, member_replies):
         if reserved.exists:
             checksums.append(xxhash.xxh3_128_digest(src))
             leases.append(0)
@@ -201,9 +211,9 @@ def _written(arena, members: list, member_replies: list, manifest) -> m.CommitGr
             checksums.append(copy_and_hash(arena[reserved.offset:reserved.offset + src.size], src))
             leases.append(reserved.lease)
     if not manifest.exists:  # else only members are missing: they join the stored manifest
-        listing = manifest_bytes([oid for oid, _, _ in members], checksums)
+        listing = manifest_bytes([oid for oid, _, _, _ in members], checksums)
         arena[manifest.offset:manifest.offset + len(listing)] = memoryview(listing)
-    return m.CommitGroup(0 if manifest.exists else manifest.lease, b"".join(oid.digest for oid, _, _ in members),
+    return m.CommitGroup(0 if manifest.exists else manifest.lease, b"".join(oid.digest for oid, _, _, _ in members),
                          pack_uints(leases), b"".join(checksums))
 
 

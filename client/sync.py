@@ -241,13 +241,15 @@ class Client:
         return self._run(batched.put(self.core, key, data, desc, hints, tier))
 
     def put_many(self, items, desc: StateDescriptor | None = None, hints: Hints | None = None,
-                 tier: str = "host") -> list[PutResult]:
+                 tier: str = "host", routes=None) -> list[PutResult]:
         """Store many `(key, data)` pairs: per window of up to 1,024 objects one reserve_many
         and one commit_many round trip (packed columns, one frame each). Never raises for one
         item's failure (an empty item, a key whose descriptor differs, a Conflict, no room):
         each result carries its own `error` (None on success; `object_id` None when the key
-        itself was not one) and the other items are stored."""
-        return self._run(batched.put_many(self.core, list(items), desc, hints, tier))
+        itself was not one) and the other items are stored. routes: per item a
+        kvstore.route.Route or None, the engine's names for its blocks (a put's route is
+        `hints.route`); the daemon's KV events publish them."""
+        return self._run(batched.put_many(self.core, list(items), desc, hints, tier, routes))
 
     def get(self, key, namespace: str | None = None, accept=None, ranges=None,
             expect: StateDescriptor | None = None) -> ReadLease | None:
@@ -319,19 +321,21 @@ class Client:
         return self._run(self.core.op_batch(m.Prefetch, list(keys), namespace,
                                             tier=tier, policy=policy, timeout_s=timeout_s))
 
-    def put_group(self, items, hints: Hints | None = None) -> group_ops.GroupPutResult:
+    def put_group(self, items, hints: Hints | None = None, routes=None) -> group_ops.GroupPutResult:
         """Store objects that are only usable together as one group (kvstore/groups.py):
         `items` are (key, data) pairs (a ChunkKey carries its descriptor) or (key, data,
         descriptor) triples, all in one namespace. The daemon makes every member and the
         group's manifest visible at once, or stores nothing and this raises; members it
-        holds already are not copied. `result.existed`: the whole group was stored."""
-        return self._run(group_ops.put_group(self.core, list(items), hints))
+        holds already are not copied. `result.existed`: the whole group was stored.
+        routes: per item a kvstore.route.Route or None (as put_many's)."""
+        return self._run(group_ops.put_group(self.core, list(items), hints, routes))
 
-    def put_groups(self, groups, hints: Hints | None = None) -> list:
+    def put_groups(self, groups, hints: Hints | None = None, routes=None) -> list:
         """put_group for many groups (each a list of items), a window of them per two round
         trips. Never raises for one group's failure: per group its GroupPutResult, or the
-        exception that refused it (that group stored nothing)."""
-        return self._run(group_ops.put_groups(self.core, [list(items) for items in groups], hints))
+        exception that refused it (that group stored nothing). routes: per group None or
+        its items' routes (as put_group's)."""
+        return self._run(group_ops.put_groups(self.core, [list(items) for items in groups], hints, routes))
 
     def lookup_groups(self, groups, namespace: str | None = None) -> group_ops.GroupLookup:
         """Per group (a list of member keys: ChunkKeys, or kvstore.groups.Member) whether it

@@ -11,6 +11,7 @@ import struct
 from kvstore.dtypes import DType
 from kvstore.errors import InvalidArgument
 from kvstore.hints import Hints
+from kvstore.route import packed_route
 from kvstore.identity import ObjectId, StateDescriptor, _check_name
 from kvstore.protocol import MAX_BATCH, MAX_STR_CHARS
 from kvstore.ranges import CODEC as RANGES  # noqa: F401 (a field codec, as the others)
@@ -152,6 +153,16 @@ def _expect_of_dec(v):
 EXPECT_LIST = (_expect_list_dec, lambda v: None if v is None else [d.to_wire() for d in v])
 EXPECT_OF = (_expect_of_dec, lambda v: v)
 HINTS = (Hints.from_wire, lambda v: v.to_wire())
+
+
+def _routes_dec(v):
+    """Per item of a batch a packed route (kvstore.route) or nil; () when the field is absent."""
+    if not isinstance(v, list) or not 0 < len(v) <= MAX_BATCH:
+        raise InvalidArgument(f"must be a list of 1..{MAX_BATCH} packed routes or nils")
+    return tuple(packed_route(r) for r in v)
+
+
+ROUTES = (_routes_dec, list)
 ACCEPT = (_accept_dec, lambda v: None if v is None else [DType.parse(d).value for d in v])
 
 

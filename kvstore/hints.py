@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 from kvstore.errors import InvalidArgument
+from kvstore.route import packed_route, route_json
 
 # A session or branch id is a label, not data; keep frames small.
 MAX_LABEL_CHARS = 128
@@ -23,6 +24,8 @@ class Hints:
     next_access_s: when the producer expects the next read, in seconds from now.
     recompute_cost_ms: what a miss would cost the engine; drives cost-aware eviction.
     pin: keep resident in the host tier until unpinned.
+    route: the engine's names for the object's blocks (kvstore.route.Route; kept packed), which
+        the daemon's KV events for routers publish (`[events]`).
     """
 
     ttl_s: float | None = None
@@ -32,6 +35,7 @@ class Hints:
     next_access_s: float | None = None
     recompute_cost_ms: float | None = None
     pin: bool = False
+    route: bytes | None = None
 
     def __post_init__(self) -> None:
         for name in ("ttl_s", "next_access_s", "recompute_cost_ms"):
@@ -49,6 +53,21 @@ class Hints:
                 raise InvalidArgument(f"hint {name} must be a string of at most {MAX_LABEL_CHARS} characters")
         if not isinstance(self.pin, bool):
             raise InvalidArgument(f"hint pin must be a bool, got {self.pin!r}")
+        if self.route is not None:
+            object.__setattr__(self, "route", packed_route(self.route))
+
+    def with_route(self, route) -> Hints:
+        """These hints with `route` (a Route, packed bytes or None) in place of theirs."""
+        packed = packed_route(route)
+        if packed == self.route:
+            return self
+        return replace(self, route=packed)
+
+    def to_json(self) -> dict:
+        """Every field, as the admin API shows hints: the route unpacked, its bytes as hex."""
+        doc = {k: getattr(self, k) for k in _FIELD_NAMES}
+        doc["route"] = None if self.route is None else route_json(self.route)
+        return doc
 
     def to_wire(self) -> dict:
         """Only the fields that differ from the default, to keep frames small."""

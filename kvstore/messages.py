@@ -16,10 +16,12 @@ from kvstore.errors import InvalidArgument, ProtocolError
 from kvstore.fields import (  # noqa: F401 (its constants are part of this module's interface)
     ACCEPT, BOOL, CHECKSUM, DESCRIPTOR, EXPECT, EXPECT_LIST, EXPECT_OF, FLOAT, HINTS, IDS, LEASE,
     MAX_EXPECTED_DESCRIPTORS, MAX_OBJECT_BYTES, NAMESPACE, NO_EXPECTATION, OID, OPT_STR, PIN_TTL,
-    PACKED_CHECKSUMS, PACKED_IDS, PACKED_U64, PREFETCH_POLICIES, PUT_TIERS, RANGES, RAW_IDS, SCOPES, SIZE, STR, TIERS,
+    PACKED_CHECKSUMS, PACKED_IDS, PACKED_U64, PREFETCH_POLICIES, PUT_TIERS, RANGES, RAW_IDS, ROUTES, SCOPES, SIZE,
+    STR, TIERS,
     _choice, _int, pack_uints, unpack_uints)
 from kvstore.hints import Hints
 from kvstore.identity import ObjectId, StateDescriptor
+from kvstore.route import packed_route
 from kvstore.protocol import Request
 
 
@@ -282,28 +284,38 @@ class ReserveMany(Message):
     descriptor: StateDescriptor
     hints: Hints = Hints()
     tier: str = "host"
+    routes: tuple = ()  # per id a packed kvstore.route.Route or None (its hints' route); (): none
     op: ClassVar[str] = "reserve_many"
     _codecs: ClassVar = {"namespace": NAMESPACE, "ids": PACKED_IDS, "sizes": PACKED_U64,
-                         "descriptor": DESCRIPTOR, "hints": HINTS, "tier": _choice(PUT_TIERS)}
-    _defaults: ClassVar = {"hints": Hints(), "tier": "host"}
+                         "descriptor": DESCRIPTOR, "hints": HINTS, "tier": _choice(PUT_TIERS), "routes": ROUTES}
+    _defaults: ClassVar = {"hints": Hints(), "tier": "host", "routes": ()}
 
     def __post_init__(self) -> None:
         if len(self.sizes) // 8 != len(self.ids) // 32:
             raise InvalidArgument(f"{self.op}: {len(self.ids) // 32} ids but {len(self.sizes) // 8} sizes")
+        if self.routes and len(self.routes) != len(self.ids) // 32:
+            raise InvalidArgument(f"{self.op}: {len(self.ids) // 32} ids but {len(self.routes)} routes")
         sizes = unpack_uints(self.sizes)
         if not 1 <= min(sizes) <= max(sizes) <= MAX_OBJECT_BYTES:
             raise InvalidArgument(f"{self.op}.sizes: every size must be in 1..{MAX_OBJECT_BYTES}")
 
     @classmethod
     def of(cls, namespace: str, ids, sizes, descriptor: StateDescriptor, hints: Hints = Hints(),
-           tier: str = "host") -> ReserveMany:
+           tier: str = "host", routes=None) -> ReserveMany:
+        """routes: per id a kvstore.route.Route or None, or None for no routes at all."""
+        packed = () if routes is None or all(r is None for r in routes) else tuple(map(packed_route, routes))
         return cls(namespace, b"".join(oid.digest for oid in ids), pack_uints(sizes),
-                   descriptor, hints, tier)
+                   descriptor, hints, tier, packed)
 
     def items(self) -> list[Reserve]:
-        """The single reserves this batch stands for."""
-        return [Reserve(self.namespace, oid, size, self.descriptor, self.hints, self.tier)
-                for oid, size in zip(_ids_of(self.ids), unpack_uints(self.sizes))]
+        """The single reserves this batch stands for (each with its route in its hints)."""
+        ids, sizes = _ids_of(self.ids), unpack_uints(self.sizes)
+        if not self.routes:
+            return [Reserve(self.namespace, oid, size, self.descriptor, self.hints, self.tier)
+                    for oid, size in zip(ids, sizes)]
+        return [Reserve(self.namespace, oid, size, self.descriptor,
+                        self.hints if route is None else self.hints.with_route(route), self.tier)
+                for oid, size, route in zip(ids, sizes, self.routes)]
 
 
 @dataclass(frozen=True, slots=True)

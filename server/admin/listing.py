@@ -11,7 +11,6 @@ for the cursor). Runs on the event loop, like every admin handler.
 
 from __future__ import annotations
 
-import dataclasses
 import heapq
 import itertools
 import math
@@ -47,7 +46,7 @@ def object_doc(manager, entry, now: float) -> dict:
         "size": entry.size,
         "checksum": entry.checksum.hex(),
         "descriptor": entry.descriptor.to_wire(),
-        "hints": dataclasses.asdict(entry.hints),
+        "hints": entry.hints.to_json(),
         "created_at": entry.created_at,
         "expires_in_s": None if math.isinf(entry.expires_at) else max(0.0, entry.expires_at - now),
         "pinned": pinned,
@@ -68,7 +67,7 @@ def nvme_doc(meta) -> dict:
         "size": meta.size,
         "checksum": meta.checksum.hex(),
         "descriptor": meta.descriptor.to_wire(),
-        "hints": dataclasses.asdict(meta.hints),
+        "hints": meta.hints.to_json(),
         "created_at": meta.created_at,
         "expires_in_s": None,
         "pinned": False,

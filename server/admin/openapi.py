@@ -64,7 +64,11 @@ SCHEMAS = {
                         "layout": STR, "shard": STR, "chunk_tokens": INT}, extra=True),
     "Hints": _obj({"ttl_s": _nullable(NUM), "priority": INT, "session_id": _nullable(STR),
                    "branch_id": _nullable(STR), "next_access_s": _nullable(NUM),
-                   "recompute_cost_ms": _nullable(NUM), "pin": BOOL}, extra=True),
+                   "recompute_cost_ms": _nullable(NUM), "pin": BOOL,
+                   "route": {"type": "object", "nullable": True, "additionalProperties": True,
+                             "description": "the engine's names for the object's blocks (block_hashes, "
+                                            "parent_block_hash, token_ids, ...; hashes as hex), as its "
+                                            "KV events publish them"}}, extra=True),
     "Object": _obj({
         "object_id": STR, "namespace": STR, "tier": {**STR, "description": "the fastest tier holding it"},
         "tiers": {"type": "array", "items": {"type": "string", "enum": ["host", "nvme"]},

@@ -21,6 +21,8 @@ from collections import deque
 from dataclasses import dataclass
 
 from kvstore.config_events import EventsConfig
+from kvstore.identity import Kind
+from server.events.holdings import Holdings
 from server.events.wire import CLEARED, REMOVED, STORED, topic_of
 
 # Reports are gathered this long into one batch per namespace (vLLM sends one per engine
@@ -40,7 +42,7 @@ class NoEvents:
 
     enabled = False
 
-    def stored(self, namespace: str, digest: bytes, medium: str, block_size: int, session_id: str | None) -> None:
+    def stored(self, namespace: str, digest: bytes, medium: str, descriptor, hints) -> None:
         pass
 
     def removed(self, namespace: str, digest: bytes, medium: str) -> None:
@@ -119,6 +121,7 @@ class EventStream:
         self._pending: dict[str, list[tuple]] = {}
         self._flush_scheduled = False
         self.counters = StreamCounters()
+        self.holdings = Holdings()  # what was published as held: removals and snapshots name it
         self.publisher = make_publisher(config, self.rings)
 
     def start(self) -> None:
@@ -127,14 +130,26 @@ class EventStream:
 
     # --- what the tiers report (event loop thread) -------------------------------------
 
-    def stored(self, namespace: str, digest: bytes, medium: str, block_size: int, session_id: str | None) -> None:
-        self._record(namespace, (STORED, bytes(digest), medium, block_size, session_id))
+    def stored(self, namespace: str, digest: bytes, medium: str, descriptor, hints) -> None:
+        """An object is now held in `medium` (its descriptor and hints: kvstore.identity,
+        kvstore.hints). A store group's manifest is no engine block: not published."""
+        if descriptor.kind is Kind.GROUP:
+            return
+        digest = bytes(digest)
+        held = self.holdings.add(namespace, digest, medium, hints.route, descriptor.chunk_tokens, hints.session_id)
+        if held is not None:
+            self._record(namespace, (STORED, digest, medium, held.route, held.block_size, held.session_id))
 
     def removed(self, namespace: str, digest: bytes, medium: str) -> None:
-        self._record(namespace, (REMOVED, bytes(digest), medium))
+        """An object left `medium` (published only if its storing was)."""
+        digest = bytes(digest)
+        held = self.holdings.remove(namespace, digest, medium)
+        if held is not None:
+            self._record(namespace, (REMOVED, digest, medium, held.route))
 
     def cleared(self, namespace: str) -> None:
         """Everything of the namespace is gone from this node's view (the daemon stops)."""
+        self.holdings.clear(namespace)
         self._record(namespace, (CLEARED,))
 
     def _record(self, namespace: str, event: tuple) -> None:
@@ -183,7 +198,7 @@ class EventStream:
         doc = {"namespaces": {name: {"topic": ring.topic.decode(errors="replace"), "next_seq": ring.next_seq}
                               for name, ring in self._by_namespace.items()},
                "endpoint": self.config.endpoint, "replay_endpoint": self.config.replay_endpoint,
-               "pending_events": sum(map(len, self._pending.values()))}
+               "pending_events": sum(map(len, self._pending.values())), "held_objects": self.holdings.count()}
         doc.update({k: getattr(self.counters, k) for k in self.counters.__slots__})
         doc.update(self.publisher.stats())
         return doc

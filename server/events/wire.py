@@ -10,12 +10,16 @@ tests/adapters/vllm/test_kv_events.py checks that with vLLM's own classes. So a 
 vLLM's events needs no code of ours.
 
 What the fields say here (docs/architecture.md, "Events for routers"):
-- block_hashes: one 32-byte object id (the engine's own block hashes come later, from the
-  adapters); parent_block_hash, lora_id, lora_name: None; token_ids: [] (the daemon never
-  sees tokens); block_size: the object's chunk_tokens.
-- medium: where the object is held now, vLLM's names: "GPU", "CPU" (the host arena),
-  "STORAGE" (NVMe). An object on two tiers is held in two media: each has its own
-  stored and removed events.
+- block_hashes, parent_block_hash, token_ids, block_size, lora_name, extra_keys, group_idx,
+  kv_cache_spec_kind, kv_cache_spec_sliding_window: the object's route (kvstore/route.py),
+  the engine's own names for its blocks, handed in by the adapter that put it. An object
+  without a route is one block named by its 32-byte object id (kvstore.identity.chunk_keys
+  over the token ids: the documented hash), with token_ids [] and block_size its
+  chunk_tokens. A route without block_size: chunk_tokens / the number of hashes.
+- lora_id: None (deprecated in vLLM in favour of lora_name).
+- medium: where the object is held now, vLLM's names: "CPU" (the host arena), "STORAGE"
+  (NVMe). An object on two tiers is held in two media: each has its own stored and removed
+  events.
 - locality "LOCAL" (this node), ownership "kvstore" (vLLM's secondary tiers name themselves
   there), session_id: the put's hints.session_id when it had one.
 
@@ -26,6 +30,8 @@ from __future__ import annotations
 
 import msgpack
 
+from kvstore.route import route_fields
+
 MEDIUM_GPU = "GPU"
 MEDIUM_CPU = "CPU"
 MEDIUM_STORAGE = "STORAGE"
@@ -33,6 +39,9 @@ LOCALITY = "LOCAL"
 OWNERSHIP = "kvstore"
 # The replay socket's end-of-replay marker's sequence number (ZmqEventPublisher.END_SEQ).
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
+
+# BlockStored's fields after lora_name that have defaults (left out when unset, as msgspec does).
+_OPTIONAL = ("extra_keys", "group_idx", "kv_cache_spec_kind", "kv_cache_spec_sliding_window")
 
 # Events as the event loop records them (cheap tuples; turned into maps in the publisher thread).
 STORED, REMOVED, CLEARED = 0, 1, 2
@@ -55,17 +64,37 @@ def seq_bytes(seq: int) -> bytes:
 def _event_map(event: tuple) -> dict:
     kind = event[0]
     if kind == STORED:
-        _, digest, medium, block_size, session_id = event
-        doc = {"type": "BlockStored", "block_hashes": [digest], "parent_block_hash": None, "token_ids": [],
-               "block_size": block_size, "lora_id": None, "medium": medium, "lora_name": None,
-               "locality": LOCALITY, "ownership": OWNERSHIP}
+        _, digest, medium, route, block_size, session_id = event
+        if route is None:
+            doc = {"type": "BlockStored", "block_hashes": [digest], "parent_block_hash": None, "token_ids": [],
+                   "block_size": block_size, "lora_id": None, "medium": medium, "lora_name": None}
+        else:
+            fields = route_fields(route)
+            hashes = fields["block_hashes"]
+            doc = {"type": "BlockStored", "block_hashes": hashes,
+                   "parent_block_hash": fields.get("parent_block_hash"), "token_ids": fields.get("token_ids", []),
+                   "block_size": fields.get("block_size") or max(1, block_size // len(hashes)), "lora_id": None,
+                   "medium": medium, "lora_name": fields.get("lora_name")}
+            for name in _OPTIONAL:
+                if fields.get(name) is not None:
+                    doc[name] = fields[name]
+        doc["locality"] = LOCALITY
+        doc["ownership"] = OWNERSHIP
         if session_id is not None:
             doc["session_id"] = session_id
         return doc
     if kind == REMOVED:
-        _, digest, medium = event
-        return {"type": "BlockRemoved", "block_hashes": [digest], "medium": medium,
-                "locality": LOCALITY, "ownership": OWNERSHIP}
+        _, digest, medium, route = event
+        if route is None:
+            return {"type": "BlockRemoved", "block_hashes": [digest], "medium": medium,
+                    "locality": LOCALITY, "ownership": OWNERSHIP}
+        fields = route_fields(route)
+        doc = {"type": "BlockRemoved", "block_hashes": fields["block_hashes"], "medium": medium}
+        if fields.get("group_idx") is not None:
+            doc["group_idx"] = fields["group_idx"]
+        doc["locality"] = LOCALITY
+        doc["ownership"] = OWNERSHIP
+        return doc
     return {"type": "AllBlocksCleared"}
 
 

@@ -218,7 +218,7 @@ class HostTier:
         ns.shared.publish(entry)
         if entry.descriptor.kind is Kind.GROUP:  # a store group's manifest: index its members
             ns.groups.add(entry, ns.arena.view(entry.extent)[:entry.size])
-        self.events.stored(ns.name, entry.object_id, MEDIUM_CPU, entry.descriptor.chunk_tokens, entry.hints.session_id)
+        self.events.stored(ns.name, entry.object_id, MEDIUM_CPU, entry.descriptor, entry.hints)
 
     def publish(self, ns: Namespace, oid: ObjectId, extent: Extent, size: int, checksum: bytes, descriptor,
                 hints, pin_hint: bool = False, created_at: float | None = None,

@@ -235,8 +235,7 @@ class TierMover:
             self.host.release_hold(entry)
         if key not in self.policy:
             self._remember(key, entry.size)
-            self.events.stored(entry.namespace, entry.object_id, MEDIUM_STORAGE, entry.descriptor.chunk_tokens,
-                               entry.hints.session_id)
+            self.events.stored(entry.namespace, entry.object_id, MEDIUM_STORAGE, entry.descriptor, entry.hints)
             if entry.hints.ttl_s is not None:  # counted from the put, not from this write
                 self.deadlines.add(key, entry.created_at + entry.hints.ttl_s)
         entry.on_nvme = True

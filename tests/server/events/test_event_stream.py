@@ -7,6 +7,9 @@ import types
 import msgpack
 
 from kvstore.config_events import EventsConfig
+from kvstore.hints import Hints
+from kvstore.identity import StateDescriptor
+from kvstore.route import Route
 from kvs_events import EventSubscriber, events_of
 from kvs_testing import wait_until
 from server.events import MEDIUM_CPU, MEDIUM_STORAGE, EventStream, topic_of
@@ -16,6 +19,8 @@ from server.events.stream import FLUSH_INTERVAL_S
 from server.events.wire import CLEARED, REMOVED, STORED, encode_batch
 
 A, B = b"a" * 32, b"b" * 32
+DESC = StateDescriptor("default", "m", "r1", kind="kv", dtype="bf16")  # chunk_tokens 256
+SMALL = DESC.with_(chunk_tokens=16)
 
 
 class RefusingPublisher:
@@ -38,8 +43,8 @@ class RefusingPublisher:
 def test_a_refused_batch_is_counted_and_kept_for_replay():
     publisher = RefusingPublisher({1})
     stream = EventStream(EventsConfig(enabled=True), lambda config, rings: publisher)
-    for digest in (A, B, A):  # no event loop: each report is its own batch
-        stream.stored("ns", digest, MEDIUM_CPU, 256, None)
+    for digest, medium in ((A, MEDIUM_CPU), (B, MEDIUM_CPU), (A, MEDIUM_STORAGE)):  # no loop: a batch each
+        stream.stored("ns", digest, medium, DESC, Hints())
     assert publisher.offered == [0, 2] and stream.counters.num_dropped_batches == 1
     ring = stream.rings[topic_of("kvstore.", "ns")]
     assert [b.seq for b in ring.since(1)] == [1, 2] and ring.since(1)[0].events[0][1] == B
@@ -62,10 +67,10 @@ def test_reports_within_one_flush_interval_are_one_batch_per_namespace():
     stream = EventStream(EventsConfig(enabled=True), lambda config, rings: publisher)
 
     async def main():
-        stream.stored("x", A, MEDIUM_CPU, 16, "s")
-        stream.removed("y", A, MEDIUM_STORAGE)
+        stream.stored("x", A, MEDIUM_CPU, SMALL, Hints(session_id="s"))
+        stream.stored("y", A, MEDIUM_STORAGE, DESC, Hints())
         await asyncio.sleep(0)  # another loop iteration, the same batch
-        stream.removed("x", B, MEDIUM_CPU)
+        stream.removed("x", A, MEDIUM_CPU)
         await asyncio.sleep(FLUSH_INTERVAL_S)  # a timer due no earlier than the flush's: after it
         stream.cleared("x")
         await asyncio.sleep(FLUSH_INTERVAL_S)
@@ -77,8 +82,8 @@ def test_reports_within_one_flush_interval_are_one_batch_per_namespace():
 
 
 def test_the_wire_format_is_a_kv_event_batch():
-    ts, events, rank = msgpack.unpackb(encode_batch(12.5, [(STORED, A, "CPU", 256, "s"), (REMOVED, B, "STORAGE"),
-                                                           (CLEARED,)]))
+    ts, events, rank = msgpack.unpackb(encode_batch(12.5, [(STORED, A, "CPU", None, 256, "s"),
+                                                           (REMOVED, B, "STORAGE", None), (CLEARED,)]))
     assert ts == 12.5 and rank == 0
     assert events[0] == {"type": "BlockStored", "block_hashes": [A], "parent_block_hash": None, "token_ids": [],
                          "block_size": 256, "lora_id": None, "medium": "CPU", "lora_name": None,
@@ -96,7 +101,7 @@ def test_the_publisher_answers_replays_and_ignores_malformed_requests(tmp_path):
     sub = EventSubscriber(types.SimpleNamespace(data_dir=str(tmp_path)), "default")
     try:
         for digest in (A, B):
-            stream.stored("default", digest, MEDIUM_CPU, 256, None)
+            stream.stored("default", digest, MEDIUM_CPU, DESC, Hints())
         sub.replay_socket.send_multipart([b"", b"not a sequence number"])  # neither form: ignored
         assert [events_of(body)[0]["block_hashes"] for _, body in sub.replay(0)] == [[A], [B]]
         assert sub.replay(0, topic=topic_of("kvstore.", "nobody")) == []  # just the end marker
@@ -106,3 +111,37 @@ def test_the_publisher_answers_replays_and_ignores_malformed_requests(tmp_path):
         sub.close()
         stream.close()
     stream.close()  # idempotent
+
+
+def test_an_object_is_published_once_per_medium_and_removed_only_where_it_was_stored():
+    publisher = RefusingPublisher(set())
+    stream = EventStream(EventsConfig(enabled=True), lambda config, rings: publisher)
+    stream.stored("ns", A, MEDIUM_CPU, DESC, Hints())
+    stream.stored("ns", A, MEDIUM_CPU, DESC, Hints())  # again: nothing new to say
+    stream.removed("ns", A, MEDIUM_STORAGE)  # never stored there: nothing to remove
+    stream.removed("ns", B, MEDIUM_CPU)
+    stream.stored("ns", A.replace(b"a", b"g", 1), MEDIUM_CPU, DESC.with_(kind="group"), Hints())  # a manifest
+    events = [e for b in stream.rings[topic_of("kvstore.", "ns")].since(0) for e in b.events]
+    assert events == [(STORED, A, MEDIUM_CPU, None, 256, None)]
+    assert stream.holdings.get("ns", A).in_media() == ["CPU"]
+
+
+def test_a_route_names_the_blocks_in_stored_and_removed_events_and_indexes_them():
+    publisher = RefusingPublisher(set())
+    stream = EventStream(EventsConfig(enabled=True), lambda config, rings: publisher)
+    route = Route([b"h1", 7], parent_block_hash=b"h0", token_ids=range(32), block_size=16, lora_name="ad",
+                  extra_keys=[None, ["ad", ["mm", 3]]], group_idx=1, kv_cache_spec_kind="full_attention")
+    stream.stored("ns", A, MEDIUM_CPU, DESC, Hints(route=route, session_id="s"))
+    stream.stored("ns", B, MEDIUM_STORAGE, DESC, Hints(route=Route([7], block_size=256)))  # another shard of 7
+    assert set(stream.holdings.objects_of("ns", 7)) == {A, B} and stream.holdings.objects_of("ns", b"h1") == (A,)
+    stream.removed("ns", A, MEDIUM_CPU)
+    assert stream.holdings.objects_of("ns", 7) == (B,) and stream.holdings.objects_of("ns", b"h1") == ()
+    events = [e for b in stream.rings[topic_of("kvstore.", "ns")].since(0) for e in b.events]
+    stored, _, removed = msgpack.unpackb(encode_batch(0.0, events))[1]
+    assert stored == {"type": "BlockStored", "block_hashes": [b"h1", 7], "parent_block_hash": b"h0",
+                      "token_ids": list(range(32)), "block_size": 16, "lora_id": None, "medium": "CPU",
+                      "lora_name": "ad", "extra_keys": [None, ["ad", ["mm", 3]]], "group_idx": 1,
+                      "kv_cache_spec_kind": "full_attention", "locality": "LOCAL", "ownership": "kvstore",
+                      "session_id": "s"}
+    assert removed == {"type": "BlockRemoved", "block_hashes": [b"h1", 7], "medium": "CPU", "group_idx": 1,
+                       "locality": "LOCAL", "ownership": "kvstore"}

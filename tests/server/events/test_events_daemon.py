@@ -15,7 +15,10 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvstore import Hints
-from kvstore.identity import ObjectId
+from kvstore.errors import InvalidArgument
+from kvstore.identity import ObjectId, StateDescriptor
+from kvstore.protocol import NEED_DATA, FrameCodec, Reply, Request
+from kvstore.route import Route
 from kvs_events import EventSubscriber, all_events, events_of, last_seq, wait_subscribed
 from kvs_testing import payload, wait_until
 from server.admin.client import AdminClient
@@ -215,3 +218,89 @@ def test_topics_are_not_prefixes_of_each_other(namespace):
     others = ["default2", "a", "a:", "ün", "defaul"]
     mine = topic_of("kvstore.", namespace)
     assert not any(topic_of("kvstore.", o).startswith(mine) for o in others if o != namespace)
+
+
+def route_of(i: int) -> Route:
+    """Two engine blocks per object, as an adapter names them (bytes and an int hash)."""
+    return Route([b"blk-%d-a" % i, 1000 + i], parent_block_hash=None if i == 0 else 1000 + i - 1,
+                 token_ids=list(range(32)), block_size=16, group_idx=0)
+
+
+def test_routes_name_the_blocks_on_every_tier_until_the_object_leaves_the_node(daemon_factory):
+    """Objects put with routes travel host -> NVMe -> out of the node; every event names them
+    by their engine block hashes, so the hashes held per medium are those of what lookups find."""
+    d = daemon_factory("4MiB", config={**EVENTS, "nvme": {"enabled": True, "capacity_bytes": "8MiB",
+                                                         "file_bytes": "2MiB", "admit_min_hits": 0}})
+    sub = EventSubscriber(d, "default")
+    try:
+        with d.client() as c:
+            wait_subscribed(sub, lambda: c.put(new_ids(1)[0], b"probe"))
+            keys = new_ids(24)
+            results = c.put_many([(k, payload(MiB, i)) for i, k in enumerate(keys[:20])],
+                                 routes=[route_of(i) if i % 5 else None for i in range(20)])
+            assert all(r.error is None for r in results)
+            for i, key in enumerate(keys[20:], 20):
+                c.put(key, payload(MiB, i), hints=Hints(route=route_of(i)))
+            before = c.lookup(keys).tiers
+            back = next(i for i, t in enumerate(before) if t == "nvme" and i % 5)
+            assert read(c, keys[back], MiB)  # promoted: stored in CPU again, under the same route
+            assert c.delete(keys[23:24]) == 1
+            catch_up(sub, c, "default")
+            tiers = dict(zip(keys, c.lookup(keys).tiers))
+            shown = AdminClient.from_data_dir(d.data_dir).get(f"/v1/objects/{keys[back].hex}")
+    finally:
+        sub.close()
+    held = holdings(all_events(sub.received))
+    names = {k: ([b"blk-%d-a" % i, 1000 + i] if i % 5 or i >= 20 else [bytes(k)]) for i, k in enumerate(keys)}
+    for key, tier in tiers.items():
+        for medium, on in (("CPU", tier == "host"), ("STORAGE", tier in ("host", "nvme"))):
+            inside = {h in held.get(medium, set()) for h in names[key]}  # a host object may be on NVMe too
+            assert inside == {on} or (medium == "STORAGE" and tier == "host"), (key, tier, medium, inside)
+    assert any(t is None for t in tiers.values()) and any(t == "nvme" for t in tiers.values())  # all paths taken
+    assert tiers[keys[back]] == "host" and tiers[keys[23]] is None
+    assert shown["hints"]["route"] == {"block_hashes": [(b"blk-%d-a" % back).hex(), 1000 + back],
+                                       "parent_block_hash": 1000 + back - 1, "token_ids": list(range(32)),
+                                       "block_size": 16, "group_idx": 0}
+
+
+def replies_to(path: str, requests: list[Request]) -> dict[int, Reply]:
+    """Send raw requests on a fresh connection (what a client of another language could send)."""
+    codec = FrameCodec()
+    replies = {}
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.settimeout(30)
+        sock.connect(path)
+        sock.sendall(b"".join(codec.send_request(r) for r in requests))
+        while len(replies) < len(requests):
+            event = codec.next_event()
+            if event is NEED_DATA:
+                codec.receive_data(sock.recv(1 << 16))
+            else:
+                replies[event.id] = event
+    return replies
+
+
+def test_a_bad_route_is_refused_by_name_and_the_daemon_serves_on(daemon_factory):
+    d = daemon_factory("16MiB", config=EVENTS)
+    key, good = new_ids(2)
+    desc = StateDescriptor("default", "m", "r1", kind="kv", dtype="bf16").to_wire()
+    bad_routes = [b"\x81\xa1x\x01",  # a map without block_hashes
+                  Route([1]).pack().replace(b"\x01", b"\xc3"),  # a hash that is a bool
+                  b"\xc1"]  # not msgpack
+    requests = [Request(1, "open", {"namespace": "default"})]
+    for i, route in enumerate(bad_routes):
+        requests.append(Request(10 + i, "reserve", {"namespace": "default", "object_id": key.digest, "size": 64,
+                                                    "descriptor": desc, "hints": {"route": route}}))
+    requests.append(Request(20, "reserve_many", {"namespace": "default", "ids": key.digest + good.digest,
+                                                 "sizes": (64).to_bytes(8, "little") * 2, "descriptor": desc,
+                                                 "routes": [None]}))  # one route for two ids
+    replies = replies_to(d.socket, requests)
+    for rid in (10, 11, 12, 20):
+        assert replies[rid].error["code"] == "invalid_argument" and "route" in replies[rid].error["message"], \
+            replies[rid].error
+    with d.client() as c:
+        results = c.put_many([(key, b"x" * 64), (good, b"y" * 64)], routes=[None, route_of(3)])
+        assert [r.error for r in results] == [None, None]
+        assert c.lookup([key, good]).hits == 2
+        with pytest.raises(InvalidArgument, match="2 items but 1 routes"):
+            c.put_many([(key, b"x" * 64), (good, b"y" * 64)], routes=[None])
