@@ -26,7 +26,7 @@ SERVER = {
     "server/peer": {"server.peer", "server.later", "server.logs"},
     "server/events": {"server.events"},
     "server/tiering": {"server.tiering", "server.later", "server.host_memory", "server.events"},
-    "server/cluster": {"server.cluster", "server.peer", "server.tiering", "server.later"},
+    "server/cluster": {"server.cluster", "server.peer", "server.tiering", "server.later", "server.events"},
     "server/local": {"server.local", "server.tiering", "server.later"},
     "server/admin": {"server.admin", "server.tiering", "server.cluster", "server.later", "server.logs"},
 }

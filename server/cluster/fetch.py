@@ -18,6 +18,7 @@ from kvstore.identity import descriptor_differences
 from kvstore.peer_messages import RemoteMeta
 from kvstore.ranges import check_within, total as ranges_total
 from kvstore.replies import MISS, GetReply
+from server.events import MEDIUM_PEER
 from server.tiering.objects import ObjectEntry
 
 DEFAULT_REMOTE_BANDWIDTH = 1e9
@@ -99,6 +100,8 @@ class Fetcher:
             self.bandwidth_bytes_s = 0.8 * self.bandwidth_bytes_s + 0.2 * meta.size / seconds
         if meta is None or object_id in ns.objects:  # a miss, or a local put landed meanwhile
             landing.give_back()
+            if meta is None:  # the homes no longer hold it (or are down): not a PEER holding now
+                self.manager.events.removed(namespace, object_id, MEDIUM_PEER)
             return ns.objects.get(object_id)
         if await landing.settle(meta.size) is None:
             return None

@@ -31,6 +31,7 @@ from dataclasses import asdict
 
 from kvstore.config import ClusterConfig
 from kvstore.identity import ObjectId
+from server.events import MEDIUM_PEER
 from server.cluster.fetch import Fetcher
 from server.cluster.replicate import Replicator
 from server.cluster.serving import PeerServing
@@ -127,7 +128,11 @@ class ClusterLink:
         """What the homes hold of `ids` (ObjectIds, or raw digests off the local protocol)."""
         if self.remote is None:
             return [None] * len(ids)
-        return await self.remote.lookup(namespace, [i if isinstance(i, ObjectId) else ObjectId(bytes(i)) for i in ids])
+        metas = await self.remote.lookup(namespace, [i if isinstance(i, ObjectId) else ObjectId(bytes(i)) for i in ids])
+        for oid, meta in zip(ids, metas):
+            if meta is None:  # the homes no longer hold it (or are down): not a PEER holding now
+                self.manager.events.removed(namespace, oid, MEDIUM_PEER)
+        return metas
 
     def stats(self) -> dict:
         stats = dict(self.node.stats())

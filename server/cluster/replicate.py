@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from kvstore.errors import Conflict
 from kvstore.replies import CommitReply
 from server.cluster.serving import FOR_PEER
+from server.events import MEDIUM_PEER
 from server.tiering.objects import ObjectEntry
 from tiers.remote import MAX_LINKS_PER_PEER
 
@@ -106,6 +107,7 @@ class Replicator:
         if held and set(held) >= set(homes):
             if ns.objects.get(entry.object_id) is entry:
                 self.held.add((entry.namespace, entry.object_id.digest))
+            self.manager.events.stored(entry.namespace, entry.object_id, MEDIUM_PEER, entry.descriptor, entry.hints)
             return held, True
         return held, False
 
@@ -142,7 +144,10 @@ class Replicator:
                 return None  # gone, or failed its check (counted by the NVMe tier)
             meta, data = copy
             homes = self.remote.remote_homes(oid)
-            return set(await self.remote.put(namespace, oid, meta, data)) >= set(homes)
+            sent = set(await self.remote.put(namespace, oid, meta, data)) >= set(homes)
+            if sent:
+                self.manager.events.stored(namespace, oid, MEDIUM_PEER, meta.descriptor, meta.hints)
+            return sent
 
     def _count_demotions(self, items, results) -> None:
         failed = []
@@ -200,4 +205,6 @@ class Replicator:
         if pending:  # queued ones give up at once (their entry is gone); bounded regardless
             await asyncio.wait(pending, timeout=4 * self.config.peer_timeout_s)
         remote = await self.remote.delete(namespace, list(ids))
+        for oid in ids:
+            self.manager.events.removed(namespace, oid, MEDIUM_PEER)
         return sum(a or b for a, b in zip(found, remote))

@@ -5,6 +5,6 @@ batches from its own thread over ZMQ and answers replays, `wire.py` is the forma
 """
 
 from server.events.stream import EventStream, NoEvents
-from server.events.wire import MEDIUM_CPU, MEDIUM_GPU, MEDIUM_STORAGE, topic_of
+from server.events.wire import MEDIUM_CPU, MEDIUM_GPU, MEDIUM_PEER, MEDIUM_STORAGE, topic_of
 
-__all__ = ["EventStream", "NoEvents", "MEDIUM_CPU", "MEDIUM_GPU", "MEDIUM_STORAGE", "topic_of"]
+__all__ = ["EventStream", "NoEvents", "MEDIUM_CPU", "MEDIUM_GPU", "MEDIUM_PEER", "MEDIUM_STORAGE", "topic_of"]

@@ -20,6 +20,7 @@ Event loop thread only; no I/O.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 from kvstore.route import route_fields
@@ -27,6 +28,11 @@ from kvstore.route import route_fields
 # Media as bits of Held.media, in the order a snapshot lists them.
 MEDIA = ("CPU", "STORAGE", "PEER")
 _BIT = {name: 1 << i for i, name in enumerate(MEDIA)}
+_PEER = _BIT["PEER"]
+# Objects marked PEER (sent to their home nodes) that a home drops on its own are only
+# unmarked when this node next asks for them. So the marks are capped: past this many, the
+# oldest is unmarked (a BlockRemoved: a router under-counts, never over-counts for long).
+MAX_PEER_OBJECTS = 1_000_000
 
 
 @dataclass(slots=True)
@@ -46,6 +52,7 @@ class Holdings:
     def __init__(self):
         self._objects: dict[str, dict[bytes, Held]] = {}
         self._by_hash: dict[str, dict] = {}  # namespace -> block hash -> digest, or a tuple of digests
+        self._peer: dict[tuple[str, bytes], None] = {}  # objects marked PEER, oldest first
 
     def add(self, namespace: str, digest: bytes, medium: str, route: bytes | None, block_size: int,
             session_id: str | None) -> Held | None:
@@ -61,7 +68,14 @@ class Holdings:
         if held.media & bit:
             return None
         held.media |= bit
+        if bit == _PEER:
+            self._peer[(namespace, digest)] = None
         return held
+
+    def over_peer_cap(self) -> list[tuple[str, bytes]]:
+        """The oldest PEER marks past MAX_PEER_OBJECTS: (namespace, digest) to unmark."""
+        excess = len(self._peer) - MAX_PEER_OBJECTS
+        return list(itertools.islice(self._peer, excess)) if excess > 0 else []
 
     def remove(self, namespace: str, digest: bytes, medium: str) -> Held | None:
         """Unmark `digest` in `medium`: its record, or None if it was not held there."""
@@ -71,6 +85,8 @@ class Holdings:
         if held is None or not held.media & bit:
             return None
         held.media &= ~bit
+        if bit == _PEER:
+            self._peer.pop((namespace, digest), None)
         if not held.media:
             del objects[digest]
             if held.route is not None:
@@ -80,6 +96,7 @@ class Holdings:
     def clear(self, namespace: str) -> None:
         self._objects.pop(namespace, None)
         self._by_hash.pop(namespace, None)
+        self._peer = {key: None for key in self._peer if key[0] != namespace}
 
     def items(self, namespace: str) -> list[tuple[bytes, Held]]:
         """Every object of `namespace` and its record (a copy of the list, in one call)."""

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from kvstore.config_events import EventsConfig
 from kvstore.identity import Kind
 from server.events.holdings import Holdings
-from server.events.wire import CLEARED, REMOVED, STORED, topic_of
+from server.events.wire import CLEARED, MEDIUM_PEER, REMOVED, STORED, topic_of
 
 # Reports are gathered this long into one batch per namespace (vLLM sends one per engine
 # step). What costs is a flush (it wakes the publisher thread), not a report: on a loaded
@@ -139,6 +139,9 @@ class EventStream:
         held = self.holdings.add(namespace, digest, medium, hints.route, descriptor.chunk_tokens, hints.session_id)
         if held is not None:
             self._record(namespace, (STORED, digest, medium, held.route, held.block_size, held.session_id))
+            if medium == MEDIUM_PEER:
+                for name, oldest in self.holdings.over_peer_cap():
+                    self.removed(name, oldest, MEDIUM_PEER)
 
     def removed(self, namespace: str, digest: bytes, medium: str) -> None:
         """An object left `medium` (published only if its storing was)."""

@@ -18,9 +18,10 @@ What the fields say here (docs/architecture.md, "Events for routers"):
   chunk_tokens. A route without block_size: chunk_tokens / the number of hashes.
 - lora_id: None (deprecated in vLLM in favour of lora_name).
 - medium: where the object is held now, vLLM's names: "CPU" (the host arena), "STORAGE"
-  (NVMe). An object on two tiers is held in two media: each has its own stored and removed
-  events.
-- locality "LOCAL" (this node), ownership "kvstore" (vLLM's secondary tiers name themselves
+  (NVMe); and "PEER" (ours: its home nodes hold it, as this node saw when it sent it there,
+  locality "REMOTE"). An object on two tiers is held in two media: each has its own stored
+  and removed events.
+- locality "LOCAL" (this node) but for PEER, ownership "kvstore" (vLLM's secondary tiers name themselves
   there), session_id: the put's hints.session_id when it had one.
 
 Pure: no sockets, no threads.
@@ -35,7 +36,10 @@ from kvstore.route import route_fields
 MEDIUM_GPU = "GPU"
 MEDIUM_CPU = "CPU"
 MEDIUM_STORAGE = "STORAGE"
+# Not vLLM's: the object's home nodes hold it (as seen from this node, which can fetch it).
+MEDIUM_PEER = "PEER"
 LOCALITY = "LOCAL"
+LOCALITY_REMOTE = "REMOTE"  # of a PEER event: the bytes are on another node
 OWNERSHIP = "kvstore"
 # The replay socket's end-of-replay marker's sequence number (ZmqEventPublisher.END_SEQ).
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
@@ -78,21 +82,22 @@ def _event_map(event: tuple) -> dict:
             for name in _OPTIONAL:
                 if fields.get(name) is not None:
                     doc[name] = fields[name]
-        doc["locality"] = LOCALITY
+        doc["locality"] = LOCALITY_REMOTE if medium == MEDIUM_PEER else LOCALITY
         doc["ownership"] = OWNERSHIP
         if session_id is not None:
             doc["session_id"] = session_id
         return doc
     if kind == REMOVED:
         _, digest, medium, route = event
+        locality = LOCALITY_REMOTE if medium == MEDIUM_PEER else LOCALITY
         if route is None:
             return {"type": "BlockRemoved", "block_hashes": [digest], "medium": medium,
-                    "locality": LOCALITY, "ownership": OWNERSHIP}
+                    "locality": locality, "ownership": OWNERSHIP}
         fields = route_fields(route)
         doc = {"type": "BlockRemoved", "block_hashes": fields["block_hashes"], "medium": medium}
         if fields.get("group_idx") is not None:
             doc["group_idx"] = fields["group_idx"]
-        doc["locality"] = LOCALITY
+        doc["locality"] = locality
         doc["ownership"] = OWNERSHIP
         return doc
     return {"type": "AllBlocksCleared"}

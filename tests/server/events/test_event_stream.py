@@ -12,7 +12,8 @@ from kvstore.identity import StateDescriptor
 from kvstore.route import Route
 from kvs_events import EventSubscriber, events_of
 from kvs_testing import wait_until
-from server.events import MEDIUM_CPU, MEDIUM_STORAGE, EventStream, topic_of
+from server.events import MEDIUM_CPU, MEDIUM_PEER, MEDIUM_STORAGE, EventStream, topic_of
+from server.events import holdings as holdings_module
 from server.events.publisher import ZmqPublisher
 from server.events import stream as stream_module
 from server.events.stream import FLUSH_INTERVAL_S
@@ -145,3 +146,20 @@ def test_a_route_names_the_blocks_in_stored_and_removed_events_and_indexes_them(
                       "session_id": "s"}
     assert removed == {"type": "BlockRemoved", "block_hashes": [b"h1", 7], "medium": "CPU", "group_idx": 1,
                        "locality": "LOCAL", "ownership": "kvstore"}
+
+
+def test_peer_marks_are_capped_oldest_first_and_published_as_remote(monkeypatch):
+    monkeypatch.setattr(holdings_module, "MAX_PEER_OBJECTS", 2)
+    publisher = RefusingPublisher(set())
+    stream = EventStream(EventsConfig(enabled=True), lambda config, rings: publisher)
+    ids = [bytes([i]) * 32 for i in range(3)]
+    stream.stored("ns", ids[0], MEDIUM_CPU, DESC, Hints())  # held here too: its CPU mark stays
+    for digest in ids:
+        stream.stored("ns", digest, MEDIUM_PEER, DESC, Hints())
+    events = msgpack.unpackb(encode_batch(0.0, [e for b in stream.rings[topic_of("kvstore.", "ns")].since(0)
+                                                for e in b.events]))[1]
+    assert [(e["type"], e["medium"], e["locality"]) for e in events][-2:] == [
+        ("BlockStored", "PEER", "REMOTE"), ("BlockRemoved", "PEER", "REMOTE")]
+    assert events[-1]["block_hashes"] == [ids[0]]  # the oldest mark went
+    assert stream.holdings.get("ns", ids[0]).in_media() == ["CPU"]
+    assert [stream.holdings.get("ns", d).in_media() for d in ids[1:]] == [["PEER"], ["PEER"]]
