@@ -17,16 +17,21 @@ from kvs_testing import free_port, payload, wait_for
 SECRET = "a-cluster-secret-of-some-length"
 
 
-@pytest.fixture
-def pair(daemon_factory):
+def static_pair(daemon_factory, **config):
+    """Daemons a and b in a static two-node cluster on loopback, each with `config` too."""
     ports = {"a": free_port(), "b": free_port()}
     peers = [f"{n}=127.0.0.1:{p}" for n, p in ports.items()]
 
     def cluster(node):
-        return {"cluster": {"enabled": True, "node_id": node, "listen": f"127.0.0.1:{ports[node]}",
-                            "peers": peers, "secret": SECRET, "peer_timeout_s": 1.0}}
+        return {**config, "cluster": {"enabled": True, "node_id": node, "listen": f"127.0.0.1:{ports[node]}",
+                                      "peers": peers, "secret": SECRET, "peer_timeout_s": 1.0}}
 
     return daemon_factory("32MiB", config=cluster("a")), daemon_factory("32MiB", config=cluster("b"))
+
+
+@pytest.fixture
+def pair(daemon_factory):
+    return static_pair(daemon_factory)
 
 
 def test_put_on_one_node_read_on_the_other_bit_exact(pair):

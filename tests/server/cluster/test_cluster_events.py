@@ -9,22 +9,12 @@ from kvstore.identity import ObjectId
 from kvstore.ownership import home_nodes
 from kvstore.route import Route
 from kvs_events import EventSubscriber, all_events, last_seq, wait_subscribed
-from kvs_testing import free_port, payload
-
-SECRET = "a-cluster-secret-of-some-length"
-
+from kvs_testing import payload
+from test_cluster_daemons import static_pair
 
 @pytest.fixture
 def pair(daemon_factory):
-    ports = {"a": free_port(), "b": free_port()}
-    peers = [f"{n}=127.0.0.1:{p}" for n, p in ports.items()]
-
-    def config(node):
-        return {"events": {"enabled": True},
-                "cluster": {"enabled": True, "node_id": node, "listen": f"127.0.0.1:{ports[node]}",
-                            "peers": peers, "secret": SECRET, "peer_timeout_s": 1.0}}
-
-    return daemon_factory("32MiB", config=config("a")), daemon_factory("32MiB", config=config("b"))
+    return static_pair(daemon_factory, events={"enabled": True})
 
 
 def peer_holdings(events) -> set:
