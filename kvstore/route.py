@@ -158,15 +158,21 @@ def _json(value):
     return value
 
 
-def packed_route(value) -> bytes | None:
-    """A hint's route as it is kept: None, a Route (packed here) or packed bytes (checked)."""
-    if value is None:
-        return None
+class PackedRoute(bytes):
+    """Packed route bytes known to be valid: checked once, however many hints carry them."""
+    __slots__ = ()
+
+
+def packed_route(value) -> PackedRoute | None:
+    """A hint's route as it is kept: None, a Route (packed here) or packed bytes (checked
+    unless they are a PackedRoute already)."""
+    if value is None or isinstance(value, PackedRoute):
+        return value
     if isinstance(value, Route):
-        return value.pack()
+        return PackedRoute(value.pack())
     if isinstance(value, (bytes, bytearray)):
         Route.unpack(value)
-        return bytes(value)
+        return PackedRoute(value)
     raise InvalidArgument(f"hint route must be a kvstore.route.Route, got {type(value).__name__}")
 
 
