@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Make (or check) the cached environment of one engine, outside the checkout:
-#   scripts/engine_env.sh vllm|sglang|lmcache     -> prints the environment's python
+#   scripts/engine_env.sh vllm|sglang|lmcache|dynamo     -> prints the environment's python
+# (dynamo is a router, not an engine: Dynamo's KV indexer, 0.3 GB and no torch, read by
+# tests/routers/dynamo; it lives here for the same reason, a lock of its own.)
 # Each engine pulls its own CUDA build of torch (6-11 GB), so each has its own venv under
 # $KVSTORE_ENGINE_ENVS (default ~/.cache/kvstore-engines), made with uv (scripts/uv.sh: one
 # pinned version) and one shared uv cache ($UV_CACHE_DIR, default $KVSTORE_ENGINE_ENVS/.uv-cache;
@@ -11,10 +13,10 @@
 # kvstore itself is not installed there: tests run the checkout's code (PYTHONPATH).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-engine=${1:?usage: scripts/engine_env.sh vllm|sglang|lmcache}
+engine=${1:?usage: scripts/engine_env.sh vllm|sglang|lmcache|dynamo}
 case "$engine" in
-    vllm|sglang|lmcache) ;;
-    *) echo "engine_env: unknown engine '$engine' (vllm, sglang or lmcache)" >&2; exit 2 ;;
+    vllm|sglang|lmcache|dynamo) ;;
+    *) echo "engine_env: unknown engine '$engine' (vllm, sglang, lmcache or dynamo)" >&2; exit 2 ;;
 esac
 lock="$PWD/locks/$engine.txt"
 root=${KVSTORE_ENGINE_ENVS:-$HOME/.cache/kvstore-engines}

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Refresh the lock files in locks/ from pyproject.toml and locks/*.in:
-#   scripts/lock.sh [vllm] [sglang] [lmcache] [main]      default: all four
-# locks/<engine>.txt   every package of that engine's test environment, exact, with hashes
+#   scripts/lock.sh [vllm] [sglang] [lmcache] [dynamo] [main]      default: all five
+# locks/<engine>.txt   every package of that engine's (or router's) test environment, exact, with hashes
 #                      (scripts/engine_env.sh installs it with --require-hashes)
 # locks/main-constraints.txt
 #                      versions of everything in .venv (scripts/setup.sh passes it to pip as
@@ -16,7 +16,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 uv=$(scripts/uv.sh)
 targets=("$@")
-[ ${#targets[@]} -gt 0 ] || targets=(vllm sglang lmcache main)
+[ ${#targets[@]} -gt 0 ] || targets=(vllm sglang lmcache dynamo main)
 compile() {
     local out=$1
     shift
@@ -25,7 +25,7 @@ compile() {
 }
 for target in "${targets[@]}"; do
     case "$target" in
-        vllm|sglang|lmcache)
+        vllm|sglang|lmcache|dynamo)
             echo "lock: locks/$target.txt" >&2
             compile "locks/$target.txt" --generate-hashes pyproject.toml locks/engine-tests.in --extra "$target" ;;
         main)
@@ -36,6 +36,6 @@ for target in "${targets[@]}"; do
                 --extra engine --extra gpu --extra test --extra bench
             # pip's constraints match torch==2.13.0 against 2.13.0+cpu, not the reverse.
             sed -i -E 's/^(torch==[^+ ]+)\+[A-Za-z0-9.]+/\1/' locks/main-constraints.txt ;;
-        *) echo "lock: unknown target '$target' (vllm, sglang, lmcache or main)" >&2; exit 2 ;;
+        *) echo "lock: unknown target '$target' (vllm, sglang, lmcache, dynamo or main)" >&2; exit 2 ;;
     esac
 done
