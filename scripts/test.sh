@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Set up (scripts/setup.sh) and run the default test suite, then the engine adapters' tests
-# in each engine's own cached environment (scripts/test_engines.sh; the first run makes
-# those environments: several GB and minutes each). Extra arguments go to the main pytest
-# run. KVSTORE_SKIP_ENGINES=1 skips the engine tests (and says so).
+# in each engine's own cached environment and the Dynamo router tests in theirs
+# (scripts/test_engines.sh; the first run makes those environments: several GB and minutes
+# each). Extra arguments go to the main pytest run. KVSTORE_SKIP_ENGINES=1 skips the engine
+# and router tests (and says so).
 #
 # Last, the Docker cluster tests (tests/docker, marker docker; scripts/docker_cluster.sh
 # test): a step of their own, not in the main run, because they build images and run
@@ -26,7 +27,8 @@ trap stop_engine EXIT
 trap 'exit 143' TERM
 trap 'exit 130' INT
 .venv/bin/python -m pytest -q -m "not slow and not engines and not docker" \
-    --ignore=tests/adapters/vllm --ignore=tests/adapters/sglang --ignore=tests/adapters/lmcache "$@" || status=$?
+    --ignore=tests/adapters/vllm --ignore=tests/adapters/sglang --ignore=tests/adapters/lmcache \
+    --ignore=tests/routers/dynamo "$@" || status=$?
 # The UCX peer tests under CPU load, 30 runs (about 3 minutes; marked slow, a step of its own:
 # it loads both cores on purpose). KVSTORE_UCX_LOAD_RUNS sets the count, 0 skips it (and says so).
 if [ "${KVSTORE_UCX_LOAD_RUNS:-30}" = 0 ]; then
@@ -35,7 +37,7 @@ else
     .venv/bin/python -m pytest -q -m slow -p no:cacheprovider tests/server/peer/test_ucx_under_load.py || status=1
 fi
 if [ "${KVSTORE_SKIP_ENGINES:-0}" = 1 ]; then
-    echo "test: KVSTORE_SKIP_ENGINES=1: the vLLM, SGLang and LMCache adapter tests did not run"
+    echo "test: KVSTORE_SKIP_ENGINES=1: the vLLM, SGLang and LMCache adapter tests and the Dynamo router tests did not run"
 else
     scripts/test_engines.sh || status=1
 fi
