@@ -2,10 +2,11 @@
 
     .venv/bin/python bench/events.py [--quick] [--no-subscriber]
 
-Two daemons, host tier only, alike but for `[events] enabled`; the one with events has a
-subscriber in its own process reading its namespace's stream as a router would (decoding
-every batch). Put and get_into of small objects, where the per-object cost shows, are
-interleaved between the two (rep 1 of each, then rep 2, starting with the other each time),
+Three daemons, host tier only, alike but for `[events] enabled` (off, on, on); the first
+with events has a subscriber in its own process reading its namespace's stream as a router
+would (decoding every batch); the second gets its puts with routes (kvstore/route.py: 16
+block hashes, 256 token ids and a parent, as the vLLM connector names a chunk). Put and get_into of small objects, where the per-object cost shows, are
+interleaved between them (rep 1 of each, then rep 2, starting with the other each time),
 so load from other users of a shared machine hits both alike. Then, on the daemon with
 events: the lag from a put's reply to its BlockStored event at the subscriber (one put at
 a time), and the events per second a put_many stream sustains. Writes bench/results/events.json.
@@ -35,9 +36,11 @@ if ROOT not in sys.path:
 
 from bench.common import KiB, Row, Target, Worker, median, percentile, report, scratch_dir, size_label  # noqa: E402
 from bench.local import interleave, progress  # noqa: E402
-from bench.local_sides import KVStoreSide, keys_for  # noqa: E402
+from bench.local_sides import KVStoreSide, keys_for, timed  # noqa: E402
 
 SUITE = "events"
+# A routed put names a 256-token chunk as vLLM does: 16 blocks of 16 tokens.
+ROUTE_BLOCKS, ROUTE_BLOCK_TOKENS = 16, 16
 SIZES = (4 * KiB, 64 * KiB)
 ARENA = "512MiB"
 
@@ -69,6 +72,30 @@ class EventsSide(KVStoreSide):
     def put_many_objects(self, tag: str, count: int) -> int:
         results = self.client.put_many([(key, self.src) for key in keys_for(tag, count)])
         return sum(1 for r in results if not r.error)
+
+
+class RoutedSide(EventsSide):
+    """Puts as the vLLM connector makes them: each with its route (ROUTE_BLOCKS 32-byte block
+    hashes, their tokens and the parent hash), built and packed inside the timed loop as the
+    adapter builds it at each put."""
+
+    def prepare(self, size: int, count: int) -> None:
+        super().prepare(size, count)
+        self.hashes = {bytes(key): [bytes(key)[:28] + i.to_bytes(4, "little") for i in range(ROUTE_BLOCKS)]
+                       for keys in self.rep_keys for key in keys}
+        self.tokens = list(range(ROUTE_BLOCKS * ROUTE_BLOCK_TOKENS))
+
+    def put(self, rep: int) -> float:
+        from kvstore.hints import Hints
+        from kvstore.route import Route
+        put, src, hashes, tokens = self.client.put, self.src, self.hashes, self.tokens
+
+        def run():
+            for key in self.rep_keys[rep]:
+                blocks = hashes[bytes(key)]
+                put(key, src, hints=Hints(route=Route(blocks, parent_block_hash=blocks[0], token_ids=tokens,
+                                                      block_size=ROUTE_BLOCK_TOKENS, group_idx=0)))
+        return timed(run)
 
 
 class Subscriber:
@@ -113,7 +140,8 @@ class Subscriber:
         self.ctx.term()
 
 
-def start(stack: contextlib.ExitStack, workdir: str, name: str, events: bool, reps: int) -> Worker:
+def start(stack: contextlib.ExitStack, workdir: str, name: str, events: bool, reps: int,
+          side=EventsSide) -> Worker:
     from commands.smoke import start_daemon
     socket_path = os.path.join(workdir, f"{name}.sock")
     config = os.path.join(workdir, f"{name}.toml")
@@ -122,7 +150,7 @@ def start(stack: contextlib.ExitStack, workdir: str, name: str, events: bool, re
     data_dir = os.path.join(workdir, f"data-{name}")
     daemon = start_daemon(socket_path, ARENA, extra=("--config", config, "--data-dir", data_dir))
     stack.callback(lambda: (daemon.terminate(), daemon.wait(10)))
-    return stack.enter_context(Worker(name, EventsSide, socket_path, reps))
+    return stack.enter_context(Worker(name, side, socket_path, reps))
 
 
 def wait_for_events(subscriber: Worker, side: Worker) -> None:
@@ -148,7 +176,8 @@ def measure(plan: Plan, workdir: str, subscribe: bool = True) -> dict:
     out: dict = {"put": {}, "get": {}}
     with contextlib.ExitStack() as stack:
         sides = {"events off": start(stack, workdir, "off", False, plan.reps),
-                 "events on": start(stack, workdir, "on", True, plan.reps)}
+                 "events on": start(stack, workdir, "on", True, plan.reps),
+                 "events on, routes": start(stack, workdir, "routes", True, plan.reps, RoutedSide)}
         if subscribe:
             subscriber = stack.enter_context(Worker("subscriber", Subscriber, f"ipc://{workdir}/data-on/events.pub",
                                                     topic_of("kvstore.", "bench")))
@@ -191,6 +220,9 @@ def rows_of(out: dict) -> list[Row]:
         for size, by_side in out[op].items():
             rows.append(Row(SUITE, f"{case} {size_label(size)}", "throughput", "kops/s", by_side["events on"],
                             "events off", by_side["events off"]))
+            if op == "put":
+                rows.append(Row(SUITE, f"{case} {size_label(size)} with routes", "throughput", "kops/s",
+                                by_side["events on, routes"], "events off", by_side["events off"]))
     if "lag_us" not in out:
         return rows
     rows.append(Row(SUITE, "put reply -> event", "p50", "us", out["lag_us"][0], higher_is_better=False))

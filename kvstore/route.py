@@ -25,6 +25,7 @@ Pure: no I/O.
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass
 
 import msgpack
@@ -84,8 +85,10 @@ class Route:
             _check_hash("parent_block_hash", self.parent_block_hash)
         if self.token_ids is not None:
             tokens = _sequence("token_ids", self.token_ids)
-            if not all(_is_int(t) and 0 <= t <= MAX_TOKEN_ID for t in tokens):
-                raise InvalidArgument(f"route token_ids must be integers in 0..{MAX_TOKEN_ID}")
+            try:  # in C: a chunk's 256 token ids checked one by one in Python cost ~25 us a put
+                struct.pack(f"<{len(tokens)}I", *tokens)
+            except struct.error:
+                raise InvalidArgument(f"route token_ids must be integers in 0..{MAX_TOKEN_ID}") from None
             object.__setattr__(self, "token_ids", tokens)
         for name in ("block_size", "group_idx", "kv_cache_spec_sliding_window"):
             value = getattr(self, name)
