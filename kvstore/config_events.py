@@ -12,15 +12,22 @@ ServerConfig); the daemon's publisher (server/events/) takes it with its endpoin
     buffer_batches = 10000                      # batches kept per namespace for replay
                                                 # (and at most 1,000,000 events)
     hwm = 100000                                # ZMQ send high-water mark (per subscriber)
+    int_block_hashes = true                     # bytes hashes as vLLM's default int form
+    ownership = ""                              # "" = left out (as vLLM's engine events)
+
+    [events.namespaces.tenant-a]                # this namespace on endpoints of its own only
+    endpoint = "ipc:///run/kvstore/tenant-a.pub"        # "" = ipc://<data_dir>/events-<name>.pub
+    replay_endpoint = "ipc:///run/kvstore/tenant-a.replay"
 """
 
 from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from kvstore.errors import InvalidArgument
+from kvstore.identity import _check_name
 
 # tcp://host:port (a name, an IPv4 address, [IPv6] or *) or ipc://<path>. Port 0 is refused:
 # subscribers must know where to connect, and the daemon does not publish a chosen port.
@@ -58,6 +65,19 @@ class EventsConfig:
     topic: str = "kvstore."
     buffer_batches: int = 10_000
     hwm: int = 100_000
+    # vLLM's VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES (on by default there): a block hash given as
+    # bytes (an object id, or an engine's sha256 digest) is published as its last 8 bytes,
+    # big-endian, an unsigned 64-bit integer. Routers that take vLLM's default form (Dynamo
+    # takes no other) read it; false publishes the bytes.
+    int_block_hashes: bool = True
+    # Every event's `ownership` (vLLM's secondary tiers name themselves there); "" leaves it
+    # out, as vLLM's engine events do: Dynamo 1.6 drops any event that has one.
+    ownership: str = ""
+    # Namespaces with endpoints of their own: name -> {"endpoint", "replay_endpoint"} ("" =
+    # ipc://<data_dir>/events-<name>.pub / .replay). Such a namespace is published there only,
+    # never on the shared endpoints: a tenant's subscriber sees its namespace alone, and an
+    # ipc:// path's directory permissions say who may subscribe.
+    namespaces: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for name in ("endpoint", "replay_endpoint"):
@@ -66,6 +86,15 @@ class EventsConfig:
                 check_endpoint(f"events.{name}", value)
         if self.endpoint and self.endpoint == self.replay_endpoint:
             raise InvalidArgument("events.endpoint and events.replay_endpoint must differ")
+        if not isinstance(self.int_block_hashes, bool):
+            raise InvalidArgument(f"events.int_block_hashes must be true or false, got {self.int_block_hashes!r}")
+        if not isinstance(self.ownership, str) or len(self.ownership) > 64:
+            raise InvalidArgument(f"events.ownership must be a string of at most 64 characters, got {self.ownership!r}")
+        object.__setattr__(self, "namespaces", _own_endpoints(self.namespaces))
+        taken = [e for e in (self.endpoint, self.replay_endpoint) if e]
+        taken += [e for ends in self.namespaces.values() for e in ends.values() if e]
+        if len(taken) != len(set(taken)):
+            raise InvalidArgument(f"events: every endpoint must differ, got {sorted(taken)}")
         if not isinstance(self.topic, str) or len(self.topic.encode()) > 256:
             raise InvalidArgument(f"events.topic must be a string of at most 256 bytes, got {self.topic!r}")
         if type(self.buffer_batches) is not int or not 1 <= self.buffer_batches <= MAX_BUFFER_BATCHES:
@@ -76,5 +105,37 @@ class EventsConfig:
 
     def under(self, data_dir: str) -> EventsConfig:
         """This table with empty endpoints made ipc:// paths in `data_dir` (checked again)."""
-        return replace(self, endpoint=self.endpoint or f"ipc://{os.path.join(data_dir, 'events.pub')}",
-                       replay_endpoint=self.replay_endpoint or f"ipc://{os.path.join(data_dir, 'events.replay')}")
+        def ipc(name: str) -> str:
+            return f"ipc://{os.path.join(data_dir, name)}"
+        own = {ns: {"endpoint": ends["endpoint"] or ipc(f"events-{ns}.pub"),
+                    "replay_endpoint": ends["replay_endpoint"] or ipc(f"events-{ns}.replay")}
+               for ns, ends in self.namespaces.items()}
+        return replace(self, endpoint=self.endpoint or ipc("events.pub"),
+                       replay_endpoint=self.replay_endpoint or ipc("events.replay"), namespaces=own)
+
+    def own_endpoints(self, namespace: str) -> EventsConfig | None:
+        """The table a namespace with endpoints of its own is published under (its endpoints
+        in place of the shared ones), or None for one published on the shared endpoints."""
+        ends = self.namespaces.get(namespace)
+        return None if ends is None else replace(self, namespaces={}, **ends)
+
+
+def _own_endpoints(value) -> dict:
+    """events.namespaces, checked: name -> {"endpoint", "replay_endpoint"} (both present)."""
+    if not isinstance(value, dict):
+        raise InvalidArgument("events.namespaces must be a table of namespaces")
+    out = {}
+    for name, ends in value.items():
+        key = f"events.namespaces.{name}"
+        try:
+            _check_name("namespace", name)
+        except InvalidArgument as exc:
+            raise InvalidArgument(f"{key}: {exc.message}") from None
+        if not isinstance(ends, dict) or not set(ends) <= {"endpoint", "replay_endpoint"}:
+            raise InvalidArgument(f"{key} must be a table with endpoint and replay_endpoint")
+        ends = {"endpoint": ends.get("endpoint", ""), "replay_endpoint": ends.get("replay_endpoint", "")}
+        for k, v in ends.items():
+            if v != "":
+                check_endpoint(f"{key}.{k}", v)
+        out[name] = ends
+    return out

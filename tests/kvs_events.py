@@ -19,6 +19,12 @@ END_SEQ = (-1).to_bytes(8, "big", signed=True)
 POLL_MS = 10_000  # a liveness bound: the daemon sends within it on any machine
 
 
+def vllm_int_hash(value: bytes) -> int:
+    """A bytes block hash in vLLM's default int form (maybe_convert_block_hash): the last 8
+    bytes, big-endian, as the daemon publishes it with `[events] int_block_hashes`."""
+    return int.from_bytes(bytes(value)[-8:], "big")
+
+
 def endpoints(daemon) -> tuple[str, str]:
     """The default endpoints of a DaemonProcess started with `[events] enabled = true`."""
     return (f"ipc://{os.path.join(daemon.data_dir, 'events.pub')}",

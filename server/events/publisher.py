@@ -30,7 +30,7 @@ import zmq
 
 from kvstore.config_events import EventsConfig
 from kvstore.errors import KVStoreError
-from server.events.wire import END_SEQ, encode_batch, seq_bytes, topic_of
+from server.events.wire import END_SEQ, Wire, seq_bytes, topic_of
 
 log = logging.getLogger("kvstore.events")
 # Batches waiting for the thread. Past this the loop stops offering (counted): the batches
@@ -57,6 +57,7 @@ class ZmqPublisher:
         stream adds rings while the thread reads them)."""
         self.config = config
         self.rings = rings
+        self.wire = Wire.of(config)  # how events are written (int hashes, ownership)
         # (topic, batch), or None to stop. A deque: append and popleft are atomic, and the
         # put path takes no lock (queue.Queue takes one and notifies a condition per put).
         self._queue: deque = deque()
@@ -173,7 +174,8 @@ class ZmqPublisher:
                 return False
             topic, batch = item
             try:
-                pub.send_multipart((topic, seq_bytes(batch.seq), encode_batch(batch.ts, batch.events)), zmq.NOBLOCK)
+                pub.send_multipart((topic, seq_bytes(batch.seq), self.wire.encode_batch(batch.ts, batch.events)),
+                                   zmq.NOBLOCK)
             except zmq.Again:  # PUB drops rather than blocks; kept for replay either way
                 continue
             self.num_sent_batches += 1
@@ -197,7 +199,7 @@ class ZmqPublisher:
             try:
                 for batch in batches:
                     router.send_multipart((client, b"", topic, seq_bytes(batch.seq),
-                                           encode_batch(batch.ts, batch.events)), zmq.NOBLOCK)
+                                           self.wire.encode_batch(batch.ts, batch.events)), zmq.NOBLOCK)
                 router.send_multipart((client, b"", b"", END_SEQ, b""), zmq.NOBLOCK)
             except zmq.Again:  # that subscriber's queue is full: it asks again
                 continue

@@ -13,21 +13,26 @@ What the fields say here (docs/architecture.md, "Events for routers"):
 - block_hashes, parent_block_hash, token_ids, block_size, lora_name, extra_keys, group_idx,
   kv_cache_spec_kind, kv_cache_spec_sliding_window: the object's route (kvstore/route.py),
   the engine's own names for its blocks, handed in by the adapter that put it. An object
-  without a route is one block named by its 32-byte object id (kvstore.identity.chunk_keys
-  over the token ids: the documented hash), with token_ids [] and block_size its
-  chunk_tokens. A route without block_size: chunk_tokens / the number of hashes.
+  without a route is one block named by its object id (kvstore.identity.chunk_keys over the
+  token ids: the documented hash), with token_ids [] and block_size its chunk_tokens. A
+  route without block_size: chunk_tokens / the number of hashes. With `int_block_hashes`
+  (the default, as vLLM's), a hash given as bytes is published as vLLM's int form: its
+  last 8 bytes, big-endian.
 - lora_id: None (deprecated in vLLM in favour of lora_name).
 - medium: where the object is held now, vLLM's names: "CPU" (the host arena), "STORAGE"
   (NVMe); and "PEER" (ours: its home nodes hold it, as this node saw when it sent it there,
   locality "REMOTE"). An object on two tiers is held in two media: each has its own stored
   and removed events.
-- locality "LOCAL" (this node) but for PEER, ownership "kvstore" (vLLM's secondary tiers name themselves
-  there), session_id: the put's hints.session_id when it had one.
+- locality "LOCAL" (this node) but for PEER; ownership: `[events] ownership`, left out when
+  "" (the default, as vLLM's engine events: Dynamo drops events that have one); session_id:
+  the put's hints.session_id when it had one.
 
 Pure: no sockets, no threads.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import msgpack
 
@@ -40,7 +45,6 @@ MEDIUM_STORAGE = "STORAGE"
 MEDIUM_PEER = "PEER"
 LOCALITY = "LOCAL"
 LOCALITY_REMOTE = "REMOTE"  # of a PEER event: the bytes are on another node
-OWNERSHIP = "kvstore"
 # The replay socket's end-of-replay marker's sequence number (ZmqEventPublisher.END_SEQ).
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
@@ -65,45 +69,76 @@ def seq_bytes(seq: int) -> bytes:
     return seq.to_bytes(8, "big")
 
 
-def _event_map(event: tuple) -> dict:
-    kind = event[0]
-    if kind == STORED:
-        _, digest, medium, route, block_size, session_id = event
-        if route is None:
-            doc = {"type": "BlockStored", "block_hashes": [digest], "parent_block_hash": None, "token_ids": [],
-                   "block_size": block_size, "lora_id": None, "medium": medium, "lora_name": None}
-        else:
-            fields = route_fields(route)
-            hashes = fields["block_hashes"]
-            doc = {"type": "BlockStored", "block_hashes": hashes,
-                   "parent_block_hash": fields.get("parent_block_hash"), "token_ids": fields.get("token_ids", []),
-                   "block_size": fields.get("block_size") or max(1, block_size // len(hashes)), "lora_id": None,
-                   "medium": medium, "lora_name": fields.get("lora_name")}
-            for name in _OPTIONAL:
-                if fields.get(name) is not None:
-                    doc[name] = fields[name]
+@dataclass(frozen=True, slots=True)
+class Wire:
+    """How events are written (`[events]` int_block_hashes and ownership)."""
+
+    int_block_hashes: bool = True
+    ownership: str = ""  # "" = left out
+
+    @classmethod
+    def of(cls, config) -> Wire:
+        return cls(config.int_block_hashes, config.ownership)
+
+    def encode_batch(self, ts: float, events: list[tuple], data_parallel_rank: int = 0) -> bytes:
+        """One KVEventBatch of recorded events (STORED / REMOVED / CLEARED tuples) as msgpack.
+        data_parallel_rank 0: what a vLLM engine without data parallelism sends."""
+        return msgpack.packb([float(ts), [self._event_map(e) for e in events], data_parallel_rank],
+                             use_bin_type=True)
+
+    def _hash(self, value):
+        """A block hash as published: bytes become vLLM's int form when int_block_hashes
+        (kv_cache_utils.maybe_convert_block_hash: the last 8 bytes, big-endian)."""
+        if self.int_block_hashes and isinstance(value, bytes):
+            return int.from_bytes(value[-8:], "big")
+        return value
+
+    def _event_map(self, event: tuple) -> dict:
+        kind = event[0]
+        if kind == STORED:
+            _, digest, medium, route, block_size, session_id = event
+            if route is None:
+                doc = {"type": "BlockStored", "block_hashes": [self._hash(digest)], "parent_block_hash": None,
+                       "token_ids": [], "block_size": block_size, "lora_id": None, "medium": medium,
+                       "lora_name": None}
+            else:
+                fields = route_fields(route)
+                hashes = fields["block_hashes"]
+                doc = {"type": "BlockStored", "block_hashes": [self._hash(h) for h in hashes],
+                       "parent_block_hash": self._hash(fields.get("parent_block_hash")),
+                       "token_ids": fields.get("token_ids", []),
+                       "block_size": fields.get("block_size") or max(1, block_size // len(hashes)), "lora_id": None,
+                       "medium": medium, "lora_name": fields.get("lora_name")}
+                for name in _OPTIONAL:
+                    if fields.get(name) is not None:
+                        doc[name] = fields[name]
+            self._where(doc, medium)
+            if session_id is not None:
+                doc["session_id"] = session_id
+            return doc
+        if kind == REMOVED:
+            _, digest, medium, route = event
+            if route is None:
+                doc = {"type": "BlockRemoved", "block_hashes": [self._hash(digest)], "medium": medium}
+            else:
+                fields = route_fields(route)
+                doc = {"type": "BlockRemoved", "block_hashes": [self._hash(h) for h in fields["block_hashes"]],
+                       "medium": medium}
+                if fields.get("group_idx") is not None:
+                    doc["group_idx"] = fields["group_idx"]
+            self._where(doc, medium)
+            return doc
+        return {"type": "AllBlocksCleared"}
+
+    def _where(self, doc: dict, medium: str) -> None:
         doc["locality"] = LOCALITY_REMOTE if medium == MEDIUM_PEER else LOCALITY
-        doc["ownership"] = OWNERSHIP
-        if session_id is not None:
-            doc["session_id"] = session_id
-        return doc
-    if kind == REMOVED:
-        _, digest, medium, route = event
-        locality = LOCALITY_REMOTE if medium == MEDIUM_PEER else LOCALITY
-        if route is None:
-            return {"type": "BlockRemoved", "block_hashes": [digest], "medium": medium,
-                    "locality": locality, "ownership": OWNERSHIP}
-        fields = route_fields(route)
-        doc = {"type": "BlockRemoved", "block_hashes": fields["block_hashes"], "medium": medium}
-        if fields.get("group_idx") is not None:
-            doc["group_idx"] = fields["group_idx"]
-        doc["locality"] = locality
-        doc["ownership"] = OWNERSHIP
-        return doc
-    return {"type": "AllBlocksCleared"}
+        if self.ownership:
+            doc["ownership"] = self.ownership
 
 
 def encode_batch(ts: float, events: list[tuple], data_parallel_rank: int = 0) -> bytes:
-    """One KVEventBatch of recorded events (STORED / REMOVED / CLEARED tuples) as msgpack.
-    data_parallel_rank 0: what a vLLM engine without data parallelism sends."""
-    return msgpack.packb([float(ts), [_event_map(e) for e in events], data_parallel_rank], use_bin_type=True)
+    """encode_batch of the default Wire (int block hashes, no ownership)."""
+    return DEFAULT_WIRE.encode_batch(ts, events, data_parallel_rank)
+
+
+DEFAULT_WIRE = Wire()

@@ -17,7 +17,7 @@ from vllm.distributed.kv_events import (MEDIUM_CPU, MEDIUM_STORAGE, AllBlocksCle
 
 from kvstore import Hints
 from kvstore.identity import ObjectId
-from kvs_events import EventSubscriber, last_seq, wait_subscribed
+from kvs_events import EventSubscriber, last_seq, vllm_int_hash, wait_subscribed
 from kvs_testing import payload
 
 pytestmark = pytest.mark.engines
@@ -54,7 +54,7 @@ def test_every_batch_decodes_with_vllms_classes(daemon_factory):
             c.put(short, b"short-lived", hints=Hints(ttl_s=0.5))
 
             def expired(s):
-                return any(isinstance(e, BlockRemoved) and short in e.block_hashes
+                return any(isinstance(e, BlockRemoved) and vllm_int_hash(short) in e.block_hashes
                            for _, body in s.received for e in decoder.decode(body).events)
             sub.receive_until(expired, "the expiry's event")
         assert d.stop(signal.SIGTERM) == 0
@@ -73,15 +73,16 @@ def test_every_batch_decodes_with_vllms_classes(daemon_factory):
     stored = [e for e in events if isinstance(e, BlockStored)]
     removed = [e for e in events if isinstance(e, BlockRemoved)]
     assert isinstance(events[-1], AllBlocksCleared)  # the stop
-    for e in stored:
-        assert len(e.block_hashes) == 1 and isinstance(e.block_hashes[0], bytes) and len(e.block_hashes[0]) == 32
+    for e in stored:  # objects put without a route: named by their ids, in vLLM's default int form
+        assert len(e.block_hashes) == 1 and isinstance(e.block_hashes[0], int) and 0 <= e.block_hashes[0] < 2**64
         assert e.parent_block_hash is None and e.token_ids == [] and e.block_size == 256
         assert e.lora_id is None and e.lora_name is None and e.extra_keys is None
-        assert e.medium in (MEDIUM_CPU, MEDIUM_STORAGE) and e.locality == "LOCAL" and e.ownership == "kvstore"
-    assert {e.session_id for e in stored if e.block_hashes[0] in keys} == {"s1"}
-    media = {(e.block_hashes[0], e.medium) for e in stored}
+        assert e.medium in (MEDIUM_CPU, MEDIUM_STORAGE) and e.locality == "LOCAL" and e.ownership is None
+    names = {vllm_int_hash(k): k for k in keys + [short]}
+    assert {e.session_id for e in stored if e.block_hashes[0] in names} == {"s1", None}
+    media = {(names.get(e.block_hashes[0]), e.medium) for e in stored}
     assert (keys[0], MEDIUM_STORAGE) in media and (keys[0], MEDIUM_CPU) in media  # demoted, promoted
-    gone = {(e.block_hashes[0], e.medium) for e in removed}
+    gone = {(names.get(e.block_hashes[0]), e.medium) for e in removed}
     assert (keys[-1], MEDIUM_CPU) in gone and (short, MEDIUM_CPU) in gone  # deleted, expired
 
 

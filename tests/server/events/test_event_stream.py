@@ -10,14 +10,14 @@ from kvstore.config_events import EventsConfig
 from kvstore.hints import Hints
 from kvstore.identity import StateDescriptor
 from kvstore.route import Route
-from kvs_events import EventSubscriber, events_of
+from kvs_events import EventSubscriber, events_of, vllm_int_hash
 from kvs_testing import wait_until
 from server.events import MEDIUM_CPU, MEDIUM_PEER, MEDIUM_STORAGE, EventStream, topic_of
 from server.events import holdings as holdings_module
 from server.events.publisher import ZmqPublisher
 from server.events import stream as stream_module
 from server.events.stream import FLUSH_INTERVAL_S
-from server.events.wire import CLEARED, REMOVED, STORED, encode_batch
+from server.events.wire import CLEARED, REMOVED, STORED, Wire, encode_batch
 
 A, B = b"a" * 32, b"b" * 32
 DESC = StateDescriptor("default", "m", "r1", kind="kv", dtype="bf16")  # chunk_tokens 256
@@ -86,13 +86,22 @@ def test_the_wire_format_is_a_kv_event_batch():
     ts, events, rank = msgpack.unpackb(encode_batch(12.5, [(STORED, A, "CPU", None, 256, "s"),
                                                            (REMOVED, B, "STORAGE", None), (CLEARED,)]))
     assert ts == 12.5 and rank == 0
-    assert events[0] == {"type": "BlockStored", "block_hashes": [A], "parent_block_hash": None, "token_ids": [],
-                         "block_size": 256, "lora_id": None, "medium": "CPU", "lora_name": None,
-                         "locality": "LOCAL", "ownership": "kvstore", "session_id": "s"}
+    assert events[0] == {"type": "BlockStored", "block_hashes": [vllm_int_hash(A)], "parent_block_hash": None,
+                         "token_ids": [], "block_size": 256, "lora_id": None, "medium": "CPU", "lora_name": None,
+                         "locality": "LOCAL", "session_id": "s"}
     assert list(events[0])[0] == "type"  # msgspec reads the tag first
-    assert events[1] == {"type": "BlockRemoved", "block_hashes": [B], "medium": "STORAGE", "locality": "LOCAL",
-                         "ownership": "kvstore"}
+    assert events[1] == {"type": "BlockRemoved", "block_hashes": [vllm_int_hash(B)], "medium": "STORAGE",
+                         "locality": "LOCAL"}
     assert events[2] == {"type": "AllBlocksCleared"}
+
+
+def test_bytes_hashes_and_an_ownership_are_written_when_configured():
+    wire = Wire.of(EventsConfig(int_block_hashes=False, ownership="kvstore"))
+    stored, removed = msgpack.unpackb(wire.encode_batch(0.0, [(STORED, A, "CPU", None, 16, None),
+                                                              (REMOVED, A, "CPU", None)]))[1]
+    assert stored["block_hashes"] == [A] and stored["ownership"] == "kvstore"
+    assert removed == {"type": "BlockRemoved", "block_hashes": [A], "medium": "CPU", "locality": "LOCAL",
+                       "ownership": "kvstore"}
 
 
 def test_the_publisher_answers_replays_and_ignores_malformed_requests(tmp_path):
@@ -104,7 +113,8 @@ def test_the_publisher_answers_replays_and_ignores_malformed_requests(tmp_path):
         for digest in (A, B):
             stream.stored("default", digest, MEDIUM_CPU, DESC, Hints())
         sub.replay_socket.send_multipart([b"", b"not a sequence number"])  # neither form: ignored
-        assert [events_of(body)[0]["block_hashes"] for _, body in sub.replay(0)] == [[A], [B]]
+        assert [events_of(body)[0]["block_hashes"] for _, body in sub.replay(0)] == [[vllm_int_hash(A)],
+                                                                                     [vllm_int_hash(B)]]
         assert sub.replay(0, topic=topic_of("kvstore.", "nobody")) == []  # just the end marker
         wait_until(lambda: stream.stats()["num_bad_replay_requests"] == 1, 10, "the bad request counted")
         assert stream.stats()["num_replays"] == 2
@@ -139,13 +149,12 @@ def test_a_route_names_the_blocks_in_stored_and_removed_events_and_indexes_them(
     assert stream.holdings.objects_of("ns", 7) == (B,) and stream.holdings.objects_of("ns", b"h1") == ()
     events = [e for b in stream.rings[topic_of("kvstore.", "ns")].since(0) for e in b.events]
     stored, _, removed = msgpack.unpackb(encode_batch(0.0, events))[1]
-    assert stored == {"type": "BlockStored", "block_hashes": [b"h1", 7], "parent_block_hash": b"h0",
-                      "token_ids": list(range(32)), "block_size": 16, "lora_id": None, "medium": "CPU",
-                      "lora_name": "ad", "extra_keys": [None, ["ad", ["mm", 3]]], "group_idx": 1,
-                      "kv_cache_spec_kind": "full_attention", "locality": "LOCAL", "ownership": "kvstore",
-                      "session_id": "s"}
-    assert removed == {"type": "BlockRemoved", "block_hashes": [b"h1", 7], "medium": "CPU", "group_idx": 1,
-                       "locality": "LOCAL", "ownership": "kvstore"}
+    assert stored == {"type": "BlockStored", "block_hashes": [vllm_int_hash(b"h1"), 7],
+                      "parent_block_hash": vllm_int_hash(b"h0"), "token_ids": list(range(32)), "block_size": 16,
+                      "lora_id": None, "medium": "CPU", "lora_name": "ad", "extra_keys": [None, ["ad", ["mm", 3]]],
+                      "group_idx": 1, "kv_cache_spec_kind": "full_attention", "locality": "LOCAL", "session_id": "s"}
+    assert removed == {"type": "BlockRemoved", "block_hashes": [vllm_int_hash(b"h1"), 7], "medium": "CPU",
+                       "group_idx": 1, "locality": "LOCAL"}
 
 
 def test_peer_marks_are_capped_oldest_first_and_published_as_remote(monkeypatch):
@@ -160,6 +169,6 @@ def test_peer_marks_are_capped_oldest_first_and_published_as_remote(monkeypatch)
                                                 for e in b.events]))[1]
     assert [(e["type"], e["medium"], e["locality"]) for e in events][-2:] == [
         ("BlockStored", "PEER", "REMOTE"), ("BlockRemoved", "PEER", "REMOTE")]
-    assert events[-1]["block_hashes"] == [ids[0]]  # the oldest mark went
+    assert events[-1]["block_hashes"] == [vllm_int_hash(ids[0])]  # the oldest mark went
     assert stream.holdings.get("ns", ids[0]).in_media() == ["CPU"]
     assert [stream.holdings.get("ns", d).in_media() for d in ids[1:]] == [["PEER"], ["PEER"]]
