@@ -134,6 +134,9 @@ def _own_endpoints(value) -> dict:
         if not isinstance(ends, dict) or not set(ends) <= {"endpoint", "replay_endpoint"}:
             raise InvalidArgument(f"{key} must be a table with endpoint and replay_endpoint")
         ends = {"endpoint": ends.get("endpoint", ""), "replay_endpoint": ends.get("replay_endpoint", "")}
+        if "" in ends.values() and ("/" in name or name in (".", "..")):
+            raise InvalidArgument(f"{key}: a name of its own endpoints' files in the data directory "
+                                  "(events-<name>.pub) has no '/': name both endpoints")
         for k, v in ends.items():
             if v != "":
                 check_endpoint(f"{key}.{k}", v)

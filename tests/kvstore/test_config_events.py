@@ -47,3 +47,29 @@ def test_bad_values_are_refused_naming_the_key(key, value):
 def test_the_two_endpoints_must_differ():
     with pytest.raises(InvalidArgument, match="must differ"):
         EventsConfig(endpoint="tcp://127.0.0.1:1", replay_endpoint="tcp://127.0.0.1:1")
+
+
+def test_a_namespace_of_its_own_gets_its_endpoints_under_the_data_dir_by_default():
+    events = ServerConfig.from_dict({"events": {"enabled": True, "namespaces": {
+        "tenant-a": {}, "tenant-b": {"endpoint": "tcp://127.0.0.1:6001"}}}}).events.under("/srv/kv")
+    assert events.int_block_hashes is True and events.ownership == ""
+    own = events.own_endpoints("tenant-a")
+    assert (own.endpoint, own.replay_endpoint) == ("ipc:///srv/kv/events-tenant-a.pub",
+                                                   "ipc:///srv/kv/events-tenant-a.replay")
+    assert own.namespaces == {} and own.topic == events.topic
+    assert events.own_endpoints("tenant-b").endpoint == "tcp://127.0.0.1:6001"
+    assert events.own_endpoints("default") is None  # on the shared endpoints
+
+
+@pytest.mark.parametrize("table, message", [
+    ({"int_block_hashes": "yes"}, r"events\.int_block_hashes"),
+    ({"ownership": 5}, r"events\.ownership"),
+    ({"namespaces": {"a": {"endpoint": "udp://x:1"}}}, r"events\.namespaces\.a\.endpoint"),
+    ({"namespaces": {"a": {"port": 1}}}, r"events\.namespaces\.a must be a table"),
+    ({"namespaces": {"": {}}}, r"events\.namespaces\.: namespace must be a non-empty string"),
+    ({"namespaces": {"a/b": {}}}, r"events\.namespaces\.a/b: a name of its own endpoints' files"),
+    ({"namespaces": {"a": {"endpoint": "tcp://127.0.0.1:7"}}, "endpoint": "tcp://127.0.0.1:7"}, "must differ"),
+])
+def test_bad_namespace_endpoints_and_wire_options_are_refused_by_name(table, message):
+    with pytest.raises(InvalidArgument, match=message):
+        ServerConfig.from_dict({"events": table})
