@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+from typing import NamedTuple
 
 from kvstore.errors import NotFound
 from kvstore.identity import ObjectId
@@ -22,6 +23,13 @@ log = logging.getLogger("kvstore.tiers")
 
 # Fixed cost of loading one object on top of its bytes (one request and its lease).
 PER_OBJECT_LOAD_S = 20e-6
+
+
+class Placements(NamedTuple):
+    """Per id (in the order asked) its tier ("host", "nvme", "remote" or None) and size in
+    bytes (0 where None)."""
+    tiers: list
+    sizes: list
 
 
 def _log_failure(task: asyncio.Task) -> None:
@@ -39,15 +47,48 @@ class IndexOps:
         estimated time to load them at each tier's measured bandwidth (DESIGN.md section 7).
         expect: per key the descriptor the reader can use, or None; an object stored under
         another descriptor is a miss."""
+        tiers, sizes = self._placed_here(namespace, ids, expect)
+        hits = next((i for i, tier in enumerate(tiers) if tier is None), len(tiers))
+        host_bytes = sum(size for tier, size in zip(tiers[:hits], sizes) if tier == "host")
+        nvme_bytes = sum(sizes[:hits]) - host_bytes
+        est = self.load_estimate_s(hits, host_bytes, nvme_bytes)
+        result = LookupReply(hits, tuple(tiers), host_bytes + nvme_bytes, est)
+        if hits == len(ids):
+            return result
+        misses = [i for i, tier in enumerate(tiers) if tier is None]
+        metas = self.manager.cluster.lookup_remote(namespace, [ids[i] for i in misses])
+        return then(metas, lambda metas: self._with_remote(result, misses, metas, sizes, expect))
+
+    def placements(self, namespace: str, ids, expect: list | None = None) -> MaybeAwaitable[Placements]:
+        """Where every id would load from and its size, not only the leading ones: what the
+        admin API's batched lookup needs to score many prefixes from one call. Tiers as in
+        lookup plus "remote" (the misses are asked of their homes, one round trip per home);
+        expect as in lookup. Opens no namespace. An awaitable when peers are asked."""
+        tiers, sizes = self._placed_here(namespace, ids, expect)
+        misses = [i for i, tier in enumerate(tiers) if tier is None]
+        if not misses:
+            return Placements(tiers, sizes)
+        metas = self.manager.cluster.lookup_remote(namespace, [ids[i] for i in misses])
+        return then(metas, lambda metas: self._placed_remote(tiers, sizes, misses, metas, expect))
+
+    def load_estimate_s(self, num_objects: int, host_bytes: int, nvme_bytes: int = 0, remote_bytes: int = 0) -> float:
+        """lookup's est_load_s for loading these objects and bytes from each tier."""
+        est = num_objects * PER_OBJECT_LOAD_S + host_bytes / self.manager.host_bandwidth_bytes_s
+        if nvme_bytes:
+            est += nvme_bytes / self.manager.mover.bandwidth_bytes_s
+        if remote_bytes:
+            est += remote_bytes / self.manager.cluster.bandwidth_bytes_s
+        return est
+
+    def _placed_here(self, namespace: str, ids, expect: list | None) -> tuple[list, list]:
+        """Per id its tier on this node ("host", "nvme" or None) and its size (0 for None)."""
         ns = self.host.namespaces.get(namespace)
         objects = ns.objects if ns is not None else {}
-        mover = self.manager.mover
         now = self.host.clock()
-        tiers, sizes, leading = [], [], True
-        host_bytes = nvme_bytes = hits = 0
+        tiers, sizes = [], []
         entries = [objects.get(oid) for oid in ids]
         missed = [i for i, entry in enumerate(entries) if entry is None or not entry.is_live(now)]
-        on_nvme = dict(zip(missed, mover.sizes_of(namespace, [ids[i] for i in missed])))
+        on_nvme = dict(zip(missed, self.manager.mover.sizes_of(namespace, [ids[i] for i in missed])))
         for i, oid in enumerate(ids):
             entry = entries[i]
             if i not in on_nvme:
@@ -62,23 +103,14 @@ class IndexOps:
                 tier, size = None, 0
             tiers.append(tier)
             sizes.append(size)
-            if leading and tier is None:
-                leading = False
-            elif leading:
-                hits += 1
-                if tier == "host":
-                    host_bytes += size
-                else:
-                    nvme_bytes += size
-        est = hits * PER_OBJECT_LOAD_S + host_bytes / self.manager.host_bandwidth_bytes_s
-        if nvme_bytes:
-            est += nvme_bytes / mover.bandwidth_bytes_s
-        result = LookupReply(hits, tuple(tiers), host_bytes + nvme_bytes, est)
-        if hits == len(ids):
-            return result
-        misses = [i for i, tier in enumerate(tiers) if tier is None]
-        metas = self.manager.cluster.lookup_remote(namespace, [ids[i] for i in misses])
-        return then(metas, lambda metas: self._with_remote(result, misses, metas, sizes, expect))
+        return tiers, sizes
+
+    @staticmethod
+    def _placed_remote(tiers: list, sizes: list, misses: list[int], metas: list, expect) -> Placements:
+        for i, meta in zip(misses, metas):
+            if meta is not None and (expect is None or expect[i] is None or meta.descriptor == expect[i]):
+                tiers[i], sizes[i] = "remote", meta.size
+        return Placements(tiers, sizes)
 
     def _as_expected(self, namespace: str, oid, tier: str, entry, wanted) -> bool:
         """Whether a held object (host `entry`, else on NVMe) has the descriptor `wanted`.
@@ -103,10 +135,7 @@ class IndexOps:
         later = [(result.tiers[i], sizes[i]) for i in range(result.hits, hits) if result.tiers[i] is not None]
         host_bytes = sum(size for tier, size in later if tier == "host")
         nvme_bytes = sum(size for tier, size in later if tier == "nvme")
-        est = result.est_load_s + (hits - result.hits) * PER_OBJECT_LOAD_S
-        est += remote_bytes / self.manager.cluster.bandwidth_bytes_s if remote_bytes else 0.0
-        est += host_bytes / self.manager.host_bandwidth_bytes_s
-        est += nvme_bytes / self.manager.mover.bandwidth_bytes_s if nvme_bytes else 0.0
+        est = result.est_load_s + self.load_estimate_s(hits - result.hits, host_bytes, nvme_bytes, remote_bytes)
         hit_bytes = result.hit_bytes + remote_bytes + host_bytes + nvme_bytes
         return LookupReply(hits, tuple(tiers), hit_bytes, est)
 
