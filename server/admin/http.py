@@ -42,12 +42,19 @@ class Conflict(RequestError):
     code = "conflict"
 
 
+class NotEnabled(RequestError):
+    """The request needs a part of the daemon its configuration leaves off."""
+
+    code = "not_enabled"
+
+
 # First match wins: subclasses before their bases.
 _STATUS_BY_ERROR = (
     (Unauthorized, 401),
     (PermissionDenied, 403),
     (NotFound, 404),
     (Conflict, 409),
+    (NotEnabled, 409),
     (LimitExceeded, 429),
     (RequestError, 400),
     (CapacityError, 507),

@@ -13,7 +13,9 @@ from kvstore.dtypes import DType
 from kvstore.hints import MAX_LABEL_CHARS
 from kvstore.identity import MAX_NAME_CHARS, Kind
 
-MAX_TOKENS = 1 << 20  # server.admin.routes.MAX_LOOKUP_TOKENS
+MAX_TOKENS = 1 << 20  # server.admin.lookup.MAX_LOOKUP_TOKENS
+# server.admin.lookup_batch's limits
+MAX_PREFIXES, MAX_BLOCKS_PER_PREFIX, MAX_OBJECTS_PER_BLOCK = 64, MAX_TOKENS // 16, 1024
 INT, NUM, STR, BOOL = {"type": "integer"}, {"type": "number"}, {"type": "string"}, {"type": "boolean"}
 
 
@@ -38,6 +40,9 @@ NAME = {"type": "string", "minLength": 1, "maxLength": MAX_NAME_CHARS}
 LABEL = {"type": "string", "minLength": 1, "maxLength": MAX_LABEL_CHARS}
 KIND = {"type": "string", "enum": [k.value for k in Kind]}
 DTYPE = {"type": "string", "enum": [d.value for d in DType]}
+BLOCK_HASH = {"oneOf": [{"type": "integer", "minimum": -(1 << 63), "maximum": (1 << 64) - 1},
+                        {"type": "string", "pattern": "^([0-9a-fA-F]{2}){1,64}$"}],
+              "description": "a 64-bit integer, or 1..64 bytes in hex (vLLM's sha256 digests: 32)"}
 TIER_KEYS = ("capacity_bytes", "used_bytes", "objects", "pinned", "num_puts", "num_dedup_puts", "num_gets",
              "num_hits", "num_misses", "num_evictions", "num_expired", "num_deletes", "num_checksum_failures",
              "bytes_in", "bytes_out")
@@ -113,6 +118,37 @@ SCHEMAS = {
         "hit_chunks_per_tier": {"type": "object", "additionalProperties": INT},
         "tiers": {"type": "array", "items": _nullable(STR)},
         "object_ids": {"type": "array", "items": STR},
+    }, extra=True),
+    "LookupBatchRequest": _obj({
+        "namespace": NAME,
+        "prefixes": {"type": "array", "minItems": 1, "maxItems": MAX_PREFIXES, "items": {"oneOf": [
+            _obj({"block_hashes": {"type": "array", "maxItems": MAX_BLOCKS_PER_PREFIX, "items": BLOCK_HASH},
+                  "objects_per_block": {"type": "integer", "minimum": 1, "maximum": MAX_OBJECTS_PER_BLOCK,
+                                        "description": "a block is held only when at least this many objects "
+                                                       "name it (TP ranks x KV cache groups; default 1)"}},
+                 required=["block_hashes"]),
+            _ref("LookupRequest"),
+        ]}, "description": "block_hashes: the engine's hashes, as this node's KV events publish them "
+                           "(needs [events] enabled); tokens + descriptor: as /v1/lookup, with the "
+                           "descriptor's namespace the call's. At most 131072 blocks (hashes, or "
+                           "chunks of tokens) in all"},
+    }, description="a block is held when at least objects_per_block objects name it and every "
+                   "object naming it is held in some tier; its tier is the slowest of theirs"),
+    "LookupBatchResult": _obj({
+        "namespace": STR,
+        "results": {"type": "array", "description": "one per prefix, in the order asked", "items": _obj({
+            "unit": {"type": "string", "enum": ["block", "chunk"],
+                     "description": "block: an engine block (block_hashes); chunk: a kvstore chunk (tokens)"},
+            "num_blocks": INT, "hit_blocks": {**INT, "description": "the longest held prefix"},
+            "hit_tokens": INT, "hit_bytes": INT,
+            "est_load_s": {**NUM, "description": "to load the held prefix's objects, as /v1/lookup estimates"},
+            "up_to_tier": _obj({tier: _obj({"blocks": INT, "tokens": INT}) for tier in ("host", "nvme", "remote")},
+                               description="per tier, the leading blocks and tokens that load from it or "
+                                           "a faster one (host, then nvme, then remote)"),
+            "tiers": {"type": "array", "items": {"type": "string", "enum": ["host", "nvme", "remote"],
+                                                 "nullable": True},
+                      "description": "per block the tier it loads from (null: not held)"},
+        }, extra=True)},
     }, extra=True),
     "Node": _obj({
         "node_id": STR, "hostname": STR, "admin_url": _nullable(STR), "version": STR, "ready": BOOL,
@@ -214,6 +250,11 @@ def openapi_document() -> dict:
                                       "EvictResult", (400, 401, 404), body="EvictRequest")},
             "/v1/lookup": {"post": _op("lookup", "hit chunks per tier and estimated load time for a prompt",
                                        "LookupResult", (400, 401), body="LookupRequest")},
+            "/v1/lookup/batch": {"post": _op(
+                "lookupBatch", "per candidate prefix (by block hashes or token ids): the leading blocks "
+                "and tokens held per tier, the longest held prefix and its estimated load time",
+                "LookupBatchResult", (400, 401), body="LookupBatchRequest",
+                extra={"409": _json(_ref("Error"), "lookup by block_hashes needs [events] enabled = true")})},
             "/v1/cluster": {"get": _op("cluster", "this node, and the cluster members it sees when clustered", "Cluster")},
             "/metrics": {"get": _op("metrics", "Prometheus text format", {
                 "description": "OK", "content": {"text/plain": {"schema": {"type": "string"}}}})},

@@ -1,6 +1,7 @@
-"""Admin route table and the node-level handlers: health, stats, lookup, cluster, metrics.
+"""Admin route table and the node-level handlers: health, stats, cluster, metrics.
 
-Object handlers (list, show, delete, pin, evict) are in server/admin/objects.py. Every
+Object handlers (list, show, delete, pin, evict) are in server/admin/objects.py, lookups
+for routers in server/admin/lookup.py and lookup_batch.py. Every
 route here must be described in server/admin/openapi.py; a test holds the two together.
 """
 
@@ -11,19 +12,11 @@ import socket
 
 from aiohttp import web
 
-from kvstore.errors import InvalidArgument
-from kvstore.identity import StateDescriptor, chunk_keys
-from kvstore.replies import LookupReply
-from server.admin import objects
-from server.admin.http import ADMIN, json_body, json_response
+from server.admin import lookup, lookup_batch, objects
+from server.admin.http import ADMIN, json_response
 from server.admin.openapi import TIER_KEYS, openapi_document
-from server.later import resolve
 from tiers.nvme import ALIGN as NVME_ALIGN
 from tiers.slabs import SIZE_CLASSES
-
-# Router calls per lookup stay bounded: 1M tokens is 4096 chunks of 256.
-MAX_LOOKUP_TOKENS = 1 << 20
-MAX_EXTRA_KEYS = 64
 
 
 def _admin(request: web.Request):
@@ -90,67 +83,6 @@ async def stats(request: web.Request) -> web.Response:
     return json_response(stats_document(_admin(request)))
 
 
-def _descriptor(data) -> StateDescriptor:
-    if not isinstance(data, dict):
-        raise InvalidArgument("descriptor must be an object with namespace, model and model_revision")
-    for key, value in data.items():
-        if key == "chunk_tokens":
-            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_LOOKUP_TOKENS:
-                raise InvalidArgument(f"descriptor.chunk_tokens must be an integer in 1..{MAX_LOOKUP_TOKENS}")
-        elif not isinstance(value, str):
-            raise InvalidArgument(f"descriptor.{key} must be a string")
-    try:
-        return StateDescriptor.from_wire(data)
-    except (TypeError, ValueError) as exc:
-        raise InvalidArgument(f"bad descriptor: {exc}") from None
-
-
-def _tokens(value) -> list[int]:
-    if not isinstance(value, list) or len(value) > MAX_LOOKUP_TOKENS:
-        raise InvalidArgument(f"tokens must be a list of at most {MAX_LOOKUP_TOKENS} token ids")
-    if not all(type(t) is int and 0 <= t < 2**32 for t in value):
-        raise InvalidArgument("token ids must be integers in 0..4294967295")
-    return value
-
-
-def _extra_keys(value) -> list[str]:
-    if value is None:
-        return []
-    if not isinstance(value, list) or len(value) > MAX_EXTRA_KEYS or not all(isinstance(k, str) for k in value):
-        raise InvalidArgument(f"extra_keys must be a list of at most {MAX_EXTRA_KEYS} strings")
-    return value
-
-
-async def lookup(request: web.Request) -> web.Response:
-    """What a router asks: how much of this prompt's state is here, where, and how fast it loads."""
-    body = await json_body(request, {"tokens", "descriptor", "extra_keys"})
-    if "tokens" not in body or "descriptor" not in body:
-        raise InvalidArgument("lookup needs tokens and descriptor")
-    tokens, desc = _tokens(body["tokens"]), _descriptor(body["descriptor"])
-    keys = chunk_keys(tokens, desc, extra_keys=_extra_keys(body.get("extra_keys")))
-    manager = _admin(request).daemon.manager
-    if desc.namespace in manager.namespaces and keys:  # never open a namespace for a lookup
-        # desc's only; misses are asked of peers
-        found = await resolve(manager.lookup(desc.namespace, [k.object_id for k in keys], [desc] * len(keys)))
-    else:
-        found = LookupReply.nothing(len(keys))
-    per_tier: dict[str, int] = {}
-    for tier in found.tiers[:found.hits]:
-        per_tier[tier] = per_tier.get(tier, 0) + 1
-    return json_response({
-        "namespace": desc.namespace,
-        "num_chunks": len(keys),
-        "chunk_tokens": desc.chunk_tokens,
-        "hits": found.hits,
-        "hit_tokens": found.hits * desc.chunk_tokens,
-        "hit_bytes": found.hit_bytes,
-        "est_load_s": found.est_load_s,
-        "hit_chunks_per_tier": per_tier,
-        "tiers": list(found.tiers),
-        "object_ids": [k.object_id.hex for k in keys],
-    })
-
-
 async def cluster(request: web.Request) -> web.Response:
     admin = _admin(request)
     doc = stats_document(admin)
@@ -200,7 +132,8 @@ ROUTES = [
     ("POST", "/v1/objects/{id}/pin", objects.pin_object),
     ("DELETE", "/v1/objects/{id}/pin", objects.unpin_object),
     ("POST", "/v1/evict", objects.evict),
-    ("POST", "/v1/lookup", lookup),
+    ("POST", "/v1/lookup", lookup.lookup),
+    ("POST", "/v1/lookup/batch", lookup_batch.lookup_batch),
     ("GET", "/v1/cluster", cluster),
     ("GET", "/metrics", metrics),
     ("GET", "/openapi.json", openapi),
