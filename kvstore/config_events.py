@@ -14,6 +14,7 @@ ServerConfig); the daemon's publisher (server/events/) takes it with its endpoin
     hwm = 100000                                # ZMQ send high-water mark (per subscriber)
     int_block_hashes = true                     # bytes hashes as vLLM's default int form
     ownership = ""                              # "" = left out (as vLLM's engine events)
+    heartbeat_s = 1.0                           # an empty batch repeating the last seq; 0 = none
 
     [events.namespaces.tenant-a]                # this namespace on endpoints of its own only
     endpoint = "ipc:///run/kvstore/tenant-a.pub"        # "" = ipc://<data_dir>/events-<name>.pub
@@ -38,6 +39,8 @@ MAX_IPC_PATH_BYTES = 107
 MAX_BUFFER_BATCHES = 1_000_000
 # Past this a slow subscriber's queue in the daemon is memory the operator did not mean to give.
 MAX_HWM = 10_000_000
+# A router that hears nothing for an hour has no use for the heartbeat; past it, a typo.
+MAX_HEARTBEAT_S = 3600.0
 
 
 def check_endpoint(key: str, value) -> None:
@@ -78,6 +81,10 @@ class EventsConfig:
     # never on the shared endpoints: a tenant's subscriber sees its namespace alone, and an
     # ipc:// path's directory permissions say who may subscribe.
     namespaces: dict = field(default_factory=dict)
+    # Every heartbeat_s seconds each namespace that published a batch sends an empty one
+    # repeating its last sequence number (no number taken, not kept for replay): a router
+    # learns the daemon lives and the latest number without waiting for a change. 0: none.
+    heartbeat_s: float = 1.0
 
     def __post_init__(self) -> None:
         for name in ("endpoint", "replay_endpoint"):
@@ -102,6 +109,10 @@ class EventsConfig:
                                   f"got {self.buffer_batches!r}")
         if type(self.hwm) is not int or not 1 <= self.hwm <= MAX_HWM:
             raise InvalidArgument(f"events.hwm must be an integer in 1..{MAX_HWM}, got {self.hwm!r}")
+        if (not isinstance(self.heartbeat_s, (int, float)) or isinstance(self.heartbeat_s, bool)
+                or not 0 <= self.heartbeat_s <= MAX_HEARTBEAT_S):  # NaN fails the comparison too
+            raise InvalidArgument(f"events.heartbeat_s must be a number of seconds in 0..{MAX_HEARTBEAT_S:g} "
+                                  f"(0: no heartbeats), got {self.heartbeat_s!r}")
 
     def under(self, data_dir: str) -> EventsConfig:
         """This table with empty endpoints made ipc:// paths in `data_dir` (checked again)."""

@@ -7,15 +7,24 @@ Compatible with vLLM's ZmqEventPublisher (vllm/distributed/kv_events.py):
                     or             [b"", topic, start_seq (8 bytes)]     kvstore's: one namespace
     replay answer   [b"", topic, seq, payload] for each kept batch numbered start_seq or later,
                     then the end marker [b"", b"", END_SEQ (-1), b""]
+    snapshot        a DEALER sends [b"", b"snapshot", topic]                    kvstore's
+                    answer: [b"", topic, S, payload] frames, then the end marker; every
+                    frame's S is the namespace's last batch number (server/events/snapshot.py)
+    heartbeat       PUB [topic, S, KVEventBatch(ts, [])] every `heartbeat_s` per namespace that
+                    published: an empty batch repeating its last number S, not kept for replay
 
 Each namespace numbers its own batches, so a replay names the namespace by its topic; vLLM's
-form, which names none, replays namespace VLLM_REPLAY_NAMESPACE. A request of any other
-shape is ignored (counted), as vLLM does.
+form, which names none, replays namespace VLLM_REPLAY_NAMESPACE. b"snapshot" is never a
+topic (a topic has a ':' after its name's length). A request of any other shape is ignored
+(counted), as vLLM does.
 
-The event loop only calls `offer` (a non-blocking put on a bounded queue, plus a wake-up
-frame on an inproc socket when the queue was empty: once woken, the thread sends until it
-is empty). Everything else runs in the thread, which owns the PUB, ROUTER and wake-up
-receiver sockets. A subscriber that does not read never blocks the thread: PUB
+The event loop only calls `offer` and its heartbeat and snapshot forms (a non-blocking put
+on a bounded queue, plus a wake-up frame on an inproc socket when the queue was empty: once
+woken, the thread sends until it is empty). Everything else runs in the thread, which owns
+the PUB, ROUTER and wake-up receiver sockets. A snapshot request crosses the other way: the
+thread hands it to the loop (`ask_snapshot`, given at start), which owns the holdings, and
+the loop queues the snapshot back. One queue, in order: a heartbeat or snapshot numbered S
+leaves after batch S. A subscriber that does not read never blocks the thread: PUB
 drops frames past the high-water mark `hwm` (ZMQ does not count those; the subscriber sees
 the gap in the sequence numbers and replays).
 """
@@ -25,11 +34,14 @@ from __future__ import annotations
 import logging
 import threading
 from collections import deque
+from collections.abc import Callable
+from typing import NamedTuple
 
 import zmq
 
 from kvstore.config_events import EventsConfig
 from kvstore.errors import KVStoreError
+from server.events.snapshot import Snapshot
 from server.events.wire import END_SEQ, Wire, seq_bytes, topic_of
 
 log = logging.getLogger("kvstore.events")
@@ -43,6 +55,18 @@ VLLM_REPLAY_NAMESPACE = "default"
 CLOSE_LINGER_MS = 500
 # How long the daemon's stop waits for the thread to send what it was offered.
 CLOSE_JOIN_S = 5.0
+# The replay socket's snapshot request: [b"", SNAPSHOT_REQUEST, topic].
+SNAPSHOT_REQUEST = b"snapshot"
+# Snapshots asked and not yet sent. Past this a request is refused (counted): the router hears
+# no end marker and asks again; what a flood of requests can make the daemon hold is bounded.
+MAX_QUEUED_SNAPSHOTS = 64
+
+
+class Heartbeat(NamedTuple):
+    """An empty batch repeating a namespace's last number: sent, never kept."""
+    seq: int
+    ts: float
+    events: tuple = ()
 
 
 class EventsError(KVStoreError):
@@ -65,19 +89,31 @@ class ZmqPublisher:
         self._wake: zmq.Socket | None = None  # the event loop's end of the wake-up pair
         self._thread: threading.Thread | None = None
         self._vllm_topic = topic_of(config.topic, VLLM_REPLAY_NAMESPACE)
+        self._ask_snapshot: Callable[[bytes, bytes], None] | None = None
+        self._snapshots_queued = self._snapshots_taken = 0  # written by the loop and the thread, one each
         self.num_sent_batches = 0  # written by the thread only
         self.num_replays = 0
         self.num_bad_replay_requests = 0
+        self.num_snapshot_requests = 0
+        self.num_snapshots = 0  # sent whole, end marker included
+        self.num_heartbeats = 0
 
-    def start(self) -> None:
+    def start(self, ask_snapshot: Callable[[bytes, bytes], None] | None = None) -> None:
         """Bind both endpoints (EventsError naming the key if one cannot be bound) and start
-        the thread. On the event loop thread, once."""
+        the thread. On the event loop thread, once. ask_snapshot(client, topic): called in
+        the thread for each snapshot request, returns at once; the loop answers through
+        offer_snapshot. None: snapshot requests go unanswered."""
+        self._ask_snapshot = ask_snapshot
         self._ctx = zmq.Context()
         pub = self._bind(zmq.PUB, self.config.endpoint, "events.endpoint", self.config.hwm)
         # A full replay plus its end marker must fit in the ROUTER's queue for a slow reader
         # (vLLM's sizing: ZMQ acknowledges reads only every HWM/2 messages).
         router = self._bind(zmq.ROUTER, self.config.replay_endpoint, "events.replay_endpoint",
                             2 * (self.config.buffer_batches + 1), close_first=pub)
+        # A reader's full queue or a reader gone refuses the send (zmq.Again, EHOSTUNREACH)
+        # instead of dropping it unseen: a snapshot's frames carry no number of their own, so
+        # one dropped in the middle could not be told from the end.
+        router.setsockopt(zmq.ROUTER_MANDATORY, 1)
         address = f"inproc://kvstore-events-wake-{id(self)}"
         wake_in = self._ctx.socket(zmq.PULL)
         wake_in.bind(address)
@@ -109,9 +145,26 @@ class ZmqPublisher:
     def offer(self, ring, batch) -> bool:
         """Queue a numbered batch for sending, without blocking: False when the queue is full
         (the batch stays in its ring for replays). Event loop thread only."""
-        if self._thread is None or len(self._queue) >= QUEUE_BATCHES:  # not running, or full
+        return self._put((ring.topic, batch))
+
+    def offer_heartbeat(self, topic: bytes, seq: int, ts: float) -> bool:
+        """Queue a heartbeat of the namespace whose last batch is `seq` (after that batch, which
+        the queue holds or sent); False when the queue is full. Event loop thread only."""
+        return self._put((topic, Heartbeat(seq, ts)))
+
+    def offer_snapshot(self, snapshot: Snapshot) -> bool:
+        """Queue a snapshot taken on the loop for sending; False when too many wait (the router
+        hears no end marker and asks again). Event loop thread only."""
+        if self._snapshots_queued - self._snapshots_taken >= MAX_QUEUED_SNAPSHOTS or \
+                not self._put(snapshot, bounded=False):
             return False
-        self._queue.append((ring.topic, batch))
+        self._snapshots_queued += 1
+        return True
+
+    def _put(self, item, bounded: bool = True) -> bool:
+        if self._thread is None or (bounded and len(self._queue) >= QUEUE_BATCHES):  # not running, or full
+            return False
+        self._queue.append(item)
         if len(self._queue) == 1:  # it was empty: the thread sleeps, or drains what is queued anyway
             try:
                 self._wake.send(b"", zmq.NOBLOCK)
@@ -139,7 +192,9 @@ class ZmqPublisher:
 
     def stats(self) -> dict:
         return {"num_sent_batches": self.num_sent_batches, "num_replays": self.num_replays,
-                "num_bad_replay_requests": self.num_bad_replay_requests, "queued_batches": len(self._queue)}
+                "num_bad_replay_requests": self.num_bad_replay_requests, "queued_batches": len(self._queue),
+                "num_snapshot_requests": self.num_snapshot_requests, "num_snapshots": self.num_snapshots,
+                "num_heartbeats": self.num_heartbeats}
 
     # --- the thread -------------------------------------------------------------------
 
@@ -156,15 +211,15 @@ class ZmqPublisher:
                 if wake_in in ready:
                     while _drain_one(wake_in):
                         pass
-                    running = self._send_queued(pub)
+                    running = self._send_queued(pub, router)
         except Exception:
             log.exception("event=events_thread_failed")
         finally:
             for sock in (pub, router, wake_in):
                 sock.close()
 
-    def _send_queued(self, pub: zmq.Socket) -> bool:
-        """Send every queued batch; False once the close sentinel came."""
+    def _send_queued(self, pub: zmq.Socket, router: zmq.Socket) -> bool:
+        """Send every queued batch, heartbeat and snapshot; False once the close sentinel came."""
         while True:
             try:
                 item = self._queue.popleft()
@@ -172,13 +227,32 @@ class ZmqPublisher:
                 return True
             if item is None:
                 return False
+            if isinstance(item, Snapshot):
+                self._snapshots_taken += 1
+                self._send_snapshot(router, item)
+                continue
             topic, batch = item
             try:
                 pub.send_multipart((topic, seq_bytes(batch.seq), self.wire.encode_batch(batch.ts, batch.events)),
                                    zmq.NOBLOCK)
             except zmq.Again:  # PUB drops rather than blocks; kept for replay either way
                 continue
-            self.num_sent_batches += 1
+            if isinstance(batch, Heartbeat):
+                self.num_heartbeats += 1
+            else:
+                self.num_sent_batches += 1
+
+    def _send_snapshot(self, router: zmq.Socket, snapshot: Snapshot) -> None:
+        # At most as many frames as a replay of the whole ring: what the ROUTER queues for one reader.
+        seq = seq_bytes(snapshot.seq)
+        try:
+            for events in snapshot.batches(self.config.buffer_batches):
+                router.send_multipart((snapshot.client, b"", snapshot.topic, seq,
+                                       self.wire.encode_batch(snapshot.ts, events)), zmq.NOBLOCK)
+            router.send_multipart((snapshot.client, b"", b"", END_SEQ, b""), zmq.NOBLOCK)
+        except zmq.ZMQError:  # its queue is full (the reader is slow, or replaying), or it left
+            return  # no end marker: the router asks again
+        self.num_snapshots += 1
 
     def _serve_replays(self, router: zmq.Socket) -> None:
         while True:
@@ -186,6 +260,11 @@ class ZmqPublisher:
                 frames = router.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
+            if len(frames) == 4 and frames[1] == b"" and frames[2] == SNAPSHOT_REQUEST:
+                self.num_snapshot_requests += 1
+                if self._ask_snapshot is not None:
+                    self._ask_snapshot(frames[0], frames[3])
+                continue
             if len(frames) == 3 and frames[1] == b"" and len(frames[2]) == 8:
                 client, topic, start = frames[0], self._vllm_topic, frames[2]
             elif len(frames) == 4 and frames[1] == b"" and len(frames[3]) == 8:
@@ -201,7 +280,7 @@ class ZmqPublisher:
                     router.send_multipart((client, b"", topic, seq_bytes(batch.seq),
                                            self.wire.encode_batch(batch.ts, batch.events)), zmq.NOBLOCK)
                 router.send_multipart((client, b"", b"", END_SEQ, b""), zmq.NOBLOCK)
-            except zmq.Again:  # that subscriber's queue is full: it asks again
+            except zmq.ZMQError:  # that subscriber's queue is full (it asks again), or it left
                 continue
 
 

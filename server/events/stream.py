@@ -11,6 +11,14 @@
 Sequence numbers are per namespace (each namespace is one topic), from 0 at start, gapless:
 every number is in the ring before it is offered. The calls never block and do no I/O; a tier
 calls them on the event loop thread only. `NoEvents` stands in when `[events]` is off.
+
+    every heartbeat_s                -> each namespace that published offers a heartbeat: its
+                                        last number again, no events, not in the ring
+    a router asks for a snapshot     -> the publisher thread hands it to the loop; the loop
+                                        flushes, copies the namespace's holdings and offers
+                                        the snapshot back (server/events/snapshot.py)
+    at start, with NVMe              -> what NVMe kept joins the holdings unpublished (kept());
+                                        snapshots asked meanwhile wait for restored()
 """
 
 from __future__ import annotations
@@ -23,7 +31,8 @@ from dataclasses import dataclass
 from kvstore.config_events import EventsConfig
 from kvstore.identity import Kind
 from server.events.holdings import Holdings
-from server.events.wire import CLEARED, MEDIUM_PEER, REMOVED, STORED, topic_of
+from server.events.snapshot import Snapshot
+from server.events.wire import CLEARED, MEDIUM_PEER, REMOVED, STORED, namespace_of, topic_of
 
 # Reports are gathered this long into one batch per namespace (vLLM sends one per engine
 # step). What costs is a flush (it wakes the publisher thread), not a report: on a loaded
@@ -49,6 +58,16 @@ class NoEvents:
         pass
 
     def cleared(self, namespace: str) -> None:
+        pass
+
+    def restoring(self) -> None:
+        pass
+
+    def kept(self, namespace: str, digest: bytes, medium: str, route: bytes | None, block_size: int,
+             session_id: str | None) -> None:
+        pass
+
+    def restored(self) -> None:
         pass
 
     def start(self) -> None:
@@ -103,6 +122,8 @@ class StreamCounters:
     num_batches: int = 0  # batches numbered and kept for replay
     num_events: int = 0
     num_dropped_batches: int = 0  # not sent live: the publisher thread's queue was full
+    num_refused_snapshots: int = 0  # too many waiting for the thread: the router asks again
+    num_kept_objects: int = 0  # what NVMe kept over the restart, in the holdings unpublished
 
 
 class EventStream:
@@ -123,10 +144,20 @@ class EventStream:
         self.counters = StreamCounters()
         self.holdings = Holdings()  # what was published as held: removals and snapshots name it
         self.publisher = make_publisher(config, self.rings)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._heartbeat_timer: asyncio.TimerHandle | None = None
+        self._waiting: list[tuple[bytes, bytes]] | None = None  # snapshots asked while restoring
 
     def start(self) -> None:
-        """Bind the sockets and start the publisher thread (at the daemon's start)."""
-        self.publisher.start()
+        """Bind the sockets and start the publisher thread (at the daemon's start, on the event
+        loop: heartbeats and snapshots run there; without a running loop there are none)."""
+        try:
+            self._loop = asyncio.get_running_loop()
+        except RuntimeError:
+            self._loop = None
+        self.publisher.start(self._snapshot_asked if self._loop is not None else None)
+        if self._loop is not None and self.config.heartbeat_s > 0:
+            self._heartbeat_timer = self._loop.call_later(self.config.heartbeat_s, self._heartbeat)
 
     # --- what the tiers report (event loop thread) -------------------------------------
 
@@ -151,9 +182,61 @@ class EventStream:
             self._record(namespace, (REMOVED, digest, medium, held.route))
 
     def cleared(self, namespace: str) -> None:
-        """Everything of the namespace is gone from this node's view (the daemon stops)."""
+        """Everything of the namespace is gone from this node's view (the daemon stops), or
+        what routers knew of it before this start is (the daemon starts with NVMe)."""
         self.holdings.clear(namespace)
         self._record(namespace, (CLEARED,))
+
+    # --- what NVMe kept over a restart (event loop thread) --------------------------------
+
+    def restoring(self) -> None:
+        """What NVMe kept is being read into the holdings: snapshots asked meanwhile wait."""
+        if self._waiting is None:
+            self._waiting = []
+
+    def kept(self, namespace: str, digest: bytes, medium: str, route: bytes | None, block_size: int,
+             session_id: str | None) -> None:
+        """An object held since before this start: in the holdings, so snapshots list it and
+        its removal is published, but no BlockStored now (server/tiering/nvme_kept.py)."""
+        if self.holdings.add(namespace, bytes(digest), medium, route, block_size, session_id) is not None:
+            self.counters.num_kept_objects += 1
+
+    def restored(self) -> None:
+        """The holdings are whole: the snapshots that waited are taken now."""
+        waiting, self._waiting = self._waiting or [], None
+        for client, topic in waiting:
+            self._snapshot(client, topic)
+
+    # --- snapshots and heartbeats ---------------------------------------------------------
+
+    def _snapshot_asked(self, client: bytes, topic: bytes) -> None:
+        """A router asked for a snapshot (publisher thread): taken on the loop."""
+        try:
+            self._loop.call_soon_threadsafe(self._snapshot, client, topic)
+        except RuntimeError:  # the loop is closed: the daemon is stopping
+            pass
+
+    def _snapshot(self, client: bytes, topic: bytes) -> None:
+        """Take the namespace's snapshot at a batch boundary and offer it to the thread, which
+        builds and encodes its batches. Event loop thread."""
+        if self._waiting is not None:
+            self._waiting.append((client, topic))
+            return
+        self.flush()  # what was reported is numbered now: the snapshot's number is exact
+        namespace = namespace_of(self.config.topic, topic)
+        ring = self._by_namespace.get(namespace) if namespace is not None else None
+        items = self.holdings.items(namespace) if namespace is not None else []
+        snapshot = Snapshot(client, topic, ring.next_seq - 1 if ring is not None else -1, time.time(), items)
+        if not self.publisher.offer_snapshot(snapshot):
+            self.counters.num_refused_snapshots += 1
+
+    def _heartbeat(self) -> None:
+        """Every heartbeat_s: each namespace that published repeats its last number. Queued
+        behind that batch, so a heartbeat never names a number before its batch went."""
+        ts = time.time()
+        for ring in self._by_namespace.values():
+            self.publisher.offer_heartbeat(ring.topic, ring.next_seq - 1, ts)
+        self._heartbeat_timer = self._loop.call_later(self.config.heartbeat_s, self._heartbeat)
 
     def _record(self, namespace: str, event: tuple) -> None:
         pending = self._pending.get(namespace)
@@ -194,6 +277,9 @@ class EventStream:
 
     def close(self) -> None:
         """Send what is pending, then stop the publisher (it sends what it was offered first)."""
+        if self._heartbeat_timer is not None:
+            self._heartbeat_timer.cancel()
+            self._heartbeat_timer = None
         self.flush()
         self.publisher.close()
 
@@ -201,6 +287,7 @@ class EventStream:
         doc = {"namespaces": {name: {"topic": ring.topic.decode(errors="replace"), "next_seq": ring.next_seq}
                               for name, ring in self._by_namespace.items()},
                "endpoint": self.config.endpoint, "replay_endpoint": self.config.replay_endpoint,
+               "heartbeat_s": self.config.heartbeat_s, "restoring": self._waiting is not None,
                "pending_events": sum(map(len, self._pending.values())), "held_objects": self.holdings.count()}
         doc.update({k: getattr(self.counters, k) for k in self.counters.__slots__})
         doc.update(self.publisher.stats())

@@ -65,8 +65,24 @@ def topic_of(prefix: str, namespace: str) -> bytes:
     return prefix.encode() + str(len(name)).encode() + b":" + name
 
 
+def namespace_of(prefix: str, topic: bytes) -> str | None:
+    """The namespace whose topic (topic_of) is `topic`, or None when no name's is."""
+    head = prefix.encode()
+    length, colon, name = topic[len(head):].partition(b":")
+    if not topic.startswith(head) or not colon or not length.isdigit() or int(length) != len(name):
+        return None
+    try:
+        namespace = name.decode()
+    except UnicodeDecodeError:
+        return None
+    return namespace if topic_of(prefix, namespace) == topic else None
+
+
 def seq_bytes(seq: int) -> bytes:
-    return seq.to_bytes(8, "big")
+    """A sequence number on the wire: 8 bytes big-endian. Signed, so that a snapshot of a
+    namespace that published nothing says -1 (its first batch is 0); a batch's is >= 0 and
+    reads the same either way."""
+    return seq.to_bytes(8, "big", signed=True)
 
 
 @dataclass(frozen=True, slots=True)

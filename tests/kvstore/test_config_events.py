@@ -38,10 +38,21 @@ def test_named_endpoints_are_kept():
     ("buffer_batches", 10**9),
     ("hwm", 0),  # ZMQ's "no limit": a dead subscriber would grow the daemon's memory
     ("hwm", 1.5),
+    ("heartbeat_s", -1),
+    ("heartbeat_s", "1s"),
+    ("heartbeat_s", True),
+    ("heartbeat_s", float("nan")),
+    ("heartbeat_s", 86400),
 ])
 def test_bad_values_are_refused_naming_the_key(key, value):
     with pytest.raises(InvalidArgument, match=rf"events\.{key}"):
         ServerConfig.from_dict({"events": {key: value}})
+
+
+def test_heartbeats_every_second_by_default_and_off_at_zero():
+    assert ServerConfig.from_dict({}).events.heartbeat_s == 1.0
+    assert ServerConfig.from_dict({"events": {"heartbeat_s": 0}}).events.heartbeat_s == 0
+    assert ServerConfig.from_dict({"events": {"heartbeat_s": 0.25}}).events.heartbeat_s == 0.25
 
 
 def test_the_two_endpoints_must_differ():
