@@ -141,6 +141,15 @@ class Route:
                 "kv_cache_spec_sliding_window": self.kv_cache_spec_sliding_window}
 
 
+def published_hash(value, int_form: bool):
+    """A block hash as KV events publish it: with int_form (vLLM's default,
+    VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES) bytes become their last 8 bytes, big-endian, as
+    kv_cache_utils.maybe_convert_block_hash makes them; integers stay."""
+    if int_form and isinstance(value, (bytes, bytearray)):
+        return int.from_bytes(value[-8:], "big")
+    return value
+
+
 def route_fields(packed: bytes) -> dict:
     """A packed route's fields by name, without validating them again (the daemon checked
     the route when it came in): what the event stream reads on its hot path."""

@@ -19,9 +19,9 @@ when at least `objects_per_block` objects name it (default 1; the engine's TP ra
 cache groups that share a hash are one object each) and every object naming it is held in
 some tier; its tier is the slowest of theirs, since the engine needs them all. The
 holdings know only objects the node has published and not yet dropped: a shard that left
-every tier is forgotten, which objects_per_block catches. The holdings index a hash as the
-route gave it: with `[events] int_block_hashes` the stream publishes a bytes hash in its
-int form, which is not matched here (that needs the holdings to index the published form).
+every tier is forgotten, which objects_per_block catches. The holdings index a hash in the
+form the stream published it (`[events] int_block_hashes`: a bytes hash's int form) and
+take a hash asked for in either form.
 
 All objects of a call are placed by one batched IndexOps.placements (in slices of
 PLACE_SLICE, never one per prefix); no namespace is opened. Work is done in steps of about

@@ -14,7 +14,8 @@ A BlockRemoved for an object the stream never published is not sent.
 
 Memory (with `[events]` on only): an object costs its dict slot and a small record
 (~120 B), plus its packed route (kvstore/route.py: ~3 B a token id, ~35 B a block hash)
-and ~100 B per block hash in the index by hash. For objects of megabytes, well under 0.1%.
+and ~100 B per block hash in the index by hash (one for an object without a route, its
+id's int form, with int_block_hashes). For objects of megabytes, well under 0.1%.
 Event loop thread only; no I/O.
 """
 
@@ -23,7 +24,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
-from kvstore.route import route_fields
+from kvstore.route import published_hash, route_fields
 
 # Media as bits of Held.media, in the order a snapshot lists them.
 MEDIA = ("CPU", "STORAGE", "PEER")
@@ -49,7 +50,12 @@ class Held:
 
 
 class Holdings:
-    def __init__(self):
+    """int_block_hashes: hashes are indexed (and asked for) in the form the stream publishes
+    them (`[events] int_block_hashes`), so a router asks with what it read; an object put
+    without a route is then indexed under its id's int form too."""
+
+    def __init__(self, int_block_hashes: bool = True):
+        self.int_block_hashes = int_block_hashes
         self._objects: dict[str, dict[bytes, Held]] = {}
         self._by_hash: dict[str, dict] = {}  # namespace -> block hash -> digest, or a tuple of digests
         self._peer: dict[tuple[str, bytes], None] = {}  # objects marked PEER, oldest first
@@ -62,8 +68,7 @@ class Holdings:
         held = objects.get(digest)
         if held is None:
             held = objects[digest] = Held(route, block_size, session_id)
-            if route is not None:
-                self._index(namespace, digest, route)
+            self._index(namespace, digest, route)
         bit = _BIT[medium]
         if held.media & bit:
             return None
@@ -89,8 +94,7 @@ class Holdings:
             self._peer.pop((namespace, digest), None)
         if not held.media:
             del objects[digest]
-            if held.route is not None:
-                self._unindex(namespace, digest, held.route)
+            self._unindex(namespace, digest, held.route)
         return held
 
     def clear(self, namespace: str) -> None:
@@ -106,8 +110,9 @@ class Holdings:
         return self._objects.get(namespace, {}).get(digest)
 
     def objects_of(self, namespace: str, block_hash) -> tuple[bytes, ...]:
-        """The objects whose route names `block_hash` (bytes or int), in no order."""
-        found = self._by_hash.get(namespace, {}).get(block_hash)
+        """The objects whose route names `block_hash` (bytes or int, as published or as the
+        route gave it), in no order."""
+        found = self._by_hash.get(namespace, {}).get(published_hash(block_hash, self.int_block_hashes))
         if found is None:
             return ()
         return found if isinstance(found, tuple) else (found,)
@@ -115,9 +120,19 @@ class Holdings:
     def count(self) -> int:
         return sum(map(len, self._objects.values()))
 
-    def _index(self, namespace: str, digest: bytes, route: bytes) -> None:
+    def _keys(self, digest: bytes, route: bytes | None) -> list:
+        """What an object is indexed under: its route's hashes as published; without a route,
+        its id's int form (its bytes form is its own key in _objects)."""
+        if route is None:
+            return [published_hash(digest, True)] if self.int_block_hashes else []
+        return [published_hash(h, self.int_block_hashes) for h in route_fields(route)["block_hashes"]]
+
+    def _index(self, namespace: str, digest: bytes, route: bytes | None) -> None:
+        keys = self._keys(digest, route)
+        if not keys:
+            return
         index = self._by_hash.setdefault(namespace, {})
-        for h in route_fields(route)["block_hashes"]:
+        for h in keys:
             found = index.get(h)
             if found is None:
                 index[h] = digest
@@ -127,9 +142,9 @@ class Holdings:
             elif found != digest:
                 index[h] = (found, digest)
 
-    def _unindex(self, namespace: str, digest: bytes, route: bytes) -> None:
+    def _unindex(self, namespace: str, digest: bytes, route: bytes | None) -> None:
         index = self._by_hash.get(namespace, {})
-        for h in route_fields(route)["block_hashes"]:
+        for h in self._keys(digest, route):
             found = index.get(h)
             if found == digest:
                 del index[h]

@@ -14,7 +14,7 @@ from conftest import DaemonProcess
 from kvs_testing import payload
 from kvstore import Hints, ObjectId, StateDescriptor, chunk_keys
 from kvstore.identity import Shard
-from kvstore.route import Route
+from kvstore.route import Route, published_hash
 from server.admin import lookup_batch, openapi
 from server.admin.client import AdminClient, AdminRequestFailed
 from test_admin_support import PAYLOAD, admin_daemon
@@ -117,6 +117,10 @@ def test_block_hashes_find_host_and_nvme_objects_with_per_tier_lengths(daemon, s
     first = block_hashes("r", host[0])[0].hex().upper()
     (one,) = batch(daemon, "routes", {"block_hashes": [first]})
     assert (one["hit_blocks"], one["hit_tokens"], one["hit_bytes"]) == (1, 16, MiB)
+    # A router asks with the hashes it read from the stream: sha256 digests in vLLM's int form.
+    (as_read,) = batch(daemon, "routes", {"block_hashes": [published_hash(h, True) for i in host + nvme
+                                                           for h in block_hashes("r", i)]})
+    assert as_read == both
 
 
 def test_a_prefix_is_held_up_to_the_block_that_left(daemon):
@@ -154,8 +158,11 @@ def test_an_object_put_without_a_route_is_found_by_its_id(daemon):
     with daemon.client(namespace="plain") as c:
         key = ObjectId(os.urandom(32))
         c.put(key, PAYLOAD)
-    (found, missing) = batch(daemon, "plain", {"block_hashes": [key.hex]}, {"block_hashes": ["ab" * 32]})
+    (found, as_read, missing) = batch(daemon, "plain", {"block_hashes": [key.hex]},
+                                      {"block_hashes": [published_hash(key.digest, True)]},  # as the stream says
+                                      {"block_hashes": ["ab" * 32]})
     assert found["hit_blocks"] == 1 and found["hit_tokens"] == 256 and found["tiers"] == ["host"]
+    assert as_read == found
     assert missing["hit_blocks"] == 0 and missing["est_load_s"] == 0
 
 
