@@ -9,8 +9,8 @@
     evict:    a full NVMe tier drops its own victims (S3-FIFO over NVMe objects)
 
 Every object that enters or leaves the NVMe table is reported to the KV event stream
-(`manager.events`, server/events/) as medium "STORAGE"; what recovery finds at start is not
-(a snapshot for routers is not built yet).
+(`manager.events`, server/events/) as medium "STORAGE"; what recovery finds at start joins
+the stream's holdings without an event per object (server/tiering/nvme_kept.py).
 
 Runs on the event loop; NVMe I/O runs in the NVMe tier's thread pool. While an object is
 copied out of the host arena it holds a reader, so its extent cannot be freed or reused
@@ -35,6 +35,7 @@ from kvstore.replies import IN_MEMORY, CommitReply
 from server.events import MEDIUM_STORAGE
 from server.later import MaybeAwaitable, resolve
 from server.tiering.nvme_flush import flush_host
+from server.tiering.nvme_kept import KeptHoldings
 from server.tiering.nvme_deadlines import NvmeDeadlines
 from server.tiering.nvme_table import NvmeTable
 from server.tiering.objects import ObjectEntry
@@ -80,6 +81,7 @@ class TierMover:
         self._promoting: dict[bytes, asyncio.Future] = {}  # by table key
         self._background: set[asyncio.Task] = set()
         self.counters = MoverCounters()
+        self._kept: KeptHoldings | None = None  # with the event stream: what NVMe kept, told to it
 
     # --- start and stop -------------------------------------------------------------
 
@@ -101,9 +103,14 @@ class TierMover:
                  "recovered": report.recovered, "dropped": report.dropped,
                  "dropped_by_reason": dict(report.dropped_by_reason), "sampled": report.sampled}
         log.info("event=nvme_ready path=%s objects=%d ready_s=%.2f", self.config.path, facts["objects"], facts["ready_s"])
+        if self.events.enabled and len(self.policy):  # read in the background; start is not held up
+            self._kept = KeptHoldings(self, self.events)
+            self._kept.start()
         return facts
 
     async def close(self) -> None:
+        if self._kept is not None:  # it reads the index: done before the tier closes
+            await self._kept.stop()
         for task in list(self._background):
             task.cancel()
         if self.nvme is not None:

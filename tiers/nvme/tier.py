@@ -217,6 +217,14 @@ class NvmeTier:
         for ns, object_id, record, durability in self._journal.records(prefix):
             yield NvmeMeta.of(ns, object_id, record, durability)
 
+    def raw_records(self) -> Iterator[tuple[bytes, bytes]]:
+        """(index key, record value) of every object in the index, in key order, undecoded
+        (tiers/nvme/index.py: split_key, NvmeRecord.decode): for a caller that reads a few
+        fields of millions and skips what it cannot read (the daemon's KV event stream learns
+        what NVMe kept at start). Waiting group commits are left out; weakly consistent, as
+        the index iterator is. Takes no lock; one thread at a time may advance it."""
+        return self._index.items()
+
     # -- state --------------------------------------------------------------------------------
 
     def stats(self) -> dict:
