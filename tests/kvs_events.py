@@ -33,7 +33,8 @@ def endpoints(daemon) -> tuple[str, str]:
 
 class EventSubscriber:
     """One namespace's topic on the PUB endpoint, and a DEALER on the replay endpoint.
-    received: (seq, payload bytes) in arrival order."""
+    received: (seq, payload bytes) of the batches in arrival order; heartbeats: those of the
+    heartbeats (empty batches repeating a number: `[events] heartbeat_s`); frames: both."""
 
     def __init__(self, daemon, namespace: str, prefix: str = "kvstore.", rcvhwm: int | None = None):
         self.topic = topic_of(prefix, namespace)
@@ -47,6 +48,8 @@ class EventSubscriber:
         self.replay_socket = self.ctx.socket(zmq.DEALER)
         self.replay_socket.connect(replay)
         self.received: list[tuple[int, bytes]] = []
+        self.heartbeats: list[tuple[int, bytes]] = []
+        self.frames: list[tuple[int, bytes]] = []
 
     def receive(self, timeout_ms: int = POLL_MS) -> tuple[int, bytes] | None:
         """The next frame of this topic (checked), or None when none came within timeout_ms."""
@@ -54,8 +57,9 @@ class EventSubscriber:
             return None
         topic, seq, payload = self.sub.recv_multipart()
         assert topic == self.topic, (topic, self.topic)
-        self.received.append((int.from_bytes(seq, "big"), payload))
-        return self.received[-1]
+        self.frames.append((int.from_bytes(seq, "big"), payload))
+        (self.received if msgpack.unpackb(payload)[1] else self.heartbeats).append(self.frames[-1])
+        return self.frames[-1]
 
     def receive_until(self, done, what: str) -> None:
         """Receive until done(self) is true; AssertionError naming `what` if the stream dries up."""
@@ -83,6 +87,24 @@ class EventSubscriber:
             out.append((int.from_bytes(frames[2], "big"), frames[3]))
             assert frames[1] == (self.topic if topic is None else topic)
 
+    def snapshot(self, topic: bytes | None = None) -> tuple[int, list[bytes]]:
+        """Ask for a namespace's snapshot ([b"", b"snapshot", topic]; this subscriber's topic
+        by default): (the sequence number every frame carries, the payloads in order)."""
+        topic = self.topic if topic is None else topic
+        self.replay_socket.send_multipart([b"", b"snapshot", topic])
+        seqs, out = set(), []
+        while True:
+            assert self.replay_socket.poll(POLL_MS), "the snapshot did not end with its marker"
+            frames = self.replay_socket.recv_multipart()
+            assert frames[0] == b"" and len(frames) == 4, frames
+            if frames[1] == b"":  # the end marker: no topic
+                assert frames[2] == END_SEQ and frames[3] == b""
+                assert len(seqs) == 1, seqs
+                return seqs.pop(), out
+            assert frames[1] == topic
+            seqs.add(int.from_bytes(frames[2], "big", signed=True))
+            out.append(frames[3])
+
     def close(self) -> None:
         self.sub.close(linger=0)
         self.replay_socket.close(linger=0)
@@ -98,6 +120,19 @@ def events_of(payload: bytes) -> list[dict]:
 
 def all_events(received) -> list[dict]:
     return [e for _, payload in received for e in events_of(payload)]
+
+
+def held_media(events, held: dict | None = None) -> dict[str, set]:
+    """medium -> block hashes held, from event maps applied in order (onto `held`)."""
+    held = {} if held is None else held
+    for e in events:
+        if e["type"] == "BlockStored":
+            held.setdefault(e["medium"], set()).update(e["block_hashes"])
+        elif e["type"] == "BlockRemoved":
+            held.setdefault(e["medium"], set()).difference_update(e["block_hashes"])
+        else:
+            held.clear()
+    return held
 
 
 def last_seq(client, namespace: str) -> int:

@@ -19,7 +19,7 @@ from kvstore.errors import InvalidArgument
 from kvstore.identity import ObjectId, StateDescriptor
 from kvstore.protocol import NEED_DATA, FrameCodec, Reply, Request
 from kvstore.route import Route
-from kvs_events import EventSubscriber, all_events, events_of, last_seq, wait_subscribed
+from kvs_events import EventSubscriber, all_events, events_of, held_media, last_seq, wait_subscribed
 from kvs_testing import payload, wait_until
 from server.admin.client import AdminClient
 
@@ -38,17 +38,7 @@ def new_ids(n):
     return [ObjectId(os.urandom(32)) for _ in range(n)]
 
 
-def holdings(events) -> dict[str, set[bytes]]:
-    """medium -> ids held, from events applied in order."""
-    held: dict[str, set[bytes]] = {}
-    for e in events:
-        if e["type"] == "BlockStored":
-            held.setdefault(e["medium"], set()).update(e["block_hashes"])
-        elif e["type"] == "BlockRemoved":
-            held.setdefault(e["medium"], set()).difference_update(e["block_hashes"])
-        else:
-            held.clear()
-    return held
+holdings = held_media  # medium -> ids held, from events applied in order
 
 
 def catch_up(subscriber, client, namespace):
