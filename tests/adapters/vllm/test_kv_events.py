@@ -1,9 +1,10 @@
 """The daemon's KV event stream read with vLLM's own classes (vllm.distributed.kv_events).
 
 A real daemon (host arena and NVMe) stores, evicts, demotes, promotes, deletes and expires
-objects, then stops; every batch it published, live and replayed, is decoded the way vLLM's
-subscribers decode (msgspec.msgpack.Decoder(type=KVEventBatch)), its fields checked, and
-encoded again by msgspec to the same document the daemon sent.
+objects, then stops; every batch it published, live and replayed, and every snapshot and
+heartbeat frame, is decoded the way vLLM's subscribers decode
+(msgspec.msgpack.Decoder(type=KVEventBatch)), its fields checked, and encoded again by
+msgspec to the same document the daemon sent.
 """
 
 import os
@@ -17,6 +18,7 @@ from vllm.distributed.kv_events import (MEDIUM_CPU, MEDIUM_STORAGE, AllBlocksCle
 
 from kvstore import Hints
 from kvstore.identity import ObjectId
+from kvstore.route import Route
 from kvs_events import EventSubscriber, last_seq, vllm_int_hash, wait_subscribed
 from kvs_testing import payload
 
@@ -101,3 +103,46 @@ def test_a_replay_decodes_with_vllms_classes(daemon_factory):
     assert [seq for seq, _ in replayed] == list(range(last + 1))
     assert all(isinstance(e, BlockStored) for _, body in replayed for e in decoder.decode(body).events)
     assert dict(replayed)[last] == live.received[-1][1]
+
+
+def test_snapshots_and_heartbeats_decode_with_vllms_classes(daemon_factory):
+    """Routes' fields land in BlockStored's as vLLM types them: bytes and int hashes (bytes
+    kept with int_block_hashes = false), parent, token ids, extra keys, group."""
+    d = daemon_factory("4MiB", config={"events": {"enabled": True, "int_block_hashes": False, "heartbeat_s": 0.05},
+                                       "nvme": CONFIG["nvme"]})
+    sub = EventSubscriber(d, "default")
+    decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+    keys = [ObjectId(os.urandom(32)) for _ in range(8)]
+
+    def route_of(i):
+        return Route([b"blk-%d" % i, 1000 + i], parent_block_hash=999 + i, token_ids=list(range(32)), block_size=16,
+                     extra_keys=[None, ["ad", ["mm", i]]], group_idx=1)
+    try:
+        with d.client() as c:
+            wait_subscribed(sub, lambda: c.put(ObjectId(os.urandom(32)), b"probe"))
+            for i, key in enumerate(keys):  # 8 MiB through a 4 MiB arena: on NVMe too
+                c.put(key, payload(MiB, i), hints=Hints(route=route_of(i) if i % 4 else None, session_id="s1"))
+            seq, bodies = sub.snapshot()
+            last = last_seq(c, "default")
+            sub.receive_until(lambda s: len(s.heartbeats) >= 1 and s.heartbeats[-1][0] == last, "a heartbeat")
+    finally:
+        sub.close()
+    assert seq == last
+    frames = bodies + [body for _, body in sub.heartbeats]
+    batches = [decoder.decode(body) for body in frames]
+    assert all(list(_document(msgspec.msgpack.encode(b))) == list(_document(body)) for b, body in zip(batches, frames))
+    assert all(b.events == [] and b.data_parallel_rank == 0 for b in batches[len(bodies):])  # heartbeats
+    events = [e for b in batches[:len(bodies)] for e in b.events]
+    assert isinstance(events[0], AllBlocksCleared) and all(isinstance(e, BlockStored) for e in events[1:])
+    by_name = {e.block_hashes[0]: e for e in events[1:]}
+    media = {(h, e.medium) for e in events[1:] for h in e.block_hashes}
+    assert {m for _, m in media} == {MEDIUM_CPU, MEDIUM_STORAGE}
+    for i, key in enumerate(keys):
+        if i % 4 == 0:
+            e = by_name[bytes(key)]
+            assert e.token_ids == [] and e.block_size == 256 and e.parent_block_hash is None and e.group_idx is None
+            continue
+        e = by_name[b"blk-%d" % i]
+        assert e.block_hashes == [b"blk-%d" % i, 1000 + i] and e.parent_block_hash == 999 + i
+        assert e.token_ids == list(range(32)) and e.block_size == 16 and e.group_idx == 1
+        assert e.extra_keys == [None, ("ad", ["mm", i])] and e.session_id == "s1" and e.locality == "LOCAL"
