@@ -157,14 +157,15 @@ class SafeStore:
         return self._call(lambda client: [size is not None for size in client.get_many_into(pairs)],
                           [False] * len(pairs))
 
-    def put_many(self, items: list[tuple[ObjectId, object]], desc: StateDescriptor) -> list[bool]:
+    def put_many(self, items: list[tuple[ObjectId, object]], desc: StateDescriptor, routes=None) -> list[bool]:
         """Store (id, bytes-like / numpy / CPU tensor) pairs; which ones the store now holds.
-        The data is only read during the call."""
+        The data is only read during the call. routes: per item None or its route
+        (kvstore.route.Route, or packed): the engine's names for its blocks in KV events."""
         if not items:
             return []
 
         def op(client):
-            results = client.put_many(items, desc)
+            results = client.put_many(items, desc, routes=routes)
             refused = [r.error for r in results if r.error is not None]
             if refused:  # the store is up but turned these away (full, wrong size...): say why
                 log.warning("kvstore refused %d of %d puts: %s", len(refused), len(results), refused[0])
@@ -174,19 +175,21 @@ class SafeStore:
         self.num_stored += sum(stored)
         return stored
 
-    def put_group(self, items: list, hints=None) -> bool:
+    def put_group(self, items: list, hints=None, routes=None) -> bool:
         """Store (key, data, descriptor) triples as one group (kvstore/groups.py): True once
         all of them are visible together; False and nothing new visible otherwise (a full or
-        conflicting store is logged as a refusal, not counted as an outage)."""
-        return self.put_groups([items], hints)[0]
+        conflicting store is logged as a refusal, not counted as an outage). routes: per
+        item None or its route, as put_many's."""
+        return self.put_groups([items], hints, None if routes is None else [routes])[0]
 
-    def put_groups(self, groups: list[list], hints=None) -> list[bool]:
-        """put_group for many groups, batched (two round trips a window): which were stored."""
+    def put_groups(self, groups: list[list], hints=None, routes=None) -> list[bool]:
+        """put_group for many groups, batched (two round trips a window): which were stored.
+        routes: per group None or its items' routes."""
         if not groups:
             return []
 
         def op(client):
-            results = client.put_groups(groups, hints)
+            results = client.put_groups(groups, hints, routes)
             refused = [r for r in results if isinstance(r, Exception)]
             if refused:  # the store is up but turned these away (full, conflicting): say why
                 log.warning("kvstore refused %d of %d group puts: %s", len(refused), len(results), refused[0])

@@ -7,7 +7,9 @@
 
 Scheduler role: one batched lookup per new request (`get_num_new_matched_tokens`), the
 tokens the store holds beyond vLLM's local prefix cache (always leaving one prompt token to
-compute), and per step a `KVStoreMetadata` carrying block ids and object ids to the workers.
+compute), and per step a `KVStoreMetadata` carrying block ids and object ids to the workers,
+and with each chunk to save its route: vLLM's own block hashes of the chunk, so the daemon's
+KV events name its blocks as vLLM's events do (`adapters.vllm_routes`).
 Worker role: `start_load_kv` copies stored chunks into the paged cache before the forward
 (synchronous loads), `wait_for_save` copies newly completed prompt chunks out of it and puts
 them. A chunk that fails to load is reported by `get_block_ids_with_load_errors`, so with
@@ -37,6 +39,7 @@ vLLM (and torch) are imported only when vLLM asks this module for `KVStoreConnec
 from __future__ import annotations
 
 import logging
+import dataclasses
 
 from kvstore.identity import StateDescriptor
 from adapters.common import SafeStore, StoreConfig, lazy_classes
@@ -140,6 +143,7 @@ def _build_classes(name: str) -> dict | None:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorMetadata,
                                                                       SupportsHMA)
 
+    from adapters.vllm_routes import RouteNamer
     from adapters.vllm_worker import WorkerIO
 
     class KVStoreMetadata(KVConnectorMetadata):
@@ -176,6 +180,9 @@ def _build_classes(name: str) -> dict | None:
             self.num_blocks = kv_cache_config.num_blocks
             # scheduler side
             self._plans: dict[str, RequestPlan] = {}
+            self._requests: dict = {}  # request id -> vLLM's Request, for its block hashes (routes)
+            self.routes = RouteNamer(kv_cache_config, self.chunk_tokens,
+                                     getattr(vllm_config, "num_hash_lookahead_tokens", 0) or 0)
             self.num_unsaved_chunks = 0  # chunks a sliding window had moved past before they were done
             # worker side
             self._layers: list[list] = []  # per group, its paged cache tensors
@@ -217,6 +224,7 @@ def _build_classes(name: str) -> dict | None:
                 plan = plan_request(request.request_id, list(request.prompt_token_ids or ()),
                                     [(desc, own) for desc, own, _ in self.groups], self.block_size, extras, mm)
                 self._plans[request.request_id] = plan
+                self._requests[request.request_id] = request
             return plan
 
         def update_state_after_alloc(self, request, blocks, num_external_tokens: int):
@@ -256,8 +264,8 @@ def _build_classes(name: str) -> dict | None:
                         plan.set_blocks(block_ids or [[] for _ in self.groups], replace)
                     loads += plan.loads()
                     unsaved = plan.num_unsaved_chunks
-                    saves += plan.saves(computed + scheduler_output.num_scheduled_tokens.get(req_id, 0),
-                                        offers.get(req_id, ()))
+                    saves += self._named(plan.saves(computed + scheduler_output.num_scheduled_tokens.get(req_id, 0),
+                                                    offers.get(req_id, ())))
                     self.num_unsaved_chunks += plan.num_unsaved_chunks - unsaved
                 for plan in self._plans.values():  # async loads: the request is not scheduled yet
                     loads += plan.loads()
@@ -266,8 +274,16 @@ def _build_classes(name: str) -> dict | None:
                 loads, saves = [], []
             return KVStoreMetadata(loads, saves)
 
+        def _named(self, specs: list[SaveSpec]) -> list[SaveSpec]:
+            """The saves with their routes: vLLM's own names for the blocks each object holds,
+            which the daemon's KV events publish (adapters.vllm_routes)."""
+            return [dataclasses.replace(spec, route=self.routes.route_of(self._requests[spec.request_id], spec.group,
+                                                                         spec.chunk))
+                    for spec in specs]
+
         def request_finished(self, request, block_ids):
             self._plans.pop(request.request_id, None)
+            self._requests.pop(request.request_id, None)
             return False, None  # saves are synchronous: the blocks are free to go
 
         def request_finished_all_groups(self, request, block_ids):

@@ -14,8 +14,10 @@ folded into the chain, so a salted or LoRA request never shares state with anoth
     alloc    -> remember how many tokens to load
     step     -> loads: (group, object id, [(block index in chunk, vLLM block id)]), the
                 null block (a sliding window's out-of-window blocks) left out
-                saves: (group, object id, [vLLM block ids of the chunk]) for chunks whose
-                tokens are all computed after this step and that the store does not hold
+                saves: (group, object id, [vLLM block ids of the chunk], chunk, route) for
+                chunks whose tokens are all computed after this step and that the store does
+                not hold; the route (vLLM's block hashes of the chunk, for KV events) is
+                added by the connector, which holds the request
 
 Sliding windows: vLLM frees a sliding-window group's blocks once they leave the window and
 reuses them, without telling the connector. A block id this plan still holds for a chunk not
@@ -60,6 +62,8 @@ class SaveSpec:
     group: int = 0
     joint: int | None = None  # the chunk whose store group this object is put with (None: put alone)
     request_id: str = ""
+    chunk: int = 0  # the prompt chunk: this object holds its blocks (Mamba: the state at its end)
+    route: bytes | None = None  # packed kvstore.route.Route: vLLM's names for those blocks (adapters.vllm_routes)
 
 
 @dataclass(slots=True)
@@ -203,9 +207,9 @@ class RequestPlan:
             states = at.get(chunk, {})
             joint = chunk if mamba and len(states) == len(mamba) else None
             rid = self.request_id
-            specs += [SaveSpec(self.ids[g][chunk], tuple(blocks), g, joint, rid) for g, blocks in tables.items()]
+            specs += [SaveSpec(self.ids[g][chunk], tuple(blocks), g, joint, rid, chunk) for g, blocks in tables.items()]
             if joint is not None:
-                specs += [SaveSpec(self.ids[g][chunk], (states[g],), g, joint, rid) for g in mamba]
+                specs += [SaveSpec(self.ids[g][chunk], (states[g],), g, joint, rid, chunk) for g in mamba]
         self.num_stored_chunks = max(self.num_stored_chunks, done)
         return specs
 

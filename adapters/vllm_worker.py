@@ -12,7 +12,9 @@ Mamba groups: a state object is, layer after layer, each state tensor's row of o
 
 Objects of one store group (LoadSpec / SaveSpec `joint`: a chunk's attention objects and the
 states at its end) are read with `get_groups_into` and put with `put_groups` (all of a step's
-groups in one or two round trips): each all or nothing.
+groups in one or two round trips): each all or nothing. Every object is put with the route
+the scheduler sent for it (SaveSpec.route: vLLM's block hashes of its blocks), so the
+daemon's KV events name it as vLLM's own events name those blocks.
 A load that fails is reported as vLLM asks: block ids (`get_block_ids_with_load_errors`) for
 a single-group model, a failed receive of the whole request (`get_transfer_results`) for a
 model with several groups.
@@ -203,16 +205,19 @@ class WorkerIO:
                     joint[(spec.request_id, spec.joint)] = None  # the group cannot be whole: not put
                 continue
             if spec.joint is None:
-                per_group.setdefault(spec.group, []).append((spec.object_id, _u8(buf)))
+                per_group.setdefault(spec.group, []).append((spec.object_id, _u8(buf), spec.route))
             elif (items := joint.setdefault((spec.request_id, spec.joint), [])) is not None:
-                items.append((spec.object_id, _u8(buf), self.groups[spec.group][0]))
-        for group, items in per_group.items():
-            self.num_saved_chunks += sum(self.store.put_many(items, self.groups[group][0]))
+                items.append((spec.object_id, _u8(buf), self.groups[spec.group][0], spec.route))
+        for group, items in per_group.items():  # each object with its route (vLLM's names for its blocks)
+            self.num_saved_chunks += sum(self.store.put_many([(oid, data) for oid, data, _ in items],
+                                                             self.groups[group][0], [r for *_, r in items]))
         groups = [items for items in joint.values() if items]
-        for items, ok in zip(groups, self.store.put_groups(groups)):
+        stored = self.store.put_groups([[item[:3] for item in items] for items in groups],
+                                       routes=[[r for *_, r in items] for items in groups])
+        for items, ok in zip(groups, stored):
             if ok:
                 self.num_saved_groups += 1
-                self.num_saved_chunks += sum(1 for _, _, desc in items if desc.layout.name != "mamba")
+                self.num_saved_chunks += sum(1 for _, _, desc, _ in items if desc.layout.name != "mamba")
 
     def _gather(self, spec: SaveSpec, buf) -> None:
         import torch

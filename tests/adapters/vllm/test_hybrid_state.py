@@ -127,11 +127,11 @@ def test_a_daemon_killed_during_a_group_put_leaves_no_partial_hit(base_config, d
     real_put = a.worker.store.put_groups
     calls = []
 
-    def put_then_die(groups, hints=None):  # the second group's put meets a dead daemon
+    def put_then_die(groups, hints=None, routes=None):  # the second group's put meets a dead daemon
         calls.extend(len(items) for items in groups)
         if len(calls) == 2:
             d.stop(signal.SIGKILL)
-        return real_put(groups, hints)
+        return real_put(groups, hints, routes)
 
     a.worker.store.put_groups = put_then_die
     a.add(make_request(400, tokens))
