@@ -30,6 +30,14 @@ then). Stores and loads run in one I/O thread; every method the scheduler calls 
 once. A daemon that is down or slow is a miss, a failed store or a failed load (with the keys
 that did load), never an exception in the scheduler.
 
+KV events: an OffloadKey's block hash is vLLM's hash of the chunk's last block (request.
+block_hashes at the chunk's end, chained over the whole prefix): the hash vLLM's own
+BlockStored names that block by in that group. Each chunk is put with the route
+[that hash] (maybe_convert_block_hash), the group index and the group's tokens per block, so
+the daemon's events name it as vLLM's offloading connector names a secondary tier's chunk
+(offloading/events.py, its placeholder payload). The chunk's other block hashes, its parent
+and its tokens never reach a tier: the router sees the chunk's last block only.
+
 Extra tier config keys: socket_path, namespace, timeout_s, retry_after_s; model and dtype
 (default: the model name and KV cache dtype in vLLM's OffloadingConfig) and model_revision
 (default "main": vLLM does not tell a tier the revision).
@@ -48,6 +56,7 @@ import numpy as np
 
 from kvstore.dtypes import DType
 from kvstore.identity import StateDescriptor
+from kvstore.route import Route
 from adapters.common import SafeStore, StoreConfig, engine_object_id, lazy_classes
 
 log = logging.getLogger("kvstore.adapters.vllm_tier")
@@ -118,7 +127,9 @@ def _build_classes(name: str) -> dict | None:
 
 
 def _build_tier_class():
-    from vllm.v1.kv_offload.base import LookupResult, Medium, RequestOffloadingContext
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+    from vllm.v1.kv_offload.base import (LookupResult, Medium, RequestOffloadingContext, get_offload_block_hash,
+                                         get_offload_group_idx)
     from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager
     from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager
 
@@ -149,6 +160,8 @@ def _build_tier_class():
             self._flat = primary_kv_view.cast("B")  # released at shutdown, so vLLM can unmap its CPU tier
             self._chunks = np.frombuffer(self._flat, dtype=np.uint8).reshape(-1, self.block_size_bytes)
             self._lookups = _BatchedLookups(tier_type, self.object_ids, self.store)
+            config = _offloading_config(offloading_spec)
+            self._tokens_per_block = {g.group_id: g.tokens_per_block for g in config.groups} if config else {}
             self._io = ThreadPoolExecutor(1, thread_name_prefix="kvstore-tier-io")
             self._finished: queue.SimpleQueue = queue.SimpleQueue()
             self._pending = 0
@@ -160,6 +173,15 @@ def _build_tier_class():
             """The store's object ids of vLLM's OffloadKeys (block hash + group index, both
             hashed in whole), under this tier's descriptor and chunk geometry."""
             return [engine_object_id(self.desc, self._engine_key, bytes(k)) for k in keys]
+
+        def route(self, key) -> Route | None:
+            """vLLM's name for a chunk in KV events (see the module docstring); None for a key
+            that is no OffloadKey (the chunk is then published by its object id)."""
+            block_hash, group = get_offload_block_hash(key), get_offload_group_idx(key)
+            if not block_hash:
+                return None
+            return Route(block_hashes=[maybe_convert_block_hash(bytes(block_hash))], group_idx=group,
+                         block_size=self._tokens_per_block.get(group))
 
         # --- lookups (batched, in vLLM's lookup thread) ------------------------------------
 
@@ -205,8 +227,9 @@ def _build_tier_class():
         def _store_job(self, job):
             ids = self.object_ids(job.keys)
             held = self.store.contains(ids)
-            items = [(oid, self._chunks[int(chunk)]) for oid, chunk, ok in zip(ids, job.chunk_ids, held) if not ok]
-            stored = self.store.put_many(items, self.desc)
+            missing = [(oid, chunk, key) for oid, chunk, key, ok in zip(ids, job.chunk_ids, job.keys, held) if not ok]
+            stored = self.store.put_many([(oid, self._chunks[int(chunk)]) for oid, chunk, _ in missing], self.desc,
+                                         [self.route(key) for _, _, key in missing])
             return JobResult(job_id=job.job_id, success=all(stored),
                              transfer_bytes=sum(ok for ok in stored) * self.block_size_bytes)
 

@@ -19,16 +19,20 @@ import time
 from types import SimpleNamespace
 from unittest.mock import MagicMock
 
+import msgspec
 import numpy as np
 import pytest
 import torch
 
+from vllm.distributed.kv_events import BlockStored, KVEventBatch
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.config import build_offloading_config
-from vllm.v1.kv_offload.base import (LookupResult, ReqContext, ScheduleEndContext, get_offload_group_idx,
-                                     make_offload_key)
+from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+from vllm.v1.kv_offload.base import (LookupResult, ReqContext, ScheduleEndContext, get_offload_block_hash,
+                                     get_offload_group_idx, make_offload_key)
 from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
 from vllm.v1.kv_offload.tiering.manager import CPUPrimaryTierOffloadingManager, TieringOffloadingManager
 
+from kvs_events import EventSubscriber, last_seq
 from offloading_engine import PROMPT, OffloadingEngine
 from vllm_engine import BLOCK, make_request, tokens_of
 
@@ -274,3 +278,32 @@ def test_chunk_ids_are_per_chunk_geometry_so_no_engine_reads_chunks_laid_out_oth
               dataclasses.replace(config, groups=config.groups[:1]),  # the model without its Mamba group
               dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, tp_size=2, world_size=2))]
     assert len({ids_under(c)[0] for c in others} - set(a.tier.object_ids([key]))) == len(others)
+
+
+def test_the_tiers_chunks_are_named_in_kv_events_by_vllms_block_hashes(daemon_factory):
+    d = daemon_factory("16MiB", config={"events": {"enabled": True}})
+    engine = OffloadingEngine(d.socket)
+    published = []  # what vLLM's scheduler publishes: its BlockPool's events (turned on as --kv-events-config does)
+    engine.scheduler.kv_cache_manager.block_pool.enable_kv_cache_events = True
+    engine.scheduler.kv_event_publisher = SimpleNamespace(publish=published.append, shutdown=lambda: None)
+    sub = EventSubscriber(d, "default")
+    try:
+        engine.add(make_request(81, tokens_of(PROMPT, 81)))
+        engine.run_to_end()
+        with d.client() as c:
+            last_seq(c, "default")  # every report is in a batch: the replay holds them all
+        replayed = sub.replay(0)
+    finally:
+        sub.close()
+        engine.shutdown()
+    decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+    ours = [e for _, body in replayed for e in decoder.decode(body).events if isinstance(e, BlockStored)]
+    named = {(e.group_idx, h) for e in ours for h in e.block_hashes}
+    # per chunk its OffloadKey's hash (its last block's) and group, as vLLM's tiering events name it
+    assert named == {(get_offload_group_idx(k), maybe_convert_block_hash(get_offload_block_hash(k)))
+                     for k in engine.stored}
+    assert len(ours) == len(engine.stored) == 8 and all(len(e.block_hashes) == 1 for e in ours)
+    assert {e.block_size for e in ours} == {BLOCK}
+    gpu = {(e.group_idx, h) for batch in published for e in batch.events
+           if isinstance(e, BlockStored) and e.medium == "GPU" for h in e.block_hashes}
+    assert named <= gpu  # each a block vLLM's own events named in the same group
