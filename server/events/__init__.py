@@ -1,7 +1,8 @@
 """The KV event stream for prefix-aware routers (`[events]`, issue 27): vLLM's wire format.
 
 `stream.py` batches what the tiers report on the event loop, `publisher.py` sends the
-batches from its own thread over ZMQ and answers replays, `wire.py` is the format itself.
+batches from its own thread over ZMQ and answers replays and snapshots, `holdings.py` keeps
+what was published as held, `snapshot.py` lists it for a router, `wire.py` is the format.
 """
 
 from server.events.stream import EventStream, NoEvents
