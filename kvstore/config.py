@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, fields, is_dataclass, replace
 
 from kvstore.config_auth import AuthConfig, NamespaceAuth  # noqa: F401 (re-exported)
 from kvstore.config_events import EventsConfig
+from kvstore.config_remote import RemoteConfig
 from kvstore.errors import InvalidArgument
 from kvstore.policy import POLICIES
 from kvstore.protocol import MAX_FRAME_BYTES
@@ -334,6 +335,7 @@ class ServerConfig:
     cluster: ClusterConfig = ClusterConfig()
     auth: AuthConfig = AuthConfig()
     events: EventsConfig = EventsConfig()
+    remote: RemoteConfig = RemoteConfig()
 
     def __post_init__(self) -> None:
         if self.log_level not in ("debug", "info", "warning", "error"):
@@ -342,6 +344,9 @@ class ServerConfig:
             raise InvalidArgument(f"log_format must be kv or json, got {self.log_format!r}")
         if not isinstance(self.socket_mode, int) or not 0 <= self.socket_mode <= 0o777:
             raise InvalidArgument(f"socket_mode must be a file mode in 0..0o777 (e.g. 0o600), got {self.socket_mode!r}")
+        if self.remote.mooncake_enabled and self.cluster.enabled:
+            raise InvalidArgument('remote.backend = "mooncake" replaces the peer tier: set cluster.enabled = false '
+                                  '(or remote.backend = "peers")')
         if len(os.fsencode(self.socket_path)) > 100:
             raise InvalidArgument(f"socket_path is too long for a Unix socket (max ~100 bytes): {self.socket_path}")
 
