@@ -64,6 +64,9 @@ class Daemon:
         if config.cluster.enabled:
             from server.cluster.link import ClusterLink
             cluster = lambda manager: ClusterLink(manager, config.cluster)  # noqa: E731
+        elif config.remote.mooncake_enabled:  # a Mooncake Store pool as the remote tier
+            from server.pool.link import PoolLink
+            cluster = lambda manager: PoolLink(manager, config.remote.mooncake)  # noqa: E731
         self.events = NoEvents()  # the KV event stream for routers, when [events] enabled
         if config.events.enabled:
             from server.events.publisher import ZmqPublisher

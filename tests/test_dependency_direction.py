@@ -27,6 +27,7 @@ SERVER = {
     "server/events": {"server.events"},
     "server/tiering": {"server.tiering", "server.later", "server.host_memory", "server.events"},
     "server/cluster": {"server.cluster", "server.peer", "server.tiering", "server.later", "server.events"},
+    "server/pool": {"server.pool", "server.tiering", "server.later", "server.events"},  # a Mooncake pool
     "server/local": {"server.local", "server.tiering", "server.later"},
     "server/admin": {"server.admin", "server.tiering", "server.cluster", "server.later", "server.logs"},
 }

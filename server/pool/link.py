@@ -1,0 +1,416 @@
+"""PoolLink: a Mooncake Store pool as the daemon's remote tier (`[remote] backend = "mooncake"`),
+behind the surface the tier manager uses of the peer tier (server/cluster/link.py).
+
+    local put (commit) -> write_through: background put into the pool; write_back: nothing yet
+    leaving this node  -> an object evicted from its last local tier that the pool is not
+                          known to hold is put there first (host victims, NVMe evictions)
+    local get miss     -> host, then NVMe, then the pool: header read, then the payload
+                          straight into the arena, checked against the header's xxh3-128,
+                          published (a ranged get fetches the whole object, then serves the ranges)
+    lookup             -> local tiers, then one batch_is_exist and one header read per batch
+    delete             -> this node's tiers, then the pool's keys
+
+Every pool value carries kvstore's own header (kvstore/pool_header.py: id, descriptor,
+checksum); a read whose header or bytes do not match is a miss, counted, never published.
+Namespaces are kept apart by the key (<key_prefix><namespace>/<id>).
+
+The pool down (master unreachable, at start or later) costs misses and failed demotions,
+counted; the local tiers keep serving. Pins and TTLs stay local for now (not mapped onto
+Mooncake's soft pins and leases); puts with tier="remote" are refused as on a daemon with no
+cluster (this tier has no homes).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import time
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import xxhash
+
+from kvstore.errors import CapacityError
+from kvstore.identity import ObjectId
+from kvstore.peer_messages import RemoteMeta
+from kvstore.pool_header import HEADER_BYTES, PoolHeaderError, decode_header, encode_header, pool_key
+from kvstore.replies import MISS
+from server.events import MEDIUM_PEER
+from server.later import resolve
+from server.tiering.objects import ObjectEntry
+from tiers.allocator import Extent
+from tiers.mooncake.pool import MooncakePool
+from tiers.mooncake.scratch import HEADER_SLOTS, HeaderSlots
+
+log = logging.getLogger("kvstore.mooncake")
+# Keys per Mooncake call: a quarter of the header slots, so four batches run at once.
+MAX_POOL_BATCH = HEADER_SLOTS // 4
+DEFAULT_POOL_BANDWIDTH = 1e9  # load estimates start from a loopback-TCP guess, then follow fetches
+
+
+@dataclass(slots=True)
+class PoolReadCounters:  # the names of the peer tier's, so /metrics reports both alike
+    num_gets: int = 0
+    num_hits: int = 0
+    num_misses: int = 0
+    num_lookups: int = 0
+    num_deletes: int = 0
+    num_checksum_failures: int = 0  # payloads that did not hash to their header's checksum
+    num_header_failures: int = 0  # headers damaged or naming another object, namespace or size
+    bytes_in: int = 0
+    bytes_out: int = 0
+
+
+@dataclass(slots=True)
+class PoolWriteCounters:
+    num_replicated: int = 0  # commits put into the pool (write_through)
+    num_demoted_remote: int = 0  # objects put into the pool as they left this node
+    num_demotion_failures: int = 0  # of those, the pool did not take (down, full, error)
+    num_put_failures: int = 0  # every put the pool did not take (replication included)
+
+
+def address_of(buffer) -> tuple[int, np.ndarray]:
+    """The address of a buffer's first byte, and the array that keeps it exported meanwhile."""
+    array = np.frombuffer(buffer, dtype=np.uint8)
+    return array.ctypes.data, array
+
+
+class PoolLink:
+    """The remote tier as the tier manager sees it, for `[remote] backend = "mooncake"`."""
+
+    enabled = True
+    remote = None  # no peer tier: puts with tier="remote" are refused (they need homes)
+
+    def __init__(self, manager, config, make_store=None):
+        """config: the `[remote.mooncake]` table. make_store: builds the Mooncake client (tests)."""
+        self.manager, self.config = manager, config
+        self.pool = MooncakePool(config, make_store)
+        self.slots: HeaderSlots | None = None  # made at start (needs the loop)
+        self.read = PoolReadCounters()
+        self.write = PoolWriteCounters()
+        self.bandwidth_bytes_s = DEFAULT_POOL_BANDWIDTH
+        # (namespace, digest) of objects held here that the pool is known to hold too: they
+        # may leave this node without being put. Forgotten when they leave.
+        self._held: set[tuple[str, bytes]] = set()
+        self._registered: dict[str, int] = {}  # namespace -> arena address registered
+        self._in_flight: dict[tuple[str, bytes], asyncio.Future] = {}  # puts a delete waits for
+        self._background: set[asyncio.Task] = set()
+        self._demotion_log_at = -math.inf
+
+    # --- life ----------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self.slots = HeaderSlots()
+        await self.pool.register(self.slots.address, self.slots.nbytes)
+        self.pool.start()  # set up in the background: a master down only delays the pool
+
+    async def stop(self) -> None:
+        for task in list(self._background):
+            task.cancel()
+        await asyncio.gather(*self._background, return_exceptions=True)
+        await self.pool.close()
+
+    def key(self, namespace: str, oid) -> str:
+        return pool_key(self.config.key_prefix, namespace, oid)
+
+    async def _register_arena(self, ns) -> None:
+        """The namespace's whole arena, registered once: payloads move straight from and into it."""
+        if ns.name not in self._registered:
+            address, array = address_of(ns.arena.view(Extent(0, ns.arena.capacity_bytes)))
+            del array  # the arena's mapping stays put until the daemon closes it, after stop()
+            self._registered[ns.name] = address
+            await self.pool.register(address, ns.arena.capacity_bytes)
+
+    # --- reads -------------------------------------------------------------------------
+
+    async def _metas(self, namespace: str, ids: list) -> list[RemoteMeta | None]:
+        """The verified header of each id the pool holds (None: not held, or a bad header)."""
+        found: list[RemoteMeta | None] = [None] * len(ids)
+        for start in range(0, len(ids), MAX_POOL_BATCH):
+            part = list(range(start, min(start + MAX_POOL_BATCH, len(ids))))
+            if not self.pool.usable():
+                break
+            keys = [self.key(namespace, ids[i]) for i in part]
+            held = [i for i, code in zip(part, await self.pool.exist(keys)) if code == 1]
+            if not held or not self.pool.usable():
+                continue
+            slots = await self.slots.take(len(held))
+            try:
+                got = await self.pool.read_ranges(self.slots.address, [self.key(namespace, ids[i]) for i in held],
+                                                  [self.slots.offset(s) for s in slots], [0] * len(held),
+                                                  [HEADER_BYTES] * len(held))
+                for i, slot, n in zip(held, slots, got):
+                    if n != HEADER_BYTES:
+                        continue  # gone meanwhile, or shorter than a header
+                    try:
+                        found[i] = decode_header(self.slots.view(slot), namespace, ids[i])
+                    except PoolHeaderError as exc:
+                        self.read.num_header_failures += 1
+                        log.warning("event=pool_bad_header namespace=%s id=%s error=%r", namespace, ids[i],
+                                    exc.message)
+            finally:
+                await self.slots.give(slots)
+        return found
+
+    async def lookup_remote(self, namespace: str, ids) -> list[RemoteMeta | None]:
+        """What the pool holds of `ids` (ObjectIds, or raw digests off the local protocol)."""
+        self.read.num_lookups += 1
+        ids = [i if isinstance(i, ObjectId) else ObjectId(bytes(i)) for i in ids]
+        metas = await self._metas(namespace, ids)
+        for oid, meta in zip(ids, metas):
+            if meta is None:
+                self.manager.events.removed(namespace, oid, MEDIUM_PEER)
+        return metas
+
+    async def fetch(self, namespace: str, object_id) -> ObjectEntry | None:
+        """A local miss: the object from the pool into the host tier, verified, published."""
+        self.read.num_gets += 1
+        entry = await self._fetch(namespace, object_id)
+        if entry is None:
+            self.read.num_misses += 1
+        return entry
+
+    async def _fetch(self, namespace: str, object_id) -> ObjectEntry | None:
+        if not self.pool.up:
+            self.pool.usable()  # counts the skip
+            return None
+        ns = await self.manager.open_namespace(namespace)
+        meta = (await self._metas(namespace, [object_id]))[0]
+        if meta is None:
+            self.manager.events.removed(namespace, object_id, MEDIUM_PEER)
+            return None
+        try:
+            extent = await self.manager.allocate(ns, meta.size)
+        except CapacityError:
+            return None
+        self.manager.track_transient(ns, extent, add=True)
+        ok, start = False, time.perf_counter()
+        try:
+            await self._register_arena(ns)
+            view = ns.arena.view(extent)[:meta.size]
+            address, array = address_of(view)
+            if self.pool.usable():
+                got = await self.pool.read_ranges(address, [self.key(namespace, object_id)], [0], [HEADER_BYTES],
+                                                  [meta.size])
+                ok = got[0] == meta.size and xxhash.xxh3_128_digest(view) == meta.checksum
+                if got[0] == meta.size and not ok:
+                    self.read.num_checksum_failures += 1
+                    log.warning("event=pool_checksum_mismatch namespace=%s id=%s", namespace, object_id)
+            del array, view
+        finally:
+            if not ok or object_id in ns.objects:  # a miss, or a local put landed meanwhile
+                self.manager.track_transient(ns, extent, add=False)
+                ns.arena.free(extent)
+        if not ok:
+            return None
+        if object_id in ns.objects:
+            return ns.objects[object_id]
+        self.read.num_hits += 1
+        self.read.bytes_in += meta.size
+        seconds = max(time.perf_counter() - start, 1e-6)
+        self.bandwidth_bytes_s = 0.8 * self.bandwidth_bytes_s + 0.2 * meta.size / seconds
+        self.manager.track_transient(ns, extent, add=False)
+        self._held.add((namespace, object_id.digest))
+        return self.manager.publish(ns, object_id, extent, meta.size, meta.checksum, meta.descriptor, meta.hints)
+
+    async def get_ranges(self, owner, namespace: str, object_id, accept, ranges: tuple, expect=None):
+        """A sparse reader's local miss: the pool cannot check a part of an object against the
+        whole object's checksum, so the whole object is fetched and verified, then the ranges
+        are served from the host tier."""
+        entry = await self.fetch(namespace, object_id)
+        ns = self.manager.namespaces[namespace]
+        if entry is None:
+            ns.counters.num_misses += 1
+            return MISS
+        ns.counters.num_gets -= 1  # the get below counts this same request again
+        return await resolve(self.manager.get(owner, namespace, object_id, accept, ranges, expect))
+
+    # --- writes --------------------------------------------------------------------------
+
+    async def _put(self, namespace: str, items: list[tuple]) -> list[bool]:
+        """Put (object id, RemoteMeta, buffer) items of one namespace; per item whether the pool
+        holds it now. The buffers must stay valid until this returns."""
+        done = [False] * len(items)
+        for start in range(0, len(items), MAX_POOL_BATCH):
+            part = list(range(start, min(start + MAX_POOL_BATCH, len(items))))
+            if not self.pool.usable():
+                break
+            slots = await self.slots.take(len(part))
+            keep, keys, parts, sizes, indices = [], [], [], [], []
+            try:
+                for i, slot in zip(part, slots):
+                    oid, meta, buffer = items[i]
+                    try:
+                        header = encode_header(oid, meta)
+                    except ValueError as exc:
+                        log.warning("event=pool_put_refused namespace=%s id=%s error=%r", namespace, oid, str(exc))
+                        continue
+                    self.slots.view(slot)[:] = header
+                    address, array = address_of(buffer)
+                    keep.append(array)
+                    keys.append(self.key(namespace, oid))
+                    parts.append([self.slots.address + self.slots.offset(slot)] + ([address] if meta.size else []))
+                    sizes.append([HEADER_BYTES] + ([meta.size] if meta.size else []))
+                    indices.append(i)
+                if keys:
+                    for i, code in zip(indices, await self.pool.put_from(keys, parts, sizes)):
+                        done[i] = code == 0
+                        if code == 0:
+                            self.read.bytes_out += items[i][1].size
+            finally:
+                del keep
+                await self.slots.give(slots)
+        self.write.num_put_failures += done.count(False)
+        return done
+
+    @contextlib.asynccontextmanager
+    async def _sending(self, namespace: str, oid):
+        """Around a put of one object: a delete waits for it, or the put would land after."""
+        key = (namespace, oid.digest)
+        future = asyncio.get_running_loop().create_future()
+        previous = self._in_flight.get(key)
+        self._in_flight[key] = future
+        try:
+            yield
+        finally:
+            future.set_result(None)
+            if self._in_flight.get(key) is future:
+                if previous is not None and not previous.done():
+                    self._in_flight[key] = previous
+                else:
+                    del self._in_flight[key]
+
+    async def _put_entries(self, entries: list[ObjectEntry]) -> list[bool]:
+        """Put host entries (held in place meanwhile); per entry whether the pool holds it."""
+        results = [False] * len(entries)
+        by_ns: dict[str, list[int]] = {}
+        for i, entry in enumerate(entries):
+            ns = self.manager.namespaces.get(entry.namespace)
+            if ns is not None and ns.objects.get(entry.object_id) is entry:  # not deleted or evicted
+                by_ns.setdefault(entry.namespace, []).append(i)
+        for name, indices in by_ns.items():
+            with contextlib.ExitStack() as stack:
+                items = []
+                for i in indices:
+                    e = entries[i]
+                    view = stack.enter_context(self.manager.held_view(e))
+                    items.append((e.object_id, RemoteMeta(e.size, e.checksum, e.descriptor, e.hints), view))
+                async with contextlib.AsyncExitStack() as sends:
+                    for i in indices:
+                        await sends.enter_async_context(self._sending(name, entries[i].object_id))
+                    await self._register_arena(self.manager.namespaces[name])
+                    done = await self._put(name, items)
+                del items
+            for i, ok in zip(indices, done):
+                results[i] = ok
+                if ok:
+                    self._stored(name, entries[i].object_id, entries[i].descriptor, entries[i].hints)
+        return results
+
+    def _stored(self, namespace: str, oid, descriptor, hints) -> None:
+        self._held.add((namespace, oid.digest))
+        self.manager.events.stored(namespace, oid, MEDIUM_PEER, descriptor, hints)
+
+    def on_commit(self, entry: ObjectEntry) -> None:
+        """A local put committed: under write_through, put it into the pool in the background."""
+        if self.config.remote_write == "write_through" and self.pool.up:
+            task = asyncio.get_running_loop().create_task(self._replicate(entry))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+
+    async def _replicate(self, entry: ObjectEntry) -> None:
+        if (await self._put_entries([entry]))[0]:
+            self.write.num_replicated += 1
+
+    def must_send(self, namespace: str, object_id) -> bool:
+        """Would this object be lost to the pool if it left this node now?"""
+        return (namespace, object_id.digest) not in self._held
+
+    def forget(self, namespace: str, object_id) -> None:
+        """The object left this node (evicted from its last tier, or deleted)."""
+        self._held.discard((namespace, object_id.digest))
+
+    async def demote(self, entries: list[ObjectEntry]) -> None:
+        """Host entries about to leave this node: put those the pool may lack. A failure is
+        counted and logged, and the entry leaves anyway (as a cache eviction always could)."""
+        sends = [e for e in entries if self.must_send(e.namespace, e.object_id)]
+        if sends:
+            self._count_demotions(sends, await self._put_entries(sends))
+
+    async def demote_from_nvme(self, namespace: str, keys) -> None:
+        """NVMe objects (ObjectIds) about to be evicted: read, verify and put those the pool may lack."""
+        oids = [oid for oid in keys if self.must_send(namespace, oid)]
+        results: list = []
+        for oid in oids:
+            async with self._sending(namespace, oid):
+                copy = await self.manager.mover.read_copy(namespace, oid)
+                if copy is None:
+                    results.append(None)  # gone, or failed its check (counted by the NVMe tier)
+                    continue
+                meta, data = copy
+                address = data.ctypes.data
+                await self.pool.register(address, max(data.nbytes, 1))
+                try:
+                    ok = (await self._put(namespace, [(oid, meta, data)]))[0]
+                finally:
+                    await self.pool.unregister(address)
+                if ok:
+                    self._stored(namespace, oid, meta.descriptor, meta.hints)
+                results.append(ok)
+        self._count_demotions(oids, results)
+
+    def _count_demotions(self, items, results) -> None:
+        failed = []
+        for item, ok in zip(items, results):
+            if ok is None:
+                continue
+            if ok:
+                self.write.num_demoted_remote += 1
+            else:
+                self.write.num_demotion_failures += 1
+                failed.append(getattr(item, "object_id", item))
+        now = time.monotonic()  # with the pool down or full every eviction fails alike: one line a second
+        if failed and now - self._demotion_log_at >= 1.0:
+            self._demotion_log_at = now
+            log.warning("event=pool_demotion_failed objects=%d first=%s total=%d pool_up=%s full=%d", len(failed),
+                        failed[0], self.write.num_demotion_failures, self.pool.up, self.pool.counters.num_pool_full)
+
+    def put_remote(self, entry: ObjectEntry):  # never called: the manager refuses tier="remote" (remote is None)
+        raise NotImplementedError
+
+    # --- deletes and pins ------------------------------------------------------------------
+
+    def delete_everywhere(self, namespace: str, ids, found):
+        return self._delete(namespace, ids, found)
+
+    async def _delete(self, namespace: str, ids, found) -> int:
+        """After this node's delete (`found`: per id, or an awaitable of it), the pool's keys.
+        Puts of these ids still in flight from here end first, so none lands after it."""
+        found = list(await resolve(found))
+        pending = [f for oid in ids if (f := self._in_flight.get((namespace, oid.digest))) is not None]
+        if pending:
+            await asyncio.wait(pending)
+        for oid in ids:
+            self.forget(namespace, oid)
+        self.read.num_deletes += 1
+        removed = [False] * len(ids)
+        for start in range(0, len(ids), MAX_POOL_BATCH):
+            if not self.pool.usable():
+                break
+            part = ids[start:start + MAX_POOL_BATCH]
+            codes = await self.pool.remove([self.key(namespace, oid) for oid in part])
+            for i, code in enumerate(codes):
+                removed[start + i] = code == 0
+        for oid in ids:
+            self.manager.events.removed(namespace, oid, MEDIUM_PEER)
+        return sum(a or b for a, b in zip(found, removed))
+
+    def pin_everywhere(self, namespace: str, ids, ttl_s, unpin: bool, here: list[bool]) -> int:
+        """Pins stay on this node (Mooncake soft pins are not mapped yet)."""
+        return sum(here)
+
+    def stats(self) -> dict:
+        return {"backend": "mooncake", "pool": self.pool.stats(), "remote": asdict(self.read),
+                **asdict(self.write), "remote_write": self.config.remote_write}
