@@ -45,15 +45,14 @@ def _toml_value(value) -> str:
     return json.dumps(value)  # JSON scalars are valid TOML for str, int, float and bool
 
 
-def _config_text(config: dict) -> str:
-    """Render {key: scalar, section: {key: scalar}} as TOML; top-level keys come first."""
-    top = [f"{k} = {_toml_value(v)}" for k, v in config.items() if not isinstance(v, dict)]
-    tables = []
+def _config_text(config: dict, prefix: str = "") -> str:
+    """Render {key: scalar, section: {key: scalar, subsection: {...}}} as TOML; a table's
+    scalars come before its subtables."""
+    lines = [f"{k} = {_toml_value(v)}" for k, v in config.items() if not isinstance(v, dict)]
     for name, table in config.items():
         if isinstance(table, dict):
-            tables.append(f"[{name}]")
-            tables += [f"{k} = {_toml_value(v)}" for k, v in table.items()]
-    return "\n".join(top + tables) + "\n"
+            lines += [f"[{prefix}{name}]", _config_text(table, f"{prefix}{name}.").rstrip("\n")]
+    return "\n".join(line for line in lines if line) + "\n"
 
 
 @pytest.fixture

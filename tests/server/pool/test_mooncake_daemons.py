@@ -1,0 +1,237 @@
+"""kvstore daemons sharing one Mooncake Store pool (`[remote] backend = "mooncake"`): a real
+mooncake_master on loopback (TCP, P2PHANDSHAKE), a keeper process lending the pool its
+memory, and real daemons. State crosses nodes only as verified pool values."""
+
+import tempfile
+
+import numpy as np
+import pytest
+
+from kvstore.identity import ObjectId
+from kvstore.pool_header import HEADER_BYTES, pool_key
+from server.admin.client import AdminClient
+from kvs_testing import payload, wait_for
+from mooncake_helpers import Keeper, Master, mooncake_or_skip, pool_config
+
+PREFIX = "kvstore/"
+
+
+@pytest.fixture
+def master():
+    exe = mooncake_or_skip()
+    with tempfile.TemporaryDirectory(prefix="mc-") as workdir:
+        m = Master(exe, workdir).start()
+        yield m
+        m.kill()
+
+
+@pytest.fixture
+def keeper(master):
+    k = Keeper(master)
+    yield k
+    k.stop()
+
+
+def oids(first: int, n: int) -> list[ObjectId]:
+    return [ObjectId(bytes([first + i]) * 32) for i in range(n)]
+
+
+def pool_stats(client) -> dict:
+    return client.stats()["tiers"]["remote"]
+
+
+def pool_up(*clients) -> None:
+    """Wait until each daemon's Mooncake client is set up (it connects in the background:
+    a commit made before then is not copied to the pool; it goes when it leaves the node)."""
+    assert wait_for(lambda: all(pool_stats(c)["pool"]["up"] for c in clients), timeout=60)
+
+
+def test_put_on_a_read_on_c_bit_exact(master, keeper, daemon_factory):
+    a, b, c = (daemon_factory("32MiB", config=pool_config(master)) for _ in range(3))
+    keys = oids(1, 8)
+    sizes = [100_000 + 4096 * i + i for i in range(8)]
+    with a.client() as ca, c.client() as cc, b.client() as cb:
+        pool_up(ca, cb, cc)
+        for i, key in enumerate(keys):
+            ca.put(key, payload(sizes[i], i))
+        # write_through: each commit goes into the pool in the background
+        assert wait_for(lambda: pool_stats(ca)["num_replicated"] == 8)
+        assert keeper.exist([pool_key(PREFIX, "default", k) for k in keys]) == [1] * 8
+        assert cc.lookup(keys).tiers == ("remote",) * 8
+        for i, key in enumerate(keys):
+            out = np.empty(sizes[i], np.uint8)
+            assert cc.get_into(key, out) == sizes[i]
+            assert np.array_equal(out, payload(sizes[i], i)), f"object {i}"
+        assert cc.lookup(keys).tiers == ("host",) * 8  # promoted, verified
+        with cb.get(keys[3], ranges=[(4096, 100)]) as lease:  # a ranged read fetches the whole object
+            assert bytes(lease.read(4096, 100)) == payload(sizes[3], 3)[4096:4196].tobytes()
+        remote = pool_stats(cc)["remote"]
+        assert remote["num_hits"] == 8 and remote["num_checksum_failures"] == 0
+        assert pool_stats(cc)["pool"]["up"] is True
+        # the pool value is kvstore's header, then the payload
+        value = keeper.get(pool_key(PREFIX, "default", keys[0]))
+        assert len(value) == HEADER_BYTES + sizes[0] and value[HEADER_BYTES:] == payload(sizes[0], 0).tobytes()
+        for client in (ca, cb, cc):
+            client.check_integrity()
+    api = AdminClient.from_data_dir(c.data_dir)  # the pool's counters under the peer tier's names
+    metrics = api.request("GET", "/metrics", raw=True)
+    assert "kvstore_remote_hits_total 8.0" in metrics and "kvstore_remote_checksum_failures_total 0.0" in metrics
+    assert [n["node_id"] for n in api.get("/v1/cluster")["nodes"]]  # one node: a pool has no members
+
+
+def test_restarted_daemon_finds_the_pools_objects(master, keeper, daemon_factory):
+    a = daemon_factory("32MiB", config=pool_config(master))
+    keys = oids(20, 5)
+    with a.client() as ca:
+        pool_up(ca)
+        for i, key in enumerate(keys):
+            ca.put(key, payload(70_000 + i, i))
+        assert wait_for(lambda: pool_stats(ca)["num_replicated"] == 5)
+    assert a.stop() == 0
+    a.start("32MiB")  # no NVMe: its host tier starts empty
+    with a.client() as ca:
+        pool_up(ca)
+        assert ca.lookup(keys).tiers == ("remote",) * 5
+        for i, key in enumerate(keys):
+            out = np.empty(70_000 + i, np.uint8)
+            assert ca.get_into(key, out) == out.size and np.array_equal(out, payload(70_000 + i, i))
+
+
+def test_object_corrupted_in_the_pool_is_a_counted_miss(master, keeper, daemon_factory):
+    a, c = (daemon_factory("32MiB", config=pool_config(master)) for _ in range(2))
+    flipped, moved, good = oids(40, 3)
+    with a.client() as ca:
+        pool_up(ca)
+        for i, key in enumerate((flipped, moved, good)):
+            ca.put(key, payload(50_000, i))
+        assert wait_for(lambda: pool_stats(ca)["num_replicated"] == 3)
+    # Written with Mooncake's own client: one payload byte flipped under its valid header,
+    # and another object's whole value (a valid header naming that object) under `moved`.
+    key = pool_key(PREFIX, "default", flipped)
+    value = bytearray(keeper.get(key))
+    value[HEADER_BYTES + 1234] ^= 0x01
+    assert keeper.remove(key) == 0 and keeper.put(key, bytes(value)) == 0
+    key = pool_key(PREFIX, "default", moved)
+    other = keeper.get(pool_key(PREFIX, "default", good))
+    assert keeper.remove(key) == 0 and keeper.put(key, other) == 0
+    with c.client() as cc:
+        pool_up(cc)
+        assert cc.get(flipped) is None
+        assert cc.lookup([moved]).tiers == (None,)  # its header names another object
+        assert cc.get(moved) is None
+        out = np.empty(50_000, np.uint8)
+        assert cc.get_into(good, out) == 50_000 and np.array_equal(out, payload(50_000, 2))
+        remote = pool_stats(cc)["remote"]
+        assert remote["num_checksum_failures"] == 1 and remote["num_header_failures"] >= 2
+        assert remote["num_hits"] == 1 and remote["num_misses"] == 2
+        assert cc.lookup([flipped, moved]).tiers[1] is None
+        cc.check_integrity()
+
+
+def test_another_namespaces_objects_are_invisible(master, keeper, daemon_factory):
+    config = {**pool_config(master), "host": {"namespaces": ["tenant-a", "tenant-b"]}}
+    a, c = daemon_factory("32MiB", config=config), daemon_factory("32MiB", config=config)
+    keys = oids(60, 3)
+    with a.client(namespace="tenant-a") as ca:
+        pool_up(ca)
+        for i, key in enumerate(keys):
+            ca.put(key, payload(20_000, i))
+        assert wait_for(lambda: pool_stats(ca)["num_replicated"] == 3)
+    assert keeper.exist([pool_key(PREFIX, "tenant-a", k) for k in keys]) == [1] * 3
+    with c.client(namespace="tenant-b") as cb:
+        pool_up(cb)
+        assert cb.lookup(keys).tiers == (None,) * 3
+        assert all(cb.get(key) is None for key in keys)
+    with c.client(namespace="tenant-a") as ca:
+        assert ca.lookup(keys).tiers == ("remote",) * 3
+
+
+def test_master_sigkill_is_misses_and_local_tiers_keep_serving(master, keeper, daemon_factory):
+    a, c = (daemon_factory("32MiB", config=pool_config(master)) for _ in range(2))
+    keys = oids(80, 6)
+    with a.client() as ca, c.client(timeout_s=60) as cc:
+        pool_up(ca, cc)
+        for i, key in enumerate(keys):
+            ca.put(key, payload(30_000, i))
+        assert wait_for(lambda: pool_stats(ca)["num_replicated"] == 6)
+        out = np.empty(30_000, np.uint8)
+        assert cc.get_into(keys[0], out) == 30_000  # c holds this one now
+        master.kill()
+        # c's misses are misses, not errors (the first call waits for Mooncake's own RPC timeout)
+        assert all(cc.get(key) is None for key in keys[1:])
+        assert cc.lookup(keys[1:]).tiers == (None,) * 5
+        stats = pool_stats(cc)
+        assert stats["pool"]["up"] is False and stats["pool"]["num_pool_failures"] >= 1
+        assert cc.get_into(keys[0], out) == 30_000 and np.array_equal(out, payload(30_000, 0))
+        for i, key in enumerate(keys):  # a's local tiers are intact
+            assert ca.get_into(key, out) == 30_000 and np.array_equal(out, payload(30_000, i))
+        new = ObjectId(b"\x99" * 32)
+        ca.put(new, payload(30_000, 9))  # the put succeeds locally; its copy to the pool fails
+        assert wait_for(lambda: pool_stats(ca)["num_put_failures"] >= 1 or pool_stats(ca)["pool"]["up"] is False)
+        # The master comes back (empty: it kept its metadata in memory); the keeper mounts
+        # its segment again, and the daemons' probes find it.
+        master.start()
+        assert wait_for(lambda: pool_stats(cc)["pool"]["up"] and pool_stats(ca)["pool"]["up"], timeout=60)
+        # Until the keeper has mounted its memory again the pool has no room (a put then
+        # fails, counted as pool full): wait for Mooncake's own client to store something.
+        assert wait_for(lambda: keeper.put("probe/after-restart", b"x" * 4096) == 0, timeout=60)
+        later = ObjectId(b"\x98" * 32)
+        ca.put(later, payload(30_000, 8))
+        assert wait_for(lambda: cc.lookup([later]).tiers == ("remote",), timeout=30)
+        assert cc.get_into(later, out) == 30_000 and np.array_equal(out, payload(30_000, 8))
+        ca.check_integrity()
+        cc.check_integrity()
+
+
+def test_full_pool_fails_demotions_counted_and_objects_stay_on_nvme(master, keeper, daemon_factory):
+    assert keeper.fill() > 0  # hard-pinned: the pool can evict none of it
+    config = {**pool_config(master), "nvme": {"enabled": True, "capacity_bytes": "64MiB", "file_bytes": "16MiB",
+                                              "admit_min_hits": 0}}
+    a = daemon_factory("4MiB", config=config)
+    keys = oids(120, 12)
+    with a.client() as ca:
+        pool_up(ca)
+        for i, key in enumerate(keys):  # 6 MiB through a 4 MiB arena: the host tier evicts to NVMe
+            ca.put(key, payload(512 * 1024, i))
+        assert wait_for(lambda: pool_stats(ca)["num_put_failures"] == 12)
+        stats = pool_stats(ca)
+        assert stats["num_replicated"] == 0 and stats["pool"]["num_pool_full"] >= 1 and stats["pool"]["up"]
+        assert ca.stats()["tiers"]["nvme"]["objects"] >= 4
+        out = np.empty(512 * 1024, np.uint8)
+        for i, key in enumerate(keys):
+            assert ca.get_into(key, out) == out.size and np.array_equal(out, payload(512 * 1024, i))
+        ca.check_integrity()
+    # write_back and no NVMe: host victims are demoted to the pool as they leave; it takes none.
+    b = daemon_factory("4MiB", config=pool_config(master, remote_write="write_back"))
+    with b.client() as cb:
+        pool_up(cb)
+        for i, key in enumerate(keys):
+            cb.put(key, payload(512 * 1024, i))
+        stats = pool_stats(cb)
+        assert stats["num_demotion_failures"] >= 4 and stats["num_demoted_remote"] == 0
+        assert stats["num_demotion_failures"] == stats["num_put_failures"]
+        cb.check_integrity()
+
+
+def test_master_down_at_start_daemon_serves_locally_then_joins(daemon_factory, tmp_path):
+    exe = mooncake_or_skip()
+    master = Master(exe, str(tmp_path))  # not started yet
+    a = daemon_factory("32MiB", config=pool_config(master))
+    with a.client() as ca:
+        key = ObjectId(b"\x42" * 32)
+        ca.put(key, payload(10_000, 1))
+        out = np.empty(10_000, np.uint8)
+        assert ca.get_into(key, out) == 10_000 and np.array_equal(out, payload(10_000, 1))
+        assert ca.get(ObjectId(b"\x43" * 32)) is None  # a miss, not an error
+        stats = pool_stats(ca)
+        assert stats["pool"]["up"] is False and stats["pool"]["last_error"]
+        master.start()
+        keeper = Keeper(master)
+        try:
+            assert wait_for(lambda: pool_stats(ca)["pool"]["up"], timeout=60)
+            later = ObjectId(b"\x44" * 32)
+            ca.put(later, payload(10_000, 2))
+            assert wait_for(lambda: keeper.exist([pool_key(PREFIX, "default", later)]) == [1])
+        finally:
+            keeper.stop()
+            master.kill()
