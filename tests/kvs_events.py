@@ -36,9 +36,11 @@ class EventSubscriber:
     received: (seq, payload bytes) of the batches in arrival order; heartbeats: those of the
     heartbeats (empty batches repeating a number: `[events] heartbeat_s`); frames: both."""
 
-    def __init__(self, daemon, namespace: str, prefix: str = "kvstore.", rcvhwm: int | None = None):
+    def __init__(self, daemon, namespace: str, prefix: str = "kvstore.", rcvhwm: int | None = None,
+                 at: tuple[str, str] | None = None):
+        """at: (PUB, replay) endpoints other than the daemon's default ones."""
         self.topic = topic_of(prefix, namespace)
-        pub, replay = endpoints(daemon)
+        pub, replay = at or endpoints(daemon)
         self.ctx = zmq.Context()
         self.sub = self.ctx.socket(zmq.SUB)
         if rcvhwm is not None:

@@ -76,11 +76,15 @@ class EventsError(KVStoreError):
 class ZmqPublisher:
     """Made by the daemon with its EventStream; `start()` binds at the daemon's start."""
 
-    def __init__(self, config: EventsConfig, rings: dict):
+    def __init__(self, config: EventsConfig, rings: dict, namespace: str | None = None):
         """rings: topic -> server.events.stream.Ring, the batches a replay may send (the
-        stream adds rings while the thread reads them)."""
+        stream adds rings while the thread reads them): those of this publisher's namespaces
+        only. namespace: the one namespace of endpoints of its own (`[events.namespaces.<name>]`,
+        config.own_endpoints), which vLLM's replay form replays; None: the shared endpoints."""
         self.config = config
         self.rings = rings
+        self.namespace = namespace
+        self._key = "events" if namespace is None else f"events.namespaces.{namespace}"
         self.wire = Wire.of(config)  # how events are written (int hashes, ownership)
         # (topic, batch), or None to stop. A deque: append and popleft are atomic, and the
         # put path takes no lock (queue.Queue takes one and notifies a condition per put).
@@ -88,7 +92,7 @@ class ZmqPublisher:
         self._ctx: zmq.Context | None = None
         self._wake: zmq.Socket | None = None  # the event loop's end of the wake-up pair
         self._thread: threading.Thread | None = None
-        self._vllm_topic = topic_of(config.topic, VLLM_REPLAY_NAMESPACE)
+        self._vllm_topic = topic_of(config.topic, namespace or VLLM_REPLAY_NAMESPACE)
         self._ask_snapshot: Callable[[bytes, bytes], None] | None = None
         self._snapshots_queued = self._snapshots_taken = 0  # written by the loop and the thread, one each
         self.num_sent_batches = 0  # written by the thread only
@@ -105,10 +109,10 @@ class ZmqPublisher:
         offer_snapshot. None: snapshot requests go unanswered."""
         self._ask_snapshot = ask_snapshot
         self._ctx = zmq.Context()
-        pub = self._bind(zmq.PUB, self.config.endpoint, "events.endpoint", self.config.hwm)
+        pub = self._bind(zmq.PUB, self.config.endpoint, f"{self._key}.endpoint", self.config.hwm)
         # A full replay plus its end marker must fit in the ROUTER's queue for a slow reader
         # (vLLM's sizing: ZMQ acknowledges reads only every HWM/2 messages).
-        router = self._bind(zmq.ROUTER, self.config.replay_endpoint, "events.replay_endpoint",
+        router = self._bind(zmq.ROUTER, self.config.replay_endpoint, f"{self._key}.replay_endpoint",
                             2 * (self.config.buffer_batches + 1), close_first=pub)
         # A reader's full queue or a reader gone refuses the send (zmq.Again, EHOSTUNREACH)
         # instead of dropping it unseen: a snapshot's frames carry no number of their own, so

@@ -24,6 +24,7 @@ calls them on the event loop thread only. `NoEvents` stands in when `[events]` i
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -133,17 +134,22 @@ class EventStream:
 
     def __init__(self, config: EventsConfig, make_publisher):
         """config: the `[events]` table with its endpoints filled in (EventsConfig.under).
-        make_publisher(config, rings): the sender (server.events.publisher.ZmqPublisher), which
-        replays from `rings` (topic -> Ring); it has `start()`, `offer(ring, batch) -> bool`,
-        `close()` and `stats()`."""
+        make_publisher(config, rings[, namespace=name]): a sender (server.events.publisher.
+        ZmqPublisher), which replays from `rings` (topic -> Ring); it has `start()`,
+        `offer(ring, batch) -> bool`, its heartbeat and snapshot forms, `close()` and
+        `stats()`. One for the shared endpoints, and one per namespace with endpoints of its
+        own (`[events.namespaces.<name>]`), made with that namespace's name: each sees only
+        its own namespaces' rings, so neither its replays nor its snapshots show another's."""
         self.config = config
-        self.rings: dict[bytes, Ring] = {}
+        self.rings: dict[bytes, Ring] = {}  # every namespace's (the publishers' rings are parts of it)
         self._by_namespace: dict[str, Ring] = {}
         self._pending: dict[str, list[tuple]] = {}
         self._flush_scheduled = False
         self.counters = StreamCounters()
         self.holdings = Holdings()  # what was published as held: removals and snapshots name it
-        self.publisher = make_publisher(config, self.rings)
+        self.publisher = make_publisher(config, {})  # the shared endpoints
+        self._own = {name: make_publisher(config.own_endpoints(name), {}, namespace=name)
+                     for name in config.namespaces}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._heartbeat_timer: asyncio.TimerHandle | None = None
         self._waiting: list[tuple[bytes, bytes]] | None = None  # snapshots asked while restoring
@@ -155,7 +161,8 @@ class EventStream:
             self._loop = asyncio.get_running_loop()
         except RuntimeError:
             self._loop = None
-        self.publisher.start(self._snapshot_asked if self._loop is not None else None)
+        for publisher in self._publishers():
+            publisher.start(functools.partial(self._snapshot_asked, publisher) if self._loop is not None else None)
         if self._loop is not None and self.config.heartbeat_s > 0:
             self._heartbeat_timer = self._loop.call_later(self.config.heartbeat_s, self._heartbeat)
 
@@ -204,38 +211,47 @@ class EventStream:
     def restored(self) -> None:
         """The holdings are whole: the snapshots that waited are taken now."""
         waiting, self._waiting = self._waiting or [], None
-        for client, topic in waiting:
-            self._snapshot(client, topic)
+        for publisher, client, topic in waiting:
+            self._snapshot(publisher, client, topic)
 
     # --- snapshots and heartbeats ---------------------------------------------------------
 
-    def _snapshot_asked(self, client: bytes, topic: bytes) -> None:
-        """A router asked for a snapshot (publisher thread): taken on the loop."""
+    def _snapshot_asked(self, publisher, client: bytes, topic: bytes) -> None:
+        """A router asked `publisher` for a snapshot (its thread): taken on the loop."""
         try:
-            self._loop.call_soon_threadsafe(self._snapshot, client, topic)
+            self._loop.call_soon_threadsafe(self._snapshot, publisher, client, topic)
         except RuntimeError:  # the loop is closed: the daemon is stopping
             pass
 
-    def _snapshot(self, client: bytes, topic: bytes) -> None:
+    def _snapshot(self, publisher, client: bytes, topic: bytes) -> None:
         """Take the namespace's snapshot at a batch boundary and offer it to the thread, which
-        builds and encodes its batches. Event loop thread."""
+        builds and encodes its batches. A namespace another publisher serves is answered as
+        one that holds nothing. Event loop thread."""
         if self._waiting is not None:
-            self._waiting.append((client, topic))
+            self._waiting.append((publisher, client, topic))
             return
         self.flush()  # what was reported is numbered now: the snapshot's number is exact
         namespace = namespace_of(self.config.topic, topic)
+        if namespace is not None and self._publisher_of(namespace) is not publisher:
+            namespace = None
         ring = self._by_namespace.get(namespace) if namespace is not None else None
         items = self.holdings.items(namespace) if namespace is not None else []
         snapshot = Snapshot(client, topic, ring.next_seq - 1 if ring is not None else -1, time.time(), items)
-        if not self.publisher.offer_snapshot(snapshot):
+        if not publisher.offer_snapshot(snapshot):
             self.counters.num_refused_snapshots += 1
+
+    def _publisher_of(self, namespace: str):
+        return self._own.get(namespace, self.publisher)
+
+    def _publishers(self) -> list:
+        return [self.publisher, *self._own.values()]
 
     def _heartbeat(self) -> None:
         """Every heartbeat_s: each namespace that published repeats its last number. Queued
         behind that batch, so a heartbeat never names a number before its batch went."""
         ts = time.time()
-        for ring in self._by_namespace.values():
-            self.publisher.offer_heartbeat(ring.topic, ring.next_seq - 1, ts)
+        for name, ring in self._by_namespace.items():
+            self._publisher_of(name).offer_heartbeat(ring.topic, ring.next_seq - 1, ts)
         self._heartbeat_timer = self._loop.call_later(self.config.heartbeat_s, self._heartbeat)
 
     def _record(self, namespace: str, event: tuple) -> None:
@@ -261,7 +277,7 @@ class EventStream:
             batch = ring.append(ts, events)
             self.counters.num_batches += 1
             self.counters.num_events += len(events)
-            if not self.publisher.offer(ring, batch):
+            if not self._publisher_of(namespace).offer(ring, batch):
                 self.counters.num_dropped_batches += 1
 
     def _ring(self, namespace: str) -> Ring:
@@ -269,6 +285,7 @@ class EventStream:
         if ring is None:
             ring = Ring(topic_of(self.config.topic, namespace), self.config.buffer_batches)
             self._by_namespace[namespace] = self.rings[ring.topic] = ring
+            self._publisher_of(namespace).rings[ring.topic] = ring
         return ring
 
     def namespaces(self) -> list[str]:
@@ -281,7 +298,8 @@ class EventStream:
             self._heartbeat_timer.cancel()
             self._heartbeat_timer = None
         self.flush()
-        self.publisher.close()
+        for publisher in self._publishers():
+            publisher.close()
 
     def stats(self) -> dict:
         doc = {"namespaces": {name: {"topic": ring.topic.decode(errors="replace"), "next_seq": ring.next_seq}
@@ -291,4 +309,7 @@ class EventStream:
                "pending_events": sum(map(len, self._pending.values())), "held_objects": self.holdings.count()}
         doc.update({k: getattr(self.counters, k) for k in self.counters.__slots__})
         doc.update(self.publisher.stats())
+        if self._own:
+            doc["own_endpoints"] = {name: {"endpoint": p.config.endpoint, "replay_endpoint": p.config.replay_endpoint,
+                                           **p.stats()} for name, p in self._own.items()}
         return doc

@@ -30,6 +30,7 @@ class RefusingPublisher:
 
     def __init__(self, refuse: set[int]):
         self.refuse, self.offered = refuse, []
+        self.rings = {}
 
     def offer(self, ring, batch) -> bool:
         if batch.seq in self.refuse:
