@@ -2,6 +2,7 @@
 mooncake_master on loopback (TCP, P2PHANDSHAKE), a keeper process lending the pool its
 memory, and real daemons. State crosses nodes only as verified pool values."""
 
+import signal
 import tempfile
 
 import numpy as np
@@ -40,6 +41,14 @@ def pool_stats(client) -> dict:
     return client.stats()["tiers"]["remote"]
 
 
+def put_into_pool(client, keys, sizes) -> None:
+    """Put payload(sizes[i], i) under each key and wait until the pool holds them all
+    (write_through copies each commit there in the background)."""
+    for i, key in enumerate(keys):
+        client.put(key, payload(sizes[i], i))
+    assert wait_for(lambda: pool_stats(client)["num_replicated"] == len(keys))
+
+
 def pool_up(*clients) -> None:
     """Wait until each daemon's Mooncake client is set up (it connects in the background:
     a commit made before then is not copied to the pool; it goes when it leaves the node)."""
@@ -47,15 +56,13 @@ def pool_up(*clients) -> None:
 
 
 def test_put_on_a_read_on_c_bit_exact(master, keeper, daemon_factory):
-    a, b, c = (daemon_factory("32MiB", config=pool_config(master)) for _ in range(3))
+    a, c = (daemon_factory("32MiB", config=pool_config(master)) for _ in range(2))
+    b = daemon_factory("32MiB", config=pool_config(master, global_segment_bytes="16MiB"))  # lends memory too
     keys = oids(1, 8)
     sizes = [100_000 + 4096 * i + i for i in range(8)]
     with a.client() as ca, c.client() as cc, b.client() as cb:
         pool_up(ca, cb, cc)
-        for i, key in enumerate(keys):
-            ca.put(key, payload(sizes[i], i))
-        # write_through: each commit goes into the pool in the background
-        assert wait_for(lambda: pool_stats(ca)["num_replicated"] == 8)
+        put_into_pool(ca, keys, sizes)
         assert keeper.exist([pool_key(PREFIX, "default", k) for k in keys]) == [1] * 8
         assert cc.lookup(keys).tiers == ("remote",) * 8
         for i, key in enumerate(keys):
@@ -84,9 +91,7 @@ def test_restarted_daemon_finds_the_pools_objects(master, keeper, daemon_factory
     keys = oids(20, 5)
     with a.client() as ca:
         pool_up(ca)
-        for i, key in enumerate(keys):
-            ca.put(key, payload(70_000 + i, i))
-        assert wait_for(lambda: pool_stats(ca)["num_replicated"] == 5)
+        put_into_pool(ca, keys, [70_000 + i for i in range(5)])
     assert a.stop() == 0
     a.start("32MiB")  # no NVMe: its host tier starts empty
     with a.client() as ca:
@@ -102,9 +107,7 @@ def test_object_corrupted_in_the_pool_is_a_counted_miss(master, keeper, daemon_f
     flipped, moved, good = oids(40, 3)
     with a.client() as ca:
         pool_up(ca)
-        for i, key in enumerate((flipped, moved, good)):
-            ca.put(key, payload(50_000, i))
-        assert wait_for(lambda: pool_stats(ca)["num_replicated"] == 3)
+        put_into_pool(ca, [flipped, moved, good], [50_000] * 3)
     # Written with Mooncake's own client: one payload byte flipped under its valid header,
     # and another object's whole value (a valid header naming that object) under `moved`.
     key = pool_key(PREFIX, "default", flipped)
@@ -134,9 +137,7 @@ def test_another_namespaces_objects_are_invisible(master, keeper, daemon_factory
     keys = oids(60, 3)
     with a.client(namespace="tenant-a") as ca:
         pool_up(ca)
-        for i, key in enumerate(keys):
-            ca.put(key, payload(20_000, i))
-        assert wait_for(lambda: pool_stats(ca)["num_replicated"] == 3)
+        put_into_pool(ca, keys, [20_000] * 3)
     assert keeper.exist([pool_key(PREFIX, "tenant-a", k) for k in keys]) == [1] * 3
     with c.client(namespace="tenant-b") as cb:
         pool_up(cb)
@@ -151,9 +152,7 @@ def test_master_sigkill_is_misses_and_local_tiers_keep_serving(master, keeper, d
     keys = oids(80, 6)
     with a.client() as ca, c.client(timeout_s=60) as cc:
         pool_up(ca, cc)
-        for i, key in enumerate(keys):
-            ca.put(key, payload(30_000, i))
-        assert wait_for(lambda: pool_stats(ca)["num_replicated"] == 6)
+        put_into_pool(ca, keys, [30_000] * 6)
         out = np.empty(30_000, np.uint8)
         assert cc.get_into(keys[0], out) == 30_000  # c holds this one now
         master.kill()
@@ -235,3 +234,20 @@ def test_master_down_at_start_daemon_serves_locally_then_joins(daemon_factory, t
         finally:
             keeper.stop()
             master.kill()
+    assert a.stop() == 0  # a clean stop with the master gone: nothing waits for it
+
+
+def test_pool_memory_holder_sigkilled_is_misses_not_errors(master, keeper, daemon_factory):
+    a, c = (daemon_factory("32MiB", config=pool_config(master)) for _ in range(2))
+    keys = oids(140, 4)
+    with a.client() as ca, c.client(timeout_s=60) as cc:
+        pool_up(ca, cc)
+        put_into_pool(ca, keys, [40_000] * 4)
+        keeper.proc.send_signal(signal.SIGKILL)  # the only memory of the pool, and every copy in it
+        keeper.proc.wait()
+        assert all(cc.get(key) is None for key in keys)  # misses: no error, no hang
+        assert pool_stats(cc)["remote"]["num_hits"] == 0
+        out = np.empty(40_000, np.uint8)
+        for i, key in enumerate(keys):  # a's own copies are untouched
+            assert ca.get_into(key, out) == out.size and np.array_equal(out, payload(40_000, i))
+        cc.check_integrity()
