@@ -29,6 +29,18 @@ head slices it holds, each under the ids a rank of TP size tp_lcm_size gives its
 page_head) read each other's pages. Only the KV pool is split (as in SGLang's Mooncake
 backend): the extra pools of hybrid models stay per TP size. Needs `interface_v1`.
 
+KV events: every KV page object is put with a route naming the page as SGLang's own KV
+events do (mem_cache/events.py `KVCacheEventRecorder.record_store`): `hash_str_to_int64` of
+its page hash, the key SGLang passes (the first 16 hex digits as a signed 64-bit integer),
+block_size the page's tokens, and the page before it as parent (SGLang passes a call's keys
+as one chain after `prefix_keys`; a call's first page has none without them). No token ids: a
+storage backend is not given them. That is SGLang's event hash for a request without a
+namespace (no LoRA `extra_key`, no `cache_salt`); with one, SGLang's event chain is seeded
+and namespaced otherwise than its storage chain, from what a storage backend is never
+given (the tokens, the namespace), so those pages are named by the storage chain's hash
+and a router must match on that. The extra pools of hybrid models (Mamba, SWA, indexer)
+are put without one: SGLang's events name KV pages only.
+
 No connection is made in the constructor, and no data-path call raises: a daemon that is
 down, restarted, slow or full is a miss or a failed write (`adapters.common.SafeStore`), so
 SGLang recomputes. Extra config keys besides SGLang's own: `socket_path` (default
@@ -44,6 +56,7 @@ from __future__ import annotations
 
 import logging
 
+from kvstore.route import Route
 from adapters.common import SafeStore, StoreConfig, lazy_classes
 from adapters.sglang_pages import PagePlan, plan_for, sidecar_plan
 
@@ -57,6 +70,7 @@ def _build_classes(name: str) -> dict | None:
 
 def _build_class():
     from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, PoolName, PoolTransferResult
+    from sglang.srt.mem_cache.utils import hash_str_to_int64
 
     from adapters.sglang_v2 import SidecarPools
 
@@ -131,7 +145,8 @@ def _build_class():
 
         def batch_set_v1(self, keys, host_indices, extra_info=None) -> list[bool]:
             """Store each page's parts; per page, True when the store holds all of them."""
-            return self._guard("batch_set_v1", [False] * len(keys), self._set_pages, keys, host_indices)
+            return self._guard("batch_set_v1", [False] * len(keys), self._set_pages, keys, host_indices,
+                               getattr(extra_info, "prefix_keys", None))
 
         def batch_get_v1(self, keys, host_indices, extra_info=None) -> list[bool]:
             """Load pages into the host pool; SGLang uses the leading run of True, so the
@@ -150,12 +165,28 @@ def _build_class():
             views = self.plan.views(len(keys), *meta)
             return [(self.plan.part_ids(key), page) for key, page in zip(keys, views)]
 
-        def _set_pages(self, keys, host_indices):
+        def _routes(self, keys, prefix_keys=None) -> list:
+            """Per page, SGLang's name for it in its KV events (mem_cache/events.py): the event
+            hash of its page hash string (hash_str_to_int64), and its parent's: the key
+            before it (SGLang: prefix_keys + keys is one contiguous chain), None where the
+            call does not say (no prefix_keys) or the chain starts. None for a key that is no
+            page hash."""
+            routes = []
+            for key, parent in zip(keys, [(prefix_keys or [None])[-1], *keys[:-1]]):
+                try:
+                    routes.append(Route(block_hashes=[hash_str_to_int64(key)], block_size=self.plan.page_tokens,
+                                        parent_block_hash=None if parent is None else hash_str_to_int64(parent)).pack())
+                except (TypeError, ValueError):
+                    routes.append(None)
+            return routes
+
+        def _set_pages(self, keys, host_indices, prefix_keys=None):
             pages = self._parts(keys, host_indices)
+            routes = self._routes(keys, prefix_keys)  # every part of a page: the page's name
             held = [True] * len(pages)
             for desc, part_indices in self.plan.groups:
                 items = [(ids[j], views[j]) for ids, views in pages for j in part_indices]
-                stored = self.store.put_many(items, desc)
+                stored = self.store.put_many(items, desc, [route for route in routes for _ in part_indices])
                 for k, ok in enumerate(stored):
                     held[k // len(part_indices)] &= ok
             return held
@@ -208,7 +239,7 @@ def _build_class():
             if values is None or len(values) != len(keys) or any(v is None for v in values):
                 return False
             items = [(self.plan.page_id(key), value) for key, value in zip(keys, values)]
-            return all(self.store.put_many(items, self.plan.page_desc))
+            return all(self.store.put_many(items, self.plan.page_desc, self._routes(keys)))
 
         # --- the rest ---------------------------------------------------------------------
 

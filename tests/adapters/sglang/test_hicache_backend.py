@@ -1,12 +1,17 @@
 """adapters.sglang through SGLang's own factory, over SGLang's real host pools on CPU, against a
-real daemon: bit-exact page round trips, leading-prefix hits, a dead daemon, every method there."""
+real daemon: bit-exact page round trips, leading-prefix hits, a dead daemon, every method there;
+the daemon's KV events name the pages as SGLang's own events (KVCacheEventRecorder) do."""
 
 import inspect
 import signal
 
 import pytest
 import torch
-from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
+from kvs_events import EventSubscriber, all_events, last_seq
+from sglang.srt.mem_cache.events import KVCacheEventRecorder
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageExtraInfo
+from sglang.srt.mem_cache.radix_cache import RadixKey, TreeNode
+from sglang.srt.mem_cache.utils import get_storage_hash_str, hash_str_to_int64
 from sglang_helpers import PAGE, create_backend, make_pool, page_bytes, page_keys, token_indices
 
 pytestmark = pytest.mark.engines
@@ -187,3 +192,63 @@ def test_head_splitting_without_interface_v1_is_refused_naming_both_settings():
     pool = make_pool("mha", "page_head", heads=4)
     with pytest.raises(ValueError, match='"tp_lcm_size".*"interface_v1"'):
         create_backend(pool, "mha", None, tp=(0, 2), tp_lcm_size=4, interface_v1=False)
+
+
+def _tree(chains):
+    """SGLang radix nodes, each the child of the one before: (node, its page hashes as HiCache keys)."""
+    parent = TreeNode()
+    parent.key, parent.hash_value = RadixKey([]), []
+    out, prior = [], None
+    for tokens, salt in chains:  # the nodes' own hash_value is left to SGLang's recorder
+        node = TreeNode()
+        node.key, node.parent = RadixKey(tokens, cache_salt=salt), parent
+        out.append((node, get_storage_hash_str(node.key, prior, page_size=PAGE)))
+        parent, prior = node, out[-1][1][-1]
+    return out
+
+
+def _published(daemon) -> list[dict]:
+    sub = EventSubscriber(daemon, "default")
+    try:
+        with daemon.client() as c:
+            last_seq(c, "default")  # every report is in a batch: the replay holds them all
+        return [e for e in all_events(sub.replay(0)) if e["type"] == "BlockStored"]
+    finally:
+        sub.close()
+
+
+def test_pages_are_named_in_kv_events_by_the_hashes_sglangs_own_events_give_them(daemon_factory):
+    d = daemon_factory("16MiB", config={"events": {"enabled": True}})
+    pool = make_pool("mha", "page_first")
+    tokens = torch.randint(0, 32000, (5 * PAGE,), generator=torch.Generator().manual_seed(3)).tolist()
+    (first, first_keys), (second, second_keys) = _tree([(tokens[:3 * PAGE], None), (tokens[3 * PAGE:], None)])
+    recorder = KVCacheEventRecorder(enabled=True, page_size=PAGE)  # SGLang's own events for these nodes
+    for node in (first, second):
+        recorder.record_store(node)
+    theirs = {h: (e.parent_block_hash if i == 0 else e.block_hashes[i - 1], e.block_size)
+              for e in recorder.take() for i, h in enumerate(e.block_hashes)}
+
+    backend = create_backend(pool, "mha", d.socket)
+    assert backend.batch_set_v1(first_keys, token_indices([1, 2, 3])) == [True] * 3
+    assert backend.batch_set_v1(second_keys, token_indices([4, 5]),
+                                HiCacheStorageExtraInfo(prefix_keys=first_keys)) == [True] * 2
+    ours = _published(d)
+    assert len(ours) == 2 * 5  # a page is two objects (K and V), each named by the page
+    assert {e["block_hashes"][0]: (e["parent_block_hash"], e["block_size"]) for e in ours} == theirs
+    assert all(len(e["block_hashes"]) == 1 for e in ours)
+
+
+def test_a_salted_page_is_named_by_its_storage_hash_which_sglangs_events_do_not_use(daemon_factory):
+    """SGLang seeds a namespace's (cache_salt, LoRA) event chain otherwise than its storage
+    chain, from what a storage backend is not given: a router must match on the page key."""
+    d = daemon_factory("16MiB", config={"events": {"enabled": True}})
+    pool = make_pool("mha", "page_first")
+    ((node, keys),) = _tree([(list(range(100, 100 + 2 * PAGE)), "tenant-a")])
+    recorder = KVCacheEventRecorder(enabled=True, page_size=PAGE)
+    recorder.record_store(node)
+    (event,) = recorder.take()
+    backend = create_backend(pool, "mha", d.socket)
+    assert backend.batch_set_v1(keys, token_indices([1, 2])) == [True] * 2
+    named = {e["block_hashes"][0] for e in _published(d)}
+    assert named == {hash_str_to_int64(k) for k in keys}
+    assert not named & set(event.block_hashes)
