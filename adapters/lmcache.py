@@ -33,6 +33,12 @@ runs (LMCache's wrapper drops the caller's reference when put returns or is canc
 caller's reference is never released here. A MemoryObj from get carries one reference, the
 caller's; a get cancelled mid-copy releases what it allocated.
 
+KV events: both objects of a chunk are put with a route naming it as LMCache's own KV events
+do (`LMCacheEngine.store` -> CacheStoreEvent, published by vLLM's LMCacheConnectorV1): its
+chunk hash (LMCache's, not vLLM's block hashes), with the chunk's tokens as block_size. A
+router that reads LMCache's events matches it; one that reads vLLM's does not, since LMCache
+hands a remote connector no vLLM block hashes, no parent chunk and no tokens.
+
 Never raises on the data path: a daemon that is down, restarted or slow is a miss (exists False,
 get None) and a put is a no-op; both are counted (`stats()`) and logged once per outage.
 
@@ -59,6 +65,7 @@ from adapters.common import SafeStore, StoreConfig, engine_object_id, lazy_class
 from kvstore.errors import InvalidArgument, KVStoreError
 from kvstore.identity import Kind, ObjectId, Shard, StateDescriptor
 from kvstore.layout import Layout
+from kvstore.route import Route
 
 _log = logging.getLogger("kvstore.lmcache")
 
@@ -203,11 +210,13 @@ class _Connector:
         """Store the chunks (one put_many per descriptor), then drop the references `put` took."""
         try:
             groups: dict[StateDescriptor, list] = {}
+            routes: dict[StateDescriptor, list] = {}
             for key, memory_obj in zip(keys, memory_objs):
                 item = self._put_items(key, memory_obj)
                 if item is not None:
                     groups.setdefault(item[0], []).extend(item[1])
-            return sum(all(self.store.put_many(items, desc)) for desc, items in groups.items())
+                    routes.setdefault(item[0], []).extend([_route(key, memory_obj)] * len(item[1]))
+            return sum(all(self.store.put_many(items, desc, routes[desc])) for desc, items in groups.items())
         finally:
             for memory_obj in memory_objs:
                 memory_obj.ref_count_down()
@@ -366,6 +375,16 @@ class _Connector:
         self._closed = True
         await asyncio.get_running_loop().run_in_executor(None, self._executor.shutdown, True)
         self.store.close()
+
+
+def _route(key, memory_obj) -> bytes | None:
+    """LMCache's name for the chunk in its own KV events (cache_engine.py, CacheStoreEvent):
+    its chunk hash, one block of the chunk's tokens. None where the hash is no 64-bit
+    integer. A put does not say which chunk came before, nor its tokens."""
+    try:
+        return Route(block_hashes=[key.chunk_hash], block_size=memory_obj.get_num_tokens() or None).pack()
+    except Exception:  # noqa: BLE001 - a name is no reason to lose the chunk: it is published by its id
+        return None
 
 
 def _release_all(memory_objs) -> None:

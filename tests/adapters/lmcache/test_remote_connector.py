@@ -18,6 +18,7 @@ from adapters.common import engine_object_id
 from kvstore import StateDescriptor
 from kvstore.errors import InvalidArgument
 from adapters.lmcache import HybridStateUnsupported
+from kvs_events import EventSubscriber, all_events, last_seq
 from lmcache_helpers import (CHUNK_TOKENS, MODEL, PLUGIN, chunk, connect, engine_config, engine_metadata,
                              hybrid_layer_groups, key, put_chunk, run, yaml_config)
 
@@ -104,6 +105,24 @@ def test_chunks_are_stored_under_the_keys_model_rank_and_dtype(daemon, lmcache_l
         assert connector.exists_sync(stored_key)
         assert client.delete([meta_id]) == 1
     assert not connector.exists_sync(stored_key) and run(lmcache_loop, connector.get(stored_key)) is None
+    sent.ref_count_down()
+    run(lmcache_loop, connector.close())
+
+
+def test_a_chunk_is_named_in_kv_events_by_lmcaches_chunk_hash(daemon_factory, lmcache_loop, cpu_backend):
+    """As LMCache's own events name it (CacheStoreEvent: [key.chunk_hash], its tokens)."""
+    d = daemon_factory("16MiB", config={"events": {"enabled": True}})
+    connector = connect(d, lmcache_loop, cpu_backend)
+    chunk_hash = -(1 << 62) + 12345  # LMCache's hashes are signed 64-bit integers
+    sent = put_chunk(lmcache_loop, connector, cpu_backend, key(chunk_hash), seed=8, tokens=CHUNK_TOKENS // 2)
+    sub = EventSubscriber(d, "default")
+    try:
+        with d.client() as c:
+            last_seq(c, "default")  # every report is in a batch: the replay holds them all
+        stored = [e for e in all_events(sub.replay(0)) if e["type"] == "BlockStored"]
+    finally:
+        sub.close()
+    assert [(e["block_hashes"], e["block_size"]) for e in stored] == [([chunk_hash], CHUNK_TOKENS // 2)] * 2
     sent.ref_count_down()
     run(lmcache_loop, connector.close())
 
