@@ -19,10 +19,12 @@ A Mamba group's state object (the state after a chunk's last token, which vLLM k
 block at that token) is named by that one block, with the Mamba group's index and kind: the
 block vLLM's event for that group names when it caches the state.
 
-Not carried: vLLM's `lookahead_token_ids` (speculative decoding's lookahead hashing): a
-Route has no field for them. Routes are built on the scheduler, which holds the requests,
-packed (~1 KB for 256 tokens of 16 blocks), and travel in the step's metadata to the
-workers, which put them with the objects.
+Not carried: vLLM's `lookahead_token_ids` (speculative decoding's lookahead hashing): vLLM
+0.33 keeps the legacy hashes whenever a KV connector is configured (config/vllm.py,
+`num_hash_lookahead_tokens` is 0 with a kv_transfer_config), so this connector's blocks never
+have them (a Route can carry them for other producers). Routes are built on the scheduler,
+which holds the requests, packed (~1 KB for 256 tokens of 16 blocks), and travel in the
+step's metadata to the workers, which put them with the objects.
 """
 
 from __future__ import annotations

@@ -48,7 +48,7 @@ MAX_EXTRA_DEPTH = 3
 MAX_LABEL_CHARS = 256
 
 _FIELDS = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_name", "extra_keys",
-           "group_idx", "kv_cache_spec_kind", "kv_cache_spec_sliding_window")
+           "group_idx", "kv_cache_spec_kind", "kv_cache_spec_sliding_window", "lookahead_token_ids")
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,7 +61,9 @@ class Route:
     token_ids: the tokens of those blocks (len(block_hashes) * block_size of them), when known.
     block_size: tokens per engine block (None: the object's chunk_tokens / len(block_hashes)).
     lora_name, extra_keys (one entry per block, or None), group_idx (the engine's KV cache
-    group), kv_cache_spec_kind, kv_cache_spec_sliding_window: as in vLLM's BlockStored.
+    group), kv_cache_spec_kind, kv_cache_spec_sliding_window, lookahead_token_ids (per block
+    the tokens past it that its hash covers, with vLLM's lookahead hashing): as in vLLM's
+    BlockStored.
     """
 
     block_hashes: tuple
@@ -73,6 +75,7 @@ class Route:
     group_idx: int | None = None
     kv_cache_spec_kind: str | None = None
     kv_cache_spec_sliding_window: int | None = None
+    lookahead_token_ids: tuple | None = None
 
     def __post_init__(self) -> None:
         hashes = _sequence("block_hashes", self.block_hashes)
@@ -90,6 +93,18 @@ class Route:
             except struct.error:
                 raise InvalidArgument(f"route token_ids must be integers in 0..{MAX_TOKEN_ID}") from None
             object.__setattr__(self, "token_ids", tokens)
+        if self.lookahead_token_ids is not None:
+            lookahead = _sequence("lookahead_token_ids", self.lookahead_token_ids)
+            if len(lookahead) != len(hashes):
+                raise InvalidArgument(f"route lookahead_token_ids has {len(lookahead)} lists for {len(hashes)} "
+                                      "block hashes (one per block)")
+            lists = tuple(_sequence("lookahead_token_ids", tokens) for tokens in lookahead)
+            try:
+                for tokens in lists:
+                    struct.pack(f"<{len(tokens)}I", *tokens)
+            except struct.error:
+                raise InvalidArgument(f"route lookahead_token_ids must be integers in 0..{MAX_TOKEN_ID}") from None
+            object.__setattr__(self, "lookahead_token_ids", lists)
         for name in ("block_size", "group_idx", "kv_cache_spec_sliding_window"):
             value = getattr(self, name)
             if value is not None and not (_is_int(value) and 0 <= value <= MAX_TOKEN_ID):
@@ -138,7 +153,9 @@ class Route:
                 "token_ids": list(self.token_ids or ()), "block_size": self.block_size, "lora_name": self.lora_name,
                 "extra_keys": None if self.extra_keys is None else [_listed(e) for e in self.extra_keys],
                 "group_idx": self.group_idx, "kv_cache_spec_kind": self.kv_cache_spec_kind,
-                "kv_cache_spec_sliding_window": self.kv_cache_spec_sliding_window}
+                "kv_cache_spec_sliding_window": self.kv_cache_spec_sliding_window,
+                "lookahead_token_ids": None if self.lookahead_token_ids is None
+                else [list(tokens) for tokens in self.lookahead_token_ids]}
 
 
 def published_hash(value, int_form: bool):

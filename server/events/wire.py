@@ -113,12 +113,12 @@ class Wire:
         kind = event[0]
         if kind == STORED:
             _, digest, medium, route, block_size, session_id = event
-            if route is None:
+            fields = None if route is None else route_fields(route)
+            if fields is None:
                 doc = {"type": "BlockStored", "block_hashes": [self._hash(digest)], "parent_block_hash": None,
                        "token_ids": [], "block_size": block_size, "lora_id": None, "medium": medium,
                        "lora_name": None}
             else:
-                fields = route_fields(route)
                 hashes = fields["block_hashes"]
                 doc = {"type": "BlockStored", "block_hashes": [self._hash(h) for h in hashes],
                        "parent_block_hash": self._hash(fields.get("parent_block_hash")),
@@ -131,6 +131,8 @@ class Wire:
             self._where(doc, medium)
             if session_id is not None:
                 doc["session_id"] = session_id
+            if fields is not None and fields.get("lookahead_token_ids") is not None:  # vLLM's last field
+                doc["lookahead_token_ids"] = fields["lookahead_token_ids"]
             return doc
         if kind == REMOVED:
             _, digest, medium, route = event

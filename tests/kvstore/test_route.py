@@ -55,3 +55,12 @@ def test_packed_routes_are_checked_and_bounded():
             packed_route(junk)
     with pytest.raises(InvalidArgument, match="must be a kvstore.route.Route"):
         Hints(route={"block_hashes": [1]})
+
+
+def test_lookahead_tokens_are_one_list_per_block():
+    route = Route([1, 2], token_ids=[5] * 4, block_size=2, lookahead_token_ids=[[6], [7]])
+    assert Route.unpack(route.pack()).lookahead_token_ids == ((6,), (7,))
+    with pytest.raises(InvalidArgument, match="2 block hashes"):
+        Route([1, 2], lookahead_token_ids=[[6]])
+    with pytest.raises(InvalidArgument, match="lookahead_token_ids must be integers"):
+        Route([1], lookahead_token_ids=[[-1]])

@@ -173,3 +173,10 @@ def test_peer_marks_are_capped_oldest_first_and_published_as_remote(monkeypatch)
     assert events[-1]["block_hashes"] == [vllm_int_hash(ids[0])]  # the oldest mark went
     assert stream.holdings.get("ns", ids[0]).in_media() == ["CPU"]
     assert [stream.holdings.get("ns", d).in_media() for d in ids[1:]] == [["PEER"], ["PEER"]]
+
+
+def test_lookahead_tokens_come_last_in_a_stored_event_as_in_vllms_field_order():
+    route = Route([1, 2], token_ids=[5] * 4, block_size=2, lookahead_token_ids=[[6], [7]])
+    (stored,) = msgpack.unpackb(encode_batch(0.0, [(STORED, A, "CPU", route.pack(), 4, "s")]))[1]
+    assert list(stored)[-2:] == ["session_id", "lookahead_token_ids"]
+    assert stored["lookahead_token_ids"] == [[6], [7]]
