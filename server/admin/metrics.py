@@ -74,6 +74,12 @@ EVENTS_COUNTERS = {
                             "Batches not sent live (publisher queue full); subscribers get them by replay"),
     "num_replays": ("kvstore_events_replays", "Replay requests answered"),
     "num_bad_replay_requests": ("kvstore_events_bad_replay_requests", "Replay requests of neither form, ignored"),
+    "num_snapshot_requests": ("kvstore_events_snapshot_requests", "Snapshot requests received"),
+    "num_snapshots": ("kvstore_events_snapshots", "Snapshots sent whole (end marker included)"),
+    "num_refused_snapshots": ("kvstore_events_refused_snapshots",
+                              "Snapshot requests refused (too many waiting); the router asks again"),
+    "num_heartbeats": ("kvstore_events_heartbeats", "Heartbeats sent (empty batches repeating a number)"),
+    "num_kept_objects": ("kvstore_events_kept_objects", "Objects NVMe kept over a restart, added to the holdings"),
 }
 # Puts (stored or deduplicated), gets and deletes count as operations for the ops/s meter.
 OPS_COUNTERS = ("num_puts", "num_dedup_puts", "num_gets", "num_deletes")
@@ -130,6 +136,9 @@ class StatsCollector:
         if events is not None:
             for key, (name, doc) in EVENTS_COUNTERS.items():
                 yield CounterMetricFamily(name, doc, value=events.get(key, 0))
+            yield GaugeMetricFamily("kvstore_events_held_objects",
+                                    "Objects the event stream has published as held (all namespaces and media)",
+                                    value=events.get("held_objects", 0))
         remote = stats.get("tiers", {}).get("remote")
         if remote is not None:  # a clustered node
             yield from _cluster_families(remote)

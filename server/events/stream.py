@@ -308,7 +308,9 @@ class EventStream:
                "heartbeat_s": self.config.heartbeat_s, "restoring": self._waiting is not None,
                "pending_events": sum(map(len, self._pending.values())), "held_objects": self.holdings.count()}
         doc.update({k: getattr(self.counters, k) for k in self.counters.__slots__})
-        doc.update(self.publisher.stats())
+        for publisher in self._publishers():  # counts of every endpoint's publisher together
+            for key, value in publisher.stats().items():
+                doc[key] = doc.get(key, 0) + value
         if self._own:
             doc["own_endpoints"] = {name: {"endpoint": p.config.endpoint, "replay_endpoint": p.config.replay_endpoint,
                                            **p.stats()} for name, p in self._own.items()}

@@ -7,11 +7,13 @@ import subprocess
 import sys
 
 import zmq
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvstore.identity import ObjectId
 from kvs_events import EventSubscriber, all_events, endpoints, events_of, last_seq, vllm_int_hash, \
     wait_subscribed
 from kvs_testing import payload
+from server.admin.client import AdminClient
 
 CONFIG = {"host": {"namespaces": ["default", "tenant"]},
           "events": {"enabled": True, "heartbeat_s": 0, "namespaces": {"tenant": {}}}}
@@ -58,6 +60,13 @@ def test_a_namespace_of_its_own_is_published_on_its_endpoints_only(daemon_factor
             assert seq == -1 and [events_of(f) for f in frames] == [[{"type": "AllBlocksCleared"}]]
         assert mine.replay(0, topic=shared.topic) == []  # another namespace's ring is not there
         assert stats["own_endpoints"]["tenant"]["endpoint"] == own_endpoints(d, "tenant")[0]
+        # /metrics counts every endpoint's publisher
+        metrics = AdminClient.from_data_dir(d.data_dir).request("GET", "/metrics", raw=True)
+        samples = {s.name: s.value for f in text_string_to_metric_families(metrics) for s in f.samples}
+        assert samples["kvstore_events_snapshot_requests_total"] == 3
+        assert samples["kvstore_events_snapshots_total"] == 3
+        assert samples["kvstore_events_replays_total"] == 2
+        assert samples["kvstore_events_held_objects"] >= 4  # two probes, ours and theirs
     finally:
         mine.close()
         shared.close()
