@@ -1,6 +1,6 @@
 """Remote benchmark: one object fetched from a peer daemon over loopback, against baselines.
 
-    .venv/bin/python bench/remote.py [--quick] [--transports tcp,ucx]
+    .venv/bin/python bench/remote.py [--quick] [--transports tcp,ucx] [--parts peer,pool]
 
 The real peer service (`python -m server.peer.service`, in-memory backend, uvloop) serves
 from its own process; a RemoteTier fetches from another. A timed get is one `get_into` of a
@@ -14,6 +14,8 @@ Baselines, each a pair of processes in the same run, reps interleaved (bench/bas
   socket     a blocking client sends 1 byte; the server sendall()s the same 4 MiB, which the
              client recv_into()s a pre-touched buffer: the floor for TCP
   mooncake   Mooncake Store get_into over TCP, the object held by another process
+The pool part (bench/remote_pool.py) measures daemons whose remote tier is a Mooncake Store
+pool against Mooncake's own client and against the peer tier.
 Writes bench/results/remote.json; UCX settings come from the environment (see server/peer/ucx.py).
 """
 
@@ -37,6 +39,7 @@ if ROOT not in sys.path:
 
 import xxhash  # noqa: E402
 
+from bench import remote_pool  # noqa: E402
 from bench.baselines import mooncake_master, mooncake_store  # noqa: E402
 from bench.common import (  # noqa: E402
     MiB, BaselineUnavailable, Row, Target, Worker, gb_per_s, median, percentile, report, scratch_dir, touched,
@@ -70,6 +73,7 @@ TARGETS = [
     Target("get_into 4MiB tcp", "throughput", "socket recv_into", ">=", 0.8),
     Target("get_into 4MiB tcp", "throughput", "mooncake get_into", ">=", 2.0),
     Target("lookup 1 key tcp", "p50", None, "<", 200.0),
+    *remote_pool.TARGETS,
 ]
 
 
@@ -309,17 +313,24 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer repetitions (< 1 min)")
     parser.add_argument("--transports", default="tcp,ucx", help="comma-separated: tcp, ucx")
+    parser.add_argument("--parts", default="peer,pool",
+                        help="comma-separated: peer (one object from a peer service), pool (a Mooncake pool)")
     args = parser.parse_args(argv)
+    parts = set(args.parts.split(","))
     plan = QUICK if args.quick else FULL
+    pool_plan = remote_pool.POOL_QUICK if args.quick else remote_pool.POOL_FULL
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
     started = time.perf_counter()
     skipped: dict[str, str] = {}
     with scratch_dir("kvstore-bench-remote-") as workdir:
-        rows = run(plan, args.transports.split(","), workdir, skipped)
+        rows = run(plan, args.transports.split(","), workdir, skipped) if "peer" in parts else []
+        if "pool" in parts:
+            rows += remote_pool.run(pool_plan, workdir, skipped)
     from server.peer.ucx import UCX_ENV_DEFAULTS
     ucx_env = {k: os.environ.get(k, v) for k, v in UCX_ENV_DEFAULTS.items()}
     settings = {**asdict(plan), "mode": "quick" if args.quick else "full", "object_bytes": SIZE,
-                "ucx_env": ucx_env,
+                "ucx_env": ucx_env, "parts": sorted(parts),
+                "pool": {**asdict(pool_plan), "sizes": list(remote_pool.SIZES)},
                 "elapsed_s": round(time.perf_counter() - started, 1)}
     report(SUITE, rows, TARGETS, skipped, settings)
     return 0

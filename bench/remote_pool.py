@@ -1,0 +1,275 @@
+"""The remote benchmark's pool part (`bench/remote.py --parts pool`): put and get_into of
+4 MiB and 64 KiB objects through a daemon whose remote tier is a Mooncake Store pool
+(`[remote] backend = "mooncake"`), against Mooncake's own client doing the same copies and
+against kvstore's own peer tier, all in the same run, reps interleaved.
+
+    pool      daemons W and R, each `[remote] backend = "mooncake"` (clients only: a holder
+              process lends the pool its memory). put: `Client.put` of the rep's objects on
+              W, timed until W's pool link has put every one into the pool (write_through,
+              counted in num_replicated). get_into: on R, every object a local miss read
+              from the pool (header, then payload straight into R's arena, xxh3-128
+              checked), then copied out to the caller; R's copies are dropped after each
+              rep (delete scope "node", untimed), so the next rep reads the pool again.
+    peers     daemons A and B in a static cluster on loopback (TCP, replicas = 2: both are
+              homes). put: on A, timed until A has copied every one to B; get_into: on B
+              after B dropped its copies, so each is fetched from A and verified.
+    mooncake  Mooncake's own client (MooncakeDistributedStore, TCP): put_from a registered
+              buffer under fresh keys, get_into a registered buffer, one call per object.
+
+Every store is the same pool (one master, one holder segment) or the same loopback; the
+objects a rep moves are distinct keys, deleted after the rep (untimed).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from contextlib import ExitStack
+from dataclasses import dataclass
+
+from bench.baselines import free_port, mooncake_master, mooncake_store
+from bench.common import (
+    KiB, MiB, BaselineUnavailable, Row, Target, Worker, gb_per_s, host_only_daemon, median, size_label, touched,
+)
+from bench.local_sides import keys_for, timed
+
+SUITE = "remote"
+SIZES = (4 * MiB, 64 * KiB)
+SECRET = "bench-remote-pool-secret-0123456789"
+REPLICATION_TIMEOUT_S = 120.0  # a put rep the remote tier never finishes is an error, not a hang
+POLL_S = 0.001  # how often a put rep asks the writer how many objects reached the remote tier
+
+
+@dataclass(frozen=True, slots=True)
+class PoolPlan:
+    reps: int
+    rep_bytes: int  # bytes one rep moves (the objects of one size)
+
+    def count(self, size: int) -> int:
+        return max(1, self.rep_bytes // size)
+
+
+POOL_FULL = PoolPlan(reps=11, rep_bytes=128 * MiB)
+POOL_QUICK = PoolPlan(reps=5, rep_bytes=32 * MiB)
+
+TARGETS = [Target(f"pool {op} {size_label(s)}", "throughput", f"mooncake {base}", ">=", 0.9)
+           for s in SIZES for op, base in (("get_into", "get_into"), ("put", "put_from"))]
+
+
+class DaemonPairSide:
+    """A client of a writer daemon and of a reader daemon whose remote tier holds what the
+    writer puts (a pool, or the writer itself as a peer home)."""
+
+    def __init__(self, writer_socket: str, reader_socket: str, reps: int):
+        from client import Client
+        self.reps = reps
+        self.writer = Client.connect(writer_socket, namespace="bench", timeout_s=60)
+        self.reader = Client.connect(reader_socket, namespace="bench", timeout_s=60)
+
+    def _replicated(self) -> int:
+        return self.writer.stats()["tiers"]["remote"]["num_replicated"]
+
+    def wait_remote_up(self, timeout_s: float) -> bool:
+        """The pool's client sets up in the background; a commit made before then stays local."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            remote = self.writer.stats()["tiers"]["remote"], self.reader.stats()["tiers"]["remote"]
+            if all(r.get("pool", {"up": True})["up"] for r in remote):
+                return True
+            time.sleep(0.1)
+        return False
+
+    def _put_all(self, keys) -> None:
+        """Put `keys`' objects on the writer; return once the remote tier holds each."""
+        before, put, src = self._replicated(), self.writer.put, self.src
+        for key in keys:
+            put(key, src)
+        deadline = time.monotonic() + REPLICATION_TIMEOUT_S
+        while self._replicated() - before < len(keys):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the remote tier took {self._replicated() - before} of {len(keys)} puts: "
+                                   f"{self.writer.stats()['tiers']['remote']}")
+            time.sleep(POLL_S)
+
+    def prepare(self, size: int, count: int) -> None:
+        self.size, self.src, self.out = size, touched(size), touched(size, seed=1)
+        self.rep_keys = [keys_for(f"put/{size}/{i}", count) for i in range(self.reps + 1)]
+        self.get_keys = keys_for(f"get/{size}", count)
+        self._put_all(self.get_keys)
+        self.reader.delete(self.get_keys, scope="node")  # a home's own copy (peers): read it from the other
+
+    def put(self, rep: int) -> float:
+        return timed(lambda: self._put_all(self.rep_keys[rep]))
+
+    def drop(self, rep: int) -> None:
+        self.writer.delete(self.rep_keys[rep])  # this node's copies and the remote tier's
+
+    def get(self, rep: int) -> float:
+        hits = self.reader.stats()["tiers"]["remote"]["remote"]["num_hits"]
+        get_into, out = self.reader.get_into, self.out
+        sizes = []
+        elapsed = timed(lambda: sizes.extend(get_into(key, out) for key in self.get_keys))
+        if any(n != self.size for n in sizes):
+            raise RuntimeError(f"a {size_label(self.size)} get_into missed: {self.reader.stats()['tiers']['remote']}")
+        fetched = self.reader.stats()["tiers"]["remote"]["remote"]["num_hits"] - hits
+        if fetched != len(self.get_keys):
+            raise RuntimeError(f"{fetched} of {len(self.get_keys)} gets came from the remote tier")
+        return elapsed
+
+    def forget(self, rep: int) -> None:
+        self.reader.delete(self.get_keys, scope="node")
+
+    def finish(self) -> None:
+        self.writer.delete(self.get_keys)
+
+    def counters(self) -> dict:
+        return self.reader.stats()["tiers"]["remote"]["remote"]
+
+    def close(self) -> None:
+        self.writer.close()
+        self.reader.close()
+
+
+class MooncakeHolder:
+    """The pool's only memory: a Mooncake client lending a segment, in its own process."""
+
+    def __init__(self, rpc_port: int, meta_port: int, segment_bytes: int, log_path: str):
+        self.store = mooncake_store(rpc_port, meta_port, segment_bytes, 16 * MiB, log_path)
+
+    def close(self) -> None:
+        self.store.close()
+
+
+class MooncakeSide:
+    """Mooncake's own client: the same copies, one call per object."""
+
+    def __init__(self, rpc_port: int, meta_port: int, log_path: str):
+        self.store = mooncake_store(rpc_port, meta_port, 0, 16 * MiB, log_path)
+        self.registered: list[int] = []
+
+    def prepare(self, size: int, count: int) -> None:
+        for address in self.registered:
+            self.store.unregister_buffer(address)
+        self.size, self.count, self.src, self.out = size, count, touched(size), touched(size, seed=1)
+        self.registered = [self.src.ctypes.data, self.out.ctypes.data]
+        for address in self.registered:
+            if self.store.register_buffer(address, size) != 0:
+                raise BaselineUnavailable("mooncake register_buffer failed")
+        self.get_keys = [f"get/{size}/{i}" for i in range(count)]
+        for key in self.get_keys:
+            if self.store.put_from(key, self.src.ctypes.data, size) != 0:
+                raise BaselineUnavailable("mooncake put_from failed")
+
+    def _put_keys(self, rep: int) -> list[str]:
+        return [f"put/{self.size}/{rep}/{i}" for i in range(self.count)]
+
+    def put(self, rep: int) -> float:
+        put_from, address, size, codes = self.store.put_from, self.src.ctypes.data, self.size, []
+        elapsed = timed(lambda: codes.extend(put_from(key, address, size) for key in self._put_keys(rep)))
+        if any(codes):
+            raise RuntimeError(f"mooncake put_from failed: {sorted(set(codes))}")
+        return elapsed
+
+    def drop(self, rep: int) -> None:
+        for key in self._put_keys(rep):
+            self.store.remove(key, True)
+
+    def get(self, rep: int) -> float:
+        get_into, address, size, got = self.store.get_into, self.out.ctypes.data, self.size, []
+        elapsed = timed(lambda: got.extend(get_into(key, address, size) for key in self.get_keys))
+        if any(n != size for n in got):
+            raise RuntimeError(f"mooncake get_into returned {sorted(set(got))}")
+        return elapsed
+
+    def forget(self, rep: int) -> None:
+        pass
+
+    def finish(self) -> None:
+        for key in self.get_keys:
+            self.store.remove(key, True)  # force: a get's lease would hold it for seconds
+
+    def close(self) -> None:
+        self.store.close()
+
+
+def _pool_toml(rpc: int, meta: int) -> str:
+    return (f'[remote]\nbackend = "mooncake"\n[remote.mooncake]\nmaster = "127.0.0.1:{rpc}"\n'
+            f'metadata_server = "http://127.0.0.1:{meta}/metadata"\nlocal_buffer_bytes = "16MiB"\n'
+            f'retry_interval_s = 0.5\n')
+
+
+def _peer_toml(name: str, ports: dict[str, int]) -> str:
+    peers = ", ".join(f'"{n}=127.0.0.1:{p}"' for n, p in ports.items())
+    return (f'[cluster]\nenabled = true\nnode_id = "{name}"\nlisten = "127.0.0.1:{ports[name]}"\n'
+            f'peers = [{peers}]\nsecret = "{SECRET}"\nreplicas = 2\nrehome = false\n')
+
+
+def start_sides(plan: PoolPlan, workdir: str, skipped: dict[str, str], stack: ExitStack) -> dict[str, Worker]:
+    def daemon(name: str, toml: str) -> str:
+        proc, socket_path = host_only_daemon(workdir, name, 3 * plan.rep_bytes + 64 * MiB, toml)
+        stack.callback(lambda: (proc.terminate(), proc.wait(30)))
+        return socket_path
+
+    sides: dict[str, Worker] = {}
+    try:
+        rpc, meta = stack.enter_context(mooncake_master(workdir))
+        log_path = os.path.join(workdir, "mooncake-pool.log")
+        # Both the daemons' and Mooncake's own objects, a rep's puts and the gets' set, twice over.
+        stack.enter_context(Worker("pool-holder", MooncakeHolder, rpc, meta, 8 * plan.rep_bytes + 64 * MiB, log_path))
+        sides["mooncake"] = stack.enter_context(Worker("mooncake-client", MooncakeSide, rpc, meta, log_path))
+    except BaselineUnavailable as exc:
+        skipped["pool"] = str(exc)
+        return sides
+    os.environ.setdefault("GLOG_minloglevel", "2")  # the daemons' Mooncake clients: errors only on the console
+    pool = [daemon(f"pool-{n}", _pool_toml(rpc, meta)) for n in ("w", "r")]
+    sides["pool"] = stack.enter_context(Worker("pool-client", DaemonPairSide, *pool, plan.reps))
+    if not sides["pool"].call("wait_remote_up", 60.0):
+        raise RuntimeError(f"the daemons' Mooncake clients did not set up; see {workdir}")
+    ports = {"a": free_port(), "b": free_port()}
+    peers = [daemon(f"peer-{n}", _peer_toml(n, ports)) for n in ports]
+    sides["peers"] = stack.enter_context(Worker("peers-client", DaemonPairSide, *peers, plan.reps))
+    return sides
+
+
+def _interleave(sides: dict[str, Worker], method: str, after: str, reps: int) -> dict[str, float]:
+    """Median seconds of `method(rep)` per side; rep 0 warms up; each rep starts one side further along."""
+    names, times = list(sides), {name: [] for name in sides}
+    for rep in range(reps + 1):
+        for k in range(len(names)):
+            name = names[(rep + k) % len(names)]
+            elapsed = sides[name].call(method, rep)
+            sides[name].call(after, rep)
+            if rep:
+                times[name].append(elapsed)
+    return {name: median(t) for name, t in times.items()}
+
+
+def run(plan: PoolPlan, workdir: str, skipped: dict[str, str]) -> list[Row]:
+    rows: list[Row] = []
+    with ExitStack() as stack:
+        sides = start_sides(plan, workdir, skipped, stack)
+        if "pool" not in sides:
+            return rows
+        for size in SIZES:
+            count = plan.count(size)
+            print(f"[{time.strftime('%H:%M:%S')}] pool {size_label(size)}: {plan.reps} reps of {count} objects "
+                  f"on {', '.join(sides)}", flush=True)
+            for worker in sides.values():
+                worker.call("prepare", size, count)
+            speed = {}
+            for op, after in (("put", "drop"), ("get", "forget")):
+                seconds = _interleave(sides, op, after, plan.reps)
+                speed[op] = {name: gb_per_s(count * size, s) for name, s in seconds.items()}
+                print(f"[{time.strftime('%H:%M:%S')}] pool {size_label(size)} {op} GB/s "
+                      + ", ".join(f"{n} {v:.3f}" for n, v in speed[op].items()), flush=True)
+            for worker in sides.values():
+                worker.call("finish")
+            label = size_label(size)
+            for op, ours, mooncake in (("put", "put", "put_from"), ("get", "get_into", "get_into")):
+                for base, name in (("mooncake", f"mooncake {mooncake}"), ("peers", f"peers {ours}")):
+                    rows.append(Row(SUITE, f"pool {ours} {label}", "throughput", "GB/s", speed[op]["pool"],
+                                    name, speed[op][base]))
+        checks = sides["pool"].call("counters")
+        if checks["num_checksum_failures"] or checks["num_header_failures"]:
+            raise RuntimeError(f"the pool reader counted failed checks: {checks}")
+    return rows
