@@ -76,7 +76,8 @@ def status_rows(stats: dict) -> list[str]:
 
 
 def cmd_status(args) -> int:
-    stats = _client(args).get("/v1/stats")
+    client = _client(args)
+    stats = client.get("/v1/stats")
     if args.json:
         return _print_json(stats)
     print(f"kvstore {stats['version']}  pid {stats['pid']}  up {stats['uptime_s']:.0f} s  "
@@ -84,7 +85,28 @@ def cmd_status(args) -> int:
           f"ops/s {stats['ops_per_s']:.1f}  socket {stats['socket']}")
     print("\n".join(status_rows(stats)))
     print(gpu_line(stats.get("gpu")))
+    print(remote_line(client.get("/v1/cluster")))
     return 0
+
+
+def remote_line(cluster: dict) -> str:
+    """One line on the remote tier: the peers (members, down) or the shared pool."""
+    pool = cluster.get("pool")
+    if pool is not None:
+        c = pool["counters"]
+        state = "up" if pool["up"] else f"DOWN ({pool['last_error']})"
+        held = pool.get("held")
+        holds = (f"holds {human_bytes(held.get('allocated_bytes', 0))} of {human_bytes(held.get('capacity_bytes', 0))}"
+                 f" in {held.get('keys', 0)} keys (all clients)") if held else f"holds ? ({pool.get('held_error')})"
+        return (f"remote tier: {pool['backend']} pool, master {pool['master']} {state}; {holds}; this node: "
+                f"{c['num_hits']} hits, {c['num_misses']} misses, {c['num_checksum_failures'] + c['num_header_failures']}"
+                f" failed checks, {c['num_replicated'] + c['num_demoted_remote']} put, {c['num_put_failures']} refused")
+    members = cluster.get("members")
+    if members is None:
+        return "remote tier: none ([cluster] enabled = false, [remote] backend = \"peers\")"
+    down = [m["node_id"] for m in members if m["down"]]
+    return (f"remote tier: peers, {len(members)} members" + (f", down: {', '.join(down)}" if down else ", all up")
+            + f"; replicas {cluster['replicas']}, {cluster['remote_write']}")
 
 
 def gpu_line(gpu: dict | None) -> str:

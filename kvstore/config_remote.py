@@ -21,6 +21,9 @@ ServerConfig and refuses `backend = "mooncake"` beside `[cluster] enabled = true
     remote_write = "write_through" # or "write_back": only objects leaving this node go
     retry_interval_s = 5.0         # master unreachable: how often to try again
     io_threads = 4                 # worker threads for the blocking Mooncake calls
+    master_metrics_url = ""        # e.g. "http://10.0.0.5:9003/metrics": the master's Prometheus
+                                   # endpoint, read for /v1/cluster and `kvstore status` (what the
+                                   # pool holds); empty: not asked
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ MOONCAKE_PROTOCOLS = ("tcp", "rdma")
 _METADATA_RE = re.compile(r"^(P2PHANDSHAKE|https?://\S+|etcd://\S+|redis://\S+)$")
 # A Mooncake key is a string; the prefix is ours and must not be confused with a namespace.
 _PREFIX_RE = re.compile(r"^[A-Za-z0-9._:-]{1,64}/$")
+_METRICS_RE = re.compile(r"^(|https?://\S+)$")
 _HOST_RE = re.compile(r"^[A-Za-z0-9.:\[\]_-]{1,253}$")
 # Past a few dozen, more threads only queue inside the Mooncake client; 64 bounds a typo.
 MAX_IO_THREADS = 64
@@ -66,6 +70,7 @@ class MooncakeConfig:
     remote_write: str = "write_through"
     retry_interval_s: float = 5.0
     io_threads: int = 4
+    master_metrics_url: str = ""
 
     def __post_init__(self) -> None:
         key = "remote.mooncake."
@@ -104,6 +109,9 @@ class MooncakeConfig:
             raise InvalidArgument(f"{key}retry_interval_s must be a number in (0, 3600], got {value!r}")
         if type(self.io_threads) is not int or not 1 <= self.io_threads <= MAX_IO_THREADS:
             raise InvalidArgument(f"{key}io_threads must be an integer in 1..{MAX_IO_THREADS}, got {self.io_threads!r}")
+        if not isinstance(self.master_metrics_url, str) or not _METRICS_RE.match(self.master_metrics_url):
+            raise InvalidArgument(f"{key}master_metrics_url must be empty or http(s)://host:port/metrics (the "
+                                  f"master's --metrics_port), got {self.master_metrics_url!r}")
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from kvs_testing import free_port
+from kvs_testing import free_port, payload, wait_for
 
 START_TIMEOUT_S = 30.0
 
@@ -108,3 +108,26 @@ def pool_config(master: Master, **mooncake) -> dict:
     return {"remote": {"backend": "mooncake",
                        "mooncake": {"master": master.address, "local_buffer_bytes": "16MiB",
                                     "retry_interval_s": 0.5, **mooncake}}}
+
+
+def oids(first: int, n: int):
+    from kvstore.identity import ObjectId
+    return [ObjectId(bytes([first + i]) * 32) for i in range(n)]
+
+
+def pool_stats(client) -> dict:
+    return client.stats()["tiers"]["remote"]
+
+
+def put_into_pool(client, keys, sizes) -> None:
+    """Put payload(sizes[i], i) under each key and wait until the pool holds them all
+    (write_through copies each commit there in the background)."""
+    for i, key in enumerate(keys):
+        client.put(key, payload(sizes[i], i))
+    assert wait_for(lambda: pool_stats(client)["num_replicated"] == len(keys))
+
+
+def pool_up(*clients) -> None:
+    """Wait until each daemon's Mooncake client is set up (it connects in the background:
+    a commit made before then is not copied to the pool; it goes when it leaves the node)."""
+    assert wait_for(lambda: all(pool_stats(c)["pool"]["up"] for c in clients), timeout=60)

@@ -157,15 +157,30 @@ SCHEMAS = {
             {"capacity_bytes": INT, "used_bytes": INT, "objects": INT}, extra=True)},
         "host_bandwidth_bytes_s": NUM,
     }, extra=True),
+    "Pool": _obj({
+        "backend": {"type": "string", "enum": ["mooncake"]},
+        "master": {**STR, "description": "the mooncake_master RPC address"}, "metadata_server": STR,
+        "protocol": STR, "tenant_id": STR, "key_prefix": STR, "replicas": INT, "remote_write": STR,
+        "up": {**BOOL, "description": "this daemon's client is set up and its last call reached the master"},
+        "last_error": _nullable(STR),
+        "held": _nullable(_obj({"allocated_bytes": INT, "capacity_bytes": INT, "keys": INT,
+                                "soft_pinned_keys": INT, "clients": INT}, required=[], extra=True,
+                               description="the whole pool as its master counts it (every client and "
+                                           "tenant), from remote.mooncake.master_metrics_url")),
+        "held_error": _nullable({**STR, "description": "why held is null"}),
+        "counters": {"type": "object", "additionalProperties": INT,
+                     "description": "this daemon's reads, writes and pool calls (as /v1/stats reports them)"},
+    }, required=["backend", "master", "up", "counters"], extra=True),
     "Cluster": _obj({"self": STR, "nodes": {"type": "array", "items": _ref("Node")},
                      "members": {"type": "array", "items": _obj(
                          {"node_id": STR, "peer_address": STR, "self": BOOL, "down": BOOL}, extra=True)},
                      "replicas": INT, "remote_write": STR, "rehome": _nullable({"type": "object"}),
                      "auth_failures": _obj({"client": INT, "server": INT}, extra=True,
-                                           description="peer handshakes that failed for a wrong cluster secret")},
+                                           description="peer handshakes that failed for a wrong cluster secret"),
+                     "pool": _ref("Pool")},
                     required=["self", "nodes"], extra=True,
                     description="members, replicas, remote_write, rehome and auth_failures are there when "
-                                "cluster.enabled"),
+                                "cluster.enabled; pool when remote.backend is mooncake"),
 }
 
 _ERRORS = {400: "invalid request", 401: "missing or wrong bearer token", 404: "no such object or namespace",

@@ -99,8 +99,9 @@ async def cluster(request: web.Request) -> web.Response:
         "host_bandwidth_bytes_s": doc["host_bandwidth_bytes_s"],
     }
     link = admin.daemon.manager.cluster
-    if link.remote is None:
-        return json_response({"self": node["node_id"], "nodes": [node]})
+    if link.remote is None:  # one node; its remote tier may be a shared pool (else "pool" is left out)
+        pool = await link.pool_status()
+        return json_response({"self": node["node_id"], "nodes": [node], **({"pool": pool} if pool else {})})
     # Clustered: this node's numbers, and every member as this node sees it.
     stats = link.stats()
     node["node_id"] = stats["node_id"]

@@ -134,6 +134,9 @@ class ClusterLink:
                 self.manager.events.removed(namespace, oid, MEDIUM_PEER)
         return metas
 
+    async def pool_status(self) -> None:
+        return None  # /v1/cluster: the peer tier has members, not a shared pool
+
     def stats(self) -> dict:
         stats = dict(self.node.stats())
         stats.update(asdict(self.replicator.counters), remote_write=self.config.remote_write)

@@ -39,6 +39,7 @@ from kvstore.pool_header import HEADER_BYTES, PoolHeaderError, decode_header, en
 from kvstore.replies import MISS
 from server.events import MEDIUM_PEER
 from server.later import resolve
+from server.pool.master_metrics import read_master_metrics
 from server.tiering.objects import ObjectEntry
 from tiers.allocator import Extent
 from tiers.mooncake.pool import MooncakePool
@@ -415,6 +416,21 @@ class PoolLink:
     def pin_everywhere(self, namespace: str, ids, ttl_s, unpin: bool, here: list[bool]) -> int:
         """Pins stay on this node (Mooncake soft pins are not mapped yet)."""
         return sum(here)
+
+    async def pool_status(self) -> dict:
+        """The pool as /v1/cluster and `kvstore status` show it: where it is, whether this
+        daemon's client reaches it, what the master says it holds (master_metrics_url), and
+        this daemon's counters."""
+        cfg = self.config
+        held, held_error = None, "master_metrics_url is not set"
+        if cfg.master_metrics_url:
+            held, held_error = await read_master_metrics(cfg.master_metrics_url)
+        return {"backend": "mooncake", "master": cfg.master, "metadata_server": cfg.metadata_server,
+                "protocol": cfg.protocol, "tenant_id": cfg.tenant_id, "key_prefix": cfg.key_prefix,
+                "replicas": cfg.replicas, "remote_write": cfg.remote_write, "up": self.pool.up,
+                "last_error": None if self.pool.up else self.pool.last_error, "held": held,
+                "held_error": held_error if held is None else None,
+                "counters": {**asdict(self.read), **asdict(self.write), **asdict(self.pool.counters)}}
 
     def stats(self) -> dict:
         return {"backend": "mooncake", "pool": self.pool.stats(), "remote": asdict(self.read),

@@ -143,5 +143,8 @@ class NoCluster:
     async def stop(self) -> None:
         pass
 
+    async def pool_status(self) -> None:
+        return None  # /v1/cluster: no shared pool
+
     def stats(self) -> None:
         return None

@@ -40,6 +40,7 @@ def test_mooncake_defaults_and_sizes():
     ({"mooncake": {"remote_write": "selective"}}, "remote.mooncake.remote_write"),
     ({"mooncake": {"retry_interval_s": 0}}, "remote.mooncake.retry_interval_s"),
     ({"mooncake": {"io_threads": 0}}, "remote.mooncake.io_threads"),
+    ({"mooncake": {"master_metrics_url": "10.0.0.5:9003"}}, "remote.mooncake.master_metrics_url"),
     ({"mooncake": {"master_address": "x"}}, "remote.mooncake.master_address"),  # unknown key
 ])
 def test_bad_values_name_their_key(table, key):

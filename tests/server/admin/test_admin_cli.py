@@ -35,6 +35,7 @@ def test_status_table(daemon, capsys):
     found = GpuTier.probe()
     gpu = next(line for line in out.splitlines() if line.startswith("gpu tier: "))
     assert "off ([gpu] enabled = false)" in gpu and found.reason in gpu, gpu  # the probe's finding
+    assert "remote tier: none" in out  # no [cluster], no pool
 
 
 def test_status_json(daemon, capsys):

@@ -3,56 +3,16 @@ mooncake_master on loopback (TCP, P2PHANDSHAKE), a keeper process lending the po
 memory, and real daemons. State crosses nodes only as verified pool values."""
 
 import signal
-import tempfile
 
 import numpy as np
-import pytest
 
 from kvstore.identity import ObjectId
 from kvstore.pool_header import HEADER_BYTES, pool_key
 from server.admin.client import AdminClient
 from kvs_testing import payload, wait_for
-from mooncake_helpers import Keeper, Master, mooncake_or_skip, pool_config
+from mooncake_helpers import Keeper, Master, mooncake_or_skip, oids, pool_config, pool_stats, pool_up, put_into_pool
 
 PREFIX = "kvstore/"
-
-
-@pytest.fixture
-def master():
-    exe = mooncake_or_skip()
-    with tempfile.TemporaryDirectory(prefix="mc-") as workdir:
-        m = Master(exe, workdir).start()
-        yield m
-        m.kill()
-
-
-@pytest.fixture
-def keeper(master):
-    k = Keeper(master)
-    yield k
-    k.stop()
-
-
-def oids(first: int, n: int) -> list[ObjectId]:
-    return [ObjectId(bytes([first + i]) * 32) for i in range(n)]
-
-
-def pool_stats(client) -> dict:
-    return client.stats()["tiers"]["remote"]
-
-
-def put_into_pool(client, keys, sizes) -> None:
-    """Put payload(sizes[i], i) under each key and wait until the pool holds them all
-    (write_through copies each commit there in the background)."""
-    for i, key in enumerate(keys):
-        client.put(key, payload(sizes[i], i))
-    assert wait_for(lambda: pool_stats(client)["num_replicated"] == len(keys))
-
-
-def pool_up(*clients) -> None:
-    """Wait until each daemon's Mooncake client is set up (it connects in the background:
-    a commit made before then is not copied to the pool; it goes when it leaves the node)."""
-    assert wait_for(lambda: all(pool_stats(c)["pool"]["up"] for c in clients), timeout=60)
 
 
 def test_put_on_a_read_on_c_bit_exact(master, keeper, daemon_factory):
