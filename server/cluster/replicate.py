@@ -12,14 +12,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
-import time
 from dataclasses import dataclass
 
 from kvstore.errors import Conflict
 from kvstore.replies import CommitReply
 from server.cluster.serving import FOR_PEER
 from server.events import MEDIUM_PEER
+from server.tiering.demotions import DemotionTally
 from server.tiering.objects import ObjectEntry
 from tiers.remote import MAX_LINKS_PER_PEER
 
@@ -45,8 +44,8 @@ class Replicator:
         # Sends in flight per object: a delete waits for them, or the copy would land after it.
         self._sending: dict[tuple[str, bytes], list[asyncio.Future]] = {}
         self.gate = asyncio.Semaphore(MAX_LINKS_PER_PEER)
-        self._demotion_log_at = -math.inf
         self.counters = ReplicaCounters()
+        self.demotions = DemotionTally(self.counters)
 
     @property
     def remote(self):
@@ -150,20 +149,8 @@ class Replicator:
             return sent
 
     def _count_demotions(self, items, results) -> None:
-        failed = []
-        for item, ok in zip(items, results):
-            if ok is None:
-                continue
-            if ok:
-                self.counters.num_demoted_remote += 1
-            else:
-                self.counters.num_demotion_failures += 1
-            if not ok:
-                failed.append(getattr(item, "object_id", item))
-        # With a home down every eviction fails alike: one line per second, not one per object.
-        now = time.monotonic()
-        if failed and now - self._demotion_log_at >= 1.0:
-            self._demotion_log_at = now
+        failed = self.demotions.count(items, results)
+        if failed:
             log.warning("event=remote_demotion_failed objects=%d first=%s homes=%s total=%d", len(failed), failed[0],
                         ",".join(self.remote.remote_homes(failed[0])), self.counters.num_demotion_failures)
 

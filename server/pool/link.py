@@ -25,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import time
 from dataclasses import asdict, dataclass
 
@@ -40,6 +39,7 @@ from kvstore.replies import MISS
 from server.events import MEDIUM_PEER
 from server.later import resolve
 from server.pool.master_metrics import read_master_metrics
+from server.tiering.demotions import DemotionTally
 from server.tiering.objects import ObjectEntry
 from tiers.allocator import Extent
 from tiers.mooncake.pool import MooncakePool
@@ -98,7 +98,7 @@ class PoolLink:
         self._registered: dict[str, int] = {}  # namespace -> arena address registered
         self._in_flight: dict[tuple[str, bytes], asyncio.Future] = {}  # puts a delete waits for
         self._background: set[asyncio.Task] = set()
-        self._demotion_log_at = -math.inf
+        self.demotions = DemotionTally(self.write)
 
     # --- life ----------------------------------------------------------------------------
 
@@ -368,18 +368,8 @@ class PoolLink:
         self._count_demotions(oids, results)
 
     def _count_demotions(self, items, results) -> None:
-        failed = []
-        for item, ok in zip(items, results):
-            if ok is None:
-                continue
-            if ok:
-                self.write.num_demoted_remote += 1
-            else:
-                self.write.num_demotion_failures += 1
-                failed.append(getattr(item, "object_id", item))
-        now = time.monotonic()  # with the pool down or full every eviction fails alike: one line a second
-        if failed and now - self._demotion_log_at >= 1.0:
-            self._demotion_log_at = now
+        failed = self.demotions.count(items, results)
+        if failed:
             log.warning("event=pool_demotion_failed objects=%d first=%s total=%d pool_up=%s full=%d", len(failed),
                         failed[0], self.write.num_demotion_failures, self.pool.up, self.pool.counters.num_pool_full)
 
