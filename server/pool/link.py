@@ -15,9 +15,9 @@ checksum); a read whose header or bytes do not match is a miss, counted, never p
 Namespaces are kept apart by the key (<key_prefix><namespace>/<id>).
 
 The pool down (master unreachable, at start or later) costs misses and failed demotions,
-counted; the local tiers keep serving. Pins and TTLs stay local for now (not mapped onto
-Mooncake's soft pins and leases); puts with tier="remote" are refused as on a daemon with no
-cluster (this tier has no homes).
+counted; the local tiers keep serving. An object put with hints.pin is soft-pinned in the
+pool; later pins and unpins, and TTLs, stay local (Mooncake has no call for them); puts with
+tier="remote" are refused as on a daemon with no cluster (this tier has no homes).
 """
 
 from __future__ import annotations
@@ -260,11 +260,16 @@ class PoolLink:
                     parts.append([self.slots.address + self.slots.offset(slot)] + ([address] if meta.size else []))
                     sizes.append([HEADER_BYTES] + ([meta.size] if meta.size else []))
                     indices.append(i)
-                if keys:
-                    for i, code in zip(indices, await self.pool.put_from(keys, parts, sizes)):
-                        done[i] = code == 0
+                for pin in (False, True):  # hints.pin: a soft pin in the pool (one Mooncake call each)
+                    group = [k for k, i in enumerate(indices) if bool(items[i][1].hints.pin) == pin]
+                    if not group:
+                        continue
+                    codes = await self.pool.put_from([keys[k] for k in group], [parts[k] for k in group],
+                                                     [sizes[k] for k in group], soft_pin=pin)
+                    for k, code in zip(group, codes):
+                        done[indices[k]] = code == 0
                         if code == 0:
-                            self.read.bytes_out += items[i][1].size
+                            self.read.bytes_out += items[indices[k]][1].size
             finally:
                 del keep
                 await self.slots.give(slots)
@@ -404,7 +409,8 @@ class PoolLink:
         return sum(a or b for a, b in zip(found, removed))
 
     def pin_everywhere(self, namespace: str, ids, ttl_s, unpin: bool, here: list[bool]) -> int:
-        """Pins stay on this node (Mooncake soft pins are not mapped yet)."""
+        """Pins and unpins of held objects stay on this node: Mooncake 0.3.13 sets a soft pin only
+        as a value is put (docs/architecture.md, "Pins and TTLs in the pool")."""
         return sum(here)
 
     async def pool_status(self) -> dict:

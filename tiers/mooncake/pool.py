@@ -200,12 +200,16 @@ class MooncakePool:
         """Per key 1 (held), 0 (not held) or an error code."""
         return self._checked(await self._workers.run(self.store.batch_is_exist, keys), "is_exist")
 
-    async def put_from(self, keys: list[str], parts: list[list[int]], sizes: list[list[int]]) -> list[int]:
+    async def put_from(self, keys: list[str], parts: list[list[int]], sizes: list[list[int]],
+                       soft_pin: bool = False) -> list[int]:
         """Store each key as the concatenation of its parts (addresses, sizes). A key the pool
-        holds already is left as it is (0: held now). Per key 0 or an error code."""
-        from mooncake.store import ReplicateConfig
+        holds already is left as it is (0: held now). soft_pin: the master evicts these keys
+        last, for its --default_kv_soft_pin_ttl (30 min by default). Per key 0 or an error code."""
+        from mooncake.store import ReplicateConfig, SoftPinAction
         config = ReplicateConfig()
         config.replica_num = self.config.replicas
+        if soft_pin:
+            config.soft_pin_action = SoftPinAction.ENABLE
         codes = await self._workers.run(self.store.batch_put_from_multi_buffers, keys, parts, sizes, config)
         return self._checked(list(codes), "put")
 
