@@ -55,8 +55,8 @@ def _config_text(config: dict, prefix: str = "") -> str:
     return "\n".join(line for line in lines if line) + "\n"
 
 
-@pytest.fixture
-def daemon_factory():
+def _daemons():
+    """make(arena_bytes, config) -> a started DaemonProcess; each is stopped after."""
     made = []
 
     def make(arena_bytes: str = "16MiB", config: dict | None = None) -> DaemonProcess:
@@ -70,6 +70,17 @@ def daemon_factory():
             d.stop(signal.SIGKILL if d.proc and d.proc.poll() is None else signal.SIGTERM)
         finally:
             shutil.rmtree(d.root, ignore_errors=True)
+
+
+@pytest.fixture
+def daemon_factory():
+    yield from _daemons()
+
+
+@pytest.fixture(scope="module")
+def module_daemon_factory():
+    """daemon_factory for daemons a whole module's tests share."""
+    yield from _daemons()
 
 
 @pytest.fixture

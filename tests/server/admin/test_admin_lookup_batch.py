@@ -5,12 +5,9 @@ from __future__ import annotations
 
 import hashlib
 import os
-import shutil
-import tempfile
 
 import pytest
 
-from conftest import DaemonProcess
 from kvs_testing import payload
 from kvstore import Hints, ObjectId, StateDescriptor, chunk_keys
 from kvstore.identity import Shard
@@ -25,17 +22,12 @@ NUM_OBJECTS = 8  # of 1 MiB through a 4 MiB arena: the first ones go to NVMe
 
 
 @pytest.fixture(scope="module")
-def daemon():
-    d = DaemonProcess(tempfile.mkdtemp(prefix="kvs-"), {
+def daemon(module_daemon_factory):
+    d = module_daemon_factory("4MiB", {
         "events": {"enabled": True},
         "nvme": {"enabled": True, "capacity_bytes": "64MiB", "file_bytes": "16MiB", "admit_min_hits": 0}})
-    try:
-        d.start("4MiB")
-        d.api = AdminClient.from_data_dir(d.data_dir)
-        yield d
-    finally:
-        d.stop()
-        shutil.rmtree(d.root, ignore_errors=True)
+    d.api = AdminClient.from_data_dir(d.data_dir)
+    return d
 
 
 def block_hashes(tag: str, i: int) -> list:
