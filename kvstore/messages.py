@@ -310,12 +310,20 @@ class ReserveMany(Message):
     def items(self) -> list[Reserve]:
         """The single reserves this batch stands for (each with its route in its hints)."""
         ids, sizes = _ids_of(self.ids), unpack_uints(self.sizes)
-        if not self.routes:
-            return [Reserve(self.namespace, oid, size, self.descriptor, self.hints, self.tier)
-                    for oid, size in zip(ids, sizes)]
-        return [Reserve(self.namespace, oid, size, self.descriptor,
-                        self.hints if route is None else self.hints.with_route(route), self.tier)
-                for oid, size, route in zip(ids, sizes, self.routes)]
+        return [self.item(i, oid, size) for i, (oid, size) in enumerate(zip(ids, sizes))]
+
+    def columns(self) -> tuple[list[ObjectId], list[int]]:
+        """(ids, sizes): the per-item fields, read once for the whole batch."""
+        return _ids_of(self.ids), unpack_uints(self.sizes)
+
+    def hints_of(self, i: int) -> Hints:
+        """Item i's hints: the batch's, with its route where it has one."""
+        route = self.routes[i] if self.routes else None
+        return self.hints if route is None else self.hints.with_route(route)
+
+    def item(self, i: int, oid: ObjectId, size: int) -> Reserve:
+        """Item i as the single reserve it stands for (oid, size: its columns' entries)."""
+        return Reserve(self.namespace, oid, size, self.descriptor, self.hints_of(i), self.tier)
 
 
 @dataclass(frozen=True, slots=True)

@@ -42,27 +42,53 @@ class _Errors:
 
 
 def reserve_many(mgr, owner: int, msg: m.ReserveMany) -> MaybeAwaitable[r.ReserveManyReply]:
-    items = msg.items()
-    leases, offsets, exists = [0] * len(items), [0] * len(items), bytearray(len(items))
+    ids, sizes = msg.columns()
+    n = len(ids)
+    leases, offsets, exists = [0] * n, [0] * n, bytearray(n)
     errors = _Errors(owner, msg.op)
 
-    def done(item, reply: r.ReserveReply | None, exc) -> None:
-        i = item[0]
+    def left_over():
+        """The items the tier manager's plain-case run leaves to its single reserve, in order;
+        the run goes on after each (`each` asks for the next item only once this one is done)."""
+        i = 0
+        while (i := mgr.reserve_run(owner, msg, ids, sizes, i, leases, offsets, exists)) < n:
+            yield i
+            i += 1
+
+    def done(i: int, reply: r.ReserveReply | None, exc) -> None:
         if exc is not None:
             errors.add(i, exc)
         elif reply.exists:
             exists[i] = 1
         else:
             leases[i], offsets[i] = reply.lease, reply.offset
-    return then(each(enumerate(items), lambda item: mgr.reserve(owner, item[1]), done),
-                lambda _: r.ReserveManyReply(pack_uints(leases), pack_uints(offsets), bytes(exists), errors.logged(len(items))))
+    return then(each(left_over(), lambda i: mgr.reserve(owner, msg.item(i, ids[i], sizes[i])), done),
+                lambda _: r.ReserveManyReply(pack_uints(leases), pack_uints(offsets), bytes(exists), errors.logged(n)))
 
 
 def commit_many(mgr, owner: int, msg: m.CommitMany) -> MaybeAwaitable[r.CommitManyReply]:
     items = msg.items()
-    codes, others = bytearray(len(items)), []
+    n = len(items)
+    codes, others = bytearray(n), []
     errors = _Errors(owner, msg.op)
     existed = r.CommitReply(True)
+
+    def left_over():
+        """(item, its reply if committed already) for the items the tier manager's plain-case
+        run does not finish itself, in order (as reserve_many's)."""
+        i = 0
+        while True:
+            i, reply = mgr.commit_run(owner, items, i, codes)
+            if i == n:
+                return
+            yield i, reply
+            i += 1
+
+    def run(item):
+        i, reply = item
+        if isinstance(reply, Exception):
+            raise reply
+        return mgr.commit(owner, *items[i]) if reply is None else reply
 
     def done(item, reply: r.CommitReply | None, exc) -> None:
         i = item[0]
@@ -76,8 +102,8 @@ def commit_many(mgr, owner: int, msg: m.CommitMany) -> MaybeAwaitable[r.CommitMa
         else:
             codes[i] = r.OTHER
             others.append([i, reply.to_wire()])
-    return then(each(enumerate(items), lambda item: mgr.commit(owner, *item[1]), done),
-                lambda _: r.CommitManyReply(bytes(codes), tuple(others), errors.logged(len(items))))
+    return then(each(left_over(), run, done),
+                lambda _: r.CommitManyReply(bytes(codes), tuple(others), errors.logged(n)))
 
 
 def get_many(mgr, owner: int, msg: m.GetMany) -> MaybeAwaitable[r.GetManyReply]:

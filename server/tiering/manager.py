@@ -23,9 +23,9 @@ import xxhash
 from kvstore.config import HostTierConfig, LimitsConfig
 from kvstore.errors import ChecksumError, InvalidArgument, NotFound, RangeError
 from kvstore.identity import ObjectId, descriptor_differences
-from kvstore.messages import Reserve
+from kvstore.messages import Reserve, ReserveMany
 from kvstore.ranges import check_within
-from kvstore.replies import MISS, CommitReply, GetReply, ReserveReply
+from kvstore.replies import IN_MEMORY, MISS, STORED, CommitReply, GetReply, ReserveReply
 from server.events import NoEvents
 from server.tiering.absent import NoCluster, NoGpu, NoNvme
 from server.tiering.host import HostTier, Namespace, give_back_heap
@@ -143,6 +143,83 @@ class TierManager:
         )
         self.quotas.reserved(owner, msg.size)
         return ReserveReply(lease=lease.lease_id, offset=extent.offset)
+
+    def reserve_run(self, owner: Owner, msg: ReserveMany, ids: list, sizes: list, start: int,
+                    leases: list, offsets: list, exists: bytearray) -> int:
+        """Serve a reserve_many's items from `start` while each is the plain case, exactly as
+        reserve() would: a new id with room in the arena now, or a live copy of the same state
+        (exists). The checks that hold for the whole batch run once; columns are filled in
+        place. Returns the first item it left for reserve() (a refusal, an id held on NVMe or
+        expired, a quota reached, victims to make room), or len(ids)."""
+        ns = self.namespaces.get(msg.namespace)
+        desc = msg.descriptor
+        if ns is None or desc.namespace != msg.namespace or (msg.tier == "remote" and self.cluster.remote is None):
+            return start
+        expected, objects, now = desc.object_bytes, ns.objects, self.clock()
+        leases_left, bytes_left = self.quotas.room(owner)
+        capacity, ttl_s, holds = ns.arena.capacity_bytes, self.limits_config.lease_ttl_s, self.mover.holds
+        i, n, reserved = start, len(ids), 0
+        while i < n:
+            oid, size = ids[i], sizes[i]
+            if expected and size != expected:
+                break
+            existing = objects.get(oid)
+            if existing is not None:
+                if not existing.is_live(now) or existing.size != size or existing.descriptor != desc:
+                    break
+                ns.counters.num_dedup_puts += 1
+                exists[i] = 1
+                i += 1
+                continue
+            if holds(ns.name, oid) or leases_left <= 0 or size > bytes_left or size > capacity:
+                break
+            extent = ns.arena.alloc(size)
+            if extent is None:
+                break
+            lease = self.leases.grant(owner, None, extent, "write", ttl_s, now)
+            self._pending[lease.lease_id] = PendingPut(ns.name, oid, size, desc, msg.hints_of(i), extent, msg.tier)
+            leases[i], offsets[i] = lease.lease_id, extent.offset
+            leases_left, bytes_left, reserved = leases_left - 1, bytes_left - size, reserved + size
+            i += 1
+        if reserved:
+            self.quotas.reserved(owner, reserved)
+        return i
+
+    def commit_run(self, owner: Owner, items: list, start: int, codes: bytearray) -> tuple[int, MaybeAwaitable | None]:
+        """Commit a commit_many's (lease, checksum) items from `start` while each is the plain
+        case, exactly as commit() would: the caller's write lease, bytes that match, an id
+        not held here meanwhile, stored in host memory (codes[i] = STORED). Returns (k, None):
+        item k is left for commit() (or k is len(items)); or (k, reply): item k is committed
+        and its reply is something else (an NVMe write-through to await, say), or the
+        exception its commit raised."""
+        i, n = start, len(items)
+        get_lease, pending, holds = self.leases.get, self._pending, self.mover.holds
+        while i < n:
+            lease_id, checksum = items[i]
+            lease = get_lease(lease_id)
+            if lease is None or lease.owner != owner or lease.mode != "write":
+                break
+            put = pending.get(lease_id)
+            if put is None:
+                break
+            ns = self.namespaces[put.namespace]
+            if put.tier != "host" or put.object_id in ns.objects or holds(ns.name, put.object_id):
+                break
+            if self.verify_puts and self.checksum_of(ns, put) != checksum:
+                break
+            try:
+                self.take_put(owner, lease_id)
+                entry = self.host.publish(ns, put.object_id, put.extent, put.size, checksum, put.descriptor,
+                                          put.hints, pin_hint=True)
+                self.cluster.on_commit(entry)
+                reply = self.mover.on_commit(entry)
+            except Exception as exc:  # this item's failure, as commit() would raise it
+                return i, exc
+            if reply is not IN_MEMORY:
+                return i, reply
+            codes[i] = STORED
+            i += 1
+        return i, None
 
     def commit(self, owner: Owner, lease_id: int, checksum: bytes) -> MaybeAwaitable[CommitReply]:
         self.own_lease(owner, lease_id, "write")

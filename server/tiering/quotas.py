@@ -35,6 +35,12 @@ class ClientQuotas:
                 f"limits.max_inflight_bytes_per_client ({limit}); commit or abort some first"
             )
 
+    def room(self, owner: Owner) -> tuple[int, int]:
+        """(leases, bytes) `owner` may still take before check_lease / check_reserve refuse."""
+        limits = self.limits
+        return (limits.max_leases_per_client - self.leases.count(owner),
+                limits.max_inflight_bytes_per_client - self.inflight_bytes.get(owner, 0))
+
     def reserved(self, owner: Owner, size: int) -> None:
         self.inflight_bytes[owner] = self.inflight_bytes.get(owner, 0) + size
 

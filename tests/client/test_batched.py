@@ -247,3 +247,85 @@ def test_a_put_many_over_several_pipeline_steps_keeps_every_result_in_its_place(
             assert np.array_equal(out, payload(50, i) if i in conflicting else items[i][1]), i
         assert c.stats()["leases"] == 0
         c.check_integrity()
+
+
+def _reserve_many(c, keys, sizes, desc=StateDescriptor("default", "opaque", "0")):
+    c._run(c.core.op_open("default"))
+    reserved = c._run(c.core.op_simple(m.ReserveMany.of("default", keys, sizes, desc)))
+    return reserved, unpack_uints(reserved.leases), unpack_uints(reserved.offsets)
+
+
+def test_a_reserve_many_served_in_plain_runs_answers_each_item_as_a_reserve_would(daemon_factory):
+    """The daemon serves runs of plain items (new id, room now) without its per-item reserve;
+    dedups, refusals and quota limits in between still land on exactly their own items."""
+    d = daemon_factory(config={"limits": {"max_leases_per_client": 6}})
+    keys = ids(9, 11)
+    with d.client() as c:
+        c.put(keys[1], payload(64, 1))  # stored: exists
+        c.put(keys[3], payload(32, 3))  # stored with another size: Conflict
+        sizes = [64] * 9
+        reserved, leases, offsets = _reserve_many(c, keys, sizes)
+        errors = dict(reserved.errors)
+        assert list(reserved.exists) == [0, 1, 0, 0, 0, 0, 0, 0, 0]
+        assert errors.keys() == {3, 8}  # 7 new ids, a quota of 6 leases: the seventh is refused
+        assert errors[3]["code"] == "conflict" and errors[8]["code"] == "limit_exceeded"
+        granted = [i for i in range(9) if leases[i]]
+        assert granted == [0, 2, 4, 5, 6, 7] and len(set(offsets[i] for i in granted)) == 6
+        assert c.stats()["leases"] == 6
+        for i in granted:
+            c._run(c.core.op_simple(m.Abort(leases[i])))
+        c.check_integrity()
+
+
+def test_a_reserve_many_that_must_evict_midway_gets_room_and_keeps_order(daemon_factory):
+    d = daemon_factory("4MiB")
+    with d.client() as c:
+        old = ids(48, 12)
+        assert all(r.error is None for r in c.put_many([(k, payload(64 << 10, i)) for i, k in enumerate(old)]))
+        new = ids(16, 13)
+        results = c.put_many([(k, payload(64 << 10, 100 + i)) for i, k in enumerate(new)])
+        assert all(r.error is None and not r.existed for r in results)
+        for i, k in enumerate(new):
+            with c.get(k) as lease:
+                assert np.array_equal(lease.numpy(), payload(64 << 10, 100 + i))
+        c.check_integrity()
+
+
+def test_a_commit_many_with_a_bad_checksum_midway_fails_that_item_only(daemon_factory):
+    d = daemon_factory(config={"verify_puts": True})
+    keys = ids(4, 14)
+    with d.client() as c:
+        _, leases, offsets = _reserve_many(c, keys, [64] * 4)
+        import xxhash
+        arena = c.core.arenas["default"]
+        sums = []
+        for i, offset in enumerate(offsets):
+            arena[offset:offset + 64] = i + 1
+            sums.append(xxhash.xxh3_128_digest(arena[offset:offset + 64]))
+        sums[2] = bytes(16)
+        done = c._run(c.core.op_simple(m.CommitMany.of(leases, sums)))
+        assert list(done.codes) == [0, 0, 2, 0] and done.errors[0][0] == 2
+        assert done.errors[0][1]["code"] == "checksum"
+        assert c.get(keys[2]) is None
+        for i in (0, 1, 3):
+            with c.get(keys[i]) as lease:
+                assert bytes(lease.buffer) == bytes([i + 1]) * 64
+        assert c.stats()["leases"] == 0
+        c.check_integrity()
+
+
+def test_a_commit_many_of_an_id_committed_meanwhile_answers_existed_for_it(daemon):
+    keys = ids(3, 15)
+    with daemon.client() as c, daemon.client() as other:
+        _, leases, offsets = _reserve_many(c, keys, [64] * 3)
+        import xxhash
+        arena = c.core.arenas["default"]
+        sums = []
+        for i, offset in enumerate(offsets):
+            arena[offset:offset + 64] = 7
+            sums.append(xxhash.xxh3_128_digest(arena[offset:offset + 64]))
+        other.put(keys[1], np.full(64, 7, np.uint8))
+        done = c._run(c.core.op_simple(m.CommitMany.of(leases, sums)))
+        assert list(done.codes) == [0, 1, 0]
+        assert c.stats()["leases"] == 0
+        c.check_integrity()
