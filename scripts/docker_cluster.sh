@@ -11,6 +11,14 @@
 #   scripts/docker_cluster.sh stop-engine   stop the dockerd that `engine` started, if it runs
 #   scripts/docker_cluster.sh id SERVICE   the container id of a service (for docker exec/kill)
 #
+# --mooncake first (`scripts/docker_cluster.sh --mooncake up|test|down|build|id SERVICE`): the
+# Mooncake variant instead, docker/docker-compose.mooncake.yml: mooncake-master, pool-memory
+# (Mooncake's mooncake_client lending the pool its memory) and nodes a, b, c with
+# `[remote] backend = "mooncake"`; its image (docker/Dockerfile.mooncake) adds the
+# mooncake-transfer-engine-non-cuda wheel (its own wheelhouse, the version
+# locks/main-constraints.txt pins) and Debian's libibverbs1 to kvstore's. Project `kvstoremc`
+# (the tests': `kvstoremctest`); `test` runs tests/docker/test_docker_mooncake.py.
+#
 # Offline means: the base image is Debian bookworm made with debootstrap from the Debian
 # mirror (KVSTORE_DEBIAN_MIRROR) and `docker import`; python3 and etcd come from the same
 # mirror (apt-get in `docker build --network host`); kvstore's wheel and its dependencies'
@@ -22,14 +30,28 @@
 # CLI has it, else `docker-compose` (Debian's 1.29: apt-get install docker-compose).
 set -euo pipefail
 
+MOONCAKE=0
+if [ "${1:-}" = --mooncake ]; then MOONCAKE=1; shift; fi
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 WORK="${KVSTORE_DOCKER_WORK:-$ROOT/build/docker}"
-PROJECT="${KVSTORE_COMPOSE_PROJECT:-kvstore}"
+if [ $MOONCAKE = 1 ]; then
+    PROJECT="${KVSTORE_COMPOSE_PROJECT:-kvstoremc}"
+    COMPOSE_FILE="$ROOT/docker/docker-compose.mooncake.yml"
+    SERVICES="mooncake-master pool-memory node-a node-b node-c"
+    TESTS="$ROOT/tests/docker/test_docker_mooncake.py"
+    TEST_PROJECT=kvstoremctest  # test_docker_mooncake.py's
+else
+    PROJECT="${KVSTORE_COMPOSE_PROJECT:-kvstore}"
+    COMPOSE_FILE="$ROOT/docker/docker-compose.yml"
+    SERVICES="etcd node-a node-b node-c engine"
+    TESTS="$ROOT/tests/docker/test_docker_cluster.py"
+    TEST_PROJECT=kvstoretest  # test_docker_cluster.py's
+fi
 BASE_IMAGE="${KVSTORE_BASE_IMAGE:-kvstore-base:bookworm}"
 export KVSTORE_IMAGE="${KVSTORE_IMAGE:-kvstore:latest}"
 export KVSTORE_ETCD_IMAGE="${KVSTORE_ETCD_IMAGE:-kvstore-etcd:latest}"
+export KVSTORE_MOONCAKE_IMAGE="${KVSTORE_MOONCAKE_IMAGE:-kvstore-mooncake:latest}"
 MIRROR="${KVSTORE_DEBIAN_MIRROR:-http://deb.debian.org/debian}"
-COMPOSE_FILE="$ROOT/docker/docker-compose.yml"
 SECRET="$ROOT/docker/cluster-secret"
 UID_IN_IMAGE=10001  # the image's kvstore user (docker/Dockerfile)
 UP_TIMEOUT_S=180
@@ -123,6 +145,20 @@ context() {
         || die "pip download failed; see $WORK/pip.log"
 }
 
+# The Mooncake image's context: its Dockerfile and wheels/ (the Mooncake wheel and its
+# dependencies', CPython 3.11; kvstore's own are in the image it builds on).
+mooncake_context() {
+    local ctx="$WORK/context-mooncake"
+    rm -rf "$ctx"
+    mkdir -p "$ctx/wheels"
+    cp "$ROOT/docker/Dockerfile.mooncake" "$ctx/"
+    log "wheelhouse: mooncake-transfer-engine-non-cuda for CPython 3.11"
+    "$PY" -m pip download -q --only-binary=:all: --python-version 3.11 --implementation cp \
+        --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -c "$ROOT/locks/main-constraints.txt" \
+        -d "$ctx/wheels" mooncake-transfer-engine-non-cuda >"$WORK/pip-mooncake.log" 2>&1 \
+        || die "pip download failed; see $WORK/pip-mooncake.log"
+}
+
 secret() {
     [ -s "$SECRET" ] && return 0
     "$PY" -c 'import secrets; print(secrets.token_hex(24))' > "$SECRET"
@@ -139,6 +175,17 @@ build() {
     mkdir -p "$WORK"
     base_image
     context
+    if [ $MOONCAKE = 1 ]; then
+        mooncake_context
+        log "building $KVSTORE_IMAGE and $KVSTORE_MOONCAKE_IMAGE (log: $WORK/build-mooncake.log)"
+        {
+            docker build --network host --build-arg BASE="$BASE_IMAGE" --build-arg WHEELS=docker/wheels \
+                -t "$KVSTORE_IMAGE" -f "$WORK/context/docker/Dockerfile" "$WORK/context" \
+            && docker build --network host --build-arg KVSTORE_IMAGE="$KVSTORE_IMAGE" -t "$KVSTORE_MOONCAKE_IMAGE" \
+                -f "$WORK/context-mooncake/Dockerfile.mooncake" "$WORK/context-mooncake"
+        } >"$WORK/build-mooncake.log" 2>&1 || die "docker build failed; see $WORK/build-mooncake.log"
+        return 0
+    fi
     log "building $KVSTORE_ETCD_IMAGE and $KVSTORE_IMAGE (log: $WORK/build.log)"
     {
         docker build --network host --build-arg BASE="$BASE_IMAGE" -t "$KVSTORE_ETCD_IMAGE" \
@@ -151,7 +198,7 @@ build() {
 
 healthy() {  # every service but the engine reports healthy, the engine runs
     local id state
-    for service in etcd node-a node-b node-c engine; do
+    for service in $SERVICES; do
         id="$(compose ps -q "$service" 2>/dev/null)"
         [ -n "$id" ] || return 1
         state="$(docker inspect -f '{{.State.Status}} {{if .State.Health}}{{.State.Health.Status}}{{end}}' "$id")"
@@ -174,7 +221,11 @@ up() {
         fi
         sleep 1
     done
-    log "up: etcd, node-a, node-b, node-c healthy; engine running (project $PROJECT)"
+    if [ $MOONCAKE = 1 ]; then
+        log "up: mooncake-master, pool-memory, node-a, node-b, node-c healthy (project $PROJECT)"
+    else
+        log "up: etcd, node-a, node-b, node-c healthy; engine running (project $PROJECT)"
+    fi
 }
 
 leftovers() {  # what of the project exists (none, or no engine: nothing)
@@ -202,12 +253,12 @@ case "${1:-}" in
     test)
         shift
         mkdir -p "$WORK"
-        PROJECT=kvstoretest  # tests/docker/test_docker_cluster.py's
+        PROJECT=$TEST_PROJECT
         # The tests' fixture takes the cluster down; this covers a run cut short (SIGTERM,
         # Ctrl-C) before the fixture could.
         trap 'if [ -n "$(leftovers)" ]; then log "taking down what the test run left of $PROJECT"; down; fi' EXIT
         trap 'exit 143' TERM
         trap 'exit 130' INT
-        "$PY" -m pytest -q -m docker "$ROOT/tests/docker" "$@" ;;
-    *) die "usage: $0 up|test|down|build|engine|stop-engine|id SERVICE" ;;
+        "$PY" -m pytest -q -m docker "$TESTS" "$@" ;;
+    *) die "usage: $0 [--mooncake] up|test|down|build|engine|stop-engine|id SERVICE" ;;
 esac

@@ -9,6 +9,7 @@ into `docker exec -i`, so nothing of the repository is mounted into the containe
     tiers NS TAG PER_GROUP        where each object is on this node (lookup, no remote fetch)
     zero_copy NS TAG PER_GROUP    whether a lease's view lies inside the mapped arena memfd
     members                       the cluster members this node sees
+    remote                        the remote tier's stats (the Mooncake pool's: up, counters)
 """
 
 import hashlib
@@ -64,6 +65,9 @@ def main(verb: str, *args: str) -> dict:
     if verb == "members":
         with connect() as c:
             return {"members": sorted(c.stats()["tiers"]["remote"]["members"])}
+    if verb == "remote":
+        with connect() as c:
+            return c.stats()["tiers"]["remote"]
     namespace, tag, per_group = args[0], args[1], int(args[2])
     keys = ids(tag, per_group)
     with connect(namespace) as c:
