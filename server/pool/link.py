@@ -4,9 +4,11 @@ behind the surface the tier manager uses of the peer tier (server/cluster/link.p
     local put (commit) -> write_through: background put into the pool; write_back: nothing yet
     leaving this node  -> an object evicted from its last local tier that the pool is not
                           known to hold is put there first (host victims, NVMe evictions)
-    local get miss     -> host, then NVMe, then the pool: header read (one ranged read), then
-                          the payload straight into the arena, checked against the header's xxh3-128,
-                          published (a ranged get fetches the whole object, then serves the ranges)
+    local get miss     -> host, then NVMe, then the pool: the header and the payload (its size
+                          guessed: the namespace's last) straight into the arena in one call (a
+                          wrong guess: a second call for the payload), checked against the
+                          header's xxh3-128, published (a ranged get fetches the whole object,
+                          then serves the ranges)
     lookup             -> local tiers, then one batch_is_exist and one header read per batch
     delete             -> this node's tiers, then the pool's keys
 
@@ -60,6 +62,7 @@ class PoolReadCounters:  # the names of the peer tier's, so /metrics reports bot
     num_deletes: int = 0
     num_checksum_failures: int = 0  # payloads that did not hash to their header's checksum
     num_header_failures: int = 0  # headers damaged or naming another object, namespace or size
+    num_size_guesses_missed: int = 0  # gets whose payload was not the guessed size: a second call
     bytes_in: int = 0
     bytes_out: int = 0
 
@@ -96,8 +99,11 @@ class PoolLink:
         # may leave this node without being put. Forgotten when they leave.
         self._held: set[tuple[str, bytes]] = set()
         self._registered: dict[str, int] = {}  # namespace -> arena address registered
+        self._sizes: dict[str, int] = {}  # namespace -> the last payload size put or read: a get's guess
         self._in_flight: dict[tuple[str, bytes], asyncio.Future] = {}  # puts a delete waits for
         self._background: set[asyncio.Task] = set()
+        self._committed: list[ObjectEntry] = []  # write_through: commits not yet sent to the pool
+        self._senders = 0  # tasks sending them (at most io_threads)
         self.demotions = DemotionTally(self.write)
 
     # --- life ----------------------------------------------------------------------------
@@ -148,17 +154,20 @@ class PoolLink:
                                                   [self.slots.offset(s) for s in slots], [0] * len(held),
                                                   [HEADER_BYTES] * len(held))
                 for i, slot, n in zip(held, slots, got):
-                    if n != HEADER_BYTES:
-                        continue  # gone meanwhile, or shorter than a header
-                    try:
-                        found[i] = decode_header(self.slots.view(slot), namespace, ids[i])
-                    except PoolHeaderError as exc:
-                        self.read.num_header_failures += 1
-                        log.warning("event=pool_bad_header namespace=%s id=%s error=%r", namespace, ids[i],
-                                    exc.message)
+                    if n == HEADER_BYTES:  # else gone meanwhile, or shorter than a header
+                        found[i] = self._decoded(namespace, ids[i], self.slots.view(slot))
             finally:
                 await self.slots.give(slots)
         return found
+
+    def _decoded(self, namespace: str, object_id, header) -> RemoteMeta | None:
+        """A header read from the pool, checked against the key it was read under (None: bad)."""
+        try:
+            return decode_header(header, namespace, object_id)
+        except PoolHeaderError as exc:
+            self.read.num_header_failures += 1
+            log.warning("event=pool_bad_header namespace=%s id=%s error=%r", namespace, object_id, exc.message)
+            return None
 
     async def lookup_remote(self, namespace: str, ids) -> list[RemoteMeta | None]:
         """What the pool holds of `ids` (ObjectIds, or raw digests off the local protocol)."""
@@ -183,25 +192,38 @@ class PoolLink:
             self.pool.usable()  # counts the skip
             return None
         ns = await self.manager.open_namespace(namespace)
-        meta = (await self._metas(namespace, [object_id], ask_master=False))[0]
+        await self._register_arena(ns)
+        start = time.perf_counter()
+        guess = self._sizes.get(namespace)
+        guessed = await self._read_guessed(ns, namespace, object_id, guess) if guess else None
+        if guessed is None:  # not tried: no size to guess, or no room for it
+            meta, extent = (await self._metas(namespace, [object_id], ask_master=False))[0], None
+        else:
+            meta, extent = guessed
         if meta is None:
+            # A miss: the next get reads the header alone first, so that a run of misses does
+            # not make room (evict) for payloads that are not there. A hit guesses again.
+            self._sizes.pop(namespace, None)
             self.manager.events.removed(namespace, object_id, MEDIUM_PEER)
             return None
+        filled = extent is not None  # the payload came with the header
+        if not filled:
+            try:
+                extent = await self.manager.allocate(ns, meta.size)
+            except CapacityError:
+                return None
+            self.manager.track_transient(ns, extent, add=True)
+        ok = False
         try:
-            extent = await self.manager.allocate(ns, meta.size)
-        except CapacityError:
-            return None
-        self.manager.track_transient(ns, extent, add=True)
-        ok, start = False, time.perf_counter()
-        try:
-            await self._register_arena(ns)
             view = ns.arena.view(extent)[:meta.size]
             address, array = address_of(view)
-            if self.pool.usable():
+            if not filled and self.pool.usable():
                 got = await self.pool.read_ranges(address, [self.key(namespace, object_id)], [0], [HEADER_BYTES],
                                                   [meta.size])
-                ok = got[0] == meta.size and xxhash.xxh3_128_digest(view) == meta.checksum
-                if got[0] == meta.size and not ok:
+                filled = got[0] == meta.size
+            if filled:
+                ok = xxhash.xxh3_128_digest(view) == meta.checksum
+                if not ok:
                     self.read.num_checksum_failures += 1
                     log.warning("event=pool_checksum_mismatch namespace=%s id=%s", namespace, object_id)
             del array, view
@@ -215,11 +237,44 @@ class PoolLink:
             return ns.objects[object_id]
         self.read.num_hits += 1
         self.read.bytes_in += meta.size
+        self._sizes[namespace] = meta.size
         seconds = max(time.perf_counter() - start, 1e-6)
         self.bandwidth_bytes_s = 0.8 * self.bandwidth_bytes_s + 0.2 * meta.size / seconds
         self.manager.track_transient(ns, extent, add=False)
         self._held.add((namespace, object_id.digest))
         return self.manager.publish(ns, object_id, extent, meta.size, meta.checksum, meta.descriptor, meta.hints)
+
+    async def _read_guessed(self, ns, namespace: str, object_id, guess: int):
+        """The header and, guessing the payload's size (the namespace's last one put or read
+        here: a model's chunks are alike), the payload into the arena in the same Mooncake call:
+        one round trip instead of two. (meta, extent holding the unverified payload), or (meta,
+        None) when the guess was wrong (the payload is then read as usual), or (None, None) for
+        a miss; None: not tried (no room for the guess)."""
+        try:
+            extent = await self.manager.allocate(ns, guess)
+        except CapacityError:
+            return None
+        self.manager.track_transient(ns, extent, add=True)
+        slot = (await self.slots.take(1))[0]
+        meta, kept = None, False
+        try:
+            view = ns.arena.view(extent)[:guess]
+            address, array = address_of(view)
+            header_n, payload_n = await self.pool.read_parts(
+                self.key(namespace, object_id),
+                [(self.slots.address + self.slots.offset(slot), 0, HEADER_BYTES), (address, HEADER_BYTES, guess)])
+            del array, view
+            if header_n == HEADER_BYTES:
+                meta = self._decoded(namespace, object_id, self.slots.view(slot))
+            kept = meta is not None and meta.size == guess and payload_n == guess
+            if meta is not None and not kept:
+                self.read.num_size_guesses_missed += 1
+        finally:
+            await self.slots.give([slot])
+            if not kept:
+                self.manager.track_transient(ns, extent, add=False)
+                ns.arena.free(extent)
+        return meta, extent if kept else None
 
     async def get_ranges(self, owner, namespace: str, object_id, accept, ranges: tuple, expect=None):
         """A sparse reader's local miss: the pool cannot check a part of an object against the
@@ -270,6 +325,7 @@ class PoolLink:
                         done[indices[k]] = code == 0
                         if code == 0:
                             self.read.bytes_out += items[indices[k]][1].size
+                            self._sizes[namespace] = items[indices[k]][1].size
             finally:
                 del keep
                 await self.slots.give(slots)
@@ -325,15 +381,25 @@ class PoolLink:
         self.manager.events.stored(namespace, oid, MEDIUM_PEER, descriptor, hints)
 
     def on_commit(self, entry: ObjectEntry) -> None:
-        """A local put committed: under write_through, put it into the pool in the background."""
+        """A local put committed: under write_through, put it into the pool in the background.
+        Commits queue, and each of up to io_threads senders puts what has queued as one batch
+        (one Mooncake call for many commits), so a run of puts costs the pool few round trips."""
         if self.config.remote_write == "write_through" and self.pool.up:
-            task = asyncio.get_running_loop().create_task(self._replicate(entry))
-            self._background.add(task)
-            task.add_done_callback(self._background.discard)
+            self._committed.append(entry)
+            if self._senders < self.config.io_threads:
+                self._senders += 1
+                task = asyncio.get_running_loop().create_task(self._replicate())
+                self._background.add(task)
+                task.add_done_callback(self._background.discard)
 
-    async def _replicate(self, entry: ObjectEntry) -> None:
-        if (await self._put_entries([entry]))[0]:
-            self.write.num_replicated += 1
+    async def _replicate(self) -> None:
+        try:
+            while self._committed:
+                batch, self._committed = self._committed[:MAX_POOL_BATCH], self._committed[MAX_POOL_BATCH:]
+                done = await self._put_entries(batch)  # (not `+= await`: that reads the count before)
+                self.write.num_replicated += sum(done)
+        finally:
+            self._senders -= 1
 
     def must_send(self, namespace: str, object_id) -> bool:
         """Would this object be lost to the pool if it left this node now?"""

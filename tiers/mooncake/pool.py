@@ -223,6 +223,18 @@ class MooncakePool:
         codes = [ranges[0] if ranges else -1 for ranges in got[0]] if got else [-1] * len(keys)
         return self._checked(codes, "get")
 
+    async def read_parts(self, key: str, parts: list[tuple[int, int, int]]) -> list[int]:
+        """One key read into several buffers in one call; parts are (address, offset in the
+        value, size). Per part the bytes read or an error code. Only the first part's code is
+        counted and acted on: a later part past the value's end (-600) is what a reader that
+        guessed the size gets, not a fault of the pool."""
+        got = await self._workers.run(self.store.get_into_ranges, [address for address, _, _ in parts],
+                                      [[key]] * len(parts), [[[0]]] * len(parts),
+                                      [[[offset]] for _, offset, _ in parts], [[[size]] for _, _, size in parts])
+        codes = [ranges[0][0] if ranges and ranges[0] else -1 for ranges in got] if got else [-1] * len(parts)
+        self._checked(codes[:1], "get")
+        return codes
+
     async def remove(self, keys: list[str]) -> list[int]:
         """Per key 0 (removed), OBJECT_NOT_FOUND, or an error code."""
         return self._checked(list(await self._workers.run(self.store.batch_remove, keys, True)), "remove")

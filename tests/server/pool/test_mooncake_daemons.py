@@ -91,6 +91,65 @@ def test_object_corrupted_in_the_pool_is_a_counted_miss(master, keeper, daemon_f
         cc.check_integrity()
 
 
+def test_gets_guessing_the_size_read_header_and_payload_at_once_and_check_them_alike(master, keeper, daemon_factory):
+    """A get guesses the payload's size (the namespace's last one) and reads it with the
+    header in one Mooncake call; a wrong guess, larger or smaller, reads the payload again,
+    and a payload or header that does not match is a miss on this path as on the other."""
+    a, c = (daemon_factory("32MiB", config=pool_config(master)) for _ in range(2))
+    keys = oids(80, 8)
+    u0, u1, small, big, u2, flipped, moved, u3 = keys
+    sizes = [60_000, 60_000, 30_000, 90_000, 60_000, 60_000, 60_000, 60_000]
+    with a.client() as ca:
+        pool_up(ca)
+        put_into_pool(ca, keys, sizes)
+    key = pool_key(PREFIX, "default", flipped)
+    value = bytearray(keeper.get(key))
+    value[HEADER_BYTES + 59_999] ^= 0x80  # the payload's last byte
+    assert keeper.remove(key) == 0 and keeper.put(key, bytes(value)) == 0
+    key = pool_key(PREFIX, "default", moved)
+    assert keeper.remove(key) == 0 and keeper.put(key, keeper.get(pool_key(PREFIX, "default", u2))) == 0
+    with c.client() as cc:
+        pool_up(cc)
+
+        def read(i):
+            out = np.empty(sizes[i], np.uint8)
+            return cc.get_into(keys[i], out) == sizes[i] and np.array_equal(out, payload(sizes[i], i))
+
+        # u0: nothing to guess (two calls); u1: guessed 60,000, right; small: 60,000 is past
+        # its end; big: 30,000 reads a prefix of it; u2: 90,000 is past its end.
+        for i in range(5):
+            assert read(i), f"object {i}"
+            assert pool_stats(cc)["remote"]["num_size_guesses_missed"] == [0, 0, 1, 2, 3][i]
+        assert cc.get(flipped) is None  # guessed right, and its checksum fails
+        assert cc.get(moved) is None  # guessed, and its header names u2
+        assert read(7)
+        remote = pool_stats(cc)["remote"]
+        assert remote["num_size_guesses_missed"] == 3 and remote["num_checksum_failures"] == 1
+        assert remote["num_header_failures"] == 1 and remote["num_hits"] == 6 and remote["num_misses"] == 2
+        assert pool_stats(cc)["pool"]["up"] is True and pool_stats(cc)["pool"]["num_pool_failures"] == 0
+        cc.check_integrity()
+
+
+def test_commits_go_to_the_pool_in_batches_and_a_delete_meanwhile_wins(master, keeper, daemon_factory):
+    """write_through queues commits and sends what has queued as one batch: every object of a
+    put_many reaches the pool, counted once each, and objects deleted right after their put
+    are not left in the pool, whether their batch had gone or not."""
+    a = daemon_factory("32MiB", config=pool_config(master))
+    keys = oids(100, 40)
+    with a.client() as ca:
+        pool_up(ca)
+        results = ca.put_many([(key, payload(10_000 + i, i)) for i, key in enumerate(keys)])
+        assert all(r.error is None for r in results)
+        ca.delete(keys[::2])
+        assert wait_for(lambda: pool_stats(ca)["num_replicated"] >= 20)
+        assert wait_for(lambda: keeper.exist([pool_key(PREFIX, "default", k) for k in keys]) == [0, 1] * 20)
+        stats = pool_stats(ca)
+        assert stats["num_replicated"] <= 40 and stats["num_put_failures"] == 0
+        out = np.empty(10_001, np.uint8)
+        assert ca.get_into(keys[1], out) == out.size and np.array_equal(out, payload(10_001, 1))
+        assert ca.get(keys[0]) is None
+
+
 def test_another_namespaces_objects_are_invisible(master, keeper, daemon_factory):
     config = {**pool_config(master), "host": {"namespaces": ["tenant-a", "tenant-b"]}}
     a, c = daemon_factory("32MiB", config=config), daemon_factory("32MiB", config=config)
