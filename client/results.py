@@ -15,7 +15,7 @@ class PutResult:
     tier: str | None = None
     durability: str | None = None  # "memory" in the host tier
     error: KVStoreError | None = None  # put_many only: this item failed
-    homes: tuple = ()  # tier="remote" puts: the object's home nodes
+    homes: tuple = ()  # tier="remote" puts: the object's home nodes (none for a Mooncake pool)
 
 
 @dataclass(frozen=True, slots=True)

@@ -237,6 +237,7 @@ class Client:
         tier="remote" (a clustered daemon): the commit returns once the object's home nodes
         hold it, and this node keeps no copy unless it is a home; `result.tier` says where
         it ended up ("host" if no home could take it) and `result.homes` names the homes.
+        On a daemon whose remote tier is a Mooncake pool: once the pool holds it (no homes).
         """
         return self._run(batched.put(self.core, key, data, desc, hints, tier))
 

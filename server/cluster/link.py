@@ -85,6 +85,10 @@ class ClusterLink:
         return self.node.remote
 
     @property
+    def takes_remote_puts(self) -> bool:
+        return self.node.remote is not None
+
+    @property
     def bandwidth_bytes_s(self) -> float:
         """Remote load estimate (bytes/s), following the fetches."""
         return self.fetcher.bandwidth_bytes_s

@@ -18,8 +18,8 @@ Namespaces are kept apart by the key (<key_prefix><namespace>/<id>).
 
 The pool down (master unreachable, at start or later) costs misses and failed demotions,
 counted; the local tiers keep serving. An object put with hints.pin is soft-pinned in the
-pool; later pins and unpins, and TTLs, stay local (Mooncake has no call for them); puts with
-tier="remote" are refused as on a daemon with no cluster (this tier has no homes).
+pool; later pins and unpins, and TTLs, stay local (Mooncake has no call for them). A put with
+tier="remote" returns once the pool holds it, and keeps no local copy.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from kvstore.errors import CapacityError
 from kvstore.identity import ObjectId
 from kvstore.peer_messages import RemoteMeta
 from kvstore.pool_header import HEADER_BYTES, PoolHeaderError, decode_header, encode_header, pool_key
-from kvstore.replies import MISS
+from kvstore.replies import MISS, CommitReply
 from server.events import MEDIUM_PEER
 from server.later import resolve
 from server.pool.master_metrics import read_master_metrics
@@ -73,6 +73,8 @@ class PoolWriteCounters:
     num_demoted_remote: int = 0  # objects put into the pool as they left this node
     num_demotion_failures: int = 0  # of those, the pool did not take (down, full, error)
     num_put_failures: int = 0  # every put the pool did not take (replication included)
+    num_remote_puts: int = 0  # puts with tier="remote"
+    num_remote_put_fallbacks: int = 0  # of those, the pool did not take: kept on this node
 
 
 def address_of(buffer) -> tuple[int, np.ndarray]:
@@ -85,7 +87,8 @@ class PoolLink:
     """The remote tier as the tier manager sees it, for `[remote] backend = "mooncake"`."""
 
     enabled = True
-    remote = None  # no peer tier: puts with tier="remote" are refused (they need homes)
+    remote = None  # no peer tier (no homes): the pool takes tier="remote" puts itself
+    takes_remote_puts = True
 
     def __init__(self, manager, config, make_store=None):
         """config: the `[remote.mooncake]` table. make_store: builds the Mooncake client (tests)."""
@@ -444,8 +447,21 @@ class PoolLink:
             log.warning("event=pool_demotion_failed objects=%d first=%s total=%d pool_up=%s full=%d", len(failed),
                         failed[0], self.write.num_demotion_failures, self.pool.up, self.pool.counters.num_pool_full)
 
-    def put_remote(self, entry: ObjectEntry):  # never called: the manager refuses tier="remote" (remote is None)
-        raise NotImplementedError
+    async def put_remote(self, entry: ObjectEntry) -> CommitReply:
+        """A put with tier="remote": the reply waits until the pool holds the object, and the
+        local copy goes (a later get reads it back from the pool, verified). If the pool does
+        not take it (down, full) the copy stays and the reply says tier "host": nothing is
+        lost, and nothing pretends."""
+        self.write.num_remote_puts += 1
+        ns = self.manager.namespaces[entry.namespace]
+        if not (await self._put_entries([entry]))[0]:
+            self.write.num_remote_put_fallbacks += 1
+            log.warning("event=remote_put_fallback namespace=%s id=%s pool_up=%s", entry.namespace, entry.object_id,
+                        self.pool.up)
+            return CommitReply(False, "host", "memory", ())
+        if ns.objects.get(entry.object_id) is entry:
+            self.manager.drop(ns, entry)  # forgets it here too
+        return CommitReply(False, "remote", "memory", ())
 
     # --- deletes and pins ------------------------------------------------------------------
 

@@ -119,8 +119,9 @@ class TierManager:
             )
         if msg.descriptor.namespace != msg.namespace:
             raise InvalidArgument("descriptor.namespace differs from the request's namespace")
-        if msg.tier == "remote" and self.cluster.remote is None:
-            raise InvalidArgument('put with tier="remote" needs a clustered daemon (cluster.enabled)')
+        if msg.tier == "remote" and not self.cluster.takes_remote_puts:
+            raise InvalidArgument('put with tier="remote" needs a remote tier: a clustered daemon (cluster.enabled) '
+                                  'or a Mooncake pool ([remote] backend = "mooncake")')
         existing = ns.objects.get(msg.object_id)
         if existing is not None and existing.is_live(self.clock()):
             # Content-addressed and immutable: the same id is the same state. Skip the copy.
@@ -153,7 +154,7 @@ class TierManager:
         expired, a quota reached, victims to make room), or len(ids)."""
         ns = self.namespaces.get(msg.namespace)
         desc = msg.descriptor
-        if ns is None or desc.namespace != msg.namespace or (msg.tier == "remote" and self.cluster.remote is None):
+        if ns is None or desc.namespace != msg.namespace or (msg.tier == "remote" and not self.cluster.takes_remote_puts):
             return start
         expected, objects, now = desc.object_bytes, ns.objects, self.clock()
         leases_left, bytes_left = self.quotas.room(owner)

@@ -150,6 +150,26 @@ def test_commits_go_to_the_pool_in_batches_and_a_delete_meanwhile_wins(master, k
         assert ca.get(keys[0]) is None
 
 
+def test_a_put_with_tier_remote_returns_once_the_pool_holds_it_and_keeps_no_copy(master, keeper, daemon_factory):
+    a, c = (daemon_factory("32MiB", config=pool_config(master)) for _ in range(2))
+    keys = oids(150, 4)
+    with a.client() as ca, c.client() as cc:
+        pool_up(ca, cc)
+        result = ca.put(keys[0], payload(50_000, 0), tier="remote")
+        assert (result.tier, result.homes) == ("remote", ())
+        assert keeper.exist([pool_key(PREFIX, "default", keys[0])]) == [1]  # before the reply, not after
+        results = ca.put_many([(k, payload(50_000, i)) for i, k in enumerate(keys[1:], 1)], tier="remote")
+        assert [r.tier for r in results] == ["remote"] * 3
+        assert ca.lookup(keys).tiers == ("remote",) * 4  # no local copy
+        assert pool_stats(ca)["num_remote_puts"] == 4 and pool_stats(ca)["num_remote_put_fallbacks"] == 0
+        out = np.empty(50_000, np.uint8)
+        for i, key in enumerate(keys):  # read back through the pool, verified, on either node
+            for client in (cc, ca):
+                assert client.get_into(key, out) == 50_000 and np.array_equal(out, payload(50_000, i))
+        assert ca.put(keys[0], payload(50_000, 0), tier="remote").existed  # held here again since the read
+        ca.check_integrity()
+
+
 def test_another_namespaces_objects_are_invisible(master, keeper, daemon_factory):
     config = {**pool_config(master), "host": {"namespaces": ["tenant-a", "tenant-b"]}}
     a, c = daemon_factory("32MiB", config=config), daemon_factory("32MiB", config=config)
@@ -186,6 +206,9 @@ def test_master_sigkill_is_misses_and_local_tiers_keep_serving(master, keeper, d
         new = ObjectId(b"\x99" * 32)
         ca.put(new, payload(30_000, 9))  # the put succeeds locally; its copy to the pool fails
         assert wait_for(lambda: pool_stats(ca)["num_put_failures"] >= 1 or pool_stats(ca)["pool"]["up"] is False)
+        kept = ObjectId(b"\x97" * 32)  # tier="remote" with the pool gone: the copy stays, and says so
+        assert ca.put(kept, payload(30_000, 7), tier="remote").tier == "host"
+        assert pool_stats(ca)["num_remote_put_fallbacks"] == 1 and ca.lookup([kept]).tiers == ("host",)
         # The master comes back (empty: it kept its metadata in memory); the keeper mounts
         # its segment again, and the daemons' probes find it.
         master.start()
