@@ -17,8 +17,9 @@ class Hints:
     """Advice from the producer. Every field is optional; none changes what a get returns.
 
     ttl_s: drop the object this many seconds after put (None: never expires). It counts from
-        the put on every tier: past it the object is a miss in host memory, on NVMe (also
-        after a restart) and once promoted back.
+        the put on every tier and node: past it the object is a miss in host memory, on NVMe
+        (also after a restart), once promoted back, and in copies fetched from peers or a
+        Mooncake pool (node clocks must agree to within what the TTL tolerates).
     priority: -10..10, higher is kept longer under pressure.
     session_id / branch_id: agent session and branch the state belongs to.
     next_access_s: when the producer expects the next read, in seconds from now.

@@ -25,7 +25,7 @@ from kvstore.ranges import CODEC as RANGES
 from kvstore.errors import InvalidArgument, ProtocolError
 from kvstore.hints import Hints
 from kvstore.identity import ObjectId, StateDescriptor
-from kvstore.fields import CHECKSUM, DESCRIPTOR, HINTS, IDS, NAMESPACE, OID, PIN_TTL, SIZE
+from kvstore.fields import CHECKSUM, DESCRIPTOR, FLOAT, HINTS, IDS, NAMESPACE, OID, PIN_TTL, SIZE
 from kvstore.messages import Message
 
 # Descriptors and hints repeat across objects (one model, a few layouts): their parsed and
@@ -57,13 +57,22 @@ CACHED_HINTS = _cached_codec(HINTS, "hints")
 
 @dataclass(frozen=True, slots=True)
 class RemoteMeta:
-    """What a home node knows about one object; the payload has `size` bytes."""
+    """What a home node knows about one object; the payload has `size` bytes. created_at:
+    the wall-clock time of its put (None: not known), so that a copy made anywhere expires
+    when the object does (hints.ttl_s counts from the put on every tier and node)."""
 
     size: int
     checksum: bytes
     descriptor: StateDescriptor
     hints: Hints = Hints()
-    _codecs: ClassVar = {"size": SIZE, "checksum": CHECKSUM, "descriptor": CACHED_DESCRIPTOR, "hints": CACHED_HINTS}
+    created_at: float | None = None
+    _codecs: ClassVar = {"size": SIZE, "checksum": CHECKSUM, "descriptor": CACHED_DESCRIPTOR, "hints": CACHED_HINTS,
+                         "created_at": FLOAT}
+
+    def expired(self, now_wall: float) -> bool:
+        """Past its TTL, counted from its put (never, without a TTL or a known put time)."""
+        ttl_s = self.hints.ttl_s
+        return ttl_s is not None and self.created_at is not None and self.created_at + ttl_s <= now_wall
 
     def to_wire(self) -> dict:
         return {k: enc(getattr(self, k)) for k, (_, enc) in self._codecs.items()}
@@ -99,13 +108,14 @@ class PeerPut(Message):
     checksum: bytes
     descriptor: StateDescriptor
     hints: Hints = Hints()
+    created_at: float | None = None
     op: ClassVar[str] = "peer_put"
     _codecs: ClassVar = {"namespace": NAMESPACE, "object_id": OID, **RemoteMeta._codecs}
-    _defaults: ClassVar = {"hints": Hints()}
+    _defaults: ClassVar = {"hints": Hints(), "created_at": None}
 
     @property
     def meta(self) -> RemoteMeta:
-        return RemoteMeta(self.size, self.checksum, self.descriptor, self.hints)
+        return RemoteMeta(self.size, self.checksum, self.descriptor, self.hints, self.created_at)
 
 
 @dataclass(frozen=True, slots=True)

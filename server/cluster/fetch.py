@@ -107,7 +107,7 @@ class Fetcher:
             return None
         self.held.add((namespace, object_id.digest))  # a home had it
         return self.manager.publish(ns, object_id, landing.keep(untrack=True), meta.size, meta.checksum,
-                                    meta.descriptor, meta.hints)
+                                    meta.descriptor, meta.hints, created_at=meta.created_at)
 
     async def get_ranges(self, owner, namespace: str, object_id, accept, ranges: tuple, expect=None) -> GetReply:
         """A local miss of a reader that needs only `ranges` (kvstore.ranges): fetch just those

@@ -30,7 +30,7 @@ class PeerServing:
 
     @staticmethod
     def meta(entry: ObjectEntry) -> RemoteMeta:
-        return RemoteMeta(entry.size, entry.checksum, entry.descriptor, entry.hints)
+        return RemoteMeta(entry.size, entry.checksum, entry.descriptor, entry.hints, entry.created_at)
 
     def _live(self, ns, object_id) -> ObjectEntry | None:
         return live_in(ns, object_id, self.manager.clock())
@@ -78,7 +78,7 @@ class PeerServing:
         def commit() -> None:  # the peer service verified the bytes against meta.checksum
             self.manager.track_transient(ns, extent, add=False)
             self.manager.publish(ns, object_id, extent, meta.size, meta.checksum, meta.descriptor, meta.hints,
-                                 pin_hint=True)
+                                 pin_hint=True, created_at=meta.created_at)
             self.held.add((namespace, object_id.digest))  # the sender sends to every home
 
         def abort() -> None:

@@ -63,6 +63,7 @@ class PoolReadCounters:  # the names of the peer tier's, so /metrics reports bot
     num_checksum_failures: int = 0  # payloads that did not hash to their header's checksum
     num_header_failures: int = 0  # headers damaged or naming another object, namespace or size
     num_size_guesses_missed: int = 0  # gets whose payload was not the guessed size: a second call
+    num_expired: int = 0  # objects found past their TTL (a miss; their key is removed)
     bytes_in: int = 0
     bytes_out: int = 0
 
@@ -164,13 +165,20 @@ class PoolLink:
         return found
 
     def _decoded(self, namespace: str, object_id, header) -> RemoteMeta | None:
-        """A header read from the pool, checked against the key it was read under (None: bad)."""
+        """A header read from the pool, checked against the key it was read under (None: bad,
+        or the object is past its TTL: Mooncake has no expiry, so its key is removed here)."""
         try:
-            return decode_header(header, namespace, object_id)
+            meta = decode_header(header, namespace, object_id)
         except PoolHeaderError as exc:
             self.read.num_header_failures += 1
             log.warning("event=pool_bad_header namespace=%s id=%s error=%r", namespace, object_id, exc.message)
             return None
+        if meta.expired(time.time()):
+            self.read.num_expired += 1
+            if (namespace, object_id.digest) not in self._in_flight:  # not while a new put of it goes
+                self._spawn(self.pool.remove([self.key(namespace, object_id)]))
+            return None
+        return meta
 
     async def lookup_remote(self, namespace: str, ids) -> list[RemoteMeta | None]:
         """What the pool holds of `ids` (ObjectIds, or raw digests off the local protocol)."""
@@ -245,7 +253,8 @@ class PoolLink:
         self.bandwidth_bytes_s = 0.8 * self.bandwidth_bytes_s + 0.2 * meta.size / seconds
         self.manager.track_transient(ns, extent, add=False)
         self._held.add((namespace, object_id.digest))
-        return self.manager.publish(ns, object_id, extent, meta.size, meta.checksum, meta.descriptor, meta.hints)
+        return self.manager.publish(ns, object_id, extent, meta.size, meta.checksum, meta.descriptor, meta.hints,
+                                    created_at=meta.created_at)
 
     async def _read_guessed(self, ns, namespace: str, object_id, guess: int):
         """The header and, guessing the payload's size (the namespace's last one put or read
@@ -366,7 +375,7 @@ class PoolLink:
                 for i in indices:
                     e = entries[i]
                     view = stack.enter_context(self.manager.held_view(e))
-                    items.append((e.object_id, RemoteMeta(e.size, e.checksum, e.descriptor, e.hints), view))
+                    items.append((e.object_id, RemoteMeta(e.size, e.checksum, e.descriptor, e.hints, e.created_at), view))
                 async with contextlib.AsyncExitStack() as sends:
                     for i in indices:
                         await sends.enter_async_context(self._sending(name, entries[i].object_id))
@@ -391,9 +400,13 @@ class PoolLink:
             self._committed.append(entry)
             if self._senders < self.config.io_threads:
                 self._senders += 1
-                task = asyncio.get_running_loop().create_task(self._replicate())
-                self._background.add(task)
-                task.add_done_callback(self._background.discard)
+                self._spawn(self._replicate())
+
+    def _spawn(self, coro) -> None:
+        """A background task, cancelled at stop."""
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     async def _replicate(self) -> None:
         try:

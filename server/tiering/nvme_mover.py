@@ -152,7 +152,7 @@ class TierMover:
     def remote_meta(self, namespace: str, oid):
         """What a peer lookup needs to know of an NVMe-only object (None if it went away)."""
         meta = self.nvme.meta(namespace, oid)
-        return None if meta is None else RemoteMeta(meta.size, meta.checksum, meta.descriptor, meta.hints)
+        return None if meta is None else RemoteMeta(meta.size, meta.checksum, meta.descriptor, meta.hints, meta.created_at)
 
     async def read_copy(self, namespace: str, oid):
         """(RemoteMeta, bytes verified against it) of an NVMe object, read into fresh memory
@@ -165,7 +165,7 @@ class TierMover:
         if await self._run(self.nvme.get_into, namespace, oid, out) is None:
             self._forget(self._key(namespace, oid))
             return None
-        return RemoteMeta(meta.size, meta.checksum, meta.descriptor, meta.hints), out
+        return RemoteMeta(meta.size, meta.checksum, meta.descriptor, meta.hints, meta.created_at), out
 
     def keys(self) -> list[tuple[str, bytes]]:  # (namespace, digest) of every object NVMe holds: a copy
         return list(map(key_parts, self.policy.keys()))

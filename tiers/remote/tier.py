@@ -159,7 +159,8 @@ class RemoteTier:
         """Send to one node (a home, or a new home while re-homing). True once it holds it.
         raising: the node's Conflict (it holds the id as another state) is raised."""
         self.counters.num_puts += 1
-        args = PeerPut(namespace, object_id, meta.size, meta.checksum, meta.descriptor, meta.hints).to_args()
+        args = PeerPut(namespace, object_id, meta.size, meta.checksum, meta.descriptor, meta.hints,
+                       meta.created_at).to_args()
         reply = await self._call(node, PeerPut.op, args, PeerPutReply, payload=buffer, raising=raising)
         if reply is None:
             return False

@@ -56,6 +56,25 @@ def test_put_on_one_node_read_on_the_other_bit_exact(pair):
         assert remote["remote"]["num_hits"] >= 1 and remote["remote"]["num_checksum_failures"] == 0
 
 
+def test_a_fetched_copy_expires_when_the_object_does(pair):
+    """hints.ttl_s counts from the put on every node: a copy fetched from the home later
+    expires with the home's, not ttl_s after the fetch."""
+    a, b = pair
+    candidates = [ObjectId(bytes([200, i]) * 16) for i in range(40)]
+    key = next(k for k in candidates if home_nodes(k, ("a", "b")) == ["a"])
+    with a.client() as ca, b.client() as cb:
+        put_at = time.monotonic()
+        ca.put(key, payload(20_000, 1), hints=Hints(ttl_s=3.0))
+        time.sleep(max(0.0, put_at + 1.5 - time.monotonic()))
+        out = np.empty(20_000, np.uint8)
+        assert cb.get_into(key, out) == 20_000 and np.array_equal(out, payload(20_000, 1))
+        assert cb.lookup([key]).tiers == ("host",)  # b's own copy now
+        time.sleep(max(0.0, put_at + 3.6 - time.monotonic()))
+        # ttl_s from the fetch would keep b's copy until about 4.5 s after the put
+        assert cb.lookup([key]).tiers == (None,) and cb.get(key) is None
+        cb.check_integrity()
+
+
 def test_dead_peer_is_a_fast_miss_and_local_state_keeps_working(pair):
     a, b = pair
     with a.client() as ca:

@@ -3,9 +3,11 @@ mooncake_master on loopback (TCP, P2PHANDSHAKE), a keeper process lending the po
 memory, and real daemons. State crosses nodes only as verified pool values."""
 
 import signal
+import time
 
 import numpy as np
 
+from kvstore.hints import Hints
 from kvstore.identity import ObjectId
 from kvstore.pool_header import HEADER_BYTES, pool_key
 from server.admin.client import AdminClient
@@ -168,6 +170,30 @@ def test_a_put_with_tier_remote_returns_once_the_pool_holds_it_and_keeps_no_copy
                 assert client.get_into(key, out) == 50_000 and np.array_equal(out, payload(50_000, i))
         assert ca.put(keys[0], payload(50_000, 0), tier="remote").existed  # held here again since the read
         ca.check_integrity()
+
+
+def test_objects_expire_in_the_pool_and_in_copies_read_from_it_when_their_ttl_ends(master, keeper, daemon_factory):
+    """Mooncake has no expiry: the header carries the put's time, so a reader's copy expires
+    with the object, and a read past the TTL is a miss that removes the pool's key."""
+    a, c = (daemon_factory("32MiB", config=pool_config(master)) for _ in range(2))
+    short, long = oids(170, 2)
+    with a.client() as ca, c.client() as cc:
+        pool_up(ca, cc)
+        put_at = time.monotonic()
+        ca.put(short, payload(20_000, 0), hints=Hints(ttl_s=3.0))
+        ca.put(long, payload(20_000, 1), hints=Hints(ttl_s=600.0))
+        assert wait_for(lambda: pool_stats(ca)["num_replicated"] == 2)
+        time.sleep(max(0.0, put_at + 1.5 - time.monotonic()))
+        out = np.empty(20_000, np.uint8)
+        assert cc.get_into(short, out) == 20_000 and np.array_equal(out, payload(20_000, 0))
+        assert cc.lookup([short]).tiers == ("host",)
+        time.sleep(max(0.0, put_at + 3.6 - time.monotonic()))
+        # ttl_s from the read would keep c's copy until about 4.5 s after the put
+        assert cc.lookup([short]).tiers == (None,) and cc.get(short) is None
+        assert pool_stats(cc)["remote"]["num_expired"] >= 1
+        assert wait_for(lambda: keeper.exist([pool_key(PREFIX, "default", short)]) == [0])
+        assert cc.get_into(long, out) == 20_000 and np.array_equal(out, payload(20_000, 1))
+        cc.check_integrity()
 
 
 def test_another_namespaces_objects_are_invisible(master, keeper, daemon_factory):
