@@ -131,7 +131,10 @@ class Subscriber:
                     self.stored[e["block_hashes"][0]] = now
 
     def arrivals(self, ids: list[bytes]) -> list[float | None]:
-        return [self.stored.get(i) for i in ids]
+        """By object id: an object put without a route is one block named by its id, which the
+        stream publishes in vLLM's int form by default (the daemons here keep that default)."""
+        from kvstore.route import published_hash
+        return [self.stored.get(published_hash(i, True)) for i in ids]
 
     def close(self) -> None:
         self._running = False
