@@ -13,8 +13,10 @@ valid only if its own checksum holds, it names the id and namespace asked for an
 that fits the value; the payload must then hash to the header's checksum. Anything else is
 a miss (`PoolHeaderError`), never served.
 
-The header has a fixed size so that a reader can fetch it alone with one ranged read, and
-the payload straight into tier memory with another, with no size lookup first.
+The header has a fixed size so that a reader can fetch it alone with one ranged read (a
+lookup), or with the payload straight into tier memory in the same call (a get that guesses
+the payload's size), with no size lookup first. The meta's created_at (the put's wall-clock
+time) lets a reader expire the object, which Mooncake itself never does.
 """
 
 from __future__ import annotations

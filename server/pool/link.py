@@ -18,8 +18,9 @@ Namespaces are kept apart by the key (<key_prefix><namespace>/<id>).
 
 The pool down (master unreachable, at start or later) costs misses and failed demotions,
 counted; the local tiers keep serving. An object put with hints.pin is soft-pinned in the
-pool; later pins and unpins, and TTLs, stay local (Mooncake has no call for them). A put with
-tier="remote" returns once the pool holds it, and keeps no local copy.
+pool; later pins and unpins stay local (Mooncake has no call for them). Mooncake has no
+expiry: the header carries the put's time, and a read past the TTL is a miss that removes the
+key. A put with tier="remote" returns once the pool holds it, and keeps no local copy.
 """
 
 from __future__ import annotations
