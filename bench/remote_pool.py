@@ -15,6 +15,9 @@ against kvstore's own peer tier, all in the same run, reps interleaved.
               after B dropped its copies, so each is fetched from A and verified.
     mooncake  Mooncake's own client (MooncakeDistributedStore, TCP): put_from a registered
               buffer under fresh keys, get_into a registered buffer, one call per object.
+    get_many  as get_into, but BATCH objects a call, as an engine loads a prefix's chunks:
+              `get_many_into` on the daemons (the pool reader reads a batch's misses ahead
+              together), `batch_get_into` into registered buffers on Mooncake's client.
 
 Every store is the same pool (one master, one holder segment) or the same loopback; the
 objects a rep moves are distinct keys, deleted after the rep (untimed).
@@ -38,6 +41,7 @@ SIZES = (4 * MiB, 64 * KiB)
 SECRET = "bench-remote-pool-secret-0123456789"
 REPLICATION_TIMEOUT_S = 120.0  # a put rep the remote tier never finishes is an error, not a hang
 POLL_S = 0.001  # how often a put rep asks the writer how many objects reached the remote tier
+BATCH = 64  # objects per get_many call (fewer when a rep has fewer)
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,6 +97,7 @@ class DaemonPairSide:
 
     def prepare(self, size: int, count: int) -> None:
         self.size, self.src, self.out = size, touched(size), touched(size, seed=1)
+        self.outs = [touched(size, seed=2 + i) for i in range(min(BATCH, count))]
         self.rep_keys = [keys_for(f"put/{size}/{i}", count) for i in range(self.reps + 1)]
         self.get_keys = keys_for(f"get/{size}", count)
         self._put_all(self.get_keys)
@@ -116,11 +121,27 @@ class DaemonPairSide:
             raise RuntimeError(f"{fetched} of {len(self.get_keys)} gets came from the remote tier")
         return elapsed
 
+    def get_many(self, rep: int) -> float:
+        hits = self.reader.stats()["tiers"]["remote"]["remote"]["num_hits"]
+        get_many_into, outs, keys, sizes = self.reader.get_many_into, self.outs, self.get_keys, []
+
+        def run() -> None:
+            for first in range(0, len(keys), len(outs)):
+                sizes.extend(get_many_into(list(zip(keys[first:first + len(outs)], outs))))
+        elapsed = timed(run)
+        if any(n != self.size for n in sizes):
+            raise RuntimeError(f"a {size_label(self.size)} get_many_into missed: {self.reader.stats()['tiers']['remote']}")
+        fetched = self.reader.stats()["tiers"]["remote"]["remote"]["num_hits"] - hits
+        if fetched != len(keys):
+            raise RuntimeError(f"{fetched} of {len(keys)} gets came from the remote tier")
+        return elapsed
+
     def forget(self, rep: int) -> None:
         self.reader.delete(self.get_keys, scope="node")
 
     def finish(self) -> None:
         self.writer.delete(self.get_keys)
+        self.outs = []
 
     def counters(self) -> dict:
         return self.reader.stats()["tiers"]["remote"]["remote"]
@@ -151,9 +172,11 @@ class MooncakeSide:
         for address in self.registered:
             self.store.unregister_buffer(address)
         self.size, self.count, self.src, self.out = size, count, touched(size), touched(size, seed=1)
-        self.registered = [self.src.ctypes.data, self.out.ctypes.data]
-        for address in self.registered:
-            if self.store.register_buffer(address, size) != 0:
+        self.batch = min(BATCH, count)
+        self.outs = touched(size * self.batch, seed=2)
+        self.registered = [self.src.ctypes.data, self.out.ctypes.data, self.outs.ctypes.data]
+        for address, nbytes in zip(self.registered, (size, size, self.outs.nbytes)):
+            if self.store.register_buffer(address, nbytes) != 0:
                 raise BaselineUnavailable("mooncake register_buffer failed")
         self.get_keys = [f"get/{size}/{i}" for i in range(count)]
         for key in self.get_keys:
@@ -179,6 +202,19 @@ class MooncakeSide:
         elapsed = timed(lambda: got.extend(get_into(key, address, size) for key in self.get_keys))
         if any(n != size for n in got):
             raise RuntimeError(f"mooncake get_into returned {sorted(set(got))}")
+        return elapsed
+
+    def get_many(self, rep: int) -> float:
+        batch_get_into, size, keys, got = self.store.batch_get_into, self.size, self.get_keys, []
+        addresses = [self.outs.ctypes.data + i * size for i in range(self.batch)]
+
+        def run() -> None:
+            for first in range(0, len(keys), self.batch):
+                part = keys[first:first + self.batch]
+                got.extend(batch_get_into(part, addresses[:len(part)], [size] * len(part)))
+        elapsed = timed(run)
+        if any(n != size for n in got):
+            raise RuntimeError(f"mooncake batch_get_into returned {sorted(set(got))}")
         return elapsed
 
     def forget(self, rep: int) -> None:
@@ -257,7 +293,7 @@ def run(plan: PoolPlan, workdir: str, skipped: dict[str, str]) -> list[Row]:
             for worker in sides.values():
                 worker.call("prepare", size, count)
             speed = {}
-            for op, after in (("put", "drop"), ("get", "forget")):
+            for op, after in (("put", "drop"), ("get", "forget"), ("get_many", "forget")):
                 seconds = _interleave(sides, op, after, plan.reps)
                 speed[op] = {name: gb_per_s(count * size, s) for name, s in seconds.items()}
                 print(f"[{time.strftime('%H:%M:%S')}] pool {size_label(size)} {op} GB/s "
@@ -265,7 +301,8 @@ def run(plan: PoolPlan, workdir: str, skipped: dict[str, str]) -> list[Row]:
             for worker in sides.values():
                 worker.call("finish")
             label = size_label(size)
-            for op, ours, mooncake in (("put", "put", "put_from"), ("get", "get_into", "get_into")):
+            for op, ours, mooncake in (("put", "put", "put_from"), ("get", "get_into", "get_into"),
+                                       ("get_many", "get_many_into", "batch_get_into")):
                 for base, name in (("mooncake", f"mooncake {mooncake}"), ("peers", f"peers {ours}")):
                     rows.append(Row(SUITE, f"pool {ours} {label}", "throughput", "GB/s", speed[op]["pool"],
                                     name, speed[op][base]))

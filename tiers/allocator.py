@@ -171,6 +171,23 @@ class ExtentAllocator:
                 self._remove_free(left)
         self._add_free(offset, length)
 
+    def trim_front(self, extent: Extent, nbytes: int) -> Extent:
+        """Give back the first `nbytes` of an extent alloc handed out (a multiple of the
+        alignment, shorter than the extent) and keep the rest allocated: the extent returned,
+        which free takes from then on (a reader that fetched a header in front of the bytes it
+        keeps). Anything else raises InvalidArgument and changes nothing."""
+        if (not isinstance(extent, Extent) or extent.offset not in self._allocated or not self.is_allocated(extent)
+                or type(nbytes) is not int or nbytes <= 0 or nbytes % self._alignment or nbytes >= extent.length):
+            raise InvalidArgument(
+                f"trim_front({extent!r}, {nbytes!r}): needs an extent alloc handed out and a positive "
+                f"multiple of {self._alignment} shorter than it"
+            )
+        kept = Extent(extent.offset + nbytes, extent.length - nbytes)
+        self._allocated[extent.offset] = nbytes
+        self._allocated[kept.offset] = kept.length
+        self.free(Extent(extent.offset, nbytes))
+        return kept
+
     # -- integrity ----------------------------------------------------------------------------
 
     def check_integrity(self) -> None:

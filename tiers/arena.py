@@ -157,6 +157,12 @@ class HostArena:
         """Give an extent back. The caller must hold no view of it and no lease on it."""
         self._allocator.free(extent)
 
+    def trim_front(self, extent: Extent, nbytes: int) -> Extent:
+        """Give back the first `nbytes` (whole pages) of an extent of more than a page and keep
+        the rest, which is returned. The same rule as free for the part given back."""
+        self._check_open()
+        return self._allocator.trim_front(extent, nbytes)
+
     def view(self, extent: Extent) -> memoryview:
         """A writable zero-copy memoryview of the extent's bytes (or any range inside the
         arena). The arena owns the memory; the view is valid until close(), and the caller

@@ -164,6 +164,13 @@ class SlabAllocator:
         self._slot_bytes += c
         return Extent(slab.offset + i * c, c)
 
+    def trim_front(self, extent: Extent, nbytes: int) -> Extent:
+        """Give back the first `nbytes` (whole pages) of a page extent alloc handed out; the
+        rest stays allocated and is returned (ExtentAllocator.trim_front). Not for slots."""
+        if not isinstance(extent, Extent) or extent.length < self._page or extent.offset // self._page in self._slabs:
+            raise InvalidArgument(f"trim_front({extent!r}): only a page extent alloc handed out can be trimmed")
+        return self._pages.trim_front(extent, nbytes)
+
     def free(self, extent: Extent) -> None:
         """Return an extent alloc handed out. Anything else (double free, a changed length,
         an extent of another allocator) raises InvalidArgument and changes nothing."""

@@ -84,6 +84,8 @@ class ClusterLink:
     def remote(self):
         return self.node.remote
 
+    fetches_many = False  # a batch's misses are fetched from their homes one by one, as their turn comes
+
     @property
     def takes_remote_puts(self) -> bool:
         return self.node.remote is not None

@@ -139,8 +139,19 @@ def get_many(mgr, owner: int, msg: m.GetMany) -> MaybeAwaitable[r.GetManyReply]:
                               tuple(descriptors), pack_uints(descriptor_of, 2),
                               errors.logged(n))
     get = mgr.get
-    return then(each(enumerate(ids), lambda item: get(owner, msg.namespace, item[1], None, None, msg.expect), done),
-                reply)
+
+    def served():
+        return then(each(enumerate(ids), lambda item: get(owner, msg.namespace, item[1], None, None, msg.expect), done),
+                    reply)
+
+    ahead = mgr.fetch_many(msg.namespace, ids)  # local misses read together, where the remote tier can
+    if ahead is None:
+        return served()
+
+    async def after_fetch() -> r.GetManyReply:
+        await ahead
+        return await resolve(served())
+    return after_fetch()
 
 
 def _misses(n: int) -> r.GetManyReply:

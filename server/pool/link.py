@@ -9,6 +9,7 @@ behind the surface the tier manager uses of the peer tier (server/cluster/link.p
                           wrong guess: a second call for the payload), checked against the
                           header's xxh3-128, published (a ranged get fetches the whole object,
                           then serves the ranges)
+    local get_many     -> its misses read ahead together (MAX_POOL_BATCH a call), then served
     lookup             -> local tiers, then one batch_is_exist and one header read per batch
     delete             -> this node's tiers, then the pool's keys
 
@@ -45,7 +46,7 @@ from server.pool.master_metrics import read_master_metrics
 from server.tiering.demotions import DemotionTally
 from server.tiering.objects import ObjectEntry
 from tiers.allocator import Extent
-from tiers.mooncake.pool import MooncakePool
+from tiers.mooncake.pool import INVALID_PARAMS, MooncakePool
 from tiers.mooncake.scratch import HEADER_SLOTS, HeaderSlots
 
 log = logging.getLogger("kvstore.mooncake")
@@ -65,6 +66,7 @@ class PoolReadCounters:  # the names of the peer tier's, so /metrics reports bot
     num_header_failures: int = 0  # headers damaged or naming another object, namespace or size
     num_size_guesses_missed: int = 0  # gets whose payload was not the guessed size: a second call
     num_expired: int = 0  # objects found past their TTL (a miss; their key is removed)
+    num_fetched_ahead: int = 0  # of the hits, those a get_many read ahead in batches
     bytes_in: int = 0
     bytes_out: int = 0
 
@@ -91,6 +93,7 @@ class PoolLink:
     enabled = True
     remote = None  # no peer tier (no homes): the pool takes tier="remote" puts itself
     takes_remote_puts = True
+    fetches_many = True  # a get_many's misses are read ahead together (fetch_many)
 
     def __init__(self, manager, config, make_store=None):
         """config: the `[remote.mooncake]` table. make_store: builds the Mooncake client (tests)."""
@@ -207,7 +210,7 @@ class PoolLink:
         await self._register_arena(ns)
         start = time.perf_counter()
         guess = self._sizes.get(namespace)
-        guessed = await self._read_guessed(ns, namespace, object_id, guess) if guess else None
+        guessed = (await self._read_guessed(ns, namespace, [object_id], guess))[0] if guess else None
         if guessed is None:  # not tried: no size to guess, or no room for it
             meta, extent = (await self._metas(namespace, [object_id], ask_master=False))[0], None
         else:
@@ -227,18 +230,15 @@ class PoolLink:
             self.manager.track_transient(ns, extent, add=True)
         ok = False
         try:
-            view = ns.arena.view(extent)[:meta.size]
-            address, array = address_of(view)
             if not filled and self.pool.usable():
+                view = ns.arena.view(extent)[:meta.size]
+                address, array = address_of(view)
+                del view
                 got = await self.pool.read_ranges(address, [self.key(namespace, object_id)], [0], [HEADER_BYTES],
                                                   [meta.size])
+                del array
                 filled = got[0] == meta.size
-            if filled:
-                ok = xxhash.xxh3_128_digest(view) == meta.checksum
-                if not ok:
-                    self.read.num_checksum_failures += 1
-                    log.warning("event=pool_checksum_mismatch namespace=%s id=%s", namespace, object_id)
-            del array, view
+            ok = filled and self._verified(ns, namespace, object_id, extent, meta)
         finally:
             if not ok or object_id in ns.objects:  # a miss, or a local put landed meanwhile
                 self.manager.track_transient(ns, extent, add=False)
@@ -247,47 +247,106 @@ class PoolLink:
             return None
         if object_id in ns.objects:
             return ns.objects[object_id]
+        return self._publish_read(ns, namespace, object_id, extent, meta, time.perf_counter() - start)
+
+    def _verified(self, ns, namespace: str, object_id, extent, meta: RemoteMeta) -> bool:
+        """Does the payload read into `extent` hash to its header's checksum? (counted if not)"""
+        view = ns.arena.view(extent)[:meta.size]
+        ok = xxhash.xxh3_128_digest(view) == meta.checksum
+        view.release()
+        if not ok:
+            self.read.num_checksum_failures += 1
+            log.warning("event=pool_checksum_mismatch namespace=%s id=%s", namespace, object_id)
+        return ok
+
+    def _publish_read(self, ns, namespace: str, object_id, extent, meta: RemoteMeta, seconds: float) -> ObjectEntry:
+        """A verified read from the pool becomes the local object (the extent is its)."""
         self.read.num_hits += 1
         self.read.bytes_in += meta.size
         self._sizes[namespace] = meta.size
-        seconds = max(time.perf_counter() - start, 1e-6)
-        self.bandwidth_bytes_s = 0.8 * self.bandwidth_bytes_s + 0.2 * meta.size / seconds
+        self.bandwidth_bytes_s = 0.8 * self.bandwidth_bytes_s + 0.2 * meta.size / max(seconds, 1e-6)
         self.manager.track_transient(ns, extent, add=False)
         self._held.add((namespace, object_id.digest))
         return self.manager.publish(ns, object_id, extent, meta.size, meta.checksum, meta.descriptor, meta.hints,
                                     created_at=meta.created_at)
 
-    async def _read_guessed(self, ns, namespace: str, object_id, guess: int):
-        """The header and, guessing the payload's size (the namespace's last one put or read
-        here: a model's chunks are alike), the payload into the arena in the same Mooncake call:
-        one round trip instead of two. (meta, extent holding the unverified payload), or (meta,
-        None) when the guess was wrong (the payload is then read as usual), or (None, None) for
-        a miss; None: not tried (no room for the guess)."""
+    async def _read_guessed(self, ns, namespace: str, ids: list, guess: int) -> list:
+        """Each id's whole value, header and payload, into the arena in one Mooncake call
+        (`batch_get_into`, the fastest read Mooncake has: ~2x its ranged reads), the payload's
+        size guessed (the namespace's last one put or read here: a model's chunks are alike).
+        Each lands in an extent of a header page plus the guess; a kept one gives the header
+        page back. Per id (meta, extent holding the unverified payload, tracked as transient),
+        or (meta, None) when the guess was wrong (read the payload as usual), or (None, None)
+        for a miss; None: not known (a value larger than the guess, or no room for it: read the
+        header first)."""
+        out: list = [None] * len(ids)
+        extents = []
         try:
-            extent = await self.manager.allocate(ns, guess)
+            for _ in ids:
+                extents.append(await self.manager.allocate(ns, HEADER_BYTES + guess))
+                self.manager.track_transient(ns, extents[-1], add=True)
         except CapacityError:
-            return None
-        self.manager.track_transient(ns, extent, add=True)
-        slot = (await self.slots.take(1))[0]
-        meta, kept = None, False
+            pass
+        n = len(extents)
+        if not n:
+            return out
+        kept, done = [False] * n, False
         try:
-            view = ns.arena.view(extent)[:guess]
-            address, array = address_of(view)
-            header_n, payload_n = await self.pool.read_parts(
-                self.key(namespace, object_id),
-                [(self.slots.address + self.slots.offset(slot), 0, HEADER_BYTES), (address, HEADER_BYTES, guess)])
-            del array, view
-            if header_n == HEADER_BYTES:
-                meta = self._decoded(namespace, object_id, self.slots.view(slot))
-            kept = meta is not None and meta.size == guess and payload_n == guess
-            if meta is not None and not kept:
-                self.read.num_size_guesses_missed += 1
+            base = self._registered[ns.name]
+            got = await self.pool.get_into([self.key(namespace, oid) for oid in ids[:n]],
+                                           [base + e.offset for e in extents], [HEADER_BYTES + guess] * n)
+            for i, (oid, extent, code) in enumerate(zip(ids, extents, got)):
+                if code == INVALID_PARAMS:  # larger than the guess: nothing was read
+                    self.read.num_size_guesses_missed += 1
+                    continue
+                meta = None
+                if code >= HEADER_BYTES:
+                    header = ns.arena.view(Extent(extent.offset, HEADER_BYTES))
+                    meta = self._decoded(namespace, oid, header)
+                    header.release()
+                kept[i] = meta is not None and meta.size == guess and code == HEADER_BYTES + guess
+                if meta is not None and not kept[i]:
+                    self.read.num_size_guesses_missed += 1
+                out[i] = (meta, None)
+            done = True
         finally:
-            await self.slots.give([slot])
-            if not kept:
+            for i, extent in enumerate(extents):
                 self.manager.track_transient(ns, extent, add=False)
-                ns.arena.free(extent)
-        return meta, extent if kept else None
+                if not (done and kept[i]):  # (a call cut short keeps nothing)
+                    ns.arena.free(extent)
+                    continue
+                payload = ns.arena.trim_front(extent, HEADER_BYTES)
+                self.manager.track_transient(ns, payload, add=True)
+                out[i] = (out[i][0], payload)
+        return out
+
+    async def fetch_many(self, namespace: str, ids: list) -> None:
+        """A get_many's local misses read ahead together, MAX_POOL_BATCH a Mooncake call
+        (headers and payloads, sizes guessed), verified and published, so that the batch's
+        own gets find them here. Best effort: what is not published (a miss, a wrong guess,
+        no room, a local put meanwhile) the batch's per-object get fetches as usual, and
+        counts; only what this publishes is counted here (a get and a hit)."""
+        guess = self._sizes.get(namespace)
+        if not guess or not self.pool.up:
+            return
+        ns = await self.manager.open_namespace(namespace)
+        await self._register_arena(ns)
+        for first in range(0, len(ids), MAX_POOL_BATCH):
+            part = ids[first:first + MAX_POOL_BATCH]
+            start = time.perf_counter()
+            found = await self._read_guessed(ns, namespace, part, guess)
+            seconds = (time.perf_counter() - start) / max(1, len(part))
+            for oid, got in zip(part, found):
+                meta, extent = got if got is not None else (None, None)
+                if extent is None:
+                    continue
+                if oid in ns.objects or not self._verified(ns, namespace, oid, extent, meta):
+                    self.manager.track_transient(ns, extent, add=False)
+                    ns.arena.free(extent)
+                    continue
+                self.read.num_gets += 1
+                self.read.num_fetched_ahead += 1
+                self._publish_read(ns, namespace, oid, extent, meta, seconds)
 
     async def get_ranges(self, owner, namespace: str, object_id, accept, ranges: tuple, expect=None):
         """A sparse reader's local miss: the pool cannot check a part of an object against the

@@ -105,6 +105,7 @@ class NoCluster:
     enabled = False
     remote = None  # the peer tier (tiers.remote.RemoteTier) a clustered daemon has
     takes_remote_puts = False  # put(tier="remote") needs a tier to put into
+    fetches_many = False  # a batch's misses are not read ahead together (fetch_many)
     bandwidth_bytes_s = 1e9  # never used: nothing is fetched
 
     def __init__(self, host):

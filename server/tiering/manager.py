@@ -324,6 +324,17 @@ class TierManager:
                 return self._lease(owner, ns, entry, copy)
         return self._lease(owner, ns, entry)
 
+    def fetch_many(self, namespace: str, oids: list) -> MaybeAwaitable[None]:
+        """Before a get_many is served: its local misses (in neither host nor NVMe) fetched
+        together where the remote tier reads many in one call (a Mooncake pool); the batch's
+        gets then find them in host memory. None when there is nothing to do."""
+        ns = self.namespaces.get(namespace)
+        if ns is None or not self.cluster.fetches_many:
+            return None
+        holds, live = self.mover.holds, self.host.live_entry
+        missing = [oid for oid in oids if live(ns, oid) is None and not holds(namespace, oid)]
+        return self.cluster.fetch_many(namespace, missing) if len(missing) > 1 else None
+
     def _lease(self, owner: Owner, ns: Namespace, entry: ObjectEntry, on_gpu: Extent | None = None) -> GetReply:
         """A read lease on the host entry, or on its device copy (`on_gpu`, acquired for it)."""
         oid = entry.object_id

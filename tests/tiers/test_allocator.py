@@ -311,3 +311,33 @@ def test_extents_allocated_at_start_answer_as_a_dict_of_them_would(pairs, steps,
 def test_bad_extents_allocated_at_start_rejected(offsets, lengths):
     with pytest.raises(InvalidArgument):
         ExtentAllocator(64 * 4096, 4096, allocated=(offsets, lengths))
+
+
+def test_trim_front_gives_back_the_front_and_keeps_the_rest_allocated():
+    a = ExtentAllocator(UNITS * ALIGN, ALIGN)
+    left, e, right = a.alloc(2 * ALIGN), a.alloc(8 * ALIGN), a.alloc(ALIGN)
+    a.free(left)
+    kept = a.trim_front(e, 3 * ALIGN)
+    assert kept == Extent(e.offset + 3 * ALIGN, 5 * ALIGN) and a.is_allocated(kept)
+    assert not a.is_allocated(e) and a.used_bytes == 6 * ALIGN
+    assert a.alloc(5 * ALIGN) == Extent(0, 5 * ALIGN)  # the front merged with the hole before it
+    a.check_integrity()
+    with pytest.raises(InvalidArgument):
+        a.free(e)  # the old extent is no longer one
+    a.free(kept)
+    a.free(right)
+    a.free(Extent(0, 5 * ALIGN))
+    assert a.used_bytes == 0 and a.num_free_extents == 1
+    a.check_integrity()
+
+
+@pytest.mark.parametrize("nbytes", [0, -ALIGN, ALIGN // 2, 4 * ALIGN, 5 * ALIGN, 1.5])
+def test_bad_trims_raise_and_change_nothing(nbytes):
+    a = ExtentAllocator(UNITS * ALIGN, ALIGN)
+    e = a.alloc(4 * ALIGN)
+    with pytest.raises(InvalidArgument):
+        a.trim_front(e, nbytes)
+    with pytest.raises(InvalidArgument):
+        a.trim_front(Extent(e.offset, 2 * ALIGN), ALIGN)  # not what alloc handed out
+    assert a.is_allocated(e) and a.used_bytes == 4 * ALIGN
+    a.check_integrity()

@@ -167,3 +167,20 @@ def test_check_integrity_finds_a_slot_lost_from_the_free_list():
     a._partial[128][:] = []  # a partial slab no longer listed: its free slots would leak
     with pytest.raises(RuntimeError, match="partial"):
         a.check_integrity()
+
+
+def test_trim_front_takes_page_extents_only():
+    s = slabs()
+    slot, pages = s.alloc(1000), s.alloc(3 * PAGE)
+    kept = s.trim_front(pages, PAGE)
+    assert kept == Extent(pages.offset + PAGE, 2 * PAGE) and s.is_allocated(kept)
+    used = s.used_bytes
+    with pytest.raises(InvalidArgument):
+        s.trim_front(slot, PAGE)  # a slot
+    slab_pages = Extent(slot.offset - slot.offset % PAGE, s.slab_bytes(1024))
+    with pytest.raises(InvalidArgument):
+        s.trim_front(slab_pages, PAGE)  # a slab's own pages
+    assert s.used_bytes == used
+    s.free(kept)
+    s.free(slot)
+    assert s.used_bytes == 0

@@ -30,6 +30,7 @@ log = logging.getLogger("kvstore.mooncake")
 
 # Mooncake's error codes (mooncake-store/include/types.h) that this tier acts on.
 NO_AVAILABLE_HANDLE = -200  # no segment has room: the pool is full
+INVALID_PARAMS = -600  # also what a read answers when the value does not fit the buffer given
 OBJECT_NOT_FOUND = -704
 # -9xx are RPC errors (the master did not answer); -8xx transfer errors (a segment's holder).
 RPC_ERRORS = range(-999, -899)
@@ -162,13 +163,14 @@ class MooncakePool:
                         "%gs\"", self.config.master, why, self.config.retry_interval_s)
         self._wake.set()
 
-    def _checked(self, codes: list[int], what: str) -> list[int]:
-        """Count and act on a batch's error codes: an RPC error marks the pool down."""
+    def _checked(self, codes: list[int], what: str, expected: tuple = ()) -> list[int]:
+        """Count and act on a batch's error codes: an RPC error marks the pool down. expected:
+        codes the caller asked for (not failures of the pool)."""
         worst = next((c for c in codes if c in RPC_ERRORS), None)
         if worst is not None:
             self.counters.num_pool_failures += 1
             self._note_down(f"{what}: rpc error {worst}")
-        elif any(c < 0 and c not in (OBJECT_NOT_FOUND, NO_AVAILABLE_HANDLE) for c in codes):
+        elif any(c < 0 and c not in (OBJECT_NOT_FOUND, NO_AVAILABLE_HANDLE, *expected) for c in codes):
             self.counters.num_pool_failures += 1
         self.counters.num_pool_full += sum(c == NO_AVAILABLE_HANDLE for c in codes)
         return codes
@@ -223,17 +225,13 @@ class MooncakePool:
         codes = [ranges[0] if ranges else -1 for ranges in got[0]] if got else [-1] * len(keys)
         return self._checked(codes, "get")
 
-    async def read_parts(self, key: str, parts: list[tuple[int, int, int]]) -> list[int]:
-        """One key read into several buffers in one call; parts are (address, offset in the
-        value, size). Per part the bytes read or an error code. Only the first part's code is
-        counted and acted on: a later part past the value's end (-600) is what a reader that
-        guessed the size gets, not a fault of the pool."""
-        got = await self._workers.run(self.store.get_into_ranges, [address for address, _, _ in parts],
-                                      [[key]] * len(parts), [[[0]]] * len(parts),
-                                      [[[offset]] for _, offset, _ in parts], [[[size]] for _, _, size in parts])
-        codes = [ranges[0][0] if ranges and ranges[0] else -1 for ranges in got] if got else [-1] * len(parts)
-        self._checked(codes[:1], "get")
-        return codes
+    async def get_into(self, keys: list[str], addresses: list[int], sizes: list[int]) -> list[int]:
+        """Each key's whole value into a buffer of sizes[i] bytes at addresses[i] (one call).
+        Per key the value's size, or an error code: INVALID_PARAMS when the value is larger
+        than its buffer (nothing is copied; Mooncake logs a line), which a reader that guessed
+        the size may get and is not counted."""
+        codes = await self._workers.run(self.store.batch_get_into, keys, addresses, sizes)
+        return self._checked(list(codes), "get", expected=(INVALID_PARAMS,))
 
     async def remove(self, keys: list[str]) -> list[int]:
         """Per key 0 (removed), OBJECT_NOT_FOUND, or an error code."""

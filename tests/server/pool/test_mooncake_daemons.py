@@ -196,6 +196,42 @@ def test_objects_expire_in_the_pool_and_in_copies_read_from_it_when_their_ttl_en
         cc.check_integrity()
 
 
+def test_get_many_reads_its_misses_from_the_pool_together_and_checks_each(master, keeper, daemon_factory):
+    """A get_many's local misses are read ahead in one Mooncake call per batch (headers and
+    payloads, sizes guessed); each is verified as a single get's would be, and what the read
+    ahead leaves (a miss, a damaged payload, another size) the batch's own gets handle."""
+    a, c = (daemon_factory("32MiB", config=pool_config(master)) for _ in range(2))
+    keys = oids(180, 12)
+    sizes = [40_000] * 10 + [25_000, 40_000]
+    with a.client() as ca:
+        pool_up(ca)
+        put_into_pool(ca, keys, sizes)
+    flipped, absent = keys[9], ObjectId(b"\xee" * 32)
+    key = pool_key(PREFIX, "default", flipped)
+    value = bytearray(keeper.get(key))
+    value[HEADER_BYTES + 7] ^= 0x04
+    assert keeper.remove(key) == 0 and keeper.put(key, bytes(value)) == 0
+    with c.client() as cc:
+        pool_up(cc)
+        out = np.empty(40_000, np.uint8)
+        assert cc.get_into(keys[0], out) == 40_000  # a size to guess from
+        asked = keys[1:9] + [flipped, absent, keys[10], keys[11]]
+        outs = [np.empty(40_000, np.uint8) for _ in asked]
+        got = cc.get_many_into(list(zip(asked, outs)))
+        assert got == [40_000] * 8 + [None, None, 25_000, 40_000]
+        for key, o, n in zip(asked, outs, got):
+            if n is not None:
+                i = keys.index(key)
+                assert np.array_equal(o[:n], payload(sizes[i], i)), f"object {i}"
+        remote = pool_stats(cc)["remote"]
+        assert remote["num_fetched_ahead"] == 9  # keys 1-8 and 11; 10's size was not the guess
+        assert remote["num_checksum_failures"] >= 1 and remote["num_size_guesses_missed"] >= 1
+        assert pool_stats(cc)["pool"]["num_pool_failures"] == 0
+        # the damaged one's header still holds (a lookup reads headers only): a get misses it
+        assert cc.lookup(asked).tiers == ("host",) * 8 + ("remote", None, "host", "host")
+        cc.check_integrity()
+
+
 def test_another_namespaces_objects_are_invisible(master, keeper, daemon_factory):
     config = {**pool_config(master), "host": {"namespaces": ["tenant-a", "tenant-b"]}}
     a, c = daemon_factory("32MiB", config=config), daemon_factory("32MiB", config=config)
