@@ -321,8 +321,9 @@ class PoolLink:
         return out
 
     async def fetch_many(self, namespace: str, ids: list) -> None:
-        """A get_many's local misses read ahead together, MAX_POOL_BATCH a Mooncake call
-        (headers and payloads, sizes guessed), verified and published, so that the batch's
+        """A get_many's local misses read ahead together: per MAX_POOL_BATCH ids one
+        batch_is_exist and one read of those the pool holds (headers and payloads, sizes
+        guessed), verified and published, so that the batch's
         own gets find them here. Best effort: what is not published (a miss, a wrong guess,
         no room, a local put meanwhile) the batch's per-object get fetches as usual, and
         counts; only what this publishes is counted here (a get and a hit)."""
@@ -334,6 +335,11 @@ class PoolLink:
         for first in range(0, len(ids), MAX_POOL_BATCH):
             part = ids[first:first + MAX_POOL_BATCH]
             start = time.perf_counter()
+            # Only what the master says the pool holds: room is made (evicting) for each one read.
+            held = await self.pool.exist([self.key(namespace, oid) for oid in part])
+            part = [oid for oid, code in zip(part, held) if code == 1]
+            if not part or not self.pool.up:
+                continue
             found = await self._read_guessed(ns, namespace, part, guess)
             seconds = (time.perf_counter() - start) / max(1, len(part))
             for oid, got in zip(part, found):
