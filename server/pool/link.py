@@ -30,6 +30,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import OrderedDict
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -53,6 +54,7 @@ log = logging.getLogger("kvstore.mooncake")
 # Keys per Mooncake call: a quarter of the header slots, so four batches run at once.
 MAX_POOL_BATCH = HEADER_SLOTS // 4
 DEFAULT_POOL_BANDWIDTH = 1e9  # load estimates start from a loopback-TCP guess, then follow fetches
+KNOWN_SIZES = 65_536  # payload sizes learned from lookups' headers, kept for the gets that follow
 
 
 @dataclass(slots=True)
@@ -108,6 +110,9 @@ class PoolLink:
         self._held: set[tuple[str, bytes]] = set()
         self._registered: dict[str, int] = {}  # namespace -> arena address registered
         self._sizes: dict[str, int] = {}  # namespace -> the last payload size put or read: a get's guess
+        # (namespace, digest) -> payload size a lookup read in its header: a get's exact guess
+        # (a hybrid model's chunks and states differ in size), least recently learned first out
+        self._known: OrderedDict[tuple[str, bytes], int] = OrderedDict()
         self._in_flight: dict[tuple[str, bytes], asyncio.Future] = {}  # puts a delete waits for
         self._background: set[asyncio.Task] = set()
         self._committed: list[ObjectEntry] = []  # write_through: commits not yet sent to the pool
@@ -164,9 +169,22 @@ class PoolLink:
                 for i, slot, n in zip(held, slots, got):
                     if n == HEADER_BYTES:  # else gone meanwhile, or shorter than a header
                         found[i] = self._decoded(namespace, ids[i], self.slots.view(slot))
+                        if found[i] is not None:
+                            self._remember(namespace, ids[i], found[i].size)
             finally:
                 await self.slots.give(slots)
         return found
+
+    def _remember(self, namespace: str, object_id, size: int) -> None:
+        key = (namespace, object_id.digest)
+        self._known[key] = size
+        self._known.move_to_end(key)
+        if len(self._known) > KNOWN_SIZES:
+            self._known.popitem(last=False)
+
+    def _guess(self, namespace: str, object_id) -> int | None:
+        """The payload size to read a value with: what a lookup found, else the namespace's last."""
+        return self._known.get((namespace, object_id.digest)) or self._sizes.get(namespace)
 
     def _decoded(self, namespace: str, object_id, header) -> RemoteMeta | None:
         """A header read from the pool, checked against the key it was read under (None: bad,
@@ -209,8 +227,8 @@ class PoolLink:
         ns = await self.manager.open_namespace(namespace)
         await self._register_arena(ns)
         start = time.perf_counter()
-        guess = self._sizes.get(namespace)
-        guessed = (await self._read_guessed(ns, namespace, [object_id], guess))[0] if guess else None
+        guess = self._guess(namespace, object_id)
+        guessed = (await self._read_guessed(ns, namespace, [object_id], [guess]))[0] if guess else None
         if guessed is None:  # not tried: no size to guess, or no room for it
             meta, extent = (await self._metas(namespace, [object_id], ask_master=False))[0], None
         else:
@@ -219,6 +237,7 @@ class PoolLink:
             # A miss: the next get reads the header alone first, so that a run of misses does
             # not make room (evict) for payloads that are not there. A hit guesses again.
             self._sizes.pop(namespace, None)
+            self._known.pop((namespace, object_id.digest), None)
             self.manager.events.removed(namespace, object_id, MEDIUM_PEER)
             return None
         filled = extent is not None  # the payload came with the header
@@ -264,16 +283,18 @@ class PoolLink:
         self.read.num_hits += 1
         self.read.bytes_in += meta.size
         self._sizes[namespace] = meta.size
+        self._known.pop((namespace, object_id.digest), None)  # held here now
         self.bandwidth_bytes_s = 0.8 * self.bandwidth_bytes_s + 0.2 * meta.size / max(seconds, 1e-6)
         self.manager.track_transient(ns, extent, add=False)
         self._held.add((namespace, object_id.digest))
         return self.manager.publish(ns, object_id, extent, meta.size, meta.checksum, meta.descriptor, meta.hints,
                                     created_at=meta.created_at)
 
-    async def _read_guessed(self, ns, namespace: str, ids: list, guess: int) -> list:
+    async def _read_guessed(self, ns, namespace: str, ids: list, guesses: list[int]) -> list:
         """Each id's whole value, header and payload, into the arena in one Mooncake call
         (`batch_get_into`, the fastest read Mooncake has: ~2x its ranged reads), the payload's
-        size guessed (the namespace's last one put or read here: a model's chunks are alike).
+        size guessed (`_guess`: what a lookup read in its header, else the namespace's last
+        one put or read here: a model's chunks are alike).
         Each lands in an extent of a header page plus the guess; a kept one gives the header
         page back. Per id (meta, extent holding the unverified payload, tracked as transient),
         or (meta, None) when the guess was wrong (read the payload as usual), or (None, None)
@@ -282,7 +303,7 @@ class PoolLink:
         out: list = [None] * len(ids)
         extents = []
         try:
-            for _ in ids:
+            for guess in guesses:
                 extents.append(await self.manager.allocate(ns, HEADER_BYTES + guess))
                 self.manager.track_transient(ns, extents[-1], add=True)
         except CapacityError:
@@ -294,8 +315,8 @@ class PoolLink:
         try:
             base = self._registered[ns.name]
             got = await self.pool.get_into([self.key(namespace, oid) for oid in ids[:n]],
-                                           [base + e.offset for e in extents], [HEADER_BYTES + guess] * n)
-            for i, (oid, extent, code) in enumerate(zip(ids, extents, got)):
+                                           [base + e.offset for e in extents], [HEADER_BYTES + g for g in guesses[:n]])
+            for i, (oid, extent, code, guess) in enumerate(zip(ids, extents, got, guesses)):
                 if code == INVALID_PARAMS:  # larger than the guess: nothing was read
                     self.read.num_size_guesses_missed += 1
                     continue
@@ -327,20 +348,22 @@ class PoolLink:
         own gets find them here. Best effort: what is not published (a miss, a wrong guess,
         no room, a local put meanwhile) the batch's per-object get fetches as usual, and
         counts; only what this publishes is counted here (a get and a hit)."""
-        guess = self._sizes.get(namespace)
-        if not guess or not self.pool.up:
+        if not self.pool.up:
             return
         ns = await self.manager.open_namespace(namespace)
         await self._register_arena(ns)
         for first in range(0, len(ids), MAX_POOL_BATCH):
             part = ids[first:first + MAX_POOL_BATCH]
             start = time.perf_counter()
+            part = [oid for oid in part if self._guess(namespace, oid)]  # a size to read with
+            if not part:
+                continue
             # Only what the master says the pool holds: room is made (evicting) for each one read.
             held = await self.pool.exist([self.key(namespace, oid) for oid in part])
             part = [oid for oid, code in zip(part, held) if code == 1]
             if not part or not self.pool.up:
                 continue
-            found = await self._read_guessed(ns, namespace, part, guess)
+            found = await self._read_guessed(ns, namespace, part, [self._guess(namespace, oid) for oid in part])
             seconds = (time.perf_counter() - start) / max(1, len(part))
             for oid, got in zip(part, found):
                 meta, extent = got if got is not None else (None, None)

@@ -232,6 +232,30 @@ def test_get_many_reads_its_misses_from_the_pool_together_and_checks_each(master
         cc.check_integrity()
 
 
+def test_sizes_a_lookup_read_make_gets_of_mixed_sizes_one_call_each(master, keeper, daemon_factory):
+    """A hybrid model's chunks and states differ in size: after a lookup (headers read), each
+    get reads its value with its own size, never a wrong guess."""
+    a, c = (daemon_factory("32MiB", config=pool_config(master)) for _ in range(2))
+    keys = oids(200, 12)
+    sizes = [30_000 if i % 3 else 150_000 for i in range(12)]  # a state after every two chunks
+    with a.client() as ca:
+        pool_up(ca)
+        put_into_pool(ca, keys, sizes)
+    with c.client() as cc:
+        pool_up(cc)
+        assert cc.lookup(keys).tiers == ("remote",) * 12
+        outs = [np.empty(150_000, np.uint8) for _ in keys]
+        assert cc.get_many_into(list(zip(keys[:8], outs))) == sizes[:8]
+        for i in range(8, 12):
+            assert cc.get_into(keys[i], outs[i]) == sizes[i]
+        for i, o in enumerate(outs):
+            assert np.array_equal(o[:sizes[i]], payload(sizes[i], i)), f"object {i}"
+        remote = pool_stats(cc)["remote"]
+        assert remote["num_size_guesses_missed"] == 0 and remote["num_fetched_ahead"] == 8
+        assert remote["num_hits"] == 12 and remote["num_checksum_failures"] == 0
+        cc.check_integrity()
+
+
 def test_another_namespaces_objects_are_invisible(master, keeper, daemon_factory):
     config = {**pool_config(master), "host": {"namespaces": ["tenant-a", "tenant-b"]}}
     a, c = daemon_factory("32MiB", config=config), daemon_factory("32MiB", config=config)
