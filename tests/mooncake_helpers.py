@@ -90,6 +90,16 @@ class Keeper:
     def remove(self, key: str) -> int:
         return self._ask(op="remove", key=key)["rc"]
 
+    def replace(self, key: str, data: bytes) -> None:
+        """Write `data` under `key` in place of its value, as Mooncake's own client can."""
+        assert self.remove(key) == 0 and self.put(key, data) == 0
+
+    def flip(self, key: str, at: int, mask: int) -> None:
+        """XOR one byte of the value under `key` (at: its offset in the value) with mask."""
+        value = bytearray(self.get(key))
+        value[at] ^= mask
+        self.replace(key, bytes(value))
+
     def exist(self, keys: list[str]) -> list[int]:
         return self._ask(op="exist", keys=keys)["codes"]
 

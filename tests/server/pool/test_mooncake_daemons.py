@@ -72,13 +72,8 @@ def test_object_corrupted_in_the_pool_is_a_counted_miss(master, keeper, daemon_f
         put_into_pool(ca, [flipped, moved, good], [50_000] * 3)
     # Written with Mooncake's own client: one payload byte flipped under its valid header,
     # and another object's whole value (a valid header naming that object) under `moved`.
-    key = pool_key(PREFIX, "default", flipped)
-    value = bytearray(keeper.get(key))
-    value[HEADER_BYTES + 1234] ^= 0x01
-    assert keeper.remove(key) == 0 and keeper.put(key, bytes(value)) == 0
-    key = pool_key(PREFIX, "default", moved)
-    other = keeper.get(pool_key(PREFIX, "default", good))
-    assert keeper.remove(key) == 0 and keeper.put(key, other) == 0
+    keeper.flip(pool_key(PREFIX, "default", flipped), HEADER_BYTES + 1234, 0x01)
+    keeper.replace(pool_key(PREFIX, "default", moved), keeper.get(pool_key(PREFIX, "default", good)))
     with c.client() as cc:
         pool_up(cc)
         assert cc.get(flipped) is None
@@ -104,12 +99,8 @@ def test_gets_guessing_the_size_read_header_and_payload_at_once_and_check_them_a
     with a.client() as ca:
         pool_up(ca)
         put_into_pool(ca, keys, sizes)
-    key = pool_key(PREFIX, "default", flipped)
-    value = bytearray(keeper.get(key))
-    value[HEADER_BYTES + 59_999] ^= 0x80  # the payload's last byte
-    assert keeper.remove(key) == 0 and keeper.put(key, bytes(value)) == 0
-    key = pool_key(PREFIX, "default", moved)
-    assert keeper.remove(key) == 0 and keeper.put(key, keeper.get(pool_key(PREFIX, "default", u2))) == 0
+    keeper.flip(pool_key(PREFIX, "default", flipped), HEADER_BYTES + 59_999, 0x80)  # the payload's last byte
+    keeper.replace(pool_key(PREFIX, "default", moved), keeper.get(pool_key(PREFIX, "default", u2)))
     with c.client() as cc:
         pool_up(cc)
 
@@ -207,10 +198,7 @@ def test_get_many_reads_its_misses_from_the_pool_together_and_checks_each(master
         pool_up(ca)
         put_into_pool(ca, keys, sizes)
     flipped, absent = keys[9], ObjectId(b"\xee" * 32)
-    key = pool_key(PREFIX, "default", flipped)
-    value = bytearray(keeper.get(key))
-    value[HEADER_BYTES + 7] ^= 0x04
-    assert keeper.remove(key) == 0 and keeper.put(key, bytes(value)) == 0
+    keeper.flip(pool_key(PREFIX, "default", flipped), HEADER_BYTES + 7, 0x04)
     with c.client() as cc:
         pool_up(cc)
         out = np.empty(40_000, np.uint8)
