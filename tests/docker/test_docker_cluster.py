@@ -47,8 +47,8 @@ SIZE = 300_017
 SETTLE_S = 60.0
 
 
-def _run(args: list[str], timeout: float = CALL_TIMEOUT_S, check: bool = True, **kwargs):
-    out = subprocess.run(args, capture_output=True, text=True, timeout=timeout, env=ENV, **kwargs)
+def _run(args: list[str], timeout: float = CALL_TIMEOUT_S, check: bool = True, env: dict | None = None, **kwargs):
+    out = subprocess.run(args, capture_output=True, text=True, timeout=timeout, env=env or ENV, **kwargs)
     if check and out.returncode != 0:
         raise AssertionError(f"{' '.join(args)} exited {out.returncode}:\n{out.stdout[-3000:]}{out.stderr[-3000:]}")
     return out
@@ -77,32 +77,37 @@ def unavailable_reason() -> str | None:
 
 
 class Compose:
-    """The running cluster: containers by service, probes and admin calls inside them."""
+    """The running cluster: containers by service, probes and admin calls inside them.
+    flags, env: what picks the compose file and project (`--mooncake`, its test project)."""
+
+    def __init__(self, flags: tuple = (), env: dict | None = None):
+        self.flags, self.env = list(flags), env or ENV
 
     def container(self, service: str) -> str:
-        cid = _run([SCRIPT, "id", service]).stdout.strip()
+        cid = _run([SCRIPT, *self.flags, "id", service], env=self.env).stdout.strip()
         if not cid:
             raise AssertionError(f"no container for service {service}")
         return cid
 
     def probe(self, service: str, *args) -> dict:
         with open(PROBE) as f:
-            out = _run(["docker", "exec", "-i", self.container(service), "python3", "-", *map(str, args)], stdin=f)
+            out = _run(["docker", "exec", "-i", self.container(service), "python3", "-", *map(str, args)], stdin=f,
+                       env=self.env)
         return json.loads(out.stdout.strip().splitlines()[-1])
 
     def admin(self, service: str, path: str) -> dict:
         """GET `path` on the node's admin API, from inside its container (127.0.0.1 there)."""
         code = ("import json, sys; from server.admin.client import AdminClient; "
                 "print(json.dumps(AdminClient.from_data_dir('/var/lib/kvstore').get(sys.argv[1])))")
-        out = _run(["docker", "exec", self.container(service), "python3", "-c", code, path])
+        out = _run(["docker", "exec", self.container(service), "python3", "-c", code, path], env=self.env)
         return json.loads(out.stdout)
 
     def health(self, service: str) -> str:
         fmt = "{{.State.Status}}/{{if .State.Health}}{{.State.Health.Status}}{{end}}"
-        return _run(["docker", "inspect", "-f", fmt, self.container(service)]).stdout.strip()
+        return _run(["docker", "inspect", "-f", fmt, self.container(service)], env=self.env).stdout.strip()
 
     def logs(self, service: str) -> str:
-        out = _run(["docker", "logs", self.container(service)])
+        out = _run(["docker", "logs", self.container(service)], env=self.env)
         return out.stdout + out.stderr
 
     def sees_all(self) -> bool:

@@ -21,12 +21,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 import sys
 
 import pytest
 from docker_probe import ids
-from test_docker_cluster import cannot_run_containers, unavailable_reason
+from test_docker_cluster import Compose, cannot_run_containers, unavailable_reason
+from test_docker_cluster import _run as run_with
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "cluster"))
 from cluster_helpers import wait_until  # noqa: E402
@@ -36,47 +36,26 @@ pytestmark = pytest.mark.docker
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 SCRIPT = os.path.join(ROOT, "scripts", "docker_cluster.sh")
-PROBE = os.path.join(HERE, "docker_probe.py")
 PROJECT = "kvstoremctest"
 ENV = {**os.environ, "KVSTORE_COMPOSE_PROJECT": PROJECT}
 NODES = ["node-a", "node-b", "node-c"]
 SERVICES = ["mooncake-master", "pool-memory", *NODES]
 BUILD_TIMEOUT_S = 1800
-CALL_TIMEOUT_S = 120
 SIZE = 300_017
 SETTLE_S = 60.0
 PER_GROUP = 2  # ids(tag, 2): 12 objects
 
 
-def _run(args: list[str], timeout: float = CALL_TIMEOUT_S, check: bool = True, **kwargs):
-    out = subprocess.run(args, capture_output=True, text=True, timeout=timeout, env=ENV, **kwargs)
-    if check and out.returncode != 0:
-        raise AssertionError(f"{' '.join(args)} exited {out.returncode}:\n{out.stdout[-3000:]}{out.stderr[-3000:]}")
-    return out
+def _run(args: list[str], **kwargs):
+    return run_with(args, env=ENV, **kwargs)
 
 
-class Pool:
-    """The running Mooncake cluster: containers by service, probes and admin calls inside them."""
+class Pool(Compose):
+    """The running Mooncake cluster: Compose's container, probe, admin and health, for the
+    Mooncake compose file and its test project."""
 
-    def container(self, service: str) -> str:
-        cid = _run([SCRIPT, "--mooncake", "id", service]).stdout.strip()
-        if not cid:
-            raise AssertionError(f"no container for service {service}")
-        return cid
-
-    def probe(self, service: str, *args) -> dict:
-        with open(PROBE) as f:
-            out = _run(["docker", "exec", "-i", self.container(service), "python3", "-", *map(str, args)], stdin=f)
-        return json.loads(out.stdout.strip().splitlines()[-1])
-
-    def admin(self, service: str, path: str) -> dict:
-        code = ("import json, sys; from server.admin.client import AdminClient; "
-                "print(json.dumps(AdminClient.from_data_dir('/var/lib/kvstore').get(sys.argv[1])))")
-        return json.loads(_run(["docker", "exec", self.container(service), "python3", "-c", code, path]).stdout)
-
-    def health(self, service: str) -> str:
-        fmt = "{{.State.Status}}/{{if .State.Health}}{{.State.Health.Status}}{{end}}"
-        return _run(["docker", "inspect", "-f", fmt, self.container(service)]).stdout.strip()
+    def __init__(self):
+        super().__init__(("--mooncake",), ENV)
 
     def pool_up(self, *nodes: str) -> bool:
         return all(self.probe(node, "remote")["pool"]["up"] for node in nodes)
