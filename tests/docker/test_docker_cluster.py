@@ -16,6 +16,7 @@ once, within its etcd lease); a node stopped cleanly
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -82,9 +83,37 @@ class Compose:
 
     def __init__(self, flags: tuple = (), env: dict | None = None):
         self.flags, self.env = list(flags), env or ENV
+        self.project = self.env["KVSTORE_COMPOSE_PROJECT"]
+
+    def script(self, *args: str, **kwargs):
+        """scripts/docker_cluster.sh with this compose file's flags, for this project."""
+        return _run([SCRIPT, *self.flags, *args], env=self.env, **kwargs)
+
+    def labelled(self, *command: str, check: bool = True) -> list[str]:
+        """The ids `docker <command> -q` lists of this project (containers, networks, volumes);
+        [] when no engine answers and check is False."""
+        out = _run(["docker", *command, "-q", "--filter", f"label=com.docker.compose.project={self.project}"],
+                   check=check, env=self.env)
+        return out.stdout.split() if out.returncode == 0 else []
+
+    def save_logs(self, subdir: str) -> None:
+        """Each of the project's containers' logs into build/docker/<subdir>/, for a post-mortem."""
+        logdir = os.path.join(ROOT, "build", "docker", subdir)
+        os.makedirs(logdir, exist_ok=True)
+        for cid in self.labelled("ps", "-a", check=False):
+            name = _run(["docker", "inspect", "-f", "{{.Name}}", cid], env=self.env).stdout.strip().lstrip("/")
+            out = _run(["docker", "logs", "--timestamps", cid], check=False, env=self.env)
+            with open(os.path.join(logdir, f"{name}.log"), "w") as f:
+                f.write(out.stdout + out.stderr)
+
+    def down_leaves_nothing(self, services: int) -> None:
+        assert len(self.labelled("ps", "-a")) == services
+        self.script("down")
+        assert self.labelled("ps", "-a") == [] and self.labelled("network", "ls") == []
+        assert self.labelled("volume", "ls") == []
 
     def container(self, service: str) -> str:
-        cid = _run([SCRIPT, *self.flags, "id", service], env=self.env).stdout.strip()
+        cid = self.script("id", service).stdout.strip()
         if not cid:
             raise AssertionError(f"no container for service {service}")
         return cid
@@ -128,27 +157,31 @@ class Compose:
         assert got == {"exact": len(ids(tag, per_group)), "missing": [], "wrong": []}, (service, got)
 
 
-def project_containers() -> list[str]:
-    out = _run(["docker", "ps", "-aq", "--filter", f"label=com.docker.compose.project={PROJECT}"])
-    return out.stdout.split()
-
-
-@pytest.fixture(scope="module")
-def cluster():
+@contextlib.contextmanager
+def running(compose: Compose):
+    """`compose` up (built offline first if need be), down again after; skips where no
+    engine can run containers."""
     reason = unavailable_reason()
     if reason:
         pytest.skip(reason)
-    _run([SCRIPT, "down"])  # what a killed run left
+    compose.script("down")  # what a killed run left
     try:
-        up = _run([SCRIPT, "up"], timeout=BUILD_TIMEOUT_S, check=False)
+        up = compose.script("up", timeout=BUILD_TIMEOUT_S, check=False)
         if up.returncode != 0:
             reason = cannot_run_containers()
             if reason:
                 pytest.skip(reason)
-            raise AssertionError(f"{SCRIPT} up exited {up.returncode}:\n{up.stdout[-3000:]}{up.stderr[-3000:]}")
-        yield Compose()
+            raise AssertionError(f"{SCRIPT} {' '.join(compose.flags)} up exited {up.returncode}:\n"
+                                 f"{up.stdout[-3000:]}{up.stderr[-3000:]}")
+        yield compose
     finally:
-        _run([SCRIPT, "down"])
+        compose.script("down")
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with running(Compose()) as compose:
+        yield compose
 
 
 def cannot_run_containers() -> str | None:
@@ -169,18 +202,8 @@ def save_logs(request):
     """After each test, each container's log, kept for a post-mortem in build/docker/logs/
     (the last test takes the cluster down, so the module's end would find nothing)."""
     yield
-    if "cluster" not in request.fixturenames or shutil.which("docker") is None:
-        return
-    listed = _run(["docker", "ps", "-aq", "--filter", f"label=com.docker.compose.project={PROJECT}"], check=False)
-    if listed.returncode != 0:
-        return  # no engine answers: the test skipped
-    logdir = os.path.join(ROOT, "build", "docker", "logs")
-    os.makedirs(logdir, exist_ok=True)
-    for cid in listed.stdout.split():
-        name = _run(["docker", "inspect", "-f", "{{.Name}}", cid]).stdout.strip().lstrip("/")
-        out = _run(["docker", "logs", "--timestamps", cid], check=False)
-        with open(os.path.join(logdir, f"{name}.log"), "w") as f:
-            f.write(out.stdout + out.stderr)
+    if "cluster" in request.fixturenames and shutil.which("docker") is not None:
+        Compose().save_logs("logs")  # (nothing when no engine answers: the test skipped)
 
 
 def test_put_from_the_engine_container_reads_bit_exact_on_node_c(cluster):
@@ -255,9 +278,4 @@ def test_a_clean_stop_hands_over_before_leaving(cluster):
 
 
 def test_down_leaves_nothing_behind(cluster):
-    assert len(project_containers()) == 5
-    _run([SCRIPT, "down"])
-    assert project_containers() == []
-    networks = _run(["docker", "network", "ls", "-q", "--filter", f"label=com.docker.compose.project={PROJECT}"])
-    volumes = _run(["docker", "volume", "ls", "-q", "--filter", f"label=com.docker.compose.project={PROJECT}"])
-    assert networks.stdout.split() == [] and volumes.stdout.split() == []
+    cluster.down_leaves_nothing(services=5)

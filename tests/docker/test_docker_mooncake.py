@@ -25,7 +25,7 @@ import sys
 
 import pytest
 from docker_probe import ids
-from test_docker_cluster import Compose, cannot_run_containers, unavailable_reason
+from test_docker_cluster import Compose, running
 from test_docker_cluster import _run as run_with
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "cluster"))
@@ -33,14 +33,10 @@ from cluster_helpers import wait_until  # noqa: E402
 
 pytestmark = pytest.mark.docker
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(os.path.dirname(HERE))
-SCRIPT = os.path.join(ROOT, "scripts", "docker_cluster.sh")
 PROJECT = "kvstoremctest"
 ENV = {**os.environ, "KVSTORE_COMPOSE_PROJECT": PROJECT}
 NODES = ["node-a", "node-b", "node-c"]
 SERVICES = ["mooncake-master", "pool-memory", *NODES]
-BUILD_TIMEOUT_S = 1800
 SIZE = 300_017
 SETTLE_S = 60.0
 PER_GROUP = 2  # ids(tag, 2): 12 objects
@@ -83,48 +79,20 @@ N = len(ids("n", PER_GROUP))
 EXACT = {"exact": N, "missing": [], "wrong": []}
 
 
-def project_containers() -> list[str]:
-    out = _run(["docker", "ps", "-aq", "--filter", f"label=com.docker.compose.project={PROJECT}"])
-    return out.stdout.split()
-
-
 @pytest.fixture(scope="module")
 def pool():
-    reason = unavailable_reason()
-    if reason:
-        pytest.skip(reason)
-    _run([SCRIPT, "--mooncake", "down"])  # what a killed run left
-    try:
-        up = _run([SCRIPT, "--mooncake", "up"], timeout=BUILD_TIMEOUT_S, check=False)
-        if up.returncode != 0:
-            reason = cannot_run_containers()
-            if reason:
-                pytest.skip(reason)
-            raise AssertionError(f"{SCRIPT} --mooncake up exited {up.returncode}:\n{up.stdout[-3000:]}{up.stderr[-3000:]}")
-        p = Pool()
+    with running(Pool()) as p:
         # Each daemon sets its Mooncake client up in the background.
         wait_until(lambda: p.pool_up(*NODES), SETTLE_S, "every node's pool client is up")
         yield p
-    finally:
-        _run([SCRIPT, "--mooncake", "down"])
 
 
 @pytest.fixture(autouse=True)
 def save_logs(request):
     """After each test, each container's log, kept in build/docker/logs-mooncake/."""
     yield
-    if "pool" not in request.fixturenames or shutil.which("docker") is None:
-        return
-    listed = _run(["docker", "ps", "-aq", "--filter", f"label=com.docker.compose.project={PROJECT}"], check=False)
-    if listed.returncode != 0:
-        return
-    logdir = os.path.join(ROOT, "build", "docker", "logs-mooncake")
-    os.makedirs(logdir, exist_ok=True)
-    for cid in listed.stdout.split():
-        name = _run(["docker", "inspect", "-f", "{{.Name}}", cid]).stdout.strip().lstrip("/")
-        out = _run(["docker", "logs", "--timestamps", cid], check=False)
-        with open(os.path.join(logdir, f"{name}.log"), "w") as f:
-            f.write(out.stdout + out.stderr)
+    if "pool" in request.fixturenames and shutil.which("docker") is not None:
+        Pool().save_logs("logs-mooncake")
 
 
 def test_put_on_node_a_reads_bit_exact_on_node_c_through_the_pool(pool):
@@ -190,9 +158,4 @@ def test_the_master_killed_gives_misses_not_errors(pool):
 
 
 def test_down_leaves_nothing_behind(pool):
-    assert len(project_containers()) == len(SERVICES)
-    _run([SCRIPT, "--mooncake", "down"])
-    assert project_containers() == []
-    networks = _run(["docker", "network", "ls", "-q", "--filter", f"label=com.docker.compose.project={PROJECT}"])
-    volumes = _run(["docker", "volume", "ls", "-q", "--filter", f"label=com.docker.compose.project={PROJECT}"])
-    assert networks.stdout.split() == [] and volumes.stdout.split() == []
+    pool.down_leaves_nothing(services=len(SERVICES))
