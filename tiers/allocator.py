@@ -176,7 +176,7 @@ class ExtentAllocator:
         alignment, shorter than the extent) and keep the rest allocated: the extent returned,
         which free takes from then on (a reader that fetched a header in front of the bytes it
         keeps). Anything else raises InvalidArgument and changes nothing."""
-        if (not isinstance(extent, Extent) or extent.offset not in self._allocated or not self.is_allocated(extent)
+        if (not isinstance(extent, Extent) or self._allocated.get(extent.offset) != extent.length
                 or type(nbytes) is not int or nbytes <= 0 or nbytes % self._alignment or nbytes >= extent.length):
             raise InvalidArgument(
                 f"trim_front({extent!r}, {nbytes!r}): needs an extent alloc handed out and a positive "

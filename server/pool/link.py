@@ -250,12 +250,8 @@ class PoolLink:
         ok = False
         try:
             if not filled and self.pool.usable():
-                view = ns.arena.view(extent)[:meta.size]
-                address, array = address_of(view)
-                del view
-                got = await self.pool.read_ranges(address, [self.key(namespace, object_id)], [0], [HEADER_BYTES],
-                                                  [meta.size])
-                del array
+                got = await self.pool.read_ranges(self._registered[ns.name] + extent.offset,
+                                                  [self.key(namespace, object_id)], [0], [HEADER_BYTES], [meta.size])
                 filled = got[0] == meta.size
             ok = filled and self._verified(ns, namespace, object_id, extent, meta)
         finally:
