@@ -198,8 +198,8 @@ class ClientCore:
         finally:
             os.close(fd)
         self._maps.append(mapping)
-        self.pinned[namespace] = pin_for_cuda(mapping)
-        self.arenas[namespace] = np.frombuffer(mapping, dtype=np.uint8)
+        arena = self.arenas[namespace] = np.frombuffer(mapping, dtype=np.uint8)
+        self.pinned[namespace] = pin_for_cuda(mapping, arena)
 
     def _descriptor(self, desc: StateDescriptor | None) -> StateDescriptor:
         return desc or _opaque(self.namespace)
