@@ -118,6 +118,14 @@ def finite_amax(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
     return mag.amax() if dim is None else mag.amax(dim)
 
 
+def amax_scale(amax: torch.Tensor, fmt: Fp8Format) -> torch.Tensor:
+    """max(amax / max_finite, 2^-126), rounded as IEEE division on every device: torch on CUDA
+    multiplies by the reciprocal when the divisor is a Python number (an ulp off now and
+    then, seen on an H200), so the divisor is a tensor on amax's device."""
+    divisor = torch.tensor(fmt.max_finite, dtype=amax.dtype, device=amax.device)
+    return (amax / divisor).clamp_min(MIN_NORMAL_FP32)
+
+
 def _encode(y: torch.Tensor, fmt: Fp8Format) -> torch.Tensor:
     # torch's casts differ by format and device on overflow (e4m3fn saturates on CPU, e5m2 goes
     # to inf): clamp first; clamp keeps NaN.
@@ -139,13 +147,13 @@ def quantize_fp8(
     xf = x.float()
     if block is None:
         if scale is None:
-            scale = (finite_amax(xf) / fmt.max_finite).clamp_min(MIN_NORMAL_FP32)
-        scale = scale.float().reshape(())
+            scale = amax_scale(finite_amax(xf), fmt)
+        scale = scale.to(xf.device, torch.float32).reshape(())  # a CPU scalar would divide inexactly
         return Fp8Tensor(_encode(xf / scale, fmt), scale, None)
     check_blocked(x, block, f"per-block fp8 (block={block})")
     blocks = xf.reshape(*x.shape[:-1], x.shape[-1] // block, block)
     if scale is None:
-        scale = (finite_amax(blocks, -1) / fmt.max_finite).clamp_min(MIN_NORMAL_FP32)
+        scale = amax_scale(finite_amax(blocks, -1), fmt)
     scale = scale.float().reshape(blocks.shape[:-1])
     data = _encode(blocks / scale[..., None], fmt).reshape(x.shape)
     return Fp8Tensor(data, scale, block)

@@ -17,10 +17,10 @@ import triton.language as tl
 
 from gpu.formats import (
     E4M3,
-    MIN_NORMAL_FP32,
     Fp8Format,
     Fp8Tensor,
     MxTensor,
+    amax_scale,
     check_blocked,
     finite_amax,
     fp8_format,
@@ -127,7 +127,7 @@ def quantize_fp8(
     data = torch.empty(x.shape, dtype=torch.uint8, device=x.device)
     if block is None:
         if scale is None:
-            scale = (finite_amax(x.float()) / fmt.max_finite).clamp_min(MIN_NORMAL_FP32)
+            scale = amax_scale(finite_amax(x.float()), fmt)
         scale = scale.to(x.device, torch.float32).reshape(()).contiguous()
         n_groups = triton.cdiv(x.numel(), PER_TENSOR_GROUP)
         _launch_quantize(x, data, scale, PER_TENSOR_GROUP, n_groups, SCALE_GIVEN, 0, fmt)
