@@ -9,7 +9,9 @@
 # Exit status: 0 when every step passed. Each step has its own time limit so a hang in one
 # still leaves the others' results. With CUDA torch, triton and pytest already on the machine
 # the steps take a few minutes (mostly Triton compiles); the device machines reach no package
-# index, so the install branch only helps where one is reachable.
+# index, so the install branch only helps where one is reachable. There, wheels made by
+# scripts/gpu_wheels.sh in $GPU_WHEELS (default .whl) are installed first: the daemon's and the
+# tests' packages that a CUDA image lacks (rocksdict, pyzmq, gguf, ucxx for CUDA 13).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-./gpu-out}"
@@ -17,6 +19,12 @@ mkdir -p "$OUT"
 exec > >(tee -a "$OUT/gpu_check.log") 2>&1
 started=$(date +%s)
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # project packages without an install
+WHEELS="${GPU_WHEELS:-.whl}"
+if ls "$WHEELS"/*.whl >/dev/null 2>&1; then
+  SITE="${TMPDIR:-/tmp}/kvstore-gpu-site"
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "$WHEELS"/*.whl \
+    && export PYTHONPATH="$PYTHONPATH:$SITE" || echo "installing the wheels in $WHEELS failed"
+fi
 
 has_cuda_torch() {
   "$1" - <<'EOF' 2>/dev/null
