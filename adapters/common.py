@@ -24,7 +24,7 @@ import numpy as np
 
 from kvstore.errors import InvalidArgument
 from kvstore.identity import ObjectId, StateDescriptor, chain_hash, namespace_salt, object_id, root_hash
-from client.connector_link import StoreLink
+from kvstore.client.connector_link import StoreLink
 
 log = logging.getLogger("kvstore.adapters")
 # One lookup request carries at most this many ids (the daemon's batch limit is 4,096).

@@ -4,7 +4,7 @@ LMCache's config turns it on (plug-in name `kvstore`; any name works if the keys
 
     remote_storage_plugins: ["kvstore"]
     extra_config:
-      remote_storage_plugin.kvstore.module_path: adapters.lmcache
+      remote_storage_plugin.kvstore.module_path: kvstore.adapters.lmcache
       remote_storage_plugin.kvstore.class_name: KVStoreConnector
       remote_storage_plugin.kvstore.socket_path: /run/kvstore.sock   # else $KVSTORE_SOCKET
       # optional: .namespace, .model_revision (default "main"), .timeout_s, .retry_after_s
@@ -61,7 +61,7 @@ import asyncio
 import logging
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from adapters.common import SafeStore, StoreConfig, engine_object_id, lazy_classes
+from kvstore.adapters.common import SafeStore, StoreConfig, engine_object_id, lazy_classes
 from kvstore.errors import InvalidArgument, KVStoreError
 from kvstore.identity import Kind, ObjectId, Shard, StateDescriptor
 from kvstore.layout import Layout

@@ -4,7 +4,7 @@
     python -m sglang.launch_server --model-path ... --enable-hierarchical-cache \\
         --hicache-storage-backend dynamic \\
         --hicache-storage-backend-extra-config '{"backend_name": "kvstore",
-            "module_path": "adapters.sglang", "class_name": "KVStoreHiCacheStorage",
+            "module_path": "kvstore.adapters.sglang", "class_name": "KVStoreHiCacheStorage",
             "interface_v1": 1, "socket_path": "/run/kvstore/kvstore.sock"}'
 
 With `interface_v1` SGLang calls `batch_set_v1` / `batch_get_v1` with page hashes and host
@@ -57,8 +57,8 @@ from __future__ import annotations
 import logging
 
 from kvstore.route import Route
-from adapters.common import SafeStore, StoreConfig, lazy_classes
-from adapters.sglang_pages import PagePlan, plan_for, sidecar_plan
+from kvstore.adapters.common import SafeStore, StoreConfig, lazy_classes
+from kvstore.adapters.sglang_pages import PagePlan, plan_for, sidecar_plan
 
 log = logging.getLogger("kvstore.adapters.sglang")
 
@@ -72,7 +72,7 @@ def _build_class():
     from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, PoolName, PoolTransferResult
     from sglang.srt.mem_cache.utils import hash_str_to_int64
 
-    from adapters.sglang_v2 import SidecarPools
+    from kvstore.adapters.sglang_v2 import SidecarPools
 
     class KVStoreHiCacheStorage(HiCacheStorage):
         """See the module docstring. SGLang calls it from its prefetch and backup threads at

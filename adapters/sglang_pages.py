@@ -36,7 +36,7 @@ from kvstore.dtypes import DType
 from kvstore.groups import MAX_GROUP_MEMBERS, Member
 from kvstore.identity import Kind, ObjectId, Shard, StateDescriptor
 from kvstore.layout import Layout
-from adapters.common import engine_object_id
+from kvstore.adapters.common import engine_object_id
 
 _DTYPES = {"torch.bfloat16": DType.BF16, "torch.float16": DType.FP16, "torch.float32": DType.FP32,
            "torch.float8_e4m3fn": DType.FP8_E4M3, "torch.float8_e5m2": DType.FP8_E5M2}

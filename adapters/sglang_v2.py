@@ -46,8 +46,8 @@ where they are used: importing this module needs neither SGLang nor torch.
 
 from __future__ import annotations
 
-from adapters.common import SafeStore
-from adapters.sglang_pages import PagePlan
+from kvstore.adapters.common import SafeStore
+from kvstore.adapters.sglang_pages import PagePlan
 
 
 def _leading(done: list[bool]) -> list[bool]:

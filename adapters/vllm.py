@@ -1,7 +1,7 @@
 """kvstore as vLLM's KV connector (vLLM 0.33), loaded by vLLM's own factory:
 
     --kv-transfer-config '{"kv_connector": "KVStoreConnector",
-                           "kv_connector_module_path": "adapters.vllm",
+                           "kv_connector_module_path": "kvstore.adapters.vllm",
                            "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
                            "kv_connector_extra_config": {"socket_path": "/run/kvstore/kvstore.sock"}}'
 
@@ -42,8 +42,8 @@ import logging
 import dataclasses
 
 from kvstore.identity import StateDescriptor
-from adapters.common import SafeStore, StoreConfig, lazy_classes
-from adapters.vllm_plan import LoadSpec, RequestPlan, SaveSpec, plan_request, request_extra_keys
+from kvstore.adapters.common import SafeStore, StoreConfig, lazy_classes
+from kvstore.adapters.vllm_plan import LoadSpec, RequestPlan, SaveSpec, plan_request, request_extra_keys
 
 log = logging.getLogger("kvstore.adapters.vllm")
 DEFAULT_CHUNK_TOKENS = 256
@@ -143,8 +143,8 @@ def _build_classes(name: str) -> dict | None:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorMetadata,
                                                                       SupportsHMA)
 
-    from adapters.vllm_routes import RouteNamer
-    from adapters.vllm_worker import WorkerIO
+    from kvstore.adapters.vllm_routes import RouteNamer
+    from kvstore.adapters.vllm_worker import WorkerIO
 
     class KVStoreMetadata(KVConnectorMetadata):
         """What one step asks of the workers: chunks to load and chunks to save."""

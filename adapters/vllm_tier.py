@@ -8,7 +8,7 @@ vLLM reads `secondary_tiers` only with `"spec_name": "TieringOffloadingSpec"`:
         "kv_connector_extra_config": {"spec_name": "TieringOffloadingSpec",
           "cpu_bytes_to_use": 4000000000,
           "secondary_tiers": [{"type": "KVStoreSecondaryTier",
-                               "module_path": "adapters.vllm_tier",
+                               "module_path": "kvstore.adapters.vllm_tier",
                                "socket_path": "/run/kvstore/kvstore.sock"}]}}'
 
 An `OffloadKey` (vLLM's block hash + KV cache group index) becomes an object id under a full
@@ -57,7 +57,7 @@ import numpy as np
 from kvstore.dtypes import DType
 from kvstore.identity import StateDescriptor
 from kvstore.route import Route
-from adapters.common import SafeStore, StoreConfig, engine_object_id, lazy_classes
+from kvstore.adapters.common import SafeStore, StoreConfig, engine_object_id, lazy_classes
 
 log = logging.getLogger("kvstore.adapters.vllm_tier")
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 
 from kvstore.groups import Member
-from adapters.vllm_plan import LoadSpec, SaveSpec
+from kvstore.adapters.vllm_plan import LoadSpec, SaveSpec
 
 log = logging.getLogger("kvstore.adapters.vllm")
 STAGED_CHUNKS = 32  # pinned staging chunks kept per KV cache group when the cache is on a GPU

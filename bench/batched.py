@@ -57,8 +57,8 @@ class Ours:
     """The daemon and a client; each rep stores `count` fresh objects, reads them, drops them."""
 
     def __init__(self, workdir: str, count: int, size: int):
-        from client import Client
-        from commands.smoke import start_daemon
+        from kvstore.client import Client
+        from kvstore.commands.smoke import start_daemon
         config = os.path.join(workdir, "batched.toml")
         with open(config, "w") as f:
             f.write("[admin]\nenabled = false\n")

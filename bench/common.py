@@ -223,7 +223,7 @@ def host_only_daemon(workdir: str, name: str, arena_bytes: int, extra_toml: str 
     """A `kvstore serve` child (host tier only, no admin API, arena not prefaulted) with its
     socket at <workdir>/<name>.sock; returns (process, socket path). The caller terminates it.
     extra_toml: more tables for its config (a remote tier: `[remote]`, `[cluster]`)."""
-    from commands.smoke import start_daemon
+    from kvstore.commands.smoke import start_daemon
     socket_path = os.path.join(workdir, f"{name}.sock")
     config_path = os.path.join(workdir, f"{name}.toml")
     with open(config_path, "w") as f:

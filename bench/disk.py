@@ -48,8 +48,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.common import MiB, Row, Target, median, report  # noqa: E402
 from kvstore.config import NvmeTierConfig  # noqa: E402
 from kvstore.identity import ObjectId, StateDescriptor  # noqa: E402
-from tiers.nvme import NvmeTier  # noqa: E402
-from tiers.nvme.index import NvmeIndex, NvmeRecord, object_key  # noqa: E402
+from kvstore.tiers.nvme import NvmeTier  # noqa: E402
+from kvstore.tiers.nvme.index import NvmeIndex, NvmeRecord, object_key  # noqa: E402
 
 SUITE = "disk"
 OBJECT_BYTES = 4 * MiB
@@ -292,7 +292,7 @@ def restart_daemon(n: int, parent: str) -> None:
     client (it indexes what NVMe holds first), and RssAnon then, against a daemon over an
     empty tier of the same size: the daemon's memory per NVMe-indexed object."""
     from bench.scale import rss_anon
-    from client import Client, DaemonUnavailable
+    from kvstore.client import Client, DaemonUnavailable
     scratch = tempfile.mkdtemp(prefix="kvstore-bench-disk-", dir=parent)
     results = {}
     try:
@@ -307,7 +307,7 @@ def restart_daemon(n: int, parent: str) -> None:
                         f'file_bytes = {config.file_bytes}\ndurability = "group"\n')
             sock = os.path.join(scratch, name, "kvstore.sock")
             start = time.perf_counter()
-            daemon = subprocess.Popen([sys.executable, "-m", "commands.cli", "serve", "--config", toml, "--socket", sock,
+            daemon = subprocess.Popen([sys.executable, "-m", "kvstore.commands.cli", "serve", "--config", toml, "--socket", sock,
                                        "--log-level", "warning"], stdin=subprocess.DEVNULL)
             try:
                 while True:

@@ -65,10 +65,10 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from bench.common import Row, Target, report  # noqa: E402
-from gpu.engine import Engine, EngineConfig  # noqa: E402
-from gpu.engine.sparse_mode import SparseConfig, SparseDecoder, connect, dense_agreement  # noqa: E402
-from gpu.engine.store_engine import StoreConfig, StoreEngine, shared_weights  # noqa: E402
-from commands.smoke import start_daemon  # noqa: E402
+from kvstore.gpu.engine import Engine, EngineConfig  # noqa: E402
+from kvstore.gpu.engine.sparse_mode import SparseConfig, SparseDecoder, connect, dense_agreement  # noqa: E402
+from kvstore.gpu.engine.store_engine import StoreConfig, StoreEngine, shared_weights  # noqa: E402
+from kvstore.commands.smoke import start_daemon  # noqa: E402
 
 SUITE = "e2e"
 LENGTHS = {"512": 512, "1K": 1024, "2K": 2048, "4K": 4096}
@@ -125,15 +125,15 @@ def ttft_rows(socket: str, model, tokenizer, reps: int) -> list[Row]:
 
 
 def hybrid_engine(vocab_size: int):
-    from gpu.engine.hybrid import HybridConfig
-    from gpu.engine.hybrid_engine import HybridEngine
+    from kvstore.gpu.engine.hybrid import HybridConfig
+    from kvstore.gpu.engine.hybrid_engine import HybridEngine
     return HybridEngine(HybridConfig(vocab_size=vocab_size, max_position=HYBRID_CONTEXT), num_pages=320,
                         chunk_tokens=CHUNK)
 
 
 def hybrid_rows(socket: str, engine, tokenizer, reps: int) -> list[Row]:
     """TTFT of the hybrid model with a full hit through store groups against recompute (see the top)."""
-    from client.connector import KVConnector
+    from kvstore.client.connector import KVConnector
     connector = KVConnector(socket, engine.codecs(), engine.estimate_prefill_s)
     text = corpus(tokenizer, max(LENGTHS.values()) + 1)
     engine.generate(text[:300], 1)  # warm-up
@@ -201,7 +201,7 @@ def _batched(engine: Engine, prompt: list[int], other: list[int] | None, max_new
 
 def _stored_kv(model, socket: str, prompt: list[int]) -> torch.Tensor:
     """The KV of the prompt's first two chunks as the store holds them (None: not all there)."""
-    from gpu.engine.sparse_pages import StorePages
+    from kvstore.gpu.engine.sparse_pages import StorePages
 
     def missing():
         raise LookupError("not stored")

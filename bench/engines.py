@@ -55,7 +55,7 @@ def _timed(fn, reps: int, after=None) -> float:
 
 def run_part(engine: str, quick: bool) -> list[dict]:
     """In the engine's environment: start a daemon, measure, return rows as dicts."""
-    from commands.smoke import start_daemon
+    from kvstore.commands.smoke import start_daemon
 
     with tempfile.TemporaryDirectory(prefix="kvs-bench-") as tmp:
         sock = os.path.join(tmp, "s.sock")

@@ -44,7 +44,7 @@ def _bench_layout(socket_path: str, layout: str, label: str, pages: int, reps: i
     import torch
     from sglang_helpers import create_backend, make_pool, page_bytes, page_keys, token_indices
 
-    from adapters.sglang_pages import host_view
+    from kvstore.adapters.sglang_pages import host_view
 
     # the host pool holds 2 x device_tokens (+ a padding page): sources, then targets
     pool = make_pool("mha", layout, layers=LAYERS, page=PAGE, heads=HEADS, head_dim=HEAD_DIM,

@@ -62,7 +62,7 @@ class Caches:
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
         from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MambaSpec
 
-        import adapters.vllm as connector_module
+        import kvstore.adapters.vllm as connector_module
 
         self.module = connector_module
         self.num_blocks = 2 * chunks * PER_CHUNK  # sources, then destinations
@@ -147,7 +147,7 @@ def _ids(rng, count: int) -> list:
 
 
 def bench_connector(socket_path: str, chunks: int, reps: int, suite: str) -> list[Row]:
-    from adapters.vllm_plan import LoadSpec, SaveSpec
+    from kvstore.adapters.vllm_plan import LoadSpec, SaveSpec
 
     m = Caches(socket_path, chunks)
     rng = np.random.default_rng(0)
@@ -179,7 +179,7 @@ def bench_connector(socket_path: str, chunks: int, reps: int, suite: str) -> lis
 
 
 def bench_hybrid(socket_path: str, chunks: int, reps: int, suite: str) -> list[Row]:
-    from adapters.vllm_plan import LoadSpec, SaveSpec
+    from kvstore.adapters.vllm_plan import LoadSpec, SaveSpec
 
     m = Caches(socket_path, chunks, mamba=True)
     state_src = [b[-1] for b in m.src]  # the state at a chunk's end, in a block of its own group
@@ -237,7 +237,7 @@ def bench_tier(socket_path: str, quick: bool, suite: str) -> list[Row]:
     from vllm.v1.kv_offload.base import ReqContext, make_offload_key
     from vllm.v1.kv_offload.tiering.base import TransferJob
 
-    from adapters.vllm_tier import KVStoreSecondaryTier
+    from kvstore.adapters.vllm_tier import KVStoreSecondaryTier
 
     count, row = (16, 2 * MiB) if quick else (64, 2 * MiB)
     rows_mem = np.random.default_rng(1).integers(0, 256, (count * 2, row), dtype=np.uint8)

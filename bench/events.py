@@ -145,7 +145,7 @@ class Subscriber:
 
 def start(stack: contextlib.ExitStack, workdir: str, name: str, events: bool, reps: int,
           side=EventsSide) -> Worker:
-    from commands.smoke import start_daemon
+    from kvstore.commands.smoke import start_daemon
     socket_path = os.path.join(workdir, f"{name}.sock")
     config = os.path.join(workdir, f"{name}.toml")
     with open(config, "w") as f:
@@ -175,7 +175,7 @@ def settled(subscriber: Worker, ids: list[bytes], timeout_s: float = 10.0) -> li
 
 
 def measure(plan: Plan, workdir: str, subscribe: bool = True) -> dict:
-    from server.events import topic_of
+    from kvstore.server.events import topic_of
     out: dict = {"put": {}, "get": {}}
     with contextlib.ExitStack() as stack:
         sides = {"events off": start(stack, workdir, "off", False, plan.reps),

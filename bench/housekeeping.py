@@ -33,7 +33,7 @@ from bench.common import Row, report  # noqa: E402
 from kvstore.config import HostTierConfig  # noqa: E402
 from kvstore.hints import Hints  # noqa: E402
 from kvstore.identity import ObjectId, StateDescriptor  # noqa: E402
-from server.tiering.manager import TierManager  # noqa: E402
+from kvstore.server.tiering.manager import TierManager  # noqa: E402
 
 SUITE = "housekeeping"
 SIZE = 64  # bytes per object; each takes one 4 KiB unit of the (lazily touched) arena

@@ -27,7 +27,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from bench.common import Row, Target, report  # noqa: E402
-from gpu import formats, paged  # noqa: E402
+from kvstore.gpu import formats, paged  # noqa: E402
 from kvstore.dtypes import DType  # noqa: E402
 
 SUITE = "kernels"
@@ -71,7 +71,7 @@ def cases(device: str, scale: int):
 
     impls = {f"torch reference, {device}": (formats, paged)}
     if device == "cuda":
-        impls = {"triton": (import_module("gpu.formats_triton"), import_module("gpu.paged_triton")), **impls}
+        impls = {"triton": (import_module("kvstore.gpu.formats_triton"), import_module("kvstore.gpu.paged_triton")), **impls}
     n = scale * (1 << 20)
     x = torch.randn(n // 4096, 4096, device=device, dtype=torch.bfloat16)
     mx = formats.quantize_mxfp8(x)

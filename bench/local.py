@@ -169,7 +169,7 @@ def build_rows(out: dict) -> list[Row]:
 
 
 def start_kvstore(stack: contextlib.ExitStack, plan: Plan, workdir: str) -> Worker:
-    from commands.smoke import start_daemon
+    from kvstore.commands.smoke import start_daemon
     socket_path = os.path.join(workdir, "kvstore.sock")
     config_path = os.path.join(workdir, "kvstore.toml")
     with open(config_path, "w") as f:
@@ -219,7 +219,7 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="fewer and smaller repetitions (< 60 s)")
     args = parser.parse_args(argv)
     plan = QUICK if args.quick else FULL
-    # The daemon runs as `python -m commands.cli`: let it import this repo from any cwd.
+    # The daemon runs as `python -m kvstore.commands.cli`: let it import this repo from any cwd.
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
     started = time.perf_counter()
     progress("bench", f"{'quick' if args.quick else 'full'} run: {plan.reps} reps of {size_label(plan.rep_bytes)} "

@@ -70,7 +70,7 @@ class MemcpySide:
 
 class KVStoreSide:
     def __init__(self, socket_path: str, reps: int, shared_index: bool = True):
-        from client import Client
+        from kvstore.client import Client
         self.reps = reps
         self.client = Client.connect(socket_path, namespace="bench", shared_index=shared_index)
         start = time.perf_counter()

@@ -53,7 +53,7 @@ class Node:
     """One `kvstore serve` with etcd membership, its socket and config under `root`."""
 
     def __init__(self, root: str, name: str, etcd: str, arena: str):
-        from commands.smoke import start_daemon
+        from kvstore.commands.smoke import start_daemon
         os.makedirs(root, exist_ok=True)
         self.socket, config = os.path.join(root, "s"), os.path.join(root, "kvstore.toml")
         with open(config, "w") as f:
@@ -63,7 +63,7 @@ class Node:
         self.proc = start_daemon(self.socket, arena, extra=["--config", config])
 
     def client(self):
-        from client import Client
+        from kvstore.client import Client
         return Client.connect(self.socket, timeout_s=30)
 
     def remote_stats(self) -> dict:

@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/remote.py [--quick] [--transports tcp,ucx] [--parts peer,pool]
 
-The real peer service (`python -m server.peer.service`, in-memory backend, uvloop) serves
+The real peer service (`python -m kvstore.server.peer.service`, in-memory backend, uvloop) serves
 from its own process; a RemoteTier fetches from another. A timed get is one `get_into` of a
 4 MiB object into a pre-touched buffer, xxh3-128 check included; `transfer` is the same fetch
 without the check; `lookup` is one key, one round trip; `sparse` is a ranged get of 1/8 of
@@ -46,10 +46,10 @@ from bench.common import (  # noqa: E402
 )
 from kvstore.identity import ObjectId, StateDescriptor  # noqa: E402
 from kvstore.peer_messages import PeerGet, RemoteMeta  # noqa: E402
-from server.peer.client import connect_peer  # noqa: E402
-from server.peer.service import RANGED_RECHECK_S  # noqa: E402
-from server.peer.transport import make_transport  # noqa: E402
-from tiers.remote import RemoteTier  # noqa: E402
+from kvstore.server.peer.client import connect_peer  # noqa: E402
+from kvstore.server.peer.service import RANGED_RECHECK_S  # noqa: E402
+from kvstore.server.peer.transport import make_transport  # noqa: E402
+from kvstore.tiers.remote import RemoteTier  # noqa: E402
 
 SUITE = "remote"
 SIZE = 4 * MiB
@@ -229,7 +229,7 @@ def peer_server(transport: str, workdir: str, recheck_s: float = RANGED_RECHECK_
     with open(secret_file, "wb") as f:
         f.write(SECRET)
     log = open(os.path.join(workdir, f"peer-{transport}-{recheck_s}.log"), "w")
-    proc = subprocess.Popen([sys.executable, "-m", "server.peer.service", "--listen", "127.0.0.1:0", "--secret-file",
+    proc = subprocess.Popen([sys.executable, "-m", "kvstore.server.peer.service", "--listen", "127.0.0.1:0", "--secret-file",
                              secret_file, "--transport", transport, "--node-id", "server", "--timeout-s", "5",
                              "--recheck-s", str(recheck_s)],
                             stdout=subprocess.PIPE, stderr=log, text=True, cwd=ROOT)
@@ -326,7 +326,7 @@ def main(argv=None) -> int:
         rows = run(plan, args.transports.split(","), workdir, skipped) if "peer" in parts else []
         if "pool" in parts:
             rows += remote_pool.run(pool_plan, workdir, skipped)
-    from server.peer.ucx import UCX_ENV_DEFAULTS
+    from kvstore.server.peer.ucx import UCX_ENV_DEFAULTS
     ucx_env = {k: os.environ.get(k, v) for k, v in UCX_ENV_DEFAULTS.items()}
     settings = {**asdict(plan), "mode": "quick" if args.quick else "full", "object_bytes": SIZE,
                 "ucx_env": ucx_env, "parts": sorted(parts),

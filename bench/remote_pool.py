@@ -65,7 +65,7 @@ class DaemonPairSide:
     writer puts (a pool, or the writer itself as a peer home)."""
 
     def __init__(self, writer_socket: str, reader_socket: str, reps: int):
-        from client import Client
+        from kvstore.client import Client
         self.reps = reps
         self.writer = Client.connect(writer_socket, namespace="bench", timeout_s=60)
         self.reader = Client.connect(reader_socket, namespace="bench", timeout_s=60)

@@ -67,7 +67,7 @@ def ids(count: int):
 
 
 def measure(count: int, size: int, workdir: str) -> dict:
-    from client import Client
+    from kvstore.client import Client
     arena = arena_bytes(count, size)
     daemon, socket_path = host_only_daemon(workdir, f"scale-{count}", arena)
     try:

@@ -75,7 +75,7 @@ def main(argv=None) -> int:
     parser.add_argument("--iters", type=int, default=20000, help="timed calls per side and kind")
     args = parser.parse_args(argv)
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
-    from commands.smoke import start_daemon
+    from kvstore.commands.smoke import start_daemon
     skipped: dict[str, str] = {}
     started = time.perf_counter()
     with scratch_dir("kvstore-bench-") as workdir, contextlib.ExitStack() as stack:

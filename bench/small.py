@@ -54,7 +54,7 @@ def object_sizes(spec: str, count: int) -> list[int]:
 
 
 def measure(count: int, spec: str, workdir: str) -> dict:
-    from client import Client
+    from kvstore.client import Client
     sizes = object_sizes(spec, count)
     paged = sum(-(-n // PAGE) * PAGE for n in sizes)
     name = f"small-{spec}"

@@ -23,10 +23,10 @@ from kvstore.hints import Hints
 from kvstore.identity import ChunkKey, ObjectId, StateDescriptor
 from kvstore.protocol import MAX_BATCH
 from kvstore.route import packed_route
-from client.buffers import as_writable_u8
-from client.core import PUT_WINDOW_BYTES, ClientCore, Collect, Later, copy_and_hash, expectation, to_object_id
-from client.lease import ReadLease
-from client.results import PutResult
+from kvstore.client.buffers import as_writable_u8
+from kvstore.client.core import PUT_WINDOW_BYTES, ClientCore, Collect, Later, copy_and_hash, expectation, to_object_id
+from kvstore.client.lease import ReadLease
+from kvstore.client.results import PutResult
 
 # Objects one window of put_many (or one batch of get_many) keeps leased at once: at most
 # half the daemon's lease quota per client (limits.max_leases_per_client, 4,096 by default),

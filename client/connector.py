@@ -40,10 +40,10 @@ import numpy as np
 
 from kvstore.errors import InvalidArgument
 from kvstore.identity import ChunkKey, StateDescriptor, chunk_keys, namespace_salt
-from client.connector_link import StoreLink
-from client.connector_objects import ChunkObjects
-from client.connector_plan import plan_load
-from client.connector_ranged import SegmentReader
+from kvstore.client.connector_link import StoreLink
+from kvstore.client.connector_objects import ChunkObjects
+from kvstore.client.connector_plan import plan_load
+from kvstore.client.connector_ranged import SegmentReader
 
 # Load-rate guess when a lookup has no hit bytes to derive one from (host memcpy speed here).
 DEFAULT_LOAD_S_PER_BYTE = 1 / 4e9

@@ -13,7 +13,7 @@ import logging
 import time
 
 from kvstore.errors import KVStoreError
-from client.sync import Client
+from kvstore.client.sync import Client
 
 _log = logging.getLogger("kvstore.connector")
 

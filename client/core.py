@@ -29,11 +29,11 @@ from kvstore.errors import ChecksumError, InvalidArgument, ProtocolError, from_w
 from kvstore.identity import ChunkKey, ObjectId, StateDescriptor, descriptor_differences
 from kvstore.protocol import MAX_BATCH, Reply, Request
 from kvstore.ranges import normalize as normalize_ranges
-from client.buffers import as_u8, as_writable_u8
-from client.lease import ReadLease
-from client.pinning import pin_for_cuda
-from client.results import LookupResult
-from client.shared_reads import ReportingCodec, SharedReads
+from kvstore.client.buffers import as_u8, as_writable_u8
+from kvstore.client.lease import ReadLease
+from kvstore.client.pinning import pin_for_cuda
+from kvstore.client.results import LookupResult
+from kvstore.client.shared_reads import ReportingCodec, SharedReads
 
 # Bytes of reserved-but-uncommitted puts one put_many keeps in flight.
 PUT_WINDOW_BYTES = 64 << 20

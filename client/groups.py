@@ -26,8 +26,8 @@ from kvstore.groups import Member, check_members, group_descriptor, group_id, ma
 from kvstore.hints import Hints
 from kvstore.identity import ObjectId
 from kvstore.protocol import MAX_BATCH
-from client.core import PUT_WINDOW_BYTES, ClientCore, _expect_fields, copy_and_hash
-from client.lease import ReadLease
+from kvstore.client.core import PUT_WINDOW_BYTES, ClientCore, _expect_fields, copy_and_hash
+from kvstore.client.lease import ReadLease
 
 PUT_ATTEMPTS = 3  # a member said to be stored may leave before the commit: put again
 

@@ -44,7 +44,7 @@ from kvstore.shared_index import (
     ALIVE, ALIVE_AT, HEADER, HEADER_BYTES, MAGIC, OCCUPIED, PROBE_SLOTS, RECORD, RECORD_BYTES, SEQ, VERSION,
     descriptor_digest, file_bytes, home_slot,
 )
-from client.lease import ReadLease
+from kvstore.client.lease import ReadLease
 
 # The seqlock argument needs x86's ordering (loads not reordered with loads, stores in order).
 ORDERED_MACHINES = ("x86_64", "amd64")

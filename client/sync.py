@@ -14,13 +14,13 @@ from kvstore.hints import Hints
 from kvstore.identity import StateDescriptor
 from kvstore.protocol import NEED_DATA, BadFrame, Fatal, Reply
 from kvstore.replies import GpuHandleReply, HelloReply
-from client.core import ClientCore, Collect, Later
-from client.daemon_peer import check_daemon_peer
-from client import batched
-from client import groups as group_ops
-from client.results import LookupResult, PutResult
-from client.gpu import op_get_into_device
-from client.lease import ReadLease
+from kvstore.client.core import ClientCore, Collect, Later
+from kvstore.client.daemon_peer import check_daemon_peer
+from kvstore.client import batched
+from kvstore.client import groups as group_ops
+from kvstore.client.results import LookupResult, PutResult
+from kvstore.client.gpu import op_get_into_device
+from kvstore.client.lease import ReadLease
 
 RECV_BYTES = 256 * 1024
 # A round trip's requests go out in groups of at most this many bytes, each group's replies

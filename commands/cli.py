@@ -10,7 +10,7 @@ from dataclasses import replace
 
 from kvstore.config import ServerConfig, parse_size
 from kvstore.errors import KVStoreError
-from commands import admin_cli, demo
+from kvstore.commands import admin_cli, demo
 
 
 def load_config(args) -> ServerConfig:
@@ -41,7 +41,7 @@ def load_config(args) -> ServerConfig:
 
 
 def cmd_serve(args) -> int:
-    from server import daemon, logs
+    from kvstore.server import daemon, logs
     config = load_config(args)
     logs.configure(config.log_level, config.log_format)
     daemon.run(config)
@@ -49,7 +49,7 @@ def cmd_serve(args) -> int:
 
 
 def cmd_smoke(args) -> int:
-    from commands.smoke import run_smoke
+    from kvstore.commands.smoke import run_smoke
     return run_smoke(args.socket, args.chunks)
 
 

@@ -20,9 +20,9 @@ import shutil
 import tempfile
 import time
 
-from commands.demo_hybrid import HybridTurns
-from commands.demo_report import Progress, hybrid_summary, plot, print_table, summary, write_json
-from commands.demo_workload import PROFILES, TOOLS, Turn, plan, system_text
+from kvstore.commands.demo_hybrid import HybridTurns
+from kvstore.commands.demo_report import Progress, hybrid_summary, plot, print_table, summary, write_json
+from kvstore.commands.demo_workload import PROFILES, TOOLS, Turn, plan, system_text
 
 # One namespace arena; the default workload stores ~60 MiB of bf16 KV.
 ARENA = "512MiB"
@@ -60,7 +60,7 @@ class DemoDaemon:
         self.proc = None
 
     def start(self) -> DemoDaemon:
-        from commands.smoke import start_daemon
+        from kvstore.commands.smoke import start_daemon
         self.proc = start_daemon(self.socket, ARENA, extra=["--config", self.config_path])
         return self
 
@@ -103,8 +103,8 @@ def run_demo(profile: str = "default", out_dir: str = "kvstore-demo", socket_pat
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     import torch
 
-    from gpu.engine import Engine, EngineConfig
-    from gpu.engine.store_engine import StoreConfig, StoreEngine, shared_weights
+    from kvstore.gpu.engine import Engine, EngineConfig
+    from kvstore.gpu.engine.store_engine import StoreConfig, StoreEngine, shared_weights
 
     shape = PROFILES[profile]
     max_new = max_new_tokens or shape.max_new_tokens

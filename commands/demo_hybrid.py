@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import asdict
 
-from client.connector import KVConnector
+from kvstore.client.connector import KVConnector
 
 # Room for the demo's longest prompt and its reply (the default context is 4,096 tokens).
 MAX_POSITION = 8192
@@ -26,8 +26,8 @@ class HybridTurns:
     """One hybrid engine with a connector to the demo's daemon, and the same engine without."""
 
     def __init__(self, socket_path: str, vocab_size: int, chunk_tokens: int):
-        from gpu.engine.hybrid import HybridConfig
-        from gpu.engine.hybrid_engine import HybridEngine
+        from kvstore.gpu.engine.hybrid import HybridConfig
+        from kvstore.gpu.engine.hybrid_engine import HybridEngine
         self.engine = HybridEngine(HybridConfig(vocab_size=vocab_size, max_position=MAX_POSITION),
                                    num_pages=NUM_PAGES, chunk_tokens=chunk_tokens)
         self.connector = KVConnector(socket_path, self.engine.codecs(), self.engine.estimate_prefill_s)

@@ -33,7 +33,7 @@ def start_daemon(socket_path: str, arena_bytes: str = "256MiB", extra=()) -> sub
     sits beside the socket, so several such daemons never collide with each other or with
     the user's real one.
     """
-    from client import Client, DaemonUnavailable
+    from kvstore.client import Client, DaemonUnavailable
     defaults = []
     if "--config" not in extra:
         if "--admin-port" not in extra:
@@ -41,7 +41,7 @@ def start_daemon(socket_path: str, arena_bytes: str = "256MiB", extra=()) -> sub
         if "--data-dir" not in extra:
             defaults += ["--data-dir", os.path.join(os.path.dirname(os.path.abspath(socket_path)), "data")]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "commands.cli", "serve", "--socket", socket_path,
+        [sys.executable, "-m", "kvstore.commands.cli", "serve", "--socket", socket_path,
          "--arena-bytes", arena_bytes, "--log-level", "warning", *defaults, *extra],
         stdin=subprocess.DEVNULL,
     )
@@ -107,7 +107,7 @@ def _too_small(client, needed_bytes: int) -> str:
 
 
 def run_smoke(socket_path: str | None, num_chunks: int) -> int:
-    from client import Client
+    from kvstore.client import Client
     with tempfile.TemporaryDirectory(prefix="kvstore-smoke-") as tmp:
         proc = None
         if socket_path is None:

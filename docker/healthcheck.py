@@ -11,8 +11,8 @@ import argparse
 import sys
 
 from kvstore.errors import KVStoreError
-from server.admin.client import AdminClient
-from commands.cli import load_config
+from kvstore.server.admin.client import AdminClient
+from kvstore.commands.cli import load_config
 
 TIMEOUT_S = 4.0  # below the HEALTHCHECK --timeout
 

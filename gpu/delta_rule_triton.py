@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from gpu.delta_rule import check_shapes
+from kvstore.gpu.delta_rule import check_shapes
 
 BLOCK_V = 32  # value rows per program: [32, 128] fp32 = 16 KiB of state in registers
 

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from gpu.formats import (
+from kvstore.gpu.formats import (
     E4M3,
     Fp8Format,
     Fp8Tensor,
@@ -25,7 +25,7 @@ from gpu.formats import (
     finite_amax,
     fp8_format,
 )
-from gpu.fp8_bits import decode_fp8, encode_fp8, pow2_from_e8m0
+from kvstore.gpu.fp8_bits import decode_fp8, encode_fp8, pow2_from_e8m0
 from kvstore.dtypes import MX_BLOCK, DType
 from kvstore.errors import InvalidArgument
 

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from gpu.paged import PagedGeometry, as_bits
+from kvstore.gpu.paged import PagedGeometry, as_bits
 from kvstore.layout import Layout
 
 TILE_BYTES = 16384  # per program and part: 16 KiB keeps many loads in flight per SM

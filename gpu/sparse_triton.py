@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from gpu.sparse import check_ragged
+from kvstore.gpu.sparse import check_ragged
 from kvstore.errors import InvalidArgument
 
 SUMMARY_TILE = 256  # channels (kv_heads * head_dim) per program

@@ -135,6 +135,9 @@ context() {
     log "wheelhouse: kvstore and its core dependencies for CPython 3.11"
     # A fixed timestamp inside the wheel: unchanged sources give the same bytes, and the
     # image layers stay cached.
+    # setuptools builds in the tree and reuses what build/lib holds: an earlier layout's
+    # packages there would ride along into the wheel
+    rm -rf "$ROOT/build/lib" "$ROOT"/build/bdist.*
     SOURCE_DATE_EPOCH=315532800 "$PY" -m pip wheel -q --no-deps "$ROOT" -w "$wheels" >"$WORK/pip.log" 2>&1 \
         || die "pip wheel failed; see $WORK/pip.log"
     # The versions .venv has (locks/main-constraints.txt), so every image holds what the tests

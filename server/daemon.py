@@ -16,14 +16,14 @@ from kvstore.config import ServerConfig
 from kvstore.errors import KVStoreError, PermissionDenied
 from kvstore.protocol import MAX_BATCH
 from kvstore.replies import ClientLimits
-from server.data_dir import DataDirLock, HeldLock, ensure_dir, hold_data_dir
-from server.events import EventStream, NoEvents
-from server.socket_path import claim_socket_path
-from server.tiering.gpu_reads import GpuReads
-from server.host_memory import check_host_tier, host_memory
-from server.local.service import SERVER_VERSION, LocalConnection
-from server.tiering.manager import TierManager
-from tiers.gpu import Availability, GpuTier
+from kvstore.server.data_dir import DataDirLock, HeldLock, ensure_dir, hold_data_dir
+from kvstore.server.events import EventStream, NoEvents
+from kvstore.server.socket_path import claim_socket_path
+from kvstore.server.tiering.gpu_reads import GpuReads
+from kvstore.server.host_memory import check_host_tier, host_memory
+from kvstore.server.local.service import SERVER_VERSION, LocalConnection
+from kvstore.server.tiering.manager import TierManager
+from kvstore.tiers.gpu import Availability, GpuTier
 
 log = logging.getLogger("kvstore.daemon")
 HOUSEKEEPING_INTERVAL_S = 1.0
@@ -58,18 +58,18 @@ class Daemon:
         self.config = config
         nvme = cluster = None  # the chain below the host tier, each tier only when enabled
         if config.nvme.enabled:
-            from server.tiering.nvme_mover import TierMover
+            from kvstore.server.tiering.nvme_mover import TierMover
             nvme_config = replace(config.nvme, path=config.nvme_path)
             nvme = lambda manager: TierMover(manager, nvme_config)  # noqa: E731
         if config.cluster.enabled:
-            from server.cluster.link import ClusterLink
+            from kvstore.server.cluster.link import ClusterLink
             cluster = lambda manager: ClusterLink(manager, config.cluster)  # noqa: E731
         elif config.remote.mooncake_enabled:  # a Mooncake Store pool as the remote tier
-            from server.pool.link import PoolLink
+            from kvstore.server.pool.link import PoolLink
             cluster = lambda manager: PoolLink(manager, config.remote.mooncake)  # noqa: E731
         self.events = NoEvents()  # the KV event stream for routers, when [events] enabled
         if config.events.enabled:
-            from server.events.publisher import ZmqPublisher
+            from kvstore.server.events.publisher import ZmqPublisher
             self.events = EventStream(config.events.under(config.data_dir), ZmqPublisher)
         self.manager = TierManager(config.host, config.limits, verify_puts=config.verify_puts, make_nvme=nvme,
                                    make_cluster=cluster, events=self.events)
@@ -108,7 +108,7 @@ class Daemon:
         path = self.config.socket_path
         self._socket_lock = claim_socket_path(path)  # before anything is made that a twin would orphan
         if self.config.admin.enabled:  # first, so /readyz can say "recovering"
-            from server.admin.server import AdminServer
+            from kvstore.server.admin.server import AdminServer
             self.admin = AdminServer(self)
             await self.admin.start()
         self.manager.host_bandwidth_bytes_s = measure_copy_bandwidth()

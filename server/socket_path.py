@@ -18,7 +18,7 @@ import socket
 import stat
 
 from kvstore.errors import ServiceError
-from server.data_dir import HeldLock, refuse_unless_ours
+from kvstore.server.data_dir import HeldLock, refuse_unless_ours
 
 
 class SocketPathError(ServiceError):

@@ -10,7 +10,7 @@ import tempfile
 
 import pytest
 
-from commands.smoke import start_daemon
+from kvstore.commands.smoke import start_daemon
 
 
 class DaemonProcess:
@@ -31,7 +31,7 @@ class DaemonProcess:
         return self
 
     def client(self, **kwargs):
-        from client import Client
+        from kvstore.client import Client
         return Client.connect(self.socket, **kwargs)
 
     def stop(self, sig=signal.SIGTERM, timeout=20) -> int | None:

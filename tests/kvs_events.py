@@ -13,7 +13,7 @@ import time
 import msgpack
 import zmq
 
-from server.events import topic_of
+from kvstore.server.events import topic_of
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 POLL_MS = 10_000  # a liveness bound: the daemon sends within it on any machine

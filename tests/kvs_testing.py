@@ -13,7 +13,7 @@ import numpy as np
 
 from kvstore.config import GPU_ALIGNMENT_BYTES
 from kvstore.identity import ObjectId
-from tiers.allocator import Extent, ExtentAllocator
+from kvstore.tiers.allocator import Extent, ExtentAllocator
 
 
 def payload(size: int, seed) -> np.ndarray:

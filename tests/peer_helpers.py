@@ -17,12 +17,12 @@ import pytest
 import xxhash
 
 from kvstore.identity import ObjectId, StateDescriptor
-from server.peer.service import InMemoryBackend, PeerService
-from server.peer.client import connect_peer
-from server.peer.transport import make_transport
+from kvstore.server.peer.service import InMemoryBackend, PeerService
+from kvstore.server.peer.client import connect_peer
+from kvstore.server.peer.transport import make_transport
 from kvstore.peer_messages import RemoteMeta
 from kvs_testing import free_port  # noqa: F401 (peer tests import it from here)
-from tiers.remote import RemoteTier
+from kvstore.tiers.remote import RemoteTier
 
 SECRET = b"test-secret-0123456789"
 TRANSPORTS = ["tcp", pytest.param("ucx", marks=pytest.mark.ucx)]

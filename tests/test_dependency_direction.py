@@ -36,14 +36,50 @@ ENTRY_POINTS: dict = {}
 HEAVY = {"asyncio", "socket", "torch", "aiohttp", "ucxx", "rocksdict", "triton", "numpy"}
 
 
-def _imports(path: pathlib.Path, top_level_only: bool = False):
+def _modules(path: pathlib.Path, top_level_only: bool = False):
+    """The absolute module names `path` imports (`from a import b` gives a.b as well as a)."""
     tree = ast.parse(path.read_text())
     nodes = tree.body if top_level_only else ast.walk(tree)
     for node in nodes:
         if isinstance(node, ast.Import):
-            yield from (a.name.split(".")[0] for a in node.names)
+            yield from (a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            yield node.module.split(".")[0]
+            yield node.module
+            yield from (f"{node.module}.{a.name}" for a in node.names)
+
+
+def _part(module: str) -> str | None:
+    """Which of the project's packages `module` is in (kvstore.server.x -> server, kvstore.x
+    -> kvstore), or None for a third-party module."""
+    names = module.split(".")
+    if names[0] != "kvstore":
+        return None
+    return names[1] if len(names) > 1 and names[1] in PACKAGES else "kvstore"
+
+
+def _imports(path: pathlib.Path, top_level_only: bool = False):
+    """The project's packages and the third-party top-level modules `path` imports."""
+    for module in _modules(path, top_level_only):
+        yield _part(module) or module.split(".")[0]
+
+
+def test_everything_imports_the_project_as_kvstore():
+    """One import namespace: the wheel installs only `kvstore` (client/, server/, ... are its
+    subpackages through the links in kvstore/), so no file may import a top-level `server`,
+    `client`, `tiers`, `gpu`, `adapters` or `commands`: in a checkout such a module would
+    load a second time under another name."""
+    old = set(PACKAGES) - {"kvstore"}
+    files = [p for p in sorted(ROOT.rglob("*.py")) if _ours(p.relative_to(ROOT).parts)]
+    assert len(files) > 300, "the check reads the repository's Python files"
+    wrong = [f"{p.relative_to(ROOT)} imports {m}" for p in files for m in _modules(p) if m.split(".")[0] in old]
+    assert not wrong, "\n".join(wrong)
+
+
+def _ours(parts: tuple) -> bool:
+    """A file of the repository's own (not a hidden folder's, a build's or a venv's), read once
+    (not again through the links kvstore/server -> ../server and so on)."""
+    hidden = any(part.startswith(".") or part in ("build", "node_modules") for part in parts[:-1])
+    return not hidden and not (parts[0] == "kvstore" and len(parts) > 2 and parts[1] in PACKAGES)
 
 
 @pytest.mark.parametrize("package", PACKAGES)
@@ -60,14 +96,9 @@ def test_imports_point_one_way(package):
 
 def _server_imports(path: pathlib.Path):
     """The server.<part> modules `path` imports (server.x for a top-level module x)."""
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names = [node.module] if node.module != "server" else [f"server.{a.name}" for a in node.names]
-        elif isinstance(node, ast.Import):
-            names = [a.name for a in node.names]
-        else:
-            continue
-        yield from (".".join(n.split(".")[:2]) for n in names if n.startswith("server."))
+    for module in _modules(path):
+        if module.startswith("kvstore.server."):
+            yield ".".join(module.split(".")[1:3])
 
 
 @pytest.mark.parametrize("part", sorted(SERVER))

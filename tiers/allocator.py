@@ -27,7 +27,7 @@ from typing import Sequence
 import numpy as np
 
 from kvstore.errors import InvalidArgument
-from tiers.initial_extents import InitialExtents
+from kvstore.tiers.initial_extents import InitialExtents
 
 # How many too-small holes of the request's own size class alloc looks at before it settles for
 # a hole of a larger class (still lowest-offset among those). Bounds alloc's time on a badly

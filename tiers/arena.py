@@ -31,8 +31,8 @@ import os
 import threading
 
 from kvstore.errors import CapacityError, InvalidArgument, ServiceError
-from tiers.allocator import Extent, ExtentAllocator
-from tiers.slabs import SlabAllocator
+from kvstore.tiers.allocator import Extent, ExtentAllocator
+from kvstore.tiers.slabs import SlabAllocator
 
 _log = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from kvstore.config import GPU_ALIGNMENT_BYTES, GpuConfig
 from kvstore.errors import InvalidArgument, ServiceError
 from kvstore.replies import GpuHandleReply
-from tiers.allocator import Extent, ExtentAllocator
+from kvstore.tiers.allocator import Extent, ExtentAllocator
 
 
 @dataclass(frozen=True, slots=True)

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvstore.errors import InvalidArgument
-from tiers.allocator import Extent
+from kvstore.tiers.allocator import Extent
 
 _log = logging.getLogger(__name__)
 

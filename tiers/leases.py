@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 from kvstore.errors import InvalidArgument, NotFound
 
 if TYPE_CHECKING:
-    from tiers.allocator import Extent
+    from kvstore.tiers.allocator import Extent
 
 MODES = ("read", "write")
 

@@ -42,7 +42,7 @@ from bisect import bisect_left, insort
 from dataclasses import dataclass
 
 from kvstore.errors import InvalidArgument
-from tiers.allocator import Extent, ExtentAllocator
+from kvstore.tiers.allocator import Extent, ExtentAllocator
 
 SIZE_CLASSES = (
     *range(64, 512, 64),

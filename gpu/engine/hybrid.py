@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from gpu.delta_rule import delta_rule_chunk
+from kvstore.gpu.delta_rule import delta_rule_chunk
 from kvstore.errors import InvalidArgument
 
 from .kv_cache import PagedKVCache

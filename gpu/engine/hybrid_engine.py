@@ -41,7 +41,7 @@ from .kv_cache import CacheConfig, PagedKVCache
 from .store_codecs import PagedKVCodec, RecurrentCodec, paged_layout
 
 if TYPE_CHECKING:
-    from client.connector import MatchResult
+    from kvstore.client.connector import MatchResult
 
 
 @dataclass(slots=True, eq=False)

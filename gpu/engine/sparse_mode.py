@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from gpu.sparse import score_pages, select_top_k
+from kvstore.gpu.sparse import score_pages, select_top_k
 from kvstore.errors import InvalidArgument
 from kvstore.identity import DEFAULT_CHUNK_TOKENS
 

@@ -18,7 +18,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from client.gpu import host_tensor
+from kvstore.client.gpu import host_tensor
 
 from .store_codecs import PagedKVCodec
 

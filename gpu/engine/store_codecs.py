@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import torch
 
-from client.gpu import host_tensor
-from gpu.formats import decode_segments, encode_segments
+from kvstore.client.gpu import host_tensor
+from kvstore.gpu.formats import decode_segments, encode_segments
 from kvstore.dtypes import DType
 from kvstore.errors import InvalidArgument
 from kvstore.identity import StateDescriptor

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from client.connector import ConnectorConfig, KVConnector, MatchResult
+from kvstore.client.connector import ConnectorConfig, KVConnector, MatchResult
 from kvstore.errors import InvalidArgument
 from kvstore.identity import DEFAULT_CHUNK_TOKENS, StateDescriptor
 

@@ -17,8 +17,8 @@ import math
 
 from kvstore.errors import InvalidArgument, NotFound
 from kvstore.identity import ObjectId
-from server.admin.http import Conflict
-from server.tiering.objects import ObjectEntry, live_in
+from kvstore.server.admin.http import Conflict
+from kvstore.server.tiering.objects import ObjectEntry, live_in
 
 
 def tiers_of(manager) -> tuple[str, ...]:

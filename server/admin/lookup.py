@@ -13,8 +13,8 @@ from aiohttp import web
 from kvstore.errors import InvalidArgument
 from kvstore.identity import StateDescriptor, chunk_keys
 from kvstore.replies import LookupReply
-from server.admin.http import ADMIN, json_body, json_response
-from server.later import resolve
+from kvstore.server.admin.http import ADMIN, json_body, json_response
+from kvstore.server.later import resolve
 
 # Router calls per lookup stay bounded: 1M tokens is 4096 chunks of 256.
 MAX_LOOKUP_TOKENS = 1 << 20

@@ -40,9 +40,9 @@ from aiohttp import web
 from kvstore.errors import InvalidArgument
 from kvstore.identity import ID_BYTES, MAX_NAME_CHARS, StateDescriptor, chunk_keys
 from kvstore.route import MAX_HASH_BYTES, MAX_INT_HASH, MIN_INT_HASH, route_fields
-from server.admin.http import ADMIN, NotEnabled, json_body, json_response
-from server.admin.lookup import MAX_LOOKUP_TOKENS, descriptor, extra_keys, tokens
-from server.later import resolve
+from kvstore.server.admin.http import ADMIN, NotEnabled, json_body, json_response
+from kvstore.server.admin.lookup import MAX_LOOKUP_TOKENS, descriptor, extra_keys, tokens
+from kvstore.server.later import resolve
 
 # A router asks once per request with its candidates: a handful, rarely dozens. 64 also
 # bounds what one call can make the daemon do before the limits below.

@@ -19,7 +19,7 @@ from kvstore.dtypes import DType
 from kvstore.errors import InvalidArgument, NotFound
 from kvstore.hints import MAX_LABEL_CHARS
 from kvstore.identity import MAX_NAME_CHARS, Kind
-from server.admin.http import (
+from kvstore.server.admin.http import (
     ADMIN,
     check_number,
     check_str,
@@ -29,9 +29,9 @@ from server.admin.http import (
     query_int,
     query_str,
 )
-from server.admin.listing import check_tier, doc, find_object, list_page
-from server.later import resolve
-from server.tiering.objects import ObjectEntry
+from kvstore.server.admin.listing import check_tier, doc, find_object, list_page
+from kvstore.server.later import resolve
+from kvstore.server.tiering.objects import ObjectEntry
 
 DEFAULT_PAGE = 100
 MAX_PAGE = 1000

@@ -12,11 +12,11 @@ import socket
 
 from aiohttp import web
 
-from server.admin import lookup, lookup_batch, objects
-from server.admin.http import ADMIN, json_response
-from server.admin.openapi import TIER_KEYS, openapi_document
-from tiers.nvme import ALIGN as NVME_ALIGN
-from tiers.slabs import SIZE_CLASSES
+from kvstore.server.admin import lookup, lookup_batch, objects
+from kvstore.server.admin.http import ADMIN, json_response
+from kvstore.server.admin.openapi import TIER_KEYS, openapi_document
+from kvstore.tiers.nvme import ALIGN as NVME_ALIGN
+from kvstore.tiers.slabs import SIZE_CLASSES
 
 
 def _admin(request: web.Request):
@@ -115,7 +115,7 @@ async def cluster(request: web.Request) -> web.Response:
 
 async def metrics(request: web.Request) -> web.Response:
     from prometheus_client import CONTENT_TYPE_LATEST
-    from server.admin.metrics import render
+    from kvstore.server.admin.metrics import render
     return web.Response(body=render(_admin(request).registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 

@@ -25,7 +25,7 @@ from aiohttp import web
 from aiohttp.http_exceptions import LineTooLong
 
 from kvstore.errors import KVStoreError, ServiceError
-from server.admin.http import (
+from kvstore.server.admin.http import (
     ADMIN,
     HTTP_CODES,
     MAX_BODY_BYTES,
@@ -33,9 +33,9 @@ from server.admin.http import (
     error_response,
     http_status,
 )
-from server.admin.client import ADDR_FILE, TOKEN_FILE
-from server.admin.routes import ROUTES
-from server.admin.metrics import OpsMeter, make_registry, total_ops
+from kvstore.server.admin.client import ADDR_FILE, TOKEN_FILE
+from kvstore.server.admin.routes import ROUTES
+from kvstore.server.admin.metrics import OpsMeter, make_registry, total_ops
 
 log = logging.getLogger("kvstore.admin")
 OPS_SAMPLE_INTERVAL_S = 1.0

@@ -18,8 +18,8 @@ from kvstore.identity import descriptor_differences
 from kvstore.peer_messages import RemoteMeta
 from kvstore.ranges import check_within, total as ranges_total
 from kvstore.replies import MISS, GetReply
-from server.events import MEDIUM_PEER
-from server.tiering.objects import ObjectEntry
+from kvstore.server.events import MEDIUM_PEER
+from kvstore.server.tiering.objects import ObjectEntry
 
 DEFAULT_REMOTE_BANDWIDTH = 1e9
 

@@ -31,13 +31,13 @@ from dataclasses import asdict
 
 from kvstore.config import ClusterConfig
 from kvstore.identity import ObjectId
-from server.events import MEDIUM_PEER
-from server.cluster.fetch import Fetcher
-from server.cluster.replicate import Replicator
-from server.cluster.serving import PeerServing
-from server.later import MaybeAwaitable, then
-from server.cluster.node import PeerNode
-from server.cluster.rehome import Rehomer
+from kvstore.server.events import MEDIUM_PEER
+from kvstore.server.cluster.fetch import Fetcher
+from kvstore.server.cluster.replicate import Replicator
+from kvstore.server.cluster.serving import PeerServing
+from kvstore.server.later import MaybeAwaitable, then
+from kvstore.server.cluster.node import PeerNode
+from kvstore.server.cluster.rehome import Rehomer
 
 
 class ClusterLink:

@@ -19,12 +19,12 @@ from typing import Callable
 
 from kvstore.config import ClusterConfig, parse_address
 from kvstore.errors import InvalidArgument, PermissionDenied
-from server.cluster.membership import OnChange, make_membership
-from server.peer.service import PeerBackend, PeerService
-from server.peer.client import PeerClient, connect_peer
-from server.peer.transport import make_transport
-from server.cluster.peer_watch import PeerWatch
-from tiers.remote import RemoteTier
+from kvstore.server.cluster.membership import OnChange, make_membership
+from kvstore.server.peer.service import PeerBackend, PeerService
+from kvstore.server.peer.client import PeerClient, connect_peer
+from kvstore.server.peer.transport import make_transport
+from kvstore.server.cluster.peer_watch import PeerWatch
+from kvstore.tiers.remote import RemoteTier
 
 log = logging.getLogger("kvstore.peer")
 # Peers marked down are first probed after max(peer_timeout_s, this) (server.cluster.peer_watch).

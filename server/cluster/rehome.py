@@ -35,7 +35,7 @@ from dataclasses import asdict, dataclass
 
 from kvstore.identity import ObjectId
 from kvstore.ownership import home_nodes, new_homes
-from server.tiering.objects import live_in
+from kvstore.server.tiering.objects import live_in
 
 log = logging.getLogger("kvstore.rehome")
 # Sends started together (they queue on the cluster link's gate).

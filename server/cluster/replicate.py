@@ -16,11 +16,11 @@ from dataclasses import dataclass
 
 from kvstore.errors import Conflict
 from kvstore.replies import CommitReply
-from server.cluster.serving import FOR_PEER
-from server.events import MEDIUM_PEER
-from server.tiering.demotions import DemotionTally
-from server.tiering.objects import ObjectEntry
-from tiers.remote import MAX_LINKS_PER_PEER
+from kvstore.server.cluster.serving import FOR_PEER
+from kvstore.server.events import MEDIUM_PEER
+from kvstore.server.tiering.demotions import DemotionTally
+from kvstore.server.tiering.objects import ObjectEntry
+from kvstore.tiers.remote import MAX_LINKS_PER_PEER
 
 log = logging.getLogger("kvstore.cluster")
 

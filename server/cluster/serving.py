@@ -13,8 +13,8 @@ import contextvars
 
 from kvstore.errors import ChecksumError
 from kvstore.peer_messages import RemoteMeta
-from server.tiering.objects import ObjectEntry, check_same_object, live_in
-from server.peer.service import PeerRead, PeerWrite
+from kvstore.server.tiering.objects import ObjectEntry, check_same_object, live_in
+from kvstore.server.peer.service import PeerRead, PeerWrite
 
 # Set in the task that makes room for a peer's put (and inherited by the sends it starts).
 FOR_PEER: contextvars.ContextVar[bool] = contextvars.ContextVar("kvstore_for_peer", default=False)

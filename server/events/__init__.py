@@ -5,7 +5,7 @@ batches from its own thread over ZMQ and answers replays and snapshots, `holding
 what was published as held, `snapshot.py` lists it for a router, `wire.py` is the format.
 """
 
-from server.events.stream import EventStream, NoEvents
-from server.events.wire import MEDIUM_CPU, MEDIUM_GPU, MEDIUM_PEER, MEDIUM_STORAGE, topic_of
+from kvstore.server.events.stream import EventStream, NoEvents
+from kvstore.server.events.wire import MEDIUM_CPU, MEDIUM_GPU, MEDIUM_PEER, MEDIUM_STORAGE, topic_of
 
 __all__ = ["EventStream", "NoEvents", "MEDIUM_CPU", "MEDIUM_GPU", "MEDIUM_PEER", "MEDIUM_STORAGE", "topic_of"]

@@ -41,8 +41,8 @@ import zmq
 
 from kvstore.config_events import EventsConfig
 from kvstore.errors import KVStoreError
-from server.events.snapshot import Snapshot
-from server.events.wire import END_SEQ, Wire, seq_bytes, topic_of
+from kvstore.server.events.snapshot import Snapshot
+from kvstore.server.events.wire import END_SEQ, Wire, seq_bytes, topic_of
 
 log = logging.getLogger("kvstore.events")
 # Batches waiting for the thread. Past this the loop stops offering (counted): the batches

@@ -22,8 +22,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from server.events.holdings import MEDIA
-from server.events.wire import CLEARED, STORED
+from kvstore.server.events.holdings import MEDIA
+from kvstore.server.events.wire import CLEARED, STORED
 
 # Events per snapshot frame: ~150 KB for objects named by their ids, ~1.5 MB with 256-token
 # routes; a router decodes one frame at a time. A snapshot that would take more frames than

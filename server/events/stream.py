@@ -31,9 +31,9 @@ from dataclasses import dataclass
 
 from kvstore.config_events import EventsConfig
 from kvstore.identity import Kind
-from server.events.holdings import Holdings
-from server.events.snapshot import Snapshot
-from server.events.wire import CLEARED, MEDIUM_PEER, REMOVED, STORED, namespace_of, topic_of
+from kvstore.server.events.holdings import Holdings
+from kvstore.server.events.snapshot import Snapshot
+from kvstore.server.events.wire import CLEARED, MEDIUM_PEER, REMOVED, STORED, namespace_of, topic_of
 
 # Reports are gathered this long into one batch per namespace (vLLM sends one per engine
 # step). What costs is a flush (it wakes the publisher thread), not a report: on a loaded

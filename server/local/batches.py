@@ -19,8 +19,8 @@ from kvstore import messages as m
 from kvstore import replies as r
 from kvstore.errors import NotFound
 from kvstore.fields import pack_uints
-from server.later import MaybeAwaitable, each, resolve, then
-from server.local.errors import error_wire
+from kvstore.server.later import MaybeAwaitable, each, resolve, then
+from kvstore.server.local.errors import error_wire
 
 log = logging.getLogger("kvstore.local")
 _NO_CHECKSUM = bytes(16)

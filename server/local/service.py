@@ -21,10 +21,10 @@ from kvstore import messages as m
 from kvstore import replies as r
 from kvstore.errors import LimitExceeded, PermissionDenied, ProtocolError
 from kvstore.protocol import NEED_DATA, BadFrame, Fatal, FrameCodec, Reply, Request
-from server.later import is_ready, resolve, then
-from server.local import batches
-from server.local.errors import error_wire
-from server.tiering.shared_index import count_shared_hits
+from kvstore.server.later import is_ready, resolve, then
+from kvstore.server.local import batches
+from kvstore.server.local.errors import error_wire
+from kvstore.server.tiering.shared_index import count_shared_hits
 
 log = logging.getLogger("kvstore.local")
 _conn_ids = itertools.count(1)

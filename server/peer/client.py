@@ -15,9 +15,9 @@ from typing import Any, Callable
 
 from kvstore.errors import InvalidArgument, KVStoreError, ProtocolError, from_wire
 from kvstore.protocol import Reply, Request
-from server.peer.auth import authenticate_client
-from server.peer.transport import Channel, Transport, nbytes_of, payload_bytes
-from tiers.remote import MIN_PEER_BANDWIDTH_BYTES_S, LinkBroken, PeerUnavailable
+from kvstore.server.peer.auth import authenticate_client
+from kvstore.server.peer.transport import Channel, Transport, nbytes_of, payload_bytes
+from kvstore.tiers.remote import MIN_PEER_BANDWIDTH_BYTES_S, LinkBroken, PeerUnavailable
 
 
 class PeerClient:

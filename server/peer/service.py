@@ -9,7 +9,7 @@ against their checksum before `commit`. A payload the backend does not want is d
 channel stays in step. Sends and receives of payloads are bounded by the peer timeout plus
 transfer time: a stalled peer cannot hold a read lease or a reservation.
 
-    python -m server.peer.service --listen 127.0.0.1:8471 --secret-file s.txt [--transport ucx]
+    python -m kvstore.server.peer.service --listen 127.0.0.1:8471 --secret-file s.txt [--transport ucx]
 """
 
 from __future__ import annotations
@@ -31,12 +31,12 @@ from kvstore import ranges
 from kvstore.errors import ChecksumError, KVStoreError, PermissionDenied, ProtocolError
 from kvstore.identity import ObjectId
 from kvstore.protocol import Reply, Request
-from server.later import resolve
-from server.peer.auth import authenticate_server
-from server.peer.transport import Channel, make_transport, nbytes_of, payload_bytes
+from kvstore.server.later import resolve
+from kvstore.server.peer.auth import authenticate_server
+from kvstore.server.peer.transport import Channel, make_transport, nbytes_of, payload_bytes
 from kvstore.peer_messages import PEER_OPS, PeerDelete, PeerGet, PeerPin, PeerPut, RemoteMeta
 from kvstore.peer_replies import PEER_MISS, PeerDeleteReply, PeerGetReply, PeerLookupReply, PeerPinReply, PeerPutReply
-from tiers.remote import MIN_PEER_BANDWIDTH_BYTES_S, host_digest
+from kvstore.tiers.remote import MIN_PEER_BANDWIDTH_BYTES_S, host_digest
 
 log = logging.getLogger("kvstore.peer")
 # A copy that passed its checksum this recently is not hashed again before ranges of it go out.
@@ -312,7 +312,7 @@ async def _main(args) -> None:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m server.peer.service", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m kvstore.server.peer.service", description=__doc__.split("\n")[0])
     parser.add_argument("--listen", required=True, help="host:port (port 0: any free port)")
     parser.add_argument("--secret", help="cluster secret (visible in ps; prefer --secret-file)")
     parser.add_argument("--secret-file")
@@ -323,7 +323,7 @@ def main(argv=None) -> None:
                         help="how long a copy that passed its checksum is trusted before ranges of it are sent "
                              "(0: hash the whole copy before every ranged read)")
     args = parser.parse_args(argv)
-    from server.logs import configure
+    from kvstore.server.logs import configure
     configure("info")
     try:
         import uvloop

@@ -18,7 +18,7 @@ import socket
 from kvstore.config import parse_address
 from kvstore.errors import ProtocolError
 from kvstore.protocol import HEADER, FrameCodec, Request
-from server.peer.transport import DRAIN_CHUNK_BYTES, PeerClosed, as_bytes_view, decode_frame, payload_bytes
+from kvstore.server.peer.transport import DRAIN_CHUNK_BYTES, PeerClosed, as_bytes_view, decode_frame, payload_bytes
 
 # Control frames are small; a frame larger than this grows the buffer for itself.
 RX_BUFFER_BYTES = 64 * 1024

@@ -90,12 +90,12 @@ def decode_frame(codec: FrameCodec, data) -> Request | Reply:
 
 
 def _tcp_transport() -> Transport:
-    from server.peer.tcp import TcpTransport
+    from kvstore.server.peer.tcp import TcpTransport
     return TcpTransport()
 
 
 def _ucx_transport() -> Transport:
-    from server.peer.ucx import UcxTransport  # ucxx is ~320 MiB: load it only when chosen
+    from kvstore.server.peer.ucx import UcxTransport  # ucxx is ~320 MiB: load it only when chosen
     return UcxTransport()
 
 

@@ -29,7 +29,7 @@ import numpy as np
 from kvstore.config import parse_address
 from kvstore.errors import ProtocolError
 from kvstore.protocol import HEADER, FrameCodec, Request
-from server.peer.transport import PeerClosed, decode_frame
+from kvstore.server.peer.transport import PeerClosed, decode_frame
 
 # put_zcopy roughly doubled large transfers over UCX's tcp transport (FIELD-NOTES); set
 # UCX_RNDV_SCHEME yourself to compare (bench/remote.py prints what ran).

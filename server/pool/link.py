@@ -41,14 +41,14 @@ from kvstore.identity import ObjectId
 from kvstore.peer_messages import RemoteMeta
 from kvstore.pool_header import HEADER_BYTES, PoolHeaderError, decode_header, encode_header, pool_key
 from kvstore.replies import MISS, CommitReply
-from server.events import MEDIUM_PEER
-from server.later import resolve
-from server.pool.master_metrics import read_master_metrics
-from server.tiering.demotions import DemotionTally
-from server.tiering.objects import ObjectEntry
-from tiers.allocator import Extent
-from tiers.mooncake.pool import INVALID_PARAMS, MooncakePool
-from tiers.mooncake.scratch import HEADER_SLOTS, HeaderSlots
+from kvstore.server.events import MEDIUM_PEER
+from kvstore.server.later import resolve
+from kvstore.server.pool.master_metrics import read_master_metrics
+from kvstore.server.tiering.demotions import DemotionTally
+from kvstore.server.tiering.objects import ObjectEntry
+from kvstore.tiers.allocator import Extent
+from kvstore.tiers.mooncake.pool import INVALID_PARAMS, MooncakePool
+from kvstore.tiers.mooncake.scratch import HEADER_SLOTS, HeaderSlots
 
 log = logging.getLogger("kvstore.mooncake")
 # Keys per Mooncake call: a quarter of the header slots, so four batches run at once.

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from kvstore.errors import InvalidArgument
 from kvstore.replies import IN_MEMORY, MISS, CommitReply, GetReply, GpuHandleReply
-from server.later import MaybeAwaitable, then
-from server.tiering.objects import ObjectEntry
+from kvstore.server.later import MaybeAwaitable, then
+from kvstore.server.tiering.objects import ObjectEntry
 
 
 class NoGpu:

@@ -15,7 +15,7 @@ import math
 from typing import Iterable, Iterator
 
 from kvstore.identity import ObjectId
-from server.tiering.objects import ObjectEntry
+from kvstore.server.tiering.objects import ObjectEntry
 
 # Rebuild once the heap holds this many items and more than twice the live ones.
 REBUILD_MIN_ITEMS = 4096

@@ -21,11 +21,11 @@ import logging
 import numpy as np
 
 from kvstore.replies import GpuHandleReply
-from server.tiering.host import HostTier, Namespace
-from server.later import MaybeAwaitable
-from server.tiering.objects import ObjectEntry
-from tiers.allocator import Extent
-from tiers.gpu_copies import GpuCopies
+from kvstore.server.tiering.host import HostTier, Namespace
+from kvstore.server.later import MaybeAwaitable
+from kvstore.server.tiering.objects import ObjectEntry
+from kvstore.tiers.allocator import Extent
+from kvstore.tiers.gpu_copies import GpuCopies
 
 log = logging.getLogger("kvstore.gpu")
 

@@ -28,9 +28,9 @@ from kvstore.identity import ObjectId, descriptor_differences
 from kvstore.fields import pack_uints
 from kvstore.group_messages import CommitGroup
 from kvstore.replies import CommitGroupReply, GetGroupReply, GetReply, LookupGroupsReply
-from server.later import MaybeAwaitable, is_ready, resolve, then
-from server.tiering.objects import check_same_object
-from tiers.allocator import Extent
+from kvstore.server.later import MaybeAwaitable, is_ready, resolve, then
+from kvstore.server.tiering.objects import check_same_object
+from kvstore.tiers.allocator import Extent
 
 log = logging.getLogger("kvstore.tiers")
 _SLOWER = {None: 0, "gpu": 1, "host": 1, "nvme": 2, "remote": 3}

@@ -23,15 +23,15 @@ from kvstore.config import HostTierConfig
 from kvstore.errors import CapacityError, NotFound
 from kvstore.identity import Kind, ObjectId
 from kvstore.policy import make_policy
-from server.events import MEDIUM_CPU, NoEvents
-from server.host_memory import check_new_arena, host_memory
-from server.later import MaybeAwaitable
-from server.tiering.expiry import ExpiryQueue
-from server.tiering.namespace import Namespace, give_back_heap
-from server.tiering.objects import ObjectEntry
-from server.tiering.shared_index import shared_index
-from tiers.allocator import Extent
-from tiers.arena import HostArena
+from kvstore.server.events import MEDIUM_CPU, NoEvents
+from kvstore.server.host_memory import check_new_arena, host_memory
+from kvstore.server.later import MaybeAwaitable
+from kvstore.server.tiering.expiry import ExpiryQueue
+from kvstore.server.tiering.namespace import Namespace, give_back_heap
+from kvstore.server.tiering.objects import ObjectEntry
+from kvstore.server.tiering.shared_index import shared_index
+from kvstore.tiers.allocator import Extent
+from kvstore.tiers.arena import HostArena
 
 log = logging.getLogger("kvstore.tiers")
 

@@ -16,8 +16,8 @@ from typing import NamedTuple
 from kvstore.errors import NotFound
 from kvstore.identity import ObjectId
 from kvstore.replies import LookupReply, PrefetchReply
-from server.later import MaybeAwaitable, then
-from server.tiering.objects import ObjectEntry
+from kvstore.server.later import MaybeAwaitable, then
+from kvstore.server.tiering.objects import ObjectEntry
 
 log = logging.getLogger("kvstore.tiers")
 

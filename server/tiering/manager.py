@@ -26,16 +26,16 @@ from kvstore.identity import ObjectId, descriptor_differences
 from kvstore.messages import Reserve, ReserveMany
 from kvstore.ranges import check_within
 from kvstore.replies import IN_MEMORY, MISS, STORED, CommitReply, GetReply, ReserveReply
-from server.events import NoEvents
-from server.tiering.absent import NoCluster, NoGpu, NoNvme
-from server.tiering.host import HostTier, Namespace, give_back_heap
-from server.tiering.groups import GroupOps
-from server.tiering.index_ops import IndexOps
-from server.later import MaybeAwaitable, is_ready, resolve, then
-from server.tiering.objects import ObjectEntry, PendingPut, check_same_object
-from server.tiering.quotas import ClientQuotas
-from tiers.allocator import Extent
-from tiers.leases import Lease, LeaseTable, Owner
+from kvstore.server.events import NoEvents
+from kvstore.server.tiering.absent import NoCluster, NoGpu, NoNvme
+from kvstore.server.tiering.host import HostTier, Namespace, give_back_heap
+from kvstore.server.tiering.groups import GroupOps
+from kvstore.server.tiering.index_ops import IndexOps
+from kvstore.server.later import MaybeAwaitable, is_ready, resolve, then
+from kvstore.server.tiering.objects import ObjectEntry, PendingPut, check_same_object
+from kvstore.server.tiering.quotas import ClientQuotas
+from kvstore.tiers.allocator import Extent
+from kvstore.tiers.leases import Lease, LeaseTable, Owner
 
 log = logging.getLogger("kvstore.tiers")
 

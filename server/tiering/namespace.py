@@ -11,10 +11,10 @@ from dataclasses import dataclass, field
 
 from kvstore.identity import ObjectId
 from kvstore.policy.base import EvictionPolicy, sparse
-from server.tiering.group_index import GroupIndex
-from server.tiering.objects import ObjectEntry
-from server.tiering.shared_index import NO_SHARED_INDEX, NoSharedIndex, SharedIndex
-from tiers.arena import HostArena
+from kvstore.server.tiering.group_index import GroupIndex
+from kvstore.server.tiering.objects import ObjectEntry
+from kvstore.server.tiering.shared_index import NO_SHARED_INDEX, NoSharedIndex, SharedIndex
+from kvstore.tiers.arena import HostArena
 
 
 @dataclass(slots=True)

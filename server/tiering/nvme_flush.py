@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from server.tiering.objects import ObjectEntry
+from kvstore.server.tiering.objects import ObjectEntry
 
 log = logging.getLogger("kvstore.movement")
 

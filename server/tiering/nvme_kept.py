@@ -29,8 +29,8 @@ import time
 from kvstore.errors import InvalidArgument
 from kvstore.identity import DEFAULT_CHUNK_TOKENS, Kind
 from kvstore.route import packed_route
-from server.events import MEDIUM_STORAGE
-from tiers.nvme.index import NvmeRecord, split_key
+from kvstore.server.events import MEDIUM_STORAGE
+from kvstore.tiers.nvme.index import NvmeRecord, split_key
 
 log = logging.getLogger("kvstore.events")
 # Records decoded per trip to the worker thread (measured here ~19 us each with a 256-token

@@ -32,15 +32,15 @@ from kvstore.identity import ID_BYTES, ObjectId
 from kvstore.peer_messages import RemoteMeta
 from kvstore.policy.admission import FrequencyAdmission
 from kvstore.replies import IN_MEMORY, CommitReply
-from server.events import MEDIUM_STORAGE
-from server.later import MaybeAwaitable, resolve
-from server.tiering.nvme_flush import flush_host
-from server.tiering.nvme_kept import KeptHoldings
-from server.tiering.nvme_deadlines import NvmeDeadlines
-from server.tiering.nvme_table import NvmeTable
-from server.tiering.objects import ObjectEntry
-from tiers.nvme import NvmeTier
-from tiers.nvme.index import key_parts, namespace_prefix
+from kvstore.server.events import MEDIUM_STORAGE
+from kvstore.server.later import MaybeAwaitable, resolve
+from kvstore.server.tiering.nvme_flush import flush_host
+from kvstore.server.tiering.nvme_kept import KeptHoldings
+from kvstore.server.tiering.nvme_deadlines import NvmeDeadlines
+from kvstore.server.tiering.nvme_table import NvmeTable
+from kvstore.server.tiering.objects import ObjectEntry
+from kvstore.tiers.nvme import NvmeTier
+from kvstore.tiers.nvme.index import key_parts, namespace_prefix
 
 log = logging.getLogger("kvstore.movement")
 # Until promotions have measured it, assume this NVMe read bandwidth for load estimates.

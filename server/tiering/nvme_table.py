@@ -49,10 +49,10 @@ from kvstore.policy.s3fifo import (
     PROMOTE_MIN_FREQ,
     SMALL_QUEUE_FRACTION,
 )
-from server.tiering.fifo_ring import Ring
-from server.tiering.nvme_table_check import TableChecks
-from server.tiering.nvme_table_load import EMPTY, GONE, BulkLoad
-from tiers.nvme.holdings import index_keys, prefix_number
+from kvstore.server.tiering.fifo_ring import Ring
+from kvstore.server.tiering.nvme_table_check import TableChecks
+from kvstore.server.tiering.nvme_table_load import EMPTY, GONE, BulkLoad
+from kvstore.tiers.nvme.holdings import index_keys, prefix_number
 
 _M64 = (1 << 64) - 1
 _WORDS = struct.Struct("<4Q")

@@ -14,7 +14,7 @@ from kvstore.policy.base import (
     SIZE_SHIFT,
 )
 from kvstore.policy.s3fifo import MAX_GHOST_ENTRIES
-from server.tiering.nvme_table_load import EMPTY, GONE
+from kvstore.server.tiering.nvme_table_load import EMPTY, GONE
 
 
 class TableChecks:

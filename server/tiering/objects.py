@@ -13,7 +13,7 @@ from kvstore.errors import Conflict
 from kvstore.hints import Hints
 from kvstore.identity import ObjectId, StateDescriptor, descriptor_differences
 from kvstore.replies import GetReply
-from tiers.allocator import Extent
+from kvstore.tiers.allocator import Extent
 
 _SERIALS = itertools.count(1)
 CHECKSUM_BYTES = 16  # xxh3-128

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from kvstore.config import LimitsConfig
 from kvstore.errors import LimitExceeded
-from tiers.leases import LeaseTable, Owner
+from kvstore.tiers.leases import LeaseTable, Owner
 
 
 class ClientQuotas:

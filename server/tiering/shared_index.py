@@ -72,8 +72,8 @@ from kvstore.shared_index import (
     ALIVE, ALIVE_AT, ALIVE_S, HEADER, HEADER_BYTES, MAGIC, OCCUPIED, PROBE_SLOTS, RECORD, RECORD_BYTES, SEQ, VERSION,
     descriptor_digest, file_bytes, home_slot, record_at, slots_for,
 )
-from server.tiering.objects import ObjectEntry
-from tiers.arena import MADV_POPULATE_WRITE
+from kvstore.server.tiering.objects import ObjectEntry
+from kvstore.tiers.arena import MADV_POPULATE_WRITE
 
 log = logging.getLogger("kvstore.tiers")
 

@@ -4,7 +4,7 @@ import signal
 
 import numpy as np
 
-from adapters.common import SafeStore, StoreConfig, engine_object_id
+from kvstore.adapters.common import SafeStore, StoreConfig, engine_object_id
 from kvstore import StateDescriptor
 from kvs_testing import wait_for
 

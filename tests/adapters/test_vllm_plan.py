@@ -1,7 +1,7 @@
 """The vLLM connector's plan (adapters.vllm_plan), without vLLM: hybrid groups, the null
 block, and sliding-window blocks that vLLM hands out again (issue 12, SupportsHMA)."""
 
-from adapters.vllm_plan import NULL_BLOCK, plan_request
+from kvstore.adapters.vllm_plan import NULL_BLOCK, plan_request
 from kvstore.identity import StateDescriptor, chunk_keys
 
 BLOCK, CHUNK = 16, 32  # two blocks per chunk

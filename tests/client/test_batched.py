@@ -213,8 +213,8 @@ def test_a_put_many_over_several_pipeline_steps_keeps_every_result_in_its_place(
     (client/batched.py: PIPE_BYTES): results, conflicts and bytes stay with their items."""
     import asyncio
 
-    from client import AsyncClient
-    from client.batched import PIPE_BYTES
+    from kvstore.client import AsyncClient
+    from kvstore.client.batched import PIPE_BYTES
     size = PIPE_BYTES // 128  # steps of 128 objects
     PIPE_ITEMS = 128
     n = 3 * PIPE_ITEMS + 7

@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from client.connector_plan import plan_load
+from kvstore.client.connector_plan import plan_load
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("gguf", reason="pip install gguf")
@@ -29,20 +29,20 @@ SYSTEM = ("You are a support agent for a bicycle shop. Answer in one short parag
 
 @pytest.fixture(scope="module")
 def weights(one_torch_thread):
-    from gpu.engine.store_engine import shared_weights
+    from kvstore.gpu.engine.store_engine import shared_weights
     return shared_weights(torch.bfloat16)
 
 
 def store_engine(weights, socket, **store):
-    from gpu.engine import EngineConfig
-    from gpu.engine.store_engine import StoreConfig, StoreEngine
+    from kvstore.gpu.engine import EngineConfig
+    from kvstore.gpu.engine.store_engine import StoreConfig, StoreEngine
     model, tokenizer = weights
     return StoreEngine(StoreConfig(socket_path=socket, chunk_tokens=CHUNK, **store),
                        config=EngineConfig(num_pages=128), model=model, tokenizer=tokenizer)
 
 
 def plain_engine(weights, engine):
-    from gpu.engine import Engine
+    from kvstore.gpu.engine import Engine
     return Engine(config=engine.config, model=weights[0], tokenizer=weights[1])
 
 
@@ -81,7 +81,7 @@ def test_load_from_host_matches_recompute(daemon_factory, weights):
 
 @needs_model
 def test_load_from_nvme_after_daemon_restart(daemon_factory, weights, tmp_path):
-    from commands.demo import nvme_table
+    from kvstore.commands.demo import nvme_table
     table = nvme_table(str(tmp_path))
     if table is None:
         pytest.skip("kvstore.config.ServerConfig has no nvme section in this build")
@@ -118,7 +118,7 @@ def test_daemon_killed_mid_run_falls_back_to_recompute(daemon_factory, weights):
 
 
 def _fast_retry():
-    from client.connector import ConnectorConfig
+    from kvstore.client.connector import ConnectorConfig
     return ConnectorConfig(timeout_s=2.0, retry_after_s=0.0)
 
 
@@ -169,8 +169,8 @@ def test_ids_follow_the_published_key_scheme(daemon_factory, weights):
 
 
 def test_connector_imports_neither_torch_nor_gpu():
-    code = ("import sys, client.connector; bad = [m for m in sys.modules if m == 'torch' or "
-            "m.startswith('gpu')]; sys.exit(bool(bad))")
+    code = ("import sys, kvstore.client.connector; bad = [m for m in sys.modules if m == 'torch' or "
+            "m.startswith('kvstore.gpu')]; sys.exit(bool(bad))")
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
 
 

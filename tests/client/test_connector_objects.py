@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from client.connector import KVConnector
+from kvstore.client.connector import KVConnector
 from kvstore import Layout, StateDescriptor, chunk_keys
 from kvs_testing import payload
 

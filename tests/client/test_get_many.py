@@ -5,7 +5,7 @@ import asyncio
 import numpy as np
 import pytest
 
-from client import AsyncClient
+from kvstore.client import AsyncClient
 from kvstore import StateDescriptor, chunk_keys
 from kvstore.errors import InvalidArgument
 from kvstore.identity import ObjectId

@@ -20,9 +20,9 @@ import numpy as np
 import pytest
 import torch
 
-import client.gpu
-from client.gpu import GpuMapping, local_device_index
-from client import AsyncClient
+import kvstore.client.gpu as client_gpu
+from kvstore.client.gpu import GpuMapping, local_device_index
+from kvstore.client import AsyncClient
 from kvstore.errors import InvalidArgument, ServiceError
 from kvstore.replies import GpuHandleReply
 
@@ -43,7 +43,7 @@ def mapping():
 
 
 def test_importing_the_gpu_client_does_not_import_torch():
-    code = "import sys, client.gpu, client; assert 'torch' not in sys.modules, 'torch imported'"
+    code = "import sys, kvstore.client.gpu, kvstore.client; assert 'torch' not in sys.modules, 'torch imported'"
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                           env={**os.environ, "PYTHONPATH": ROOT})
     assert done.returncode == 0, done.stderr
@@ -117,9 +117,9 @@ def test_one_process_maps_an_export_once_and_returns_later_exports_references(mo
         return torch.zeros(h.storage_bytes, dtype=torch.uint8)
 
     fake_cuda(monkeypatch, ["aaaa"])
-    monkeypatch.setattr(client.gpu, "_MAPPED", weakref.WeakValueDictionary())  # a fresh process's
-    monkeypatch.setattr(client.gpu, "_EXPORTS_SEEN", set())
-    monkeypatch.setattr(client.gpu, "open_ipc_buffer", open_ipc_buffer)
+    monkeypatch.setattr(client_gpu, "_MAPPED", weakref.WeakValueDictionary())  # a fresh process's
+    monkeypatch.setattr(client_gpu, "_EXPORTS_SEEN", set())
+    monkeypatch.setattr(client_gpu, "open_ipc_buffer", open_ipc_buffer)
     monkeypatch.setattr(torch.UntypedStorage, "_release_ipc_counter_cuda",
                         lambda name, offset: released.append((name, offset)), raising=False)
     first = GpuMapping(handle(ref_counter_offset=1, capacity_bytes=4096))
@@ -174,8 +174,8 @@ def _engine(wire: dict, extents: list, results) -> None:
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 def test_an_engine_process_reads_gpu_copies_bit_exact_through_the_mapping():
     from kvstore.config import GpuConfig
-    from tiers.gpu import GpuTier
-    from tiers.gpu_copies import GpuCopies
+    from kvstore.tiers.gpu import GpuTier
+    from kvstore.tiers.gpu_copies import GpuCopies
 
     tier = GpuTier(GpuConfig(enabled=True, capacity_bytes=1 << 20))
     copies = GpuCopies(tier)
@@ -254,7 +254,7 @@ def test_a_client_without_cuda_reads_from_the_host_even_where_the_daemon_runs_a_
             yield
 
     core = Core()
-    run = client.gpu.op_get_into_device(core, b"k" * 32, torch.zeros(4), None)
+    run = client_gpu.op_get_into_device(core, b"k" * 32, torch.zeros(4), None)
     with pytest.raises(StopIteration) as stop:
         next(run)
     assert stop.value.value is None and asked == [False] and core.gpu_mapping is False

@@ -6,8 +6,8 @@ import os
 
 import numpy as np
 
-from client import AsyncClient
-from client.core import Collect, Later
+from kvstore.client import AsyncClient
+from kvstore.client.core import Collect, Later
 from kvstore import messages as m
 from kvstore import replies as r
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from client import AsyncClient
+from kvstore.client import AsyncClient
 from kvstore.errors import InvalidArgument, LeaseEnded
 from kvstore.identity import ObjectId
 

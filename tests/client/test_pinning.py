@@ -9,7 +9,7 @@ import types
 import numpy as np
 import pytest
 
-from client.pinning import clear_last_cuda_error
+from kvstore.client.pinning import clear_last_cuda_error
 from kvstore.identity import ObjectId
 
 KEY = ObjectId(bytes(range(32)))

@@ -7,7 +7,7 @@ import asyncio
 import numpy as np
 import pytest
 
-from client import AsyncClient
+from kvstore.client import AsyncClient
 from kvstore import Layout, StateDescriptor, chunk_keys
 from kvstore.errors import Conflict, InvalidArgument
 from kvstore.identity import ObjectId
@@ -172,7 +172,7 @@ class RecordingCodec:
 
 
 def test_connector_never_loads_another_models_state(daemon):
-    from client.connector import KVConnector
+    from kvstore.client.connector import KVConnector
     keys_b = chunk_keys(TOKENS, MODEL_B)
     with daemon.client() as c:
         for i, key in enumerate(keys_b):  # model A's state under model B's ids

@@ -3,7 +3,7 @@ across steps are dropped when their connection dies, never read after the daemon
 
 import numpy as np
 
-from client.connector_ranged import SegmentReader
+from kvstore.client.connector_ranged import SegmentReader
 from kvstore import StateDescriptor, chunk_keys
 
 DESC = StateDescriptor("default", "m", "r", kind="kv", dtype="fp32", chunk_tokens=32,

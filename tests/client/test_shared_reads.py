@@ -11,7 +11,7 @@ import time
 import numpy as np
 import pytest
 
-from client import AsyncClient
+from kvstore.client import AsyncClient
 from kvs_testing import payload, wait_until
 from kvstore import StateDescriptor, chunk_keys
 from kvstore.errors import DaemonUnavailable
@@ -193,7 +193,7 @@ def race_size(i: int) -> int:
 
 def race_writer(socket_path: str, until: float, results) -> None:
     """As fast as it can: batches of puts (each evicting others to make room) and deletes."""
-    from client import Client
+    from kvstore.client import Client
     rng = np.random.default_rng(1)
     keys = [oid("race", i) for i in range(POOL)]
     writes = 0
@@ -208,7 +208,7 @@ def race_writer(socket_path: str, until: float, results) -> None:
 
 def race_reader(socket_path: str, seed: int, until: float, results) -> None:
     """get_into, get and get_many_into of random ids; every byte accepted is checked."""
-    from client import Client
+    from kvstore.client import Client
     rng = np.random.default_rng(seed)
     keys = [oid("race", i) for i in range(POOL)]
     outs = [np.empty(4 * 4096, np.uint8) for _ in range(8)]

@@ -15,10 +15,10 @@ import xxhash
 from kvs_testing import payload
 from kvstore.hints import Hints
 from kvstore.identity import ObjectId, StateDescriptor
-from server.tiering.objects import ObjectEntry
-from server.tiering.shared_index import SharedIndex
-from tiers.allocator import Extent
-from client.shared_reads import SharedReads
+from kvstore.server.tiering.objects import ObjectEntry
+from kvstore.server.tiering.shared_index import SharedIndex
+from kvstore.tiers.allocator import Extent
+from kvstore.client.shared_reads import SharedReads
 
 DESC = StateDescriptor("t", "m", "r")
 OID = ObjectId(b"guarded".ljust(32, b"."))

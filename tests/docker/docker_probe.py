@@ -20,7 +20,7 @@ import sys
 
 import numpy as np
 
-from client import Client
+from kvstore.client import Client
 from kvstore.identity import ObjectId
 from kvstore.ownership import home_nodes
 

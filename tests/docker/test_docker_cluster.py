@@ -126,7 +126,7 @@ class Compose:
 
     def admin(self, service: str, path: str) -> dict:
         """GET `path` on the node's admin API, from inside its container (127.0.0.1 there)."""
-        code = ("import json, sys; from server.admin.client import AdminClient; "
+        code = ("import json, sys; from kvstore.server.admin.client import AdminClient; "
                 "print(json.dumps(AdminClient.from_data_dir('/var/lib/kvstore').get(sys.argv[1])))")
         out = _run(["docker", "exec", self.container(service), "python3", "-c", code, path], env=self.env)
         return json.loads(out.stdout)

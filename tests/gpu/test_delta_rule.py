@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpu import delta_rule as ref
+from kvstore.gpu import delta_rule as ref
 from kvstore.errors import InvalidArgument
 
 
@@ -81,7 +81,7 @@ def test_shapes_are_checked():
 
 @pytest.mark.parametrize("per_key", [False, True], ids=["gdn", "kda"])
 def test_triton_matches_reference(dev, per_key):
-    from gpu import delta_rule_triton as tri
+    from kvstore.gpu import delta_rule_triton as tri
 
     state, q, k, v, alpha, beta = inputs(per_key=per_key, device=dev)
     o_ref, s_ref = ref.delta_rule_chunk(state, q, k, v, alpha, beta)
@@ -97,7 +97,7 @@ def test_triton_matches_reference(dev, per_key):
 @pytest.mark.gpu
 @pytest.mark.parametrize("per_key", [False, True], ids=["gdn", "kda"])
 def test_triton_at_real_shape_on_gpu(per_key):
-    from gpu import delta_rule_triton as tri
+    from kvstore.gpu import delta_rule_triton as tri
 
     args = inputs(b=4, t=64, h=16, dk=128, dv=128, per_key=per_key, device="cuda")
     o_ref, s_ref = ref.delta_rule_chunk(*args)

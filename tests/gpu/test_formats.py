@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpu import formats as ref
+from kvstore.gpu import formats as ref
 from kvstore.dtypes import DType
 from kvstore.errors import InvalidArgument
 from kvstore.layout import Layout
@@ -188,7 +188,7 @@ def assert_same(a: torch.Tensor, b: torch.Tensor) -> None:
 
 @pytest.mark.parametrize("in_dtype", [torch.float32, torch.bfloat16])
 def test_triton_mxfp8_matches_reference(dev, in_dtype):
-    from gpu import formats_triton as tri
+    from kvstore.gpu import formats_triton as tri
 
     x = specials(dev, dtype=in_dtype)
     a, b = ref.quantize_mxfp8(x), tri.quantize_mxfp8(x)
@@ -200,7 +200,7 @@ def test_triton_mxfp8_matches_reference(dev, in_dtype):
 @pytest.mark.parametrize("dtype", [DType.FP8_E4M3, DType.FP8_E5M2])
 @pytest.mark.parametrize("block", [None, 32])
 def test_triton_fp8_matches_reference(dev, dtype, block):
-    from gpu import formats_triton as tri
+    from kvstore.gpu import formats_triton as tri
 
     x = specials(dev) * 1e-25  # keep the specials, drop the overflowing rows
     for scale in (None, torch.tensor(0.5, device=dev) if block is None else torch.full((4, 2), 0.5, device=dev)):
@@ -214,7 +214,7 @@ def test_triton_fp8_matches_reference(dev, dtype, block):
 
 @pytest.mark.gpu
 def test_triton_formats_at_real_shape_on_gpu():
-    from gpu import formats_triton as tri
+    from kvstore.gpu import formats_triton as tri
 
     x = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16) * 3
     a, b = ref.quantize_mxfp8(x), tri.quantize_mxfp8(x)

@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
-import tiers.gpu
+import kvstore.tiers.gpu as gpu_tier
 from kvstore.config import GpuConfig
 from kvstore.errors import InvalidArgument, ServiceError
 from kvstore.replies import GpuHandleReply
-from tiers.allocator import Extent
-from tiers.gpu import GpuTier
+from kvstore.tiers.allocator import Extent
+from kvstore.tiers.gpu import GpuTier
 
 ROOT = Path(__file__).resolve().parents[2]
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machine without CUDA")
@@ -24,7 +24,7 @@ no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machi
 
 @no_cuda
 def test_probe_reports_why_the_tier_is_absent(monkeypatch):
-    monkeypatch.setattr(tiers.gpu, "_device_nodes", lambda: ["/dev/nvidia0"])  # past the quick check
+    monkeypatch.setattr(gpu_tier, "_device_nodes", lambda: ["/dev/nvidia0"])  # past the quick check
     availability = GpuTier.probe()
     assert availability.available is False and availability.num_devices == 0
     assert "CPU-only" in availability.reason or "no CUDA device" in availability.reason
@@ -32,7 +32,7 @@ def test_probe_reports_why_the_tier_is_absent(monkeypatch):
 
 @no_cuda
 def test_probe_without_a_device_node_answers_without_torch(monkeypatch):
-    monkeypatch.setattr(tiers.gpu, "_device_nodes", lambda: [])
+    monkeypatch.setattr(gpu_tier, "_device_nodes", lambda: [])
     monkeypatch.setitem(sys.modules, "torch", None)  # importing torch would now fail
     availability = GpuTier.probe()
     assert not availability.available and "no NVIDIA device" in availability.reason
@@ -56,7 +56,7 @@ def test_probe_survives_driver_bindings_that_raise(monkeypatch):
     monkeypatch.setitem(sys.modules, "cuda", types.ModuleType("cuda"))
     monkeypatch.setitem(sys.modules, "cuda.bindings", bindings)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    monkeypatch.setattr(tiers.gpu, "_device_nodes", lambda: ["/dev/nvidia0"])
+    monkeypatch.setattr(gpu_tier, "_device_nodes", lambda: ["/dev/nvidia0"])
     availability = GpuTier.probe()
     assert not availability.available and "no usable driver" in availability.reason
 
@@ -74,7 +74,7 @@ def test_config_rejects_nonsense():
 _READER = """
 import pickle, sys
 sys.path.insert(0, sys.argv[1])
-from client.gpu import open_ipc_buffer
+from kvstore.client.gpu import open_ipc_buffer
 from kvstore.replies import GpuHandleReply
 buf = open_ipc_buffer(GpuHandleReply.from_wire(pickle.loads(sys.stdin.buffer.read())))
 print(int(buf[:4096].sum()), flush=True)

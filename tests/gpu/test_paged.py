@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpu import paged as ref
+from kvstore.gpu import paged as ref
 from kvstore.dtypes import DType
 from kvstore.errors import InvalidArgument
 from kvstore.layout import Layout
@@ -92,7 +92,7 @@ def strided_kv(text: str, dev: str) -> list[torch.Tensor]:
 @pytest.mark.parametrize("template", [PAGED, MLA], ids=["paged", "mla"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn, torch.float32], ids=str)
 def test_triton_matches_reference(dev, template, order, dtype):
-    from gpu import paged_triton as tri
+    from kvstore.gpu import paged_triton as tri
 
     text = template.format(order=order)
     caches = make_caches(text, dtype=dtype, device=dev)
@@ -107,7 +107,7 @@ def test_triton_matches_reference(dev, template, order, dtype):
 
 
 def test_triton_honours_strided_caches(dev):
-    from gpu import paged_triton as tri
+    from kvstore.gpu import paged_triton as tri
 
     text = PAGED.format(order="layer_first")
     caches = strided_kv(text, dev)
@@ -123,7 +123,7 @@ def test_triton_honours_strided_caches(dev):
 
 @pytest.mark.gpu
 def test_triton_gather_scatter_at_real_shape_on_gpu():
-    from gpu import paged_triton as tri
+    from kvstore.gpu import paged_triton as tri
 
     text = "paged(order=layer_first,layers=8,block=16,kv_heads=8,head_dim=128)"
     caches = make_caches(text, pages=1024, device="cuda")

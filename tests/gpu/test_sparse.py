@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpu import sparse as ref
-from gpu.sparse import Selection
+from kvstore.gpu import sparse as ref
+from kvstore.gpu.sparse import Selection
 from kvstore.dtypes import DType
 from kvstore.errors import InvalidArgument
 from kvstore.layout import Layout
@@ -84,7 +84,7 @@ def fixture_data(dev: str):
 
 
 def test_triton_summaries_match_reference(dev):
-    from gpu import sparse_triton as tri
+    from kvstore.gpu import sparse_triton as tri
 
     k_cache, *_ = fixture_data(dev)
     ids = torch.tensor([0, 5, 11, 3], device=dev)
@@ -97,7 +97,7 @@ def test_triton_summaries_match_reference(dev):
 
 
 def test_triton_scores_and_selection_match_reference(dev):
-    from gpu import sparse_triton as tri
+    from kvstore.gpu import sparse_triton as tri
 
     k_cache, queries, table, cu = fixture_data(dev)
     summaries = ref.page_summaries(k_cache, torch.arange(12, device=dev))[1]
@@ -109,7 +109,7 @@ def test_triton_scores_and_selection_match_reference(dev):
 
 @pytest.mark.gpu
 def test_triton_sparse_at_real_shape_on_gpu():
-    from gpu import sparse_triton as tri
+    from kvstore.gpu import sparse_triton as tri
 
     k_cache = torch.randn(4, 4096, 16, 8, 128, device="cuda", dtype=torch.bfloat16)
     ids = torch.arange(4096, device="cuda")

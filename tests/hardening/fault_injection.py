@@ -17,8 +17,8 @@ import threading
 from dataclasses import dataclass
 
 from kvstore.config import ServerConfig
-from server.daemon import Daemon
-from tiers.nvme import ALIGN
+from kvstore.server.daemon import Daemon
+from kvstore.tiers.nvme import ALIGN
 
 
 @dataclass
@@ -117,7 +117,7 @@ class InProcessDaemon:
         return asyncio.run_coroutine_threadsafe(run(), self.loop).result(timeout)
 
     def client(self, **kwargs):
-        from client import Client
+        from kvstore.client import Client
         return Client.connect(self.config.socket_path, **kwargs)
 
     def stop(self) -> None:

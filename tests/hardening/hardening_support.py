@@ -92,7 +92,7 @@ class DaemonProc:
         self.proc = None
 
     def start(self) -> DaemonProc:
-        from commands.smoke import start_daemon
+        from kvstore.commands.smoke import start_daemon
         self.proc = start_daemon(self.socket, self.arena_bytes, extra=["--config", self.config_path])
         return self
 
@@ -104,12 +104,12 @@ class DaemonProc:
         return self.proc is not None and self.proc.poll() is None
 
     def client(self, **kwargs):
-        from client import Client
+        from kvstore.client import Client
         return Client.connect(self.socket, **kwargs)
 
     def admin(self):
         """The admin API with the operator token (sees every namespace)."""
-        from server.admin.client import AdminClient
+        from kvstore.server.admin.client import AdminClient
         return AdminClient.from_data_dir(self.data_dir)
 
     def stop(self, sig=signal.SIGTERM, timeout: float = 30) -> int | None:

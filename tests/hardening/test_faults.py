@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-import tiers.nvme.files as nvme_files
+import kvstore.tiers.nvme.files as nvme_files
 from fault_injection import FaultyOs, InProcessDaemon, Rates
 from hardening_support import CHILD_ENV, HERE, assert_clean, content, key, nvme, read_state, size_of, wait_for
 from kvstore.config import ServerConfig

@@ -207,7 +207,7 @@ def test_hostile_connections_change_nothing(make_daemon):
 def test_client_chosen_strings_cannot_forge_log_lines():
     """Regression: a namespace or client name with a newline started a forged line in the
     key=value log (an open_denied warning logs the namespace a client asked for)."""
-    from server.logs import _KeyValueFormatter
+    from kvstore.server.logs import _KeyValueFormatter
     forged = "t\nts=2026-01-01T00:00:00.000Z level=error logger=kvstore.daemon event=forged\r"
     record = logging.LogRecord("kvstore.daemon", logging.WARNING, __file__, 1, "event=open_denied namespace=%s",
                                (forged,), None)

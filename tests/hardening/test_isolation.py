@@ -24,8 +24,8 @@ from kvstore.config import ServerConfig
 from kvstore import messages as m
 from kvstore.errors import InvalidArgument, NotFound, PermissionDenied
 from kvstore.protocol import FrameCodec, Reply, Request
-from server.admin.client import AdminRequestFailed
-from server.data_dir import LOCK_FILE
+from kvstore.server.admin.client import AdminRequestFailed
+from kvstore.server.data_dir import LOCK_FILE
 
 TOKEN_A, TOKEN_B = "tenant-a-token-0123456789", "tenant-b-token-9876543210"
 AUTH = f"""[auth]
@@ -276,7 +276,7 @@ def test_a_client_sends_nothing_to_a_server_of_another_user(monkeypatch):
     at the path: the client must notice (SO_PEERCRED) before its hello, sync and asyncio."""
     import asyncio
 
-    from client import AsyncClient, Client
+    from kvstore.client import AsyncClient, Client
     from kvstore.errors import DaemonUnavailable, KVStoreError
     nobody = 65534
     shared = tempfile.mkdtemp(prefix="kvs-")  # pytest's tmp_path sits under a 0700 directory

@@ -19,7 +19,7 @@ import threading
 import numpy as np
 import pytest
 
-from client import AsyncClient, DaemonUnavailable
+from kvstore.client import AsyncClient, DaemonUnavailable
 from hardening_support import CHILD_ENV, HERE, MiB, assert_clean, content, key, rss_bytes
 from kvstore import StateDescriptor
 from kvstore import messages as m

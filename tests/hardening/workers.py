@@ -25,7 +25,7 @@ import random
 import sys
 import time
 
-from client import Client
+from kvstore.client import Client
 from hardening_support import content, key, read_state, size_of
 from kvstore import Hints, StateDescriptor
 from kvstore import messages as m

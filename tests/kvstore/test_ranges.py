@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from client.lease import ReadLease
+from kvstore.client.lease import ReadLease
 from kvstore import messages as m
 from kvstore import ranges
 from kvstore.errors import DaemonUnavailable, InvalidArgument, LeaseEnded, RangeError

@@ -8,6 +8,7 @@ then its own `kvstore serve` starts, and its own python does a client round trip
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import venv
 
@@ -19,7 +20,7 @@ HEAVY = ("torch", "triton", "gguf", "matplotlib", "transformers")
 
 ROUND_TRIP = r"""
 import sys, numpy as np
-from client import Client
+from kvstore.client import Client
 from kvstore.identity import ObjectId
 with Client.connect(sys.argv[1]) as c:
     data = np.arange(1 << 16, dtype=np.uint8)
@@ -39,7 +40,12 @@ def core_venv(tmp_path_factory):
     where = tmp_path_factory.mktemp("core") / "venv"
     venv.EnvBuilder(with_pip=True, system_site_packages=False).create(where)
     py = str(where / "bin" / "python")
-    subprocess.run([py, "-m", "pip", "install", "-q", "--disable-pip-version-check", ROOT],
+    # from a copy of the sources: setuptools builds in the tree and reuses a build/lib left
+    # there, which in a working checkout may hold packages an earlier layout had
+    src = tmp_path_factory.mktemp("core") / "src"
+    shutil.copytree(ROOT, src, symlinks=True, ignore=shutil.ignore_patterns(
+        ".*", "build", "__pycache__", "*.egg-info", "results", "kvstore-demo", "wheels"))
+    subprocess.run([py, "-m", "pip", "install", "-q", "--disable-pip-version-check", str(src)],
                    check=True, cwd=str(where), stdout=subprocess.DEVNULL)
     return where
 
@@ -51,6 +57,21 @@ def test_the_core_installs_without_torch_or_the_engine_extras(core_venv):
     installed = {line.split("==")[0] for line in listed.splitlines()}
     assert "kvstore" in installed
     assert not installed & set(HEAVY), f"the core pulled in {sorted(installed & set(HEAVY))}"
+
+
+def test_the_wheel_installs_one_top_level_name(core_venv):
+    """Everything kvstore installs lives under `kvstore` (its top_level.txt and every file its
+    RECORD lists, but for its metadata and the `kvstore` script): an engine's environment gets
+    no `server`, `client`, `gpu` or `adapters` package to collide with its own."""
+    site = next(core_venv.glob("lib/python*/site-packages"))
+    info = next(site.glob("kvstore-*.dist-info"))
+    assert (info / "top_level.txt").read_text().split() == ["kvstore"]
+    files = [line.split(",")[0] for line in (info / "RECORD").read_text().splitlines() if line]
+    tops = {f.split("/")[0] for f in files if not f.startswith(("../", info.name))}
+    assert tops == {"kvstore"}, tops
+    for sub in ("server", "client", "tiers", "gpu", "adapters", "commands"):
+        assert any(f.startswith(f"kvstore/{sub}/") and f.endswith(".py") for f in files), sub
+        assert not (site / sub).exists(), f"{sub} installed at the top level"
 
 
 def test_the_core_daemon_and_client_round_trip_without_torch(core_venv, tmp_path):

@@ -14,7 +14,7 @@ import pytest
 import torch
 import xxhash
 
-from client import DaemonUnavailable
+from kvstore.client import DaemonUnavailable
 from kvstore import Hints, StateDescriptor, chunk_keys
 from kvstore.errors import CapacityError, ChecksumError, InvalidArgument, LimitExceeded, PermissionDenied
 from kvstore.identity import ObjectId
@@ -139,7 +139,7 @@ def test_leased_object_survives_delete_until_released(daemon):
 
 _HOLDER = r"""
 import sys, time
-from client import Client
+from kvstore.client import Client
 from kvstore.identity import ObjectId
 from kvstore.messages import Reserve
 from kvstore import StateDescriptor
@@ -316,7 +316,7 @@ def test_sigterm_shuts_down_cleanly_and_socket_is_private(daemon):
 
 
 def test_second_daemon_on_the_same_socket_refuses_to_start(daemon):
-    proc = subprocess.run([sys.executable, "-m", "commands.cli", "serve", "--socket", daemon.socket, "--arena-bytes", "1MiB"],
+    proc = subprocess.run([sys.executable, "-m", "kvstore.commands.cli", "serve", "--socket", daemon.socket, "--arena-bytes", "1MiB"],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode != 0 and f"(pid {daemon.proc.pid}) is starting or serving at {daemon.socket}" in proc.stderr
     with daemon.client() as c:
@@ -325,7 +325,7 @@ def test_second_daemon_on_the_same_socket_refuses_to_start(daemon):
 
 def test_async_client_matches_sync(daemon):
     import asyncio
-    from client import AsyncClient
+    from kvstore.client import AsyncClient
 
     async def main():
         c = await AsyncClient.connect(daemon.socket)

@@ -12,7 +12,7 @@ import time
 import pytest
 
 
-SERVE = [sys.executable, "-m", "commands.cli", "serve"]
+SERVE = [sys.executable, "-m", "kvstore.commands.cli", "serve"]
 # Not a timing threshold: only how long a test waits before calling the daemon hung.
 HANG_S = 120
 
@@ -147,7 +147,7 @@ def test_two_daemons_started_together_on_one_socket_leave_one_serving(root):
         loser, winner = procs[ended[0]], procs[1 - ended[0]]
         _, err = loser.communicate(timeout=HANG_S)
         assert loser.returncode != 0 and sock in err and f"(pid {winner.pid})" in err
-        from client import Client
+        from kvstore.client import Client
         while not os.path.exists(sock) and time.monotonic() < deadline:
             time.sleep(0.05)
         with Client.connect(sock) as c:
@@ -237,7 +237,7 @@ def test_nvme_path_that_is_a_file_is_one_line(unstarted_daemon, root):
 
 
 def test_gpu_tier_enabled_where_cuda_cannot_run_is_refused_with_the_probes_reason(unstarted_daemon):
-    from tiers.gpu import GpuTier
+    from kvstore.tiers.gpu import GpuTier
     if GpuTier.probe().available:
         pytest.skip("this machine has CUDA: the refusal is for machines without it")
     d = unstarted_daemon({"gpu": {"enabled": True, "capacity_bytes": "64MiB"}})
@@ -253,7 +253,7 @@ def test_a_gpu_capacity_that_is_no_multiple_of_256_is_refused_naming_the_key(uns
 
 
 def test_the_ready_line_says_what_the_gpu_probe_found(unstarted_daemon):
-    from tiers.gpu import GpuTier
+    from kvstore.tiers.gpu import GpuTier
     d = unstarted_daemon({"host": {"arena_bytes": "1MiB"}})
     log_path = serve_until_then_stop(d, lambda text: "event=ready" in text)
     ready = next(line for line in open(log_path).read().splitlines() if "event=ready" in line)

@@ -5,7 +5,7 @@ import pytest
 
 from kvstore.config import HostTierConfig
 from kvstore.errors import CapacityError, InvalidArgument
-from server.host_memory import HostMemory, check_host_tier, check_new_arena, host_memory
+from kvstore.server.host_memory import HostMemory, check_host_tier, check_new_arena, host_memory
 
 GiB = 1 << 30
 MACHINE = HostMemory(total_bytes=16 * GiB, available_bytes=12 * GiB)  # headroom: 1.6 GiB

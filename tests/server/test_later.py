@@ -2,7 +2,7 @@
 
 import asyncio
 
-from server.later import is_ready, resolve, then
+from kvstore.server.later import is_ready, resolve, then
 
 
 async def _answer(value):

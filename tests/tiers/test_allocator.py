@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvstore.errors import InvalidArgument
-from tiers.allocator import _MAX_CLASS_SCAN, Extent, ExtentAllocator
+from kvstore.tiers.allocator import _MAX_CLASS_SCAN, Extent, ExtentAllocator
 
 ALIGN = 16
 UNITS = 64
@@ -248,7 +248,7 @@ def test_check_integrity_catches_corruption():
 
 
 def test_allocated_at_start_rebuilds_exactly_those_extents_and_the_holes_between():
-    from tiers.allocator import Extent, ExtentAllocator
+    from kvstore.tiers.allocator import Extent, ExtentAllocator
     a = ExtentAllocator(64 * 4096, 4096, allocated=([0, 8192, 40960], [4096, 16384, 4096]))
     a.check_integrity()
     assert a.num_allocated == 3 and a.used_bytes == 24576

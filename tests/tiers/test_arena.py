@@ -6,8 +6,8 @@ import socket
 import pytest
 
 from kvstore.errors import InvalidArgument
-from tiers.allocator import Extent
-from tiers.arena import HostArena
+from kvstore.tiers.allocator import Extent
+from kvstore.tiers.arena import HostArena
 
 CAP = 64 * 4096
 
@@ -92,7 +92,7 @@ def test_close_with_live_view_warns_and_defers_unmap(caplog):
     a = HostArena("tenant-leaky", CAP)
     view = a.view(a.alloc(4096))
     view[:3] = b"abc"
-    with caplog.at_level(logging.WARNING, logger="tiers.arena"):
+    with caplog.at_level(logging.WARNING, logger="kvstore.tiers.arena"):
         a.close()
     assert "memoryviews" in caplog.text and "tenant-leaky" in caplog.text
     assert bytes(view[:3]) == b"abc"  # still mapped while the view lives

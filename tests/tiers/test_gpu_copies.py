@@ -14,9 +14,9 @@ from kvstore.errors import InvalidArgument
 import kvs_testing
 from kvs_testing import NumpyDevice
 from kvstore.identity import ObjectId
-from tiers.allocator import Extent
-from tiers.gpu import GpuTier
-from tiers.gpu_copies import GpuCopies
+from kvstore.tiers.allocator import Extent
+from kvstore.tiers.gpu import GpuTier
+from kvstore.tiers.gpu_copies import GpuCopies
 
 UNIT = 1024  # one test object; the tier holds CAPACITY // UNIT of them
 CAPACITY = 4 * UNIT

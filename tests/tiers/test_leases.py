@@ -4,8 +4,8 @@ import random
 import pytest
 
 from kvstore.errors import InvalidArgument, NotFound
-from tiers.allocator import Extent
-from tiers.leases import Lease, LeaseTable
+from kvstore.tiers.allocator import Extent
+from kvstore.tiers.leases import Lease, LeaseTable
 
 E1, E2, E3 = Extent(0, 4096), Extent(4096, 4096), Extent(8192, 8192)
 

@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from tiers.mooncake.workers import Workers
+from kvstore.tiers.mooncake.workers import Workers
 
 
 def test_calls_run_off_the_loop_and_errors_come_back():

@@ -16,7 +16,7 @@ from kvstore.config import NvmeTierConfig
 from kvstore.errors import CapacityError, ChecksumError, InvalidArgument, ServiceError
 from kvstore.hints import Hints
 from kvstore.identity import ObjectId, StateDescriptor
-from tiers.nvme import VERIFY_BLOCK_BYTES, NvmeTier
+from kvstore.tiers.nvme import VERIFY_BLOCK_BYTES, NvmeTier
 from kvs_testing import payload
 
 NS = "tenant-a"
@@ -256,7 +256,7 @@ def test_extent_under_a_read_is_not_reused_until_the_read_ends(tier):
 
 
 def tier_key(i):
-    from tiers.nvme.index import object_key
+    from kvstore.tiers.nvme.index import object_key
 
     return object_key(NS, oid(i))
 

@@ -9,9 +9,9 @@ import xxhash
 
 from kvstore.config import NvmeTierConfig
 from kvstore.identity import ObjectId, StateDescriptor
-from tiers.nvme import NvmeTier
-from tiers.nvme.holdings import Holdings, HoldingsBuilder, created_at_of, split_keys
-from tiers.nvme.index import NvmeRecord, object_key, split_key
+from kvstore.tiers.nvme import NvmeTier
+from kvstore.tiers.nvme.holdings import Holdings, HoldingsBuilder, created_at_of, split_keys
+from kvstore.tiers.nvme.index import NvmeRecord, object_key, split_key
 
 MIB = 1 << 20
 

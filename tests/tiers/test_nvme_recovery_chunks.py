@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 
 from kvstore.identity import ID_BYTES, ObjectId
-from tiers.nvme.files import ALIGN
-from tiers.nvme.holdings import lengths_of
-from tiers.nvme.index import EXTENT_HEAD, META_KEY, NvmeRecord, decode_extent, object_key, well_formed_heads
-from tiers.nvme.recovery import _check_chunk, _ExtentsByFile, _Reservoir, file_limits
+from kvstore.tiers.nvme.files import ALIGN
+from kvstore.tiers.nvme.holdings import lengths_of
+from kvstore.tiers.nvme.index import EXTENT_HEAD, META_KEY, NvmeRecord, decode_extent, object_key, well_formed_heads
+from kvstore.tiers.nvme.recovery import _check_chunk, _ExtentsByFile, _Reservoir, file_limits
 
 FILE_BYTES = 1 << 20
 FILES = [SimpleNamespace(index=0, size_bytes=FILE_BYTES, created=False),
@@ -111,7 +111,7 @@ def test_the_sample_stays_uniform_across_chunks():
 
 @pytest.mark.parametrize("group_records", [1, 7, 1 << 20])
 def test_extents_come_back_per_file_in_the_order_added(monkeypatch, group_records):
-    monkeypatch.setattr("tiers.nvme.recovery.GROUP_RECORDS", group_records)
+    monkeypatch.setattr("kvstore.tiers.nvme.recovery.GROUP_RECORDS", group_records)
     rng = np.random.default_rng(group_records)
     extents, model = _ExtentsByFile(5), {f: [] for f in range(5)}
     for _ in range(40):

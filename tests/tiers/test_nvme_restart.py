@@ -16,7 +16,7 @@ import xxhash
 from kvstore.config import NvmeTierConfig
 from kvstore.errors import CapacityError
 from kvstore.identity import ObjectId, StateDescriptor
-from tiers.nvme import NvmeTier
+from kvstore.tiers.nvme import NvmeTier
 
 NS = "tenant-a"
 DESC = StateDescriptor(NS, "model", "rev1")
@@ -190,8 +190,8 @@ def test_restart_in_chunks_rebuilds_every_files_extents(tmp_path, monkeypatch, c
     """Restart checks the index a chunk at a time and groups the chunks' extents by file;
     ids are hashes, so a chunk mixes files in any order (here: 18 objects in five files,
     some deleted)."""
-    monkeypatch.setattr("tiers.nvme.recovery.CHUNK_RECORDS", chunk_records)
-    monkeypatch.setattr("tiers.nvme.recovery.GROUP_RECORDS", group_records)
+    monkeypatch.setattr("kvstore.tiers.nvme.recovery.CHUNK_RECORDS", chunk_records)
+    monkeypatch.setattr("kvstore.tiers.nvme.recovery.GROUP_RECORDS", group_records)
     files = fill(tmp_path, 18, size=MIB - 3 * 4096)
     with NvmeTier.open(storm_config(tmp_path)) as tier:
         for i in (0, 5, 17):
@@ -207,8 +207,8 @@ def test_startup_sample_stays_at_sample_objects_over_many_chunks(tmp_path, monke
     """`sample.items += [... sample.pick(m) ...]` extended the list pick() had just replaced
     (the left side is read first), so each chunk added its picks to the whole old sample:
     178 objects sampled at 10 M records instead of 64."""
-    monkeypatch.setattr("tiers.nvme.recovery.CHUNK_RECORDS", 2)
-    monkeypatch.setattr("tiers.nvme.recovery.SAMPLE_OBJECTS", 3)
+    monkeypatch.setattr("kvstore.tiers.nvme.recovery.CHUNK_RECORDS", 2)
+    monkeypatch.setattr("kvstore.tiers.nvme.recovery.SAMPLE_OBJECTS", 3)
     fill(tmp_path, 12)
     with NvmeTier.open(storm_config(tmp_path)) as tier:
         assert (tier.recovery.recovered, tier.recovery.sampled) == (12, 3)
@@ -244,7 +244,7 @@ def test_zeroed_data_file_is_caught_by_the_startup_sample(tmp_path):
 
 
 def test_broken_and_overlapping_index_entries_are_dropped_at_open(tmp_path):
-    from tiers.nvme.index import NvmeIndex, object_key
+    from kvstore.tiers.nvme.index import NvmeIndex, object_key
 
     fill(tmp_path, 4)
     index = NvmeIndex(str(tmp_path / "index"))

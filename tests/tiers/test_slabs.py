@@ -5,8 +5,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvstore.errors import InvalidArgument
-from tiers.allocator import Extent, ExtentAllocator
-from tiers.slabs import LARGEST_CLASS, SIZE_CLASSES, SlabAllocator
+from kvstore.tiers.allocator import Extent, ExtentAllocator
+from kvstore.tiers.slabs import LARGEST_CLASS, SIZE_CLASSES, SlabAllocator
 
 PAGE = 4096
 

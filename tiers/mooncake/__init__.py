@@ -10,6 +10,6 @@ of the pool (what goes there and when, verification) is server/pool/link.py. The
 `mooncake.store` bindings are imported only when a client is set up (extra `mooncake`).
 """
 
-from tiers.mooncake.pool import MooncakePool, PoolCounters
+from kvstore.tiers.mooncake.pool import MooncakePool, PoolCounters
 
 __all__ = ["MooncakePool", "PoolCounters"]

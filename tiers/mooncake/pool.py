@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass
 from typing import Callable
 
 from kvstore.config_remote import MooncakeConfig
-from tiers.mooncake.workers import Workers
+from kvstore.tiers.mooncake.workers import Workers
 
 log = logging.getLogger("kvstore.mooncake")
 

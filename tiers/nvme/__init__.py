@@ -38,9 +38,9 @@ The modules, from the top:
     types.py         what the tier hands back: NvmePut, NvmeMeta
 """
 
-from tiers.nvme.files import ALIGN, VERIFY_BLOCK_BYTES
-from tiers.nvme.recovery import RecoveryReport
-from tiers.nvme.tier import NvmeTier
-from tiers.nvme.types import CHECKSUM_BYTES, NvmeMeta, NvmePut
+from kvstore.tiers.nvme.files import ALIGN, VERIFY_BLOCK_BYTES
+from kvstore.tiers.nvme.recovery import RecoveryReport
+from kvstore.tiers.nvme.tier import NvmeTier
+from kvstore.tiers.nvme.types import CHECKSUM_BYTES, NvmeMeta, NvmePut
 
 __all__ = ["ALIGN", "CHECKSUM_BYTES", "VERIFY_BLOCK_BYTES", "NvmeMeta", "NvmePut", "NvmeTier", "RecoveryReport"]

@@ -19,9 +19,9 @@ from __future__ import annotations
 
 from collections import Counter
 
-from tiers.allocator import Extent, ExtentAllocator
-from tiers.nvme.files import ALIGN
-from tiers.nvme.index import NvmeRecord
+from kvstore.tiers.allocator import Extent, ExtentAllocator
+from kvstore.tiers.nvme.files import ALIGN
+from kvstore.tiers.nvme.index import NvmeRecord
 
 Where = tuple[int, int]  # (file, offset)
 

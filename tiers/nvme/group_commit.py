@@ -29,8 +29,8 @@ from typing import Callable, Iterator
 
 from kvstore.errors import ServiceError
 from kvstore.identity import ObjectId
-from tiers.nvme.files import DataFile, io_error
-from tiers.nvme.index import NvmeIndex, NvmeRecord, split_key
+from kvstore.tiers.nvme.files import DataFile, io_error
+from kvstore.tiers.nvme.index import NvmeIndex, NvmeRecord, split_key
 
 _log = logging.getLogger("kvstore.tiers.nvme")
 

@@ -26,7 +26,7 @@ import numpy as np
 
 from kvstore.errors import InvalidArgument
 from kvstore.identity import ID_BYTES
-from tiers.nvme.index import NvmeRecord
+from kvstore.tiers.nvme.index import NvmeRecord
 
 _TAIL = 9  # 0xcb, then the float64
 _FLOAT64 = 0xCB

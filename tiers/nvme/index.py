@@ -26,8 +26,8 @@ from rocksdict import Options, Rdict, ReadOptions, WriteBatch, WriteOptions
 
 from kvstore.errors import CapacityError, InvalidArgument, ServiceError
 from kvstore.identity import ID_BYTES, MAX_NAME_CHARS, ObjectId
-from tiers.allocator import Extent
-from tiers.nvme.files import round_up
+from kvstore.tiers.allocator import Extent
+from kvstore.tiers.nvme.files import round_up
 
 META_KEY = b"\xffkvstore-nvme-meta"
 FORMAT_VERSION = 1

@@ -26,10 +26,10 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvstore.identity import ID_BYTES
-from tiers.allocator import ExtentAllocator
-from tiers.nvme.files import ALIGN, DataFile, read_object
-from tiers.nvme.holdings import Holdings, HoldingsBuilder, lengths_of
-from tiers.nvme.index import EXTENT_HEAD, META_KEY, NvmeIndex, NvmeRecord, decode_extent, well_formed_heads
+from kvstore.tiers.allocator import ExtentAllocator
+from kvstore.tiers.nvme.files import ALIGN, DataFile, read_object
+from kvstore.tiers.nvme.holdings import Holdings, HoldingsBuilder, lengths_of
+from kvstore.tiers.nvme.index import EXTENT_HEAD, META_KEY, NvmeIndex, NvmeRecord, decode_extent, well_formed_heads
 
 _log = logging.getLogger("kvstore.tiers.nvme")
 

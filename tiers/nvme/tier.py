@@ -23,15 +23,15 @@ from kvstore.config import NvmeTierConfig
 from kvstore.errors import CapacityError, ChecksumError, InvalidArgument, ServiceError
 from kvstore.hints import Hints
 from kvstore.identity import ObjectId, StateDescriptor
-from tiers.allocator import Extent
-from tiers.nvme.extents import ExtentOwners
-from tiers.nvme.files import byte_view, round_up
-from tiers.nvme.group_commit import GroupJournal
-from tiers.nvme.holdings import Holdings
-from tiers.nvme.index import NvmeRecord, namespace_prefix, object_key, split_key
-from tiers.nvme.recovery import RecoveryReport
-from tiers.nvme.types import CHECKSUM_BYTES, NvmeCounters, NvmeMeta, NvmePut
-from tiers.nvme.volume import Volume
+from kvstore.tiers.allocator import Extent
+from kvstore.tiers.nvme.extents import ExtentOwners
+from kvstore.tiers.nvme.files import byte_view, round_up
+from kvstore.tiers.nvme.group_commit import GroupJournal
+from kvstore.tiers.nvme.holdings import Holdings
+from kvstore.tiers.nvme.index import NvmeRecord, namespace_prefix, object_key, split_key
+from kvstore.tiers.nvme.recovery import RecoveryReport
+from kvstore.tiers.nvme.types import CHECKSUM_BYTES, NvmeCounters, NvmeMeta, NvmePut
+from kvstore.tiers.nvme.volume import Volume
 
 _log = logging.getLogger("kvstore.tiers.nvme")
 

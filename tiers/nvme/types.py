@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 from kvstore.hints import Hints
 from kvstore.identity import ObjectId, StateDescriptor
-from tiers.allocator import Extent
-from tiers.nvme.index import NvmeRecord
+from kvstore.tiers.allocator import Extent
+from kvstore.tiers.nvme.index import NvmeRecord
 
 CHECKSUM_BYTES = 16  # xxh3-128
 

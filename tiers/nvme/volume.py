@@ -21,10 +21,10 @@ import numpy as np
 
 from kvstore.config import NvmeTierConfig
 from kvstore.errors import InvalidArgument, ServiceError
-from tiers.allocator import Extent
-from tiers.nvme.files import VERIFY_BLOCK_BYTES, DataFile, io_error, open_data_file, read_blocks, read_object, write_object
-from tiers.nvme.index import FORMAT_VERSION, NvmeIndex, NvmeRecord
-from tiers.nvme.recovery import Recovered, recover
+from kvstore.tiers.allocator import Extent
+from kvstore.tiers.nvme.files import VERIFY_BLOCK_BYTES, DataFile, io_error, open_data_file, read_blocks, read_object, write_object
+from kvstore.tiers.nvme.index import FORMAT_VERSION, NvmeIndex, NvmeRecord
+from kvstore.tiers.nvme.recovery import Recovered, recover
 
 
 class Volume:

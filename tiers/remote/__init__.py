@@ -26,8 +26,8 @@ and secret bound), so this package imports no transport. Runs on one event loop.
     links.py   PeerLink (what a link must do), the per-peer link pools, the link errors
 """
 
-from tiers.remote.links import MAX_LINKS_PER_PEER, MIN_PEER_BANDWIDTH_BYTES_S, LinkBroken, PeerLink, PeerUnavailable
-from tiers.remote.tier import RemoteCounters, RemoteTier, host_digest
+from kvstore.tiers.remote.links import MAX_LINKS_PER_PEER, MIN_PEER_BANDWIDTH_BYTES_S, LinkBroken, PeerLink, PeerUnavailable
+from kvstore.tiers.remote.tier import RemoteCounters, RemoteTier, host_digest
 
 __all__ = [
     "MAX_LINKS_PER_PEER", "MIN_PEER_BANDWIDTH_BYTES_S", "LinkBroken", "PeerLink", "PeerUnavailable",

@@ -19,7 +19,7 @@ from kvstore.peer_replies import PeerDeleteReply, PeerGetReply, PeerLookupReply,
 from kvstore.protocol import MAX_BATCH
 from kvstore.ranges import total as ranges_total
 from kvstore.replies import ReplyMessage
-from tiers.remote.links import LinkPools, PeerLink, PeerUnavailable
+from kvstore.tiers.remote.links import LinkPools, PeerLink, PeerUnavailable
 
 log = logging.getLogger("kvstore.remote")
 

@@ -26,7 +26,7 @@ def engine_config(socket_path: str = "", *, chunk_tokens: int = CHUNK_TOKENS, cp
     """LMCache's config with the kvstore plug-in; `settings` become its extra_config keys.
     (bench/engines_lmcache.py passes larger chunks and CPU memory.)"""
     prefix = f"remote_storage_plugin.{PLUGIN}."
-    extra = {"module_path": "adapters.lmcache", "class_name": "KVStoreConnector", "socket_path": socket_path,
+    extra = {"module_path": "kvstore.adapters.lmcache", "class_name": "KVStoreConnector", "socket_path": socket_path,
              "timeout_s": 2, "retry_after_s": 0.05, **settings}
     return LMCacheEngineConfig.from_defaults(
         chunk_size=chunk_tokens, max_local_cpu_size=cpu_gb, remote_serde="naive", remote_storage_plugins=[PLUGIN],
@@ -41,7 +41,7 @@ max_local_cpu_size: 0.01
 remote_serde: naive
 remote_storage_plugins: ["{PLUGIN}"]
 extra_config:
-  remote_storage_plugin.{PLUGIN}.module_path: adapters.lmcache
+  remote_storage_plugin.{PLUGIN}.module_path: kvstore.adapters.lmcache
   remote_storage_plugin.{PLUGIN}.class_name: KVStoreConnector
   remote_storage_plugin.{PLUGIN}.socket_path: {socket_path}
 """

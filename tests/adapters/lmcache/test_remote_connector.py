@@ -13,11 +13,11 @@ from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 from lmcache.v1.config import LMCacheEngineConfig
 from lmcache.v1.storage_backend import CreateStorageBackends
 
-import adapters.lmcache
-from adapters.common import engine_object_id
+import kvstore.adapters.lmcache as lmcache_adapter
+from kvstore.adapters.common import engine_object_id
 from kvstore import StateDescriptor
 from kvstore.errors import InvalidArgument
-from adapters.lmcache import HybridStateUnsupported
+from kvstore.adapters.lmcache import HybridStateUnsupported
 from kvs_events import EventSubscriber, all_events, last_seq
 from lmcache_helpers import (CHUNK_TOKENS, MODEL, PLUGIN, chunk, connect, engine_config, engine_metadata,
                              hybrid_layer_groups, key, put_chunk, run, yaml_config)
@@ -28,7 +28,7 @@ pytestmark = pytest.mark.engines
 def test_lmcache_create_connector_loads_kvstore_from_the_plugin_config(daemon, lmcache_loop, cpu_backend):
     connector = connect(daemon, lmcache_loop, cpu_backend)
     ours = connector.getWrappedConnector()
-    assert type(ours) is adapters.lmcache.KVStoreConnector
+    assert type(ours) is lmcache_adapter.KVStoreConnector
     assert isinstance(ours, RemoteConnector) and ours.plugin_name == PLUGIN
     assert ours.store.config.socket_path == daemon.socket
     run(lmcache_loop, connector.close())
@@ -63,7 +63,7 @@ def test_lmcache_builds_the_plugin_from_a_yaml_config_and_its_remote_backend_use
     path.write_text(yaml_config(daemon.socket))
     backends = CreateStorageBackends(LMCacheEngineConfig.from_file(str(path)), engine_metadata(), lmcache_loop)
     cpu, remote = backends["LocalCPUBackend"], backends[f"RemoteBackend-{PLUGIN}"]
-    assert type(remote.connection.getWrappedConnector()) is adapters.lmcache.KVStoreConnector
+    assert type(remote.connection.getWrappedConnector()) is lmcache_adapter.KVStoreConnector
     sent = [chunk(cpu, seed=i) for i in range(3)]
     sent_bytes = [bytes(m.byte_array) for m in sent]
     keys = [key(i) for i in range(3)]
@@ -210,7 +210,7 @@ def test_cancelled_put_and_get_neither_free_memory_in_use_nor_leak_it(daemon, lm
 def test_every_method_is_sync_or_async_as_remote_connector_declares():
     """A third-party adapter ships an async `exists_sync`: its coroutine is truthy, so every key
     reads as present. Each method here must match the base class."""
-    ours = adapters.lmcache.KVStoreConnector
+    ours = lmcache_adapter.KVStoreConnector
     methods = inspect.getmembers(RemoteConnector, inspect.isfunction)
     assert len(methods) > 10
     wrong = [name for name, base in methods

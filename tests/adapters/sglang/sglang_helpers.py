@@ -98,7 +98,7 @@ def storage_config(kind: str, layout: str, extra: dict, *, tp=(0, 1), pp=(0, 1),
                                 tp_lcm_size=tp_lcm_size, should_split_heads=split, extra_config=dict(extra))
 
 
-BACKEND = {"backend_name": "kvstore", "module_path": "adapters.sglang", "class_name": "KVStoreHiCacheStorage"}
+BACKEND = {"backend_name": "kvstore", "module_path": "kvstore.adapters.sglang", "class_name": "KVStoreHiCacheStorage"}
 
 
 def create_backend(pool, kind: str, socket_path: str | None, *, interface_v1=True, tp=(0, 1), pp=(0, 1),

@@ -80,7 +80,7 @@ class OffloadingEngine:
     chunk the tier was asked to store as it was then; `promotions` the tier's load jobs."""
 
     def __init__(self, socket_path):
-        tier = {"type": "KVStoreSecondaryTier", "module_path": "adapters.vllm_tier", "socket_path": socket_path,
+        tier = {"type": "KVStoreSecondaryTier", "module_path": "kvstore.adapters.vllm_tier", "socket_path": socket_path,
                 "retry_after_s": 0.05}
         self.config = create_vllm_config(
             kv_connector="OffloadingConnector", kv_role="kv_both", block_size=BLOCK, max_num_batched_tokens=64,

@@ -49,7 +49,7 @@ class Tiers:
         self.rows = torch.zeros((CHUNKS, ROW), dtype=torch.int8).numpy()
         region.create_kv_memoryview.return_value = memoryview(self.rows)
         self.primary = CPUPrimaryTierOffloadingManager(num_chunks=CHUNKS, mmap_region=region)
-        config = {"type": "KVStoreSecondaryTier", "module_path": "adapters.vllm_tier", "socket_path": socket_path,
+        config = {"type": "KVStoreSecondaryTier", "module_path": "kvstore.adapters.vllm_tier", "socket_path": socket_path,
                   "model": "facebook/opt-125m", "dtype": "float16", "retry_after_s": 0.05}
         self.tier = SecondaryTierFactory.create_secondary_tier(config, memoryview(self.rows), MagicMock())
         self.manager = TieringOffloadingManager(primary_tier=self.primary, secondary_tiers=[self.tier])
@@ -266,7 +266,7 @@ def test_chunk_ids_are_per_chunk_geometry_so_no_engine_reads_chunks_laid_out_oth
 
     def ids_under(offloading_config):
         tier = SecondaryTierFactory.create_secondary_tier(
-            {"type": "KVStoreSecondaryTier", "module_path": "adapters.vllm_tier", "socket_path": daemon.socket},
+            {"type": "KVStoreSecondaryTier", "module_path": "kvstore.adapters.vllm_tier", "socket_path": daemon.socket},
             memoryview(rows), SimpleNamespace(config=offloading_config))
         try:
             return tier.object_ids([key])

@@ -33,7 +33,7 @@ BLOCK, LAYERS, HEADS, DIM, NUM_BLOCKS, CHUNK = 16, 3, 2, 8, 64, 32
 
 @pytest.fixture(scope="module")
 def base_config():
-    return create_vllm_config(kv_connector="KVStoreConnector", kv_connector_module_path="adapters.vllm",
+    return create_vllm_config(kv_connector="KVStoreConnector", kv_connector_module_path="kvstore.adapters.vllm",
                               kv_role="kv_both", kv_load_failure_policy="recompute", block_size=BLOCK,
                               max_num_batched_tokens=64, kv_connector_extra_config={"chunk_tokens": CHUNK})
 

@@ -8,8 +8,8 @@ import stat
 import pytest
 
 from kvstore import ObjectId, StateDescriptor, chunk_keys
-from server.admin.client import AdminClient, AdminRequestFailed
-from server.admin.routes import ROUTES
+from kvstore.server.admin.client import AdminClient, AdminRequestFailed
+from kvstore.server.admin.routes import ROUTES
 from test_admin_support import PAYLOAD, admin_daemon, put_objects
 
 SOME_ID = "ab" * 32

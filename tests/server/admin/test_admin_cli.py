@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from commands.cli import main
+from kvstore.commands.cli import main
 from test_admin_support import admin_daemon, put_objects
 
 
@@ -31,7 +31,7 @@ def test_status_table(daemon, capsys):
     assert "ready" in out and "ops/s" in out
     row = next(line for line in out.splitlines() if line.startswith("cli "))
     assert "host" in row and " 3 " in row and "[" in row and "100%" in row
-    from tiers.gpu import GpuTier
+    from kvstore.tiers.gpu import GpuTier
     found = GpuTier.probe()
     gpu = next(line for line in out.splitlines() if line.startswith("gpu tier: "))
     assert "off ([gpu] enabled = false)" in gpu and found.reason in gpu, gpu  # the probe's finding
@@ -41,7 +41,7 @@ def test_status_table(daemon, capsys):
 def test_status_json(daemon, capsys):
     code, out, _ = run(daemon, capsys, "status", "--json")
     assert code == 0 and json.loads(out)["namespaces"]["cli"]["tiers"]["host"]["objects"] == 3
-    from tiers.gpu import GpuTier
+    from kvstore.tiers.gpu import GpuTier
     found = GpuTier.probe()
     assert json.loads(out)["gpu"] == {"enabled": False, "available": found.available, "reason": found.reason,
                                       "device": 0}

@@ -11,8 +11,8 @@ import tempfile
 import aiohttp
 
 from kvstore.config import AdminConfig, ServerConfig
-from server.daemon import Daemon
-from server.logs import _KeyValueFormatter
+from kvstore.server.daemon import Daemon
+from kvstore.server.logs import _KeyValueFormatter
 
 
 class _Lines(logging.Handler):

@@ -12,8 +12,8 @@ from kvs_testing import payload
 from kvstore import Hints, ObjectId, StateDescriptor, chunk_keys
 from kvstore.identity import Shard
 from kvstore.route import Route, published_hash
-from server.admin import lookup_batch, openapi
-from server.admin.client import AdminClient, AdminRequestFailed
+from kvstore.server.admin import lookup_batch, openapi
+from kvstore.server.admin.client import AdminClient, AdminRequestFailed
 from test_admin_support import PAYLOAD, admin_daemon
 
 MiB = 1 << 20

@@ -10,9 +10,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvstore import ObjectId
 from kvstore.config import ServerConfig
-from server.admin.server import AdminServer, make_app
-from server.admin.client import AdminRequestFailed
-from server.admin.openapi import openapi_document
+from kvstore.server.admin.server import AdminServer, make_app
+from kvstore.server.admin.client import AdminRequestFailed
+from kvstore.server.admin.openapi import openapi_document
 from test_admin_support import PAYLOAD, admin_daemon, put_objects
 
 

@@ -11,8 +11,8 @@ import pytest
 
 from kvstore import StateDescriptor
 from kvstore.identity import ObjectId
-from server.admin.client import AdminClient, AdminRequestFailed
-from commands.cli import main
+from kvstore.server.admin.client import AdminClient, AdminRequestFailed
+from kvstore.commands.cli import main
 
 NVME = {"nvme": {"enabled": True, "capacity_bytes": "64MiB", "file_bytes": "64MiB"}}
 SIZE = 64 << 10

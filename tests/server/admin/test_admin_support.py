@@ -12,10 +12,10 @@ import tempfile
 import time
 from dataclasses import dataclass
 
-from client import Client
+from kvstore.client import Client
 from kvstore import Hints, ObjectId, StateDescriptor
-from server.admin.client import AdminClient
-from commands.smoke import start_daemon
+from kvstore.server.admin.client import AdminClient
+from kvstore.commands.smoke import start_daemon
 
 PAYLOAD = b"x" * 100
 

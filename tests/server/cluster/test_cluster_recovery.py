@@ -8,7 +8,7 @@ import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvstore.identity import ObjectId
-from server.admin.client import AdminClient
+from kvstore.server.admin.client import AdminClient
 from kvs_testing import wait_for
 from test_cluster_daemons import free_port
 from test_cluster_tiers import ids_homed, local_tiers, payload, static_cluster

@@ -154,7 +154,7 @@ def test_delete_reaches_every_member(daemon_factory):
 
 
 def test_admin_cluster_lists_members_and_the_remote_view(daemon_factory):
-    from server.admin.client import AdminClient
+    from kvstore.server.admin.client import AdminClient
     a, b = static_cluster(daemon_factory, {"a": "16MiB", "b": "16MiB"}, replicas=2)
     api = AdminClient.from_data_dir(a.data_dir)
     doc = api.get("/v1/cluster")

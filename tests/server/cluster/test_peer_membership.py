@@ -12,7 +12,7 @@ import urllib.request
 import pytest
 from peer_helpers import etcd_server, run
 
-from server.cluster.membership import EtcdMembership, StaticMembership
+from kvstore.server.cluster.membership import EtcdMembership, StaticMembership
 
 TTL_S = 2.0
 # Lease expiry is checked by etcd about every 0.5 s; the watch then tells us at once.
@@ -20,7 +20,7 @@ NOTICE_MARGIN_S = 3.0  # generous: a loaded CI machine delays etcd and us alike
 
 _MEMBER = """
 import asyncio, sys
-from server.cluster.membership import EtcdMembership
+from kvstore.server.cluster.membership import EtcdMembership
 async def main():
     m = EtcdMembership(sys.argv[1], "/t/", sys.argv[2], sys.argv[3], ttl_s=float(sys.argv[4]))
     await m.start()

@@ -9,15 +9,15 @@ import contextlib
 import types
 
 
-import server.cluster.rehome as rehome
+import kvstore.server.cluster.rehome as rehome
 from kvstore.config import ClusterConfig, HostTierConfig
 from kvstore.hints import Hints
 from kvstore.identity import ObjectId, StateDescriptor
 from kvstore.ownership import home_nodes
-from server.cluster.replicate import Replicator
-from server.cluster.serving import PeerServing
-from server.cluster.rehome import Rehomer
-from server.tiering.manager import TierManager
+from kvstore.server.cluster.replicate import Replicator
+from kvstore.server.cluster.serving import PeerServing
+from kvstore.server.cluster.rehome import Rehomer
+from kvstore.server.tiering.manager import TierManager
 
 
 class StandInRemote:

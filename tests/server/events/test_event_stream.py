@@ -12,12 +12,12 @@ from kvstore.identity import StateDescriptor
 from kvstore.route import Route
 from kvs_events import EventSubscriber, events_of, vllm_int_hash
 from kvs_testing import wait_until
-from server.events import MEDIUM_CPU, MEDIUM_PEER, MEDIUM_STORAGE, EventStream, topic_of
-from server.events import holdings as holdings_module
-from server.events.publisher import ZmqPublisher
-from server.events import stream as stream_module
-from server.events.stream import FLUSH_INTERVAL_S
-from server.events.wire import CLEARED, REMOVED, STORED, Wire, encode_batch
+from kvstore.server.events import MEDIUM_CPU, MEDIUM_PEER, MEDIUM_STORAGE, EventStream, topic_of
+from kvstore.server.events import holdings as holdings_module
+from kvstore.server.events.publisher import ZmqPublisher
+from kvstore.server.events import stream as stream_module
+from kvstore.server.events.stream import FLUSH_INTERVAL_S
+from kvstore.server.events.wire import CLEARED, REMOVED, STORED, Wire, encode_batch
 
 A, B = b"a" * 32, b"b" * 32
 DESC = StateDescriptor("default", "m", "r1", kind="kv", dtype="bf16")  # chunk_tokens 256

@@ -21,7 +21,7 @@ from kvstore.protocol import NEED_DATA, FrameCodec, Reply, Request
 from kvstore.route import Route
 from kvs_events import EventSubscriber, all_events, events_of, held_media, last_seq, wait_subscribed
 from kvs_testing import payload, wait_until
-from server.admin.client import AdminClient
+from kvstore.server.admin.client import AdminClient
 
 MiB = 1 << 20
 # Block hashes as bytes, so events name objects by their ids here (the default int form is
@@ -197,7 +197,7 @@ def test_an_endpoint_that_cannot_be_bound_is_refused_naming_the_key(unstarted_da
         taken.listen()
         port = taken.getsockname()[1]
         d = unstarted_daemon({"events": {"enabled": True, "endpoint": f"tcp://127.0.0.1:{port}"}})
-        result = subprocess.run([sys.executable, "-m", "commands.cli", "serve", "--config", d.config_path,
+        result = subprocess.run([sys.executable, "-m", "kvstore.commands.cli", "serve", "--config", d.config_path,
                                  "--socket", d.socket], capture_output=True, text=True, timeout=60,
                                 stdin=subprocess.DEVNULL)
     assert result.returncode != 0
@@ -206,7 +206,7 @@ def test_an_endpoint_that_cannot_be_bound_is_refused_naming_the_key(unstarted_da
 
 @pytest.mark.parametrize("namespace", ["default", "a:b", "ünï"])
 def test_topics_are_not_prefixes_of_each_other(namespace):
-    from server.events import topic_of
+    from kvstore.server.events import topic_of
     others = ["default2", "a", "a:", "ün", "defaul"]
     mine = topic_of("kvstore.", namespace)
     assert not any(topic_of("kvstore.", o).startswith(mine) for o in others if o != namespace)

@@ -13,7 +13,7 @@ from kvstore.identity import ObjectId
 from kvs_events import EventSubscriber, all_events, endpoints, events_of, last_seq, vllm_int_hash, \
     wait_subscribed
 from kvs_testing import payload
-from server.admin.client import AdminClient
+from kvstore.server.admin.client import AdminClient
 
 CONFIG = {"host": {"namespaces": ["default", "tenant"]},
           "events": {"enabled": True, "heartbeat_s": 0, "namespaces": {"tenant": {}}}}
@@ -85,7 +85,7 @@ def test_a_namespace_endpoint_that_cannot_be_bound_is_refused_naming_its_key(uns
         port = taken.getsockname()[1]
         d = unstarted_daemon({"events": {"enabled": True,
                                          "namespaces": {"tenant": {"endpoint": f"tcp://127.0.0.1:{port}"}}}})
-        result = subprocess.run([sys.executable, "-m", "commands.cli", "serve", "--config", d.config_path,
+        result = subprocess.run([sys.executable, "-m", "kvstore.commands.cli", "serve", "--config", d.config_path,
                                  "--socket", d.socket], capture_output=True, text=True, timeout=60,
                                 stdin=subprocess.DEVNULL)
     assert result.returncode != 0

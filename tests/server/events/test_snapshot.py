@@ -2,9 +2,9 @@
 
 import pytest
 
-from server.events.holdings import Held
-from server.events.snapshot import SNAPSHOT_BATCH_EVENTS, Snapshot
-from server.events.wire import CLEARED, STORED, namespace_of, topic_of
+from kvstore.server.events.holdings import Held
+from kvstore.server.events.snapshot import SNAPSHOT_BATCH_EVENTS, Snapshot
+from kvstore.server.events.wire import CLEARED, STORED, namespace_of, topic_of
 
 CPU, STORAGE, PEER = 1, 2, 4  # Held.media bits, in holdings.MEDIA order
 

@@ -14,7 +14,7 @@ from kvstore.identity import ObjectId
 from kvstore.route import Route
 from kvs_events import EventSubscriber, all_events, events_of, held_media, last_seq, wait_subscribed
 from kvs_testing import payload
-from server.admin.client import AdminClient
+from kvstore.server.admin.client import AdminClient
 
 MiB = 1 << 20
 NVME = {"enabled": True, "capacity_bytes": "64MiB", "file_bytes": "16MiB", "admit_min_hits": 0}

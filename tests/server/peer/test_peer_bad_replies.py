@@ -11,7 +11,7 @@ from peer_helpers import make_object, remote_tier, run, services, transport_or_s
 
 from kvstore.identity import ObjectId
 from kvstore.protocol import Reply
-from server.peer.transport import payload_bytes
+from kvstore.server.peer.transport import payload_bytes
 
 OID, META, DATA = make_object(4096, seed=3)
 META_WIRE = META.to_wire()

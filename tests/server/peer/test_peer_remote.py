@@ -12,8 +12,8 @@ from kvstore import ranges
 from kvstore.errors import CapacityError, RangeError
 from kvstore.identity import ObjectId
 from kvstore.peer_messages import PeerGet
-from server.peer.service import InMemoryBackend, PeerRead, PeerService
-from tiers.remote import MAX_LINKS_PER_PEER
+from kvstore.server.peer.service import InMemoryBackend, PeerRead, PeerService
+from kvstore.tiers.remote import MAX_LINKS_PER_PEER
 
 MiB = 1 << 20
 

@@ -10,11 +10,11 @@ import pytest
 from peer_helpers import SECRET, TRANSPORTS, make_object, run, services, transport_or_skip
 
 from kvstore.protocol import MAX_FRAME_BYTES, Request
-from server.peer.service import InMemoryBackend, PeerRead
-from server.peer.client import connect_peer
-from server.peer.tcp import TcpTransport
+from kvstore.server.peer.service import InMemoryBackend, PeerRead
+from kvstore.server.peer.client import connect_peer
+from kvstore.server.peer.tcp import TcpTransport
 from kvstore.peer_messages import PeerGet, PeerPut
-from tiers.remote import PeerUnavailable
+from kvstore.tiers.remote import PeerUnavailable
 
 MiB = 1 << 20
 

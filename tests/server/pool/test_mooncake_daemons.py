@@ -10,7 +10,7 @@ import numpy as np
 from kvstore.hints import Hints
 from kvstore.identity import ObjectId
 from kvstore.pool_header import HEADER_BYTES, pool_key
-from server.admin.client import AdminClient
+from kvstore.server.admin.client import AdminClient
 from kvs_testing import payload, wait_for
 from mooncake_helpers import Keeper, Master, mooncake_or_skip, oids, pool_config, pool_stats, pool_up, put_into_pool
 

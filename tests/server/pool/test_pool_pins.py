@@ -4,7 +4,7 @@ the master itself counts (its /metrics soft-pin gauge, through /v1/cluster)."""
 import numpy as np
 
 from kvstore.hints import Hints
-from server.admin.client import AdminClient
+from kvstore.server.admin.client import AdminClient
 from kvs_testing import payload, wait_for
 from mooncake_helpers import oids, pool_config, pool_stats, pool_up
 

@@ -1,9 +1,9 @@
 """The pool as operators see it: /v1/cluster's `pool` and `kvstore status`'s remote line, from
 a real daemon on a real mooncake_master (its /metrics page read for what the pool holds)."""
 
-from commands.cli import main
+from kvstore.commands.cli import main
 from kvstore.pool_header import HEADER_BYTES
-from server.admin.client import AdminClient
+from kvstore.server.admin.client import AdminClient
 from kvs_testing import wait_for
 from mooncake_helpers import oids, pool_config, pool_stats, pool_up, put_into_pool
 

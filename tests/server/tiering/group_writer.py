@@ -37,7 +37,7 @@ def items_of(round_: int, group: int) -> list:
 
 
 def main() -> None:
-    from client import Client
+    from kvstore.client import Client
     sock, round_, acks = sys.argv[1], int(sys.argv[2]), sys.argv[3]
     with Client.connect(sock, timeout_s=10) as c, open(acks, "a") as out:
         print("ready", flush=True)

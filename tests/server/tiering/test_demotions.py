@@ -1,8 +1,8 @@
 """DemotionTally: the peer tier's and the pool's demotion counts and their once-a-second log."""
 
-from server.cluster.replicate import ReplicaCounters
-from server.pool.link import PoolWriteCounters
-from server.tiering.demotions import DemotionTally
+from kvstore.server.cluster.replicate import ReplicaCounters
+from kvstore.server.pool.link import PoolWriteCounters
+from kvstore.server.tiering.demotions import DemotionTally
 
 
 class Entry:

@@ -15,9 +15,9 @@ from kvstore.errors import InvalidArgument
 from kvstore.hints import Hints
 from kvstore.identity import ObjectId, StateDescriptor
 from kvs_testing import NumpyDevice, payload
-from server.tiering.gpu_reads import GpuReads
-from server.later import is_ready, resolve
-from server.tiering.manager import TierManager
+from kvstore.server.tiering.gpu_reads import GpuReads
+from kvstore.server.later import is_ready, resolve
+from kvstore.server.tiering.manager import TierManager
 
 KiB = 1024
 

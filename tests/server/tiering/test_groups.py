@@ -286,7 +286,7 @@ def test_the_admin_api_names_an_objects_groups(tmp_path):
 
 def test_the_asyncio_client_puts_finds_and_reads_groups(daemon):
     import asyncio
-    from client.aio import AsyncClient
+    from kvstore.client.aio import AsyncClient
 
     async def main():
         items = chunk_group(list(range(768)), 2)

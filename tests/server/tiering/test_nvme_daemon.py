@@ -193,7 +193,7 @@ def test_full_disk_is_reported_and_daemon_keeps_serving(daemon_factory, tmp_path
 
 _STORM = r"""
 import sys, numpy as np
-from client import Client
+from kvstore.client import Client
 from kvstore.identity import ObjectId
 c = Client.connect(sys.argv[1], timeout_s=5)
 acks = open(sys.argv[2], "a", buffering=1)

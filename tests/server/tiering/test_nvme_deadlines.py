@@ -2,7 +2,7 @@
 
 import pytest
 
-from server.tiering.nvme_deadlines import NvmeDeadlines
+from kvstore.server.tiering.nvme_deadlines import NvmeDeadlines
 
 
 def test_due_keys_come_out_once_in_deadline_order_and_discarded_ones_never():

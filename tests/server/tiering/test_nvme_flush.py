@@ -4,9 +4,9 @@ import math
 
 from kvstore.hints import Hints
 from kvstore.identity import ObjectId, StateDescriptor
-from server.tiering.nvme_flush import plan_flush
-from server.tiering.objects import ObjectEntry
-from tiers.allocator import Extent
+from kvstore.server.tiering.nvme_flush import plan_flush
+from kvstore.server.tiering.objects import ObjectEntry
+from kvstore.tiers.allocator import Extent
 
 
 def entry(i: int, size: int, hits: int = 0, pinned: bool = False, created_at: float = 0.0) -> ObjectEntry:

@@ -5,8 +5,8 @@ import os
 from kvstore.hints import Hints
 from kvstore.identity import ObjectId, StateDescriptor
 from kvstore.route import Route
-from server.tiering.nvme_kept import read_chunk
-from tiers.nvme.index import NvmeRecord, object_key
+from kvstore.server.tiering.nvme_kept import read_chunk
+from kvstore.tiers.nvme.index import NvmeRecord, object_key
 
 DESC = StateDescriptor("ns", "m", "r1", kind="kv", dtype="bf16", chunk_tokens=64)
 

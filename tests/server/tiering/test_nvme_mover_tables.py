@@ -1,10 +1,10 @@
 """The NVMe mover's tables shrink after mass evictions and deletes, as the host tier's do."""
 
 from kvstore.config import HostTierConfig, NvmeTierConfig
-from server.tiering.manager import TierManager
+from kvstore.server.tiering.manager import TierManager
 from kvstore.identity import ObjectId
-from server.tiering.nvme_mover import TierMover
-from tiers.nvme.index import object_key
+from kvstore.server.tiering.nvme_mover import TierMover
+from kvstore.tiers.nvme.index import object_key
 
 
 def test_the_mover_rebuilds_what_it_holds_once_most_of_it_left(tmp_path):

@@ -7,10 +7,10 @@ import numpy as np
 
 from kvstore.config import HostTierConfig, NvmeTierConfig
 from kvstore.identity import ObjectId
-from server.tiering.manager import TierManager
-from server.tiering.nvme_mover import TierMover
-from server.tiering.nvme_table import NvmeTable
-from tiers.nvme.index import namespace_prefix, object_key
+from kvstore.server.tiering.manager import TierManager
+from kvstore.server.tiering.nvme_mover import TierMover
+from kvstore.server.tiering.nvme_table import NvmeTable
+from kvstore.tiers.nvme.index import namespace_prefix, object_key
 
 
 def test_sizes_of_many_ids_match_one_at_a_time_past_tombstones_and_other_namespaces():

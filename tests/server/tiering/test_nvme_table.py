@@ -10,9 +10,9 @@ import pytest
 from kvstore.errors import InvalidArgument
 from kvstore.identity import ObjectId
 from kvstore.policy import S3FIFO
-from server.tiering.nvme_table import NvmeTable
-from tiers.nvme.holdings import split_keys
-from tiers.nvme.index import object_key
+from kvstore.server.tiering.nvme_table import NvmeTable
+from kvstore.tiers.nvme.holdings import split_keys
+from kvstore.tiers.nvme.index import object_key
 
 
 def key(i: int, namespace: str = "t") -> bytes:

@@ -9,7 +9,7 @@ from kvstore.config import HostTierConfig
 from kvstore.errors import Conflict
 from kvstore.hints import Hints
 from kvstore.identity import ObjectId, StateDescriptor
-from server.tiering.objects import ObjectEntry, check_same_object
+from kvstore.server.tiering.objects import ObjectEntry, check_same_object
 
 OID = ObjectId(bytes(32))
 DESC = StateDescriptor("ns", "m", "r")
@@ -53,7 +53,7 @@ class Clock:
 
 async def _manager_with_expired_copy():
     from kvstore.config import HostTierConfig
-    from server.tiering.manager import TierManager
+    from kvstore.server.tiering.manager import TierManager
     clock = Clock()
     manager = TierManager(HostTierConfig(arena_bytes=1 << 20, prefault=False), clock=clock)
     ns = await manager.open_namespace("ns")
@@ -88,7 +88,7 @@ def test_a_copy_still_live_is_kept_and_the_new_bytes_given_back():
 
 def test_a_home_takes_a_peers_fresh_copy_over_its_expired_one():
     from kvstore.peer_messages import RemoteMeta
-    from server.cluster.serving import PeerServing
+    from kvstore.server.cluster.serving import PeerServing
 
     async def scenario():
         manager, ns, old = await _manager_with_expired_copy()
@@ -107,7 +107,7 @@ def test_housekeeping_rebuilds_an_index_emptied_by_deletes():
     import sys
 
     from kvstore.config import HostTierConfig
-    from server.tiering.manager import TierManager
+    from kvstore.server.tiering.manager import TierManager
 
     async def scenario():
         manager = TierManager(HostTierConfig(arena_bytes=(20_000 + 16) * 4096, prefault=False))
@@ -130,7 +130,7 @@ def test_housekeeping_expires_only_what_is_due_and_never_a_newer_copy():
     """The expiry heap (server/tiering/expiry.py): objects without a TTL are never queued; a
     copy past its TTL goes at the next housekeeping; an id put again after its copy expired
     (a new serial) is not dropped by the old copy's queued item."""
-    from server.tiering.manager import TierManager
+    from kvstore.server.tiering.manager import TierManager
     now = [100.0]
     manager = TierManager(HostTierConfig(arena_bytes=1 << 20, prefault=False), clock=lambda: now[0])
 
@@ -156,7 +156,7 @@ def test_housekeeping_expires_only_what_is_due_and_never_a_newer_copy():
 
 
 def test_the_expiry_heap_sheds_items_of_objects_that_left(monkeypatch):
-    import server.tiering.expiry as expiry
+    import kvstore.server.tiering.expiry as expiry
     monkeypatch.setattr(expiry, "REBUILD_MIN_ITEMS", 4)
     queue = expiry.ExpiryQueue()
     entries = [ObjectEntry.create(ObjectId(bytes([i]) * 32), "t", None, 1, b"\0" * 16, StateDescriptor("t", "m", "r"),
@@ -169,7 +169,7 @@ def test_the_expiry_heap_sheds_items_of_objects_that_left(monkeypatch):
 
 
 def test_the_packed_record_gives_back_every_unchanging_field_exactly():
-    from tiers.allocator import Extent
+    from kvstore.tiers.allocator import Extent
     big = Extent((1 << 40) + 4096, 3 << 20)
     e = ObjectEntry.create(OID, "ns", big, (3 << 20) - 5, bytes(range(16)), DESC, Hints(), 1.0,
                            created_at=1764790000.123456)

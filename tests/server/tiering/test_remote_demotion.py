@@ -12,7 +12,7 @@ from kvstore.config import HostTierConfig
 from kvstore.errors import CapacityError
 from kvstore.hints import Hints
 from kvstore.identity import ObjectId, StateDescriptor
-from server.tiering.manager import TierManager
+from kvstore.server.tiering.manager import TierManager
 
 MiB = 1 << 20
 

@@ -13,8 +13,8 @@ from kvstore.config import HostTierConfig
 from kvstore.hints import Hints
 from kvstore.identity import ObjectId, StateDescriptor
 from kvstore.shared_index import OCCUPIED, PROBE_SLOTS, RECORD, descriptor_digest, home_slot, record_at
-from server.tiering.manager import TierManager
-from server.tiering.shared_index import SharedIndex
+from kvstore.server.tiering.manager import TierManager
+from kvstore.server.tiering.shared_index import SharedIndex
 
 DESC = StateDescriptor("ns", "m", "r")
 

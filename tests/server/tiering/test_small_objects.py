@@ -5,8 +5,8 @@ import pytest
 
 from kvstore.identity import ObjectId
 from kvs_testing import payload
-from tiers.allocator import ExtentAllocator
-from tiers.slabs import SIZE_CLASSES, SlabAllocator
+from kvstore.tiers.allocator import ExtentAllocator
+from kvstore.tiers.slabs import SIZE_CLASSES, SlabAllocator
 
 KiB, MiB = 1 << 10, 1 << 20
 FOOTPRINT = SlabAllocator(ExtentAllocator(4096, 4096)).footprint
