@@ -6,6 +6,7 @@ poll a condition with a liveness bound, never measure time.
 
 from __future__ import annotations
 
+import random
 import socket
 import time
 
@@ -29,6 +30,28 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def port_for_later() -> int:
+    """A TCP port below the kernel's ephemeral range that is free now, for a process that
+    starts listening on it later: a free_port() can be taken in between as the local port of
+    an outgoing connection (a daemon retrying an absent server makes one every half second),
+    which fails the later listen with "Address already in use"."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(max(1024, low - 12000), low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+    return free_port()
 
 
 def wait_for(predicate, timeout: float = 10.0) -> bool:
