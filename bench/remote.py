@@ -48,7 +48,7 @@ from kvstore.identity import ObjectId, StateDescriptor  # noqa: E402
 from kvstore.peer_messages import PeerGet, RemoteMeta  # noqa: E402
 from kvstore.server.peer.client import connect_peer  # noqa: E402
 from kvstore.server.peer.service import RANGED_RECHECK_S  # noqa: E402
-from kvstore.server.peer.transport import make_transport  # noqa: E402
+from kvstore.server.peer.transports import make_transport  # noqa: E402
 from kvstore.tiers.remote import RemoteTier  # noqa: E402
 
 SUITE = "remote"

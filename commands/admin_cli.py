@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from kvstore.commands.config_file import load_config  # the daemon's own loader: same file, same data_dir
 from kvstore.config import parse_size
 from kvstore.server.admin.client import AdminClient
 
@@ -19,7 +20,6 @@ FILTER_FLAGS = ("model", "model_revision", "kind", "dtype", "session_id", "branc
 def _client(args) -> AdminClient:
     data_dir = args.data_dir
     if data_dir is None and args.config is not None:
-        from kvstore.commands.cli import load_config  # the daemon's own loader: same file, same data_dir
         data_dir = load_config(args).data_dir
     return AdminClient.from_data_dir(data_dir, url=args.admin_url)
 

@@ -5,39 +5,10 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import tomllib
-from dataclasses import replace
 
-from kvstore.config import ServerConfig, parse_size
-from kvstore.errors import KVStoreError
 from kvstore.commands import admin_cli, demo
-
-
-def load_config(args) -> ServerConfig:
-    data = {}
-    if getattr(args, "config", None):
-        try:
-            with open(args.config, "rb") as f:
-                data = tomllib.load(f)
-        except OSError as exc:
-            raise SystemExit(f"kvstore: cannot read config {args.config}: {exc.strerror}")
-        except tomllib.TOMLDecodeError as exc:
-            raise SystemExit(f"kvstore: {args.config} is not valid TOML: {exc}")
-    config = ServerConfig.from_dict(data)
-    host, admin = config.host, config.admin
-    if getattr(args, "arena_bytes", None):
-        host = replace(host, arena_bytes=parse_size(args.arena_bytes, "--arena-bytes"))
-    if getattr(args, "admin_host", None) or getattr(args, "admin_port", None) is not None:
-        admin = replace(admin, host=args.admin_host or admin.host,
-                        port=admin.port if args.admin_port is None else args.admin_port)
-    return config.with_overrides(
-        socket_path=getattr(args, "socket", None),
-        data_dir=getattr(args, "data_dir", None),
-        log_level=getattr(args, "log_level", None),
-        log_format=getattr(args, "log_format", None),
-        host=host,
-        admin=admin,
-    )
+from kvstore.commands.config_file import load_config
+from kvstore.errors import KVStoreError
 
 
 def cmd_serve(args) -> int:

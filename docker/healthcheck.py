@@ -12,7 +12,7 @@ import sys
 
 from kvstore.errors import KVStoreError
 from kvstore.server.admin.client import AdminClient
-from kvstore.commands.cli import load_config
+from kvstore.commands.config_file import load_config
 
 TIMEOUT_S = 4.0  # below the HEALTHCHECK --timeout
 

@@ -19,24 +19,7 @@ from kvstore.config_remote import RemoteConfig
 from kvstore.errors import InvalidArgument
 from kvstore.policy import POLICIES
 from kvstore.protocol import MAX_FRAME_BYTES
-
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
-_UNITS = {None: 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-
-
-def parse_size(value: int | str, key: str = "size") -> int:
-    """`4096`, `"64MiB"`, `"1.5GiB"`, `"2GB"` -> bytes; errors name `key` (e.g. "host.arena_bytes")."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        if value < 0:
-            raise InvalidArgument(f"{key} must be >= 0 bytes, got {value}")
-        return value
-    match = _SIZE_RE.match(value) if isinstance(value, str) else None
-    if match is None:
-        raise InvalidArgument(f"{key} must be a size in bytes or e.g. '64MiB', '2GiB', got {value!r}")
-    unit = match.group(2).lower() if match.group(2) else None
-    return int(float(match.group(1)) * _UNITS[unit])
-
+from kvstore.units import parse_address, parse_size  # noqa: F401 (re-exported: callers read them here)
 
 def _int_in(value, low, high) -> bool:
     """An int (not a bool) in low..high."""
@@ -233,16 +216,6 @@ class AdminConfig:
 _NODE_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
 # Shorter secrets are guessable; 16 characters of a random token are 80+ bits.
 MIN_SECRET_CHARS = 16
-
-
-def parse_address(value: str, any_port: bool = False) -> tuple[str, int]:
-    """`"10.0.0.2:8471"` or `"[::1]:8471"` -> (host, port); `any_port` admits port 0 (listen only)."""
-    host, sep, port = str(value).rpartition(":")
-    host = host.strip("[]")
-    low = 0 if any_port else 1
-    if not sep or not host or not port.isdigit() or not low <= int(port) <= 65535:
-        raise InvalidArgument(f"address must be host:port with a port in {low}..65535, got {value!r}")
-    return host, int(port)
 
 
 @dataclass(frozen=True, slots=True)

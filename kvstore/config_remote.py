@@ -33,6 +33,7 @@ import re
 from dataclasses import dataclass, field
 
 from kvstore.errors import InvalidArgument
+from kvstore.units import parse_address, parse_size
 
 REMOTE_BACKENDS = ("peers", "mooncake")
 MOONCAKE_PROTOCOLS = ("tcp", "rdma")
@@ -46,11 +47,6 @@ _HOST_RE = re.compile(r"^[A-Za-z0-9.:\[\]_-]{1,253}$")
 MAX_IO_THREADS = 64
 # A pool object's header and the transfer need a buffer; below this Mooncake refuses transfers.
 MIN_LOCAL_BUFFER_BYTES = 1 << 20
-
-
-def _size(value, key: str) -> int:
-    from kvstore.config import parse_size  # config.py imports this module
-    return parse_size(value, key)
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,7 +71,6 @@ class MooncakeConfig:
     def __post_init__(self) -> None:
         key = "remote.mooncake."
         if self.master:
-            from kvstore.config import parse_address
             try:
                 parse_address(self.master)
             except InvalidArgument:
@@ -89,8 +84,8 @@ class MooncakeConfig:
         if not isinstance(self.local_hostname, str) or not _HOST_RE.match(self.local_hostname):
             raise InvalidArgument(f"{key}local_hostname must be this node's address as the pool reaches it, "
                                   f"got {self.local_hostname!r}")
-        object.__setattr__(self, "global_segment_bytes", _size(self.global_segment_bytes, f"{key}global_segment_bytes"))
-        object.__setattr__(self, "local_buffer_bytes", _size(self.local_buffer_bytes, f"{key}local_buffer_bytes"))
+        object.__setattr__(self, "global_segment_bytes", parse_size(self.global_segment_bytes, f"{key}global_segment_bytes"))
+        object.__setattr__(self, "local_buffer_bytes", parse_size(self.local_buffer_bytes, f"{key}local_buffer_bytes"))
         if self.local_buffer_bytes < MIN_LOCAL_BUFFER_BYTES:
             raise InvalidArgument(f"{key}local_buffer_bytes must be at least {MIN_LOCAL_BUFFER_BYTES} bytes, "
                                   f"got {self.local_buffer_bytes}")
@@ -119,8 +114,6 @@ class RemoteConfig:
     """The `[remote]` table: `backend` picks the remote tier; `mooncake` sets up that one."""
 
     backend: str = "peers"
-    # A factory, not an instance: this module is imported by kvstore/config.py before the
-    # helpers MooncakeConfig validates with (parse_size, parse_address) exist there.
     mooncake: MooncakeConfig = field(default_factory=MooncakeConfig)
 
     def __post_init__(self) -> None:

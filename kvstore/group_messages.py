@@ -15,7 +15,7 @@ from kvstore.fields import (EXPECT_LIST, EXPECT_OF, NAMESPACE, PACKED_CHECKSUMS,
                             unpack_uints)
 from kvstore.groups import MAX_GROUP_MEMBERS, check_members
 from kvstore.identity import ObjectId
-from kvstore.messages import Message, check_expectations, expectations
+from kvstore.message_base import Message, check_expectations, expectations
 
 
 def _ids(packed: bytes) -> list[ObjectId]:

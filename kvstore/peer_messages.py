@@ -26,7 +26,7 @@ from kvstore.errors import InvalidArgument, ProtocolError
 from kvstore.hints import Hints
 from kvstore.identity import ObjectId, StateDescriptor
 from kvstore.fields import CHECKSUM, DESCRIPTOR, FLOAT, HINTS, IDS, NAMESPACE, OID, PIN_TTL, SIZE
-from kvstore.messages import Message
+from kvstore.message_base import Message
 
 # Descriptors and hints repeat across objects (one model, a few layouts): their parsed and
 # encoded forms are cached, which took decoding a meta from ~58 us to a few. Cached wire

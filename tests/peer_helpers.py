@@ -19,7 +19,7 @@ import xxhash
 from kvstore.identity import ObjectId, StateDescriptor
 from kvstore.server.peer.service import InMemoryBackend, PeerService
 from kvstore.server.peer.client import connect_peer
-from kvstore.server.peer.transport import make_transport
+from kvstore.server.peer.transports import make_transport
 from kvstore.peer_messages import RemoteMeta
 from kvs_testing import free_port  # noqa: F401 (peer tests import it from here)
 from kvstore.tiers.remote import RemoteTier

@@ -82,6 +82,46 @@ def _ours(parts: tuple) -> bool:
     return not hidden and not (parts[0] == "kvstore" and len(parts) > 2 and parts[1] in PACKAGES)
 
 
+def _module_name(parts: tuple) -> str:
+    """kvstore.<...> for a file of one of PACKAGES (client/gpu.py -> kvstore.client.gpu)."""
+    names = list(parts[:-1]) + ([] if parts[-1] == "__init__.py" else [parts[-1][:-3]])
+    return ".".join(names if names[0] == "kvstore" else ["kvstore", *names])
+
+
+def test_the_import_graph_has_no_circle():
+    """No two of the project's modules import each other, directly or around a loop, lazily
+    or not (a lazy import that breaks a circle hides it). `from package import module` counts
+    as importing that module, not the package's __init__."""
+    files = {_module_name(p.relative_to(ROOT).parts): p for p in sorted(ROOT.rglob("*.py"))
+             if p.relative_to(ROOT).parts[0] in PACKAGES and _ours(p.relative_to(ROOT).parts)}
+    assert len(files) > 150, "the check reads the project's modules"
+    graph = {}
+    for name, path in files.items():
+        deps = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                deps |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                subs = {f"{node.module}.{a.name}" for a in node.names} & files.keys()
+                deps |= subs or {node.module}
+        graph[name] = (deps & files.keys()) - {name}
+    circles, done = [], set()
+
+    def visit(name, trail):
+        if name in trail:
+            circles.append(" -> ".join(trail[trail.index(name):] + [name]))
+            return
+        if name in done:
+            return
+        for dep in sorted(graph[name]):
+            visit(dep, trail + [name])
+        done.add(name)
+
+    for name in sorted(graph):
+        visit(name, [])
+    assert not circles, "import circles:\n" + "\n".join(circles)
+
+
 @pytest.mark.parametrize("package", PACKAGES)
 def test_imports_point_one_way(package):
     wrong = []

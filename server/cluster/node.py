@@ -22,7 +22,7 @@ from kvstore.errors import InvalidArgument, PermissionDenied
 from kvstore.server.cluster.membership import OnChange, make_membership
 from kvstore.server.peer.service import PeerBackend, PeerService
 from kvstore.server.peer.client import PeerClient, connect_peer
-from kvstore.server.peer.transport import make_transport
+from kvstore.server.peer.transports import make_transport
 from kvstore.server.cluster.peer_watch import PeerWatch
 from kvstore.tiers.remote import RemoteTier
 

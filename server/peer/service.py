@@ -33,7 +33,8 @@ from kvstore.identity import ObjectId
 from kvstore.protocol import Reply, Request
 from kvstore.server.later import resolve
 from kvstore.server.peer.auth import authenticate_server
-from kvstore.server.peer.transport import Channel, make_transport, nbytes_of, payload_bytes
+from kvstore.server.peer.transport import Channel, nbytes_of, payload_bytes
+from kvstore.server.peer.transports import make_transport
 from kvstore.peer_messages import PEER_OPS, PeerDelete, PeerGet, PeerPin, PeerPut, RemoteMeta
 from kvstore.peer_replies import PEER_MISS, PeerDeleteReply, PeerGetReply, PeerLookupReply, PeerPinReply, PeerPutReply
 from kvstore.tiers.remote import MIN_PEER_BANDWIDTH_BYTES_S, host_digest

@@ -3,7 +3,8 @@
 A transport opens `Channel`s (connect / listen). A channel carries the msgpack frames of
 kvstore.protocol, each optionally followed by raw payload bytes, in order. Payloads go
 straight from the sender's buffer and straight into the receiver's (`recv_into`): no copy
-in between. Which transport runs is `ClusterConfig.transport`, looked up in TRANSPORTS.
+in between. Which transport runs is `ClusterConfig.transport`, made by
+server.peer.transports.make_transport.
 
 A request or reply whose payload follows it says how many bytes in its top-level
 "payload_bytes" field. server.peer.client turns a channel into a PeerLink.
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 from typing import Awaitable, Callable, Protocol
 
-from kvstore.errors import InvalidArgument, ProtocolError
+from kvstore.errors import ProtocolError
 from kvstore.fields import MAX_OBJECT_BYTES
 from kvstore.protocol import NEED_DATA, BadFrame, Fatal, FrameCodec, Reply, Request
 
@@ -87,23 +88,3 @@ def decode_frame(codec: FrameCodec, data) -> Request | Reply:
     if event is NEED_DATA:
         raise ProtocolError("incomplete peer frame")
     return event
-
-
-def _tcp_transport() -> Transport:
-    from kvstore.server.peer.tcp import TcpTransport
-    return TcpTransport()
-
-
-def _ucx_transport() -> Transport:
-    from kvstore.server.peer.ucx import UcxTransport  # ucxx is ~320 MiB: load it only when chosen
-    return UcxTransport()
-
-
-TRANSPORTS: dict[str, Callable[[], Transport]] = {"tcp": _tcp_transport, "ucx": _ucx_transport}
-
-
-def make_transport(name: str) -> Transport:
-    try:
-        return TRANSPORTS[name]()
-    except KeyError:
-        raise InvalidArgument(f"unknown peer transport {name!r}; known: {sorted(TRANSPORTS)}") from None

@@ -13,7 +13,7 @@ from kvstore.identity import ObjectId, StateDescriptor
 from kvstore.peer_messages import PeerGet, PeerPut, RemoteMeta
 from kvstore.server.peer.client import connect_peer
 from kvstore.server.peer.service import InMemoryBackend, PeerService
-from kvstore.server.peer.transport import make_transport
+from kvstore.server.peer.transports import make_transport
 
 pytestmark = [pytest.mark.gpu, pytest.mark.ucx]
 SECRET = b"gpu-ucx-secret-0123456789"
