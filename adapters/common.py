@@ -24,6 +24,7 @@ import numpy as np
 
 from kvstore.errors import InvalidArgument
 from kvstore.identity import ObjectId, StateDescriptor, chain_hash, namespace_salt, object_id, root_hash
+from kvstore.client.buffers import as_writable_u8
 from kvstore.client.connector_link import StoreLink
 
 log = logging.getLogger("kvstore.adapters")
@@ -250,17 +251,8 @@ class SafeStore:
 def _copy_group(lease, outs) -> bool:
     """Copy a GroupLease's members into `outs`; InvalidArgument when a buffer's size differs."""
     for member, out in zip(lease, outs):
-        dst = as_u8(out)
+        dst = as_writable_u8(out)
         if member.size != dst.size:
             raise InvalidArgument(f"group member {member.object_id.hex} is {member.size} bytes, its buffer {dst.size}")
         np.copyto(dst, member.numpy())
     return True
-
-
-def as_u8(buffer) -> np.ndarray:
-    """A flat uint8 view of a writable buffer, numpy array or CPU tensor (no copy)."""
-    if hasattr(buffer, "detach"):  # a torch tensor: its storage through numpy, zero-copy
-        buffer = buffer.detach().view(-1)
-        import torch
-        buffer = buffer.view(torch.uint8).numpy()
-    return np.frombuffer(buffer, dtype=np.uint8) if not isinstance(buffer, np.ndarray) else buffer.reshape(-1).view(np.uint8)

@@ -245,6 +245,17 @@ def descriptor_differences(expected: StateDescriptor, actual: StateDescriptor) -
                      for name in IDENTITY_FIELDS if getattr(expected, name) != getattr(actual, name))
 
 
+def read_refusal(stored: StateDescriptor, accept=None, expect: StateDescriptor | None = None) -> str | None:
+    """Why a reader gets a miss for an object stored as `stored`: its dtype is not in the
+    reader's `accept` list, or the descriptor differs from the one it `expect`s; None when
+    the reader can use it. Every tier that serves a read asks this one question."""
+    if accept is not None and stored.dtype not in accept:
+        return f"stored as {stored.dtype.value}, not in accept list"
+    if expect is not None and stored != expect:
+        return f"stored as {descriptor_differences(stored, expect)}"
+    return None
+
+
 def object_id(salt: bytes, logical: bytes, desc: StateDescriptor) -> ObjectId:
     h = hashlib.blake2b(digest_size=ID_BYTES, key=salt, person=b"kvstore-obj-v1")
     h.update(

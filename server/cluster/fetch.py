@@ -14,12 +14,13 @@ import time
 import numpy as np
 
 from kvstore.errors import CapacityError
-from kvstore.identity import descriptor_differences
+from kvstore.identity import read_refusal
 from kvstore.peer_messages import RemoteMeta
 from kvstore.ranges import check_within, total as ranges_total
 from kvstore.replies import MISS, GetReply
 from kvstore.server.events import MEDIUM_PEER
 from kvstore.server.tiering.objects import ObjectEntry
+from kvstore.server.tiering.bandwidth import moving_bandwidth
 
 DEFAULT_REMOTE_BANDWIDTH = 1e9
 
@@ -96,8 +97,7 @@ class Fetcher:
             landing.give_back()  # a failure that escaped: give the landing place back
             raise
         if meta is not None:
-            seconds = max(time.perf_counter() - start, 1e-6)
-            self.bandwidth_bytes_s = 0.8 * self.bandwidth_bytes_s + 0.2 * meta.size / seconds
+            self.bandwidth_bytes_s = moving_bandwidth(self.bandwidth_bytes_s, meta.size, time.perf_counter() - start)
         if meta is None or object_id in ns.objects:  # a miss, or a local put landed meanwhile
             landing.give_back()
             if meta is None:  # the homes no longer hold it (or are down): not a PEER holding now
@@ -119,12 +119,10 @@ class Fetcher:
 
         def alloc(meta: RemoteMeta):
             check_within(ranges, meta.size)  # a home that did not check must not make us allocate
-            if accept is not None and meta.descriptor.dtype not in accept:
-                refused.append(f"stored as {meta.descriptor.dtype.value}, not in accept list")
+            why = read_refusal(meta.descriptor, accept, expect)
+            if why is not None:
+                refused.append(why)
                 return None  # the bytes are drained, not kept
-            if expect is not None and meta.descriptor != expect:
-                refused.append(f"stored as {descriptor_differences(meta.descriptor, expect)}")
-                return None
             return landing.place(size)
 
         lease_id, got, extent = None, None, None

@@ -49,6 +49,7 @@ from kvstore.server.tiering.objects import ObjectEntry
 from kvstore.tiers.allocator import Extent
 from kvstore.tiers.mooncake.pool import INVALID_PARAMS, MooncakePool
 from kvstore.tiers.mooncake.scratch import HEADER_SLOTS, HeaderSlots
+from kvstore.server.tiering.bandwidth import moving_bandwidth
 
 log = logging.getLogger("kvstore.mooncake")
 # Keys per Mooncake call: a quarter of the header slots, so four batches run at once.
@@ -280,7 +281,7 @@ class PoolLink:
         self.read.bytes_in += meta.size
         self._sizes[namespace] = meta.size
         self._known.pop((namespace, object_id.digest), None)  # held here now
-        self.bandwidth_bytes_s = 0.8 * self.bandwidth_bytes_s + 0.2 * meta.size / max(seconds, 1e-6)
+        self.bandwidth_bytes_s = moving_bandwidth(self.bandwidth_bytes_s, meta.size, seconds)
         self.manager.track_transient(ns, extent, add=False)
         self._held.add((namespace, object_id.digest))
         return self.manager.publish(ns, object_id, extent, meta.size, meta.checksum, meta.descriptor, meta.hints,

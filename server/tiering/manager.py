@@ -22,7 +22,7 @@ import xxhash
 
 from kvstore.config import HostTierConfig, LimitsConfig
 from kvstore.errors import ChecksumError, InvalidArgument, NotFound, RangeError
-from kvstore.identity import ObjectId, descriptor_differences
+from kvstore.identity import ObjectId, read_refusal
 from kvstore.messages import Reserve, ReserveMany
 from kvstore.ranges import check_within
 from kvstore.replies import IN_MEMORY, MISS, STORED, CommitReply, GetReply, ReserveReply
@@ -308,12 +308,10 @@ class TierManager:
             if ranges is not None:  # a sparse reader: only those bytes cross the network
                 return self.cluster.get_ranges(owner, namespace, oid, accept, ranges, expect)
             return self._get_after(self.cluster.fetch(namespace, oid), owner, ns, oid, accept, None, expect, gpu)
-        if accept is not None and entry.descriptor.dtype not in accept:
+        refused = read_refusal(entry.descriptor, accept, expect)
+        if refused is not None:
             ns.counters.num_misses += 1
-            return GetReply(False, f"stored as {entry.descriptor.dtype.value}, not in accept list")
-        if expect is not None and entry.descriptor != expect:
-            ns.counters.num_misses += 1
-            return GetReply(False, f"stored as {descriptor_differences(entry.descriptor, expect)}")
+            return GetReply(False, refused)
         self._check_ranges(ns, ranges, entry.size)  # leased whole, but the same error wherever it is
         self.quotas.check_lease(owner)
         if gpu and ranges is None:

@@ -41,6 +41,7 @@ from kvstore.server.tiering.nvme_table import NvmeTable
 from kvstore.server.tiering.objects import ObjectEntry
 from kvstore.tiers.nvme import NvmeTier
 from kvstore.tiers.nvme.index import key_parts, namespace_prefix
+from kvstore.server.tiering.bandwidth import moving_bandwidth
 
 log = logging.getLogger("kvstore.movement")
 # Until promotions have measured it, assume this NVMe read bandwidth for load estimates.
@@ -386,7 +387,7 @@ class TierMover:
             ns.arena.free(extent)
             self._forget(key)
             return None
-        self.bandwidth_bytes_s = 0.8 * self.bandwidth_bytes_s + 0.2 * (meta.size / max(elapsed, 1e-6))
+        self.bandwidth_bytes_s = moving_bandwidth(self.bandwidth_bytes_s, meta.size, elapsed)
         entry = self.host.publish(ns, oid, extent, meta.size, meta.checksum, meta.descriptor, meta.hints,
                                   created_at=meta.created_at, on_nvme=True, counted=False)
         if entry.extent == extent:  # else a put of the same id landed while we read, and won
