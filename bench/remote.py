@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/remote.py [--quick] [--transports tcp,ucx] [--parts peer,pool]
 
-The real peer service (`python -m kvstore.server.peer.service`, in-memory backend, uvloop) serves
+The real peer service (`bench/peer_service.py`: the daemon's PeerService over a dict, uvloop) serves
 from its own process; a RemoteTier fetches from another. A timed get is one `get_into` of a
 4 MiB object into a pre-touched buffer, xxh3-128 check included; `transfer` is the same fetch
 without the check; `lookup` is one key, one round trip; `sparse` is a ranged get of 1/8 of
@@ -229,7 +229,7 @@ def peer_server(transport: str, workdir: str, recheck_s: float = RANGED_RECHECK_
     with open(secret_file, "wb") as f:
         f.write(SECRET)
     log = open(os.path.join(workdir, f"peer-{transport}-{recheck_s}.log"), "w")
-    proc = subprocess.Popen([sys.executable, "-m", "kvstore.server.peer.service", "--listen", "127.0.0.1:0", "--secret-file",
+    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "bench", "peer_service.py"), "--listen", "127.0.0.1:0", "--secret-file",
                              secret_file, "--transport", transport, "--node-id", "server", "--timeout-s", "5",
                              "--recheck-s", str(recheck_s)],
                             stdout=subprocess.PIPE, stderr=log, text=True, cwd=ROOT)

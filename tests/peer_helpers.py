@@ -17,7 +17,8 @@ import pytest
 import xxhash
 
 from kvstore.identity import ObjectId, StateDescriptor
-from kvstore.server.peer.service import InMemoryBackend, PeerService
+from bench.peer_service import InMemoryBackend
+from kvstore.server.peer.service import PeerService
 from kvstore.server.peer.client import connect_peer
 from kvstore.server.peer.transports import make_transport
 from kvstore.peer_messages import RemoteMeta

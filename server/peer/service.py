@@ -2,25 +2,19 @@
 
 Every channel starts with the HMAC handshake (server.peer.auth); a peer that fails it gets
 an error and a closed channel, nothing else. Requests then run one at a time per channel,
-against a `PeerBackend` the daemon supplies (the tier manager; `InMemoryBackend` here for
-tests and the standalone entry point). Payloads go straight from the backend's buffer to the
+against a `PeerBackend` the daemon supplies (the tier manager; bench/peer_service.py runs the
+service alone over a dict, for benchmarks and tests). Payloads go straight from the backend's buffer to the
 channel and from the channel into the backend's reserved buffer; bytes received are checked
 against their checksum before `commit`. A payload the backend does not want is drained so the
 channel stays in step. Sends and receives of payloads are bounded by the peer timeout plus
 transfer time: a stalled peer cannot hold a read lease or a reservation.
-
-    python -m kvstore.server.peer.service --listen 127.0.0.1:8471 --secret-file s.txt [--transport ucx]
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import collections
 import logging
-import os
-import signal
-import sys
 import time
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Protocol
@@ -34,7 +28,6 @@ from kvstore.protocol import Reply, Request
 from kvstore.server.later import resolve
 from kvstore.server.peer.auth import authenticate_server
 from kvstore.server.peer.transport import Channel, nbytes_of, payload_bytes
-from kvstore.server.peer.transports import make_transport
 from kvstore.peer_messages import PEER_OPS, PeerDelete, PeerGet, PeerPin, PeerPut, RemoteMeta
 from kvstore.peer_replies import PEER_MISS, PeerDeleteReply, PeerGetReply, PeerLookupReply, PeerPinReply, PeerPutReply
 from kvstore.tiers.remote import MIN_PEER_BANDWIDTH_BYTES_S, host_digest
@@ -83,32 +76,6 @@ class PeerBackend(Protocol):
         """Drop the ids from every tier; per id, whether it was held."""
     def pin(self, namespace: str, ids: tuple[ObjectId, ...], ttl_s: float | None, unpin: bool) -> list[bool]:
         """Pin (ttl_s None: until unpinned) or unpin the ids' resident copies; per id, whether held."""
-
-
-class InMemoryBackend:
-    """A dict of objects: the backend of the standalone service and of tests."""
-
-    def __init__(self):
-        self.objects: dict[tuple[str, ObjectId], tuple[RemoteMeta, bytearray]] = {}
-
-    def read(self, namespace, object_id):
-        held = self.objects.get((namespace, object_id))
-        return None if held is None else PeerRead(held[0], memoryview(held[1]))
-
-    def reserve(self, namespace, object_id, meta):
-        if (namespace, object_id) in self.objects:
-            return None
-        buffer = bytearray(meta.size)
-        return PeerWrite(buffer, lambda: self.objects.__setitem__((namespace, object_id), (meta, buffer)))
-
-    def lookup(self, namespace, ids):
-        return [self.objects[(namespace, oid)][0] if (namespace, oid) in self.objects else None for oid in ids]
-
-    def delete(self, namespace, ids):
-        return [self.objects.pop((namespace, oid), None) is not None for oid in ids]
-
-    def pin(self, namespace, ids, ttl_s, unpin):
-        return [(namespace, oid) in self.objects for oid in ids]  # held in memory: always resident
 
 
 @dataclass(slots=True)
@@ -289,50 +256,3 @@ class PeerService:
             raise ChecksumError(f"object {msg.object_id} arrived with a different checksum; dropped")
         write.commit()
         return PeerPutReply(True)
-
-
-def _read_secret(args) -> bytes:
-    if args.secret_file:
-        with open(args.secret_file, "rb") as f:
-            return f.read().strip()
-    if args.secret:
-        return args.secret.encode()
-    sys.exit("a cluster secret is required: --secret-file PATH (or --secret S)")
-
-
-async def _main(args) -> None:
-    service = PeerService(InMemoryBackend(), make_transport(args.transport), _read_secret(args),
-                          args.node_id, args.timeout_s, recheck_s=args.recheck_s)
-    address = await service.start(args.listen)
-    print(f"listening {address}", flush=True)
-    stop = asyncio.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        asyncio.get_running_loop().add_signal_handler(sig, stop.set)
-    await stop.wait()
-    await service.stop()
-
-
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m kvstore.server.peer.service", description=__doc__.split("\n")[0])
-    parser.add_argument("--listen", required=True, help="host:port (port 0: any free port)")
-    parser.add_argument("--secret", help="cluster secret (visible in ps; prefer --secret-file)")
-    parser.add_argument("--secret-file")
-    parser.add_argument("--node-id", default=os.uname().nodename)
-    parser.add_argument("--transport", choices=("tcp", "ucx"), default="tcp")
-    parser.add_argument("--timeout-s", type=float, default=1.0)
-    parser.add_argument("--recheck-s", type=float, default=RANGED_RECHECK_S,
-                        help="how long a copy that passed its checksum is trusted before ranges of it are sent "
-                             "(0: hash the whole copy before every ranged read)")
-    args = parser.parse_args(argv)
-    from kvstore.server.logs import configure
-    configure("info")
-    try:
-        import uvloop
-        runner = uvloop.run
-    except ImportError:
-        runner = asyncio.run
-    runner(_main(args))
-
-
-if __name__ == "__main__":
-    main()

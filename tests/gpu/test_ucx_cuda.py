@@ -12,7 +12,8 @@ import xxhash
 from kvstore.identity import ObjectId, StateDescriptor
 from kvstore.peer_messages import PeerGet, PeerPut, RemoteMeta
 from kvstore.server.peer.client import connect_peer
-from kvstore.server.peer.service import InMemoryBackend, PeerService
+from bench.peer_service import InMemoryBackend
+from kvstore.server.peer.service import PeerService
 from kvstore.server.peer.transports import make_transport
 
 pytestmark = [pytest.mark.gpu, pytest.mark.ucx]

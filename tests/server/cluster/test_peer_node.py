@@ -10,7 +10,7 @@ from peer_helpers import free_port, make_object, run
 from kvstore.config import ClusterConfig, ServerConfig
 from kvstore.errors import InvalidArgument
 from kvstore.server.cluster.node import PeerNode, read_secret
-from kvstore.server.peer.service import InMemoryBackend
+from bench.peer_service import InMemoryBackend
 
 ROOT = pathlib.Path(__file__).resolve().parents[3]
 SECRET = "node-test-secret-000001"

@@ -9,7 +9,7 @@ from peer_helpers import SECRET, TRANSPORTS, make_object, run, services, transpo
 from kvstore.errors import PermissionDenied
 from kvstore.protocol import Reply, Request
 from kvstore.server.peer.auth import NONCE_BYTES, authenticate_client, proof
-from kvstore.server.peer.service import InMemoryBackend
+from bench.peer_service import InMemoryBackend
 from kvstore.server.peer.client import connect_peer
 from kvstore.server.peer.tcp import TcpTransport
 from kvstore.server.peer.transport import PeerClosed

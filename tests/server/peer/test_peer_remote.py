@@ -12,7 +12,8 @@ from kvstore import ranges
 from kvstore.errors import CapacityError, RangeError
 from kvstore.identity import ObjectId
 from kvstore.peer_messages import PeerGet
-from kvstore.server.peer.service import InMemoryBackend, PeerRead, PeerService
+from bench.peer_service import InMemoryBackend
+from kvstore.server.peer.service import PeerRead, PeerService
 from kvstore.tiers.remote import MAX_LINKS_PER_PEER
 
 MiB = 1 << 20

@@ -10,7 +10,8 @@ import pytest
 from peer_helpers import SECRET, TRANSPORTS, make_object, run, services, transport_or_skip
 
 from kvstore.protocol import MAX_FRAME_BYTES, Request
-from kvstore.server.peer.service import InMemoryBackend, PeerRead
+from bench.peer_service import InMemoryBackend
+from kvstore.server.peer.service import PeerRead
 from kvstore.server.peer.client import connect_peer
 from kvstore.server.peer.tcp import TcpTransport
 from kvstore.peer_messages import PeerGet, PeerPut
