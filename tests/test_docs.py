@@ -1,0 +1,100 @@
+"""Docs that cannot drift: every repository path the documentation names in backticks
+(`server/tiering/manager.py`, `tiers/nvme/`, `bench/local.py`) exists, a name given with it
+(`server/peer/service.py: PeerService`) is defined there, every method named on one of our
+classes (`TierManager.get`) is defined on it, every `kvstore.*` module exists, and every
+relative link resolves. A renamed or deleted file fails here, not in a reader's hands."""
+
+from __future__ import annotations
+
+import pathlib
+import re
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+DOCS = sorted([ROOT / "README.md", ROOT / "bench" / "README.md", ROOT / "docker" / "README.md",
+               *(ROOT / "docs").rglob("*.md")])
+TOP = {p.name for p in ROOT.iterdir() if not p.name.startswith(".")}
+# `a/b.py`, `a/b/`, optionally followed by `: Name` or `:line`
+PATH = re.compile(r"`((?:[A-Za-z0-9_.-]+/)+(?:[A-Za-z0-9_.-]+\.(?:py|sh|md|toml|yml|yaml|json|txt|in|cfg))?)(?::\s*([^`]*))?`")
+METHOD = re.compile(r"`([A-Z][A-Za-z0-9]+)\.([a-z_][a-z0-9_]*)(?:\(\))?`")
+# kvstore.<subpackage>...: other kvstore.x names are often loggers (`kvstore.admin`)
+MODULE = re.compile(r"`(kvstore\.(?:server|client|tiers|gpu|adapters|commands)(?:\.[A-Za-z_][A-Za-z0-9_]*)*)`")
+PACKAGES = ("kvstore", "server", "client", "tiers", "gpu", "adapters", "commands")
+LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
+
+
+def _named_paths(text: str):
+    for match in PATH.finditer(text):
+        path = match.group(1)
+        if path.split("/")[0] in TOP:  # a repository path, not /etc/... or an engine's own
+            yield path
+
+
+def _defines(source: str, name: str) -> bool:
+    return re.search(rf"^\s*(?:async\s+def|def|class)\s+{name}\b|^\s*{name}\s*[:=]|\bself\.{name}\s*[:=]",
+                     source, re.M) is not None
+
+
+def _classes() -> dict[str, list[str]]:
+    """Class name -> the sources of the project's files that define it."""
+    found: dict[str, list[str]] = {}
+    for package in PACKAGES:
+        for path in (ROOT / package).rglob("*.py"):
+            source = path.read_text()
+            for name in re.findall(r"^class\s+([A-Za-z0-9_]+)", source, re.M):
+                found.setdefault(name, []).append(source)
+    return found
+
+
+def _module_exists(dotted: str) -> bool:
+    """kvstore.a.b names a module or package (kvstore.server.x is server/x.py or its package;
+    kvstore.x is kvstore/x), or a name that the longest such module defines or imports."""
+    parts = dotted.split(".")[1:]
+    for n in range(len(parts), -1, -1):
+        head, rest = parts[:n], parts[n:]
+        base = ROOT / head[0] if head and head[0] in PACKAGES[1:] else ROOT / "kvstore"
+        path = base.joinpath(*(head[1:] if head and head[0] in PACKAGES[1:] else head))
+        source = path.with_suffix(".py") if n and path.with_suffix(".py").exists() else path / "__init__.py"
+        if not source.exists():
+            continue
+        if not rest:
+            return True
+        text = source.read_text()
+        return _defines(text, rest[0]) or re.search(rf"\b{rest[0]}\b", text) is not None  # defined, or imported
+    return False
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_name_a_doc_gives_is_defined_where_it_says(doc):
+    text, classes, wrong = doc.read_text(), _classes(), set()
+    for match in PATH.finditer(text):
+        path, name = match.group(1), (match.group(2) or "").strip()
+        ident = re.match(r"([A-Za-z_][A-Za-z0-9_]*)(?:\.([A-Za-z_][A-Za-z0-9_]*))?", name)
+        if path.endswith(".py") and ident and (ROOT / path).exists():
+            source = (ROOT / path).read_text()
+            if not all(_defines(source, part) for part in ident.groups() if part):
+                wrong.add(f"{path}: {ident.group(0)}")
+    for cls, attr in METHOD.findall(text):
+        if cls in classes and not any(_defines(source, attr) for source in classes[cls]):
+            wrong.add(f"{cls}.{attr}")
+    wrong |= {m for m in MODULE.findall(text) if not _module_exists(m)}
+    assert not wrong, f"{doc.relative_to(ROOT)} names what the code does not define: {sorted(wrong)}"
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_path_a_doc_names_exists(doc):
+    missing = sorted({p for p in _named_paths(doc.read_text()) if not (ROOT / p).exists()})
+    assert not missing, f"{doc.relative_to(ROOT)} names paths that do not exist: {missing}"
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_relative_link_resolves(doc):
+    broken = sorted({t for t in LINK.findall(doc.read_text())
+                     if "://" not in t and not t.startswith("mailto:") and not (doc.parent / t).exists()})
+    assert not broken, f"{doc.relative_to(ROOT)} links to files that do not exist: {broken}"
+
+
+def test_the_checks_read_the_docs():
+    named = [p for doc in DOCS for p in _named_paths(doc.read_text())]
+    assert len(DOCS) >= 5 and len(named) > 50, (len(DOCS), len(named))
