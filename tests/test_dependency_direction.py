@@ -165,9 +165,10 @@ def test_adapters_import_their_engine_lazily():
 
 def test_no_module_asks_whether_a_tier_exists():
     """The chain of tiers is composed once (server/tiering/manager.py): a tier that is off is a
-    null object (server/tiering/absent.py), so nobody checks for a missing neighbour."""
+    null object (server/tiering/absent.py), so nobody checks for a missing neighbour, nor asks
+    whether one is enabled: the null object answers (its victim_sink, its listed_as)."""
     import re
-    asks = re.compile(r"\b(mover|cluster|link)\s+is\s+(not\s+)?None\b")
+    asks = re.compile(r"\b(mover|cluster|link)\s+is\s+(not\s+)?None\b|\b(manager|mgr|self)\.(mover|cluster|gpu)\.enabled\b")
     found = [f"{p.relative_to(ROOT)}:{i}: {line.strip()}" for p in sorted((ROOT / "server").rglob("*.py"))
              for i, line in enumerate(p.read_text().splitlines(), 1) if asks.search(line)]
     assert not found, "\n".join(found)

@@ -23,7 +23,7 @@ from kvstore.server.tiering.objects import ObjectEntry, live_in
 
 def tiers_of(manager) -> tuple[str, ...]:
     """The tiers this node keeps objects in (what ?tier= may name)."""
-    return ("host", "nvme") if manager.mover.enabled else ("host",)
+    return ("host", *manager.mover.listed_as)
 
 
 def check_tier(manager, tier: str | None) -> None:

@@ -42,9 +42,11 @@ from kvstore.server.cluster.rehome import Rehomer
 
 class ClusterLink:
     """The cluster as the tier manager sees it: the roles, membership and re-homing. The
-    last tier of the chain (server/absent_tiers.NoCluster stands in when it is off)."""
+    last tier of the chain (server/tiering/absent.py: NoCluster stands in when it is off)."""
 
-    enabled = True
+    def victim_sink(self, host):
+        """The host tier's victims, with no NVMe tier: copied to their homes, then evicted."""
+        return host.copy_then_evict(self.demote)
 
     def __init__(self, manager, config: ClusterConfig):
         """config: the `[cluster]` table."""

@@ -93,7 +93,6 @@ def address_of(buffer) -> tuple[int, np.ndarray]:
 class PoolLink:
     """The remote tier as the tier manager sees it, for `[remote] backend = "mooncake"`."""
 
-    enabled = True
     remote = None  # no peer tier (no homes): the pool takes tier="remote" puts itself
     takes_remote_puts = True
     fetches_many = True  # a get_many's misses are read ahead together (fetch_many)
@@ -510,6 +509,10 @@ class PoolLink:
     def forget(self, namespace: str, object_id) -> None:
         """The object left this node (evicted from its last tier, or deleted)."""
         self._held.discard((namespace, object_id.digest))
+
+    def victim_sink(self, host):
+        """The host tier's victims, with no NVMe tier: copied into the pool, then evicted."""
+        return host.copy_then_evict(self.demote)
 
     async def demote(self, entries: list[ObjectEntry]) -> None:
         """Host entries about to leave this node: put those the pool may lack. A failure is

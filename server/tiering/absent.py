@@ -19,8 +19,6 @@ class NoGpu:
     """The GPU tier of a daemon with `[gpu] enabled = false` (or before start): no copies,
     so a get with gpu=True is served from the host arena."""
 
-    enabled = False
-
     def lease_copy(self, ns, entry: ObjectEntry) -> None:
         return None
 
@@ -41,8 +39,12 @@ class NoGpu:
 class NoNvme:
     """The NVMe tier of a daemon with `[nvme] enabled = false`: holds nothing."""
 
-    enabled = False
+    listed_as = ()  # no ?tier=nvme in the admin API
     bandwidth_bytes_s = 1e9  # never used: nothing is loaded from here
+
+    def victim_sink(self, below):
+        """Where the host tier's victims go: past this absent tier, to `below`'s sink."""
+        return below
 
     def holds(self, namespace: str, oid) -> bool:
         return False
@@ -101,12 +103,14 @@ class NoNvme:
 
 class NoCluster:
     """The cluster of a daemon with `[cluster] enabled = false`: no peers, no homes."""
-
-    enabled = False
     remote = None  # the peer tier (tiers.remote.RemoteTier) a clustered daemon has
     takes_remote_puts = False  # put(tier="remote") needs a tier to put into
     fetches_many = False  # a batch's misses are not read ahead together (fetch_many)
     bandwidth_bytes_s = 1e9  # never used: nothing is fetched
+
+    def victim_sink(self, host):
+        """No tier below: the host tier drops its victims (no sink, nothing to await)."""
+        return None
 
     def __init__(self, host):
         self.host = host  # server.tiering.host.HostTier: a ranged miss is counted there

@@ -71,12 +71,7 @@ class TierManager:
         self.gpu = NoGpu()  # server.tiering.gpu_reads.GpuReads once attach_gpu() (the daemon's start)
         self.mover = make_nvme(self) if make_nvme else NoNvme()
         self.cluster = make_cluster(self) if make_cluster else NoCluster(self.host)
-        if self.mover.enabled:
-            self.sink = self.mover.take_victims
-        elif self.cluster.enabled:
-            self.sink = self.host.copy_then_evict(self.cluster.demote)
-        else:
-            self.sink = None
+        self.sink = self.mover.victim_sink(self.cluster.victim_sink(self.host))
         self.tiered = self.sink is not None  # objects may live below the host arena
         self.index = IndexOps(self)
         i = self.index

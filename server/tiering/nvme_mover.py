@@ -64,7 +64,7 @@ class TierMover:
     """The NVMe tier in the chain: below the host tier (`manager.host`), above the cluster
     (`manager.cluster`, where objects NVMe refuses or evicts go when their homes may lack them)."""
 
-    enabled = True
+    listed_as = ("nvme",)  # what the admin API's ?tier= may name
 
     def __init__(self, manager, config: NvmeTierConfig):
         """`config` is the `[nvme]` table with its path filled in (ServerConfig.nvme_path)."""
@@ -299,6 +299,11 @@ class TierMover:
         else:  # gone from this node altogether
             name, digest = key_parts(key)
             self.manager.cluster.forget(name, ObjectId(digest))
+
+    def victim_sink(self, below):
+        """Where the host tier's victims go: written down here (what NVMe refuses or evicts goes
+        on to the homes from here, not through `below`)."""
+        return self.take_victims
 
     async def take_victims(self, ns, victims: list[ObjectEntry]) -> None:
         """Host victims (TierManager.allocate's sink): those NVMe holds already are evicted,

@@ -20,11 +20,13 @@ MiB = 1 << 20
 class StandInLink:
     """What TierManager asks of server.cluster.link.ClusterLink when it makes room."""
 
-    enabled = True
     remote = object()  # "clustered"
 
     def __init__(self, behaviour):
         self.behaviour, self.sent, self.forgotten = behaviour, [], []
+
+    def victim_sink(self, host):  # as ClusterLink's: copy home, then evict
+        return host.copy_then_evict(self.demote)
 
     def must_send(self, namespace, object_id) -> bool:
         return True
