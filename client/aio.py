@@ -10,25 +10,20 @@ import asyncio
 import contextlib
 import socket
 
-from kvstore import messages as m
 from kvstore.config import default_socket_path
 from kvstore.errors import DaemonUnavailable, from_wire
-from kvstore.hints import Hints
-from kvstore.identity import StateDescriptor
 from kvstore.protocol import NEED_DATA, BadFrame, Fatal, Reply
-from kvstore.replies import GpuHandleReply, HelloReply
+from kvstore.replies import HelloReply
+from kvstore.client.api import ClientCalls, awaited
 from kvstore.client.core import ClientCore, Collect, Later
 from kvstore.client.daemon_peer import check_daemon_peer
-from kvstore.client import batched
-from kvstore.client import groups as group_ops
-from kvstore.client.results import LookupResult, PutResult
-from kvstore.client.gpu import op_get_into_device
-from kvstore.client.lease import ReadLease
 from kvstore.client.sync import _ANCILLARY, RECV_BYTES, _recv_fds, parting_words
 
 
-class AsyncClient:
-    """Asyncio twin of `client.Client`; see its docstrings. One event loop per client."""
+@awaited
+class AsyncClient(ClientCalls):
+    """Asyncio twin of `Client`: the same calls (client/api.py), awaited; a lease works as
+    `async with await client.get(k) as lease:`. One event loop per client."""
 
     def __init__(self, socket_path: str | None, namespace: str, token: str | None,
                  timeout_s: float, client_name: str, shared_index: bool = True):
@@ -225,95 +220,3 @@ class AsyncClient:
                 self._send(self.core.codec.send_request(self.core.release_request(lease_id)))
             except DaemonUnavailable:
                 pass
-
-    # --- public API (see client.Client for the contract of each call) ---------------
-
-    async def put(self, key, data, desc: StateDescriptor | None = None, hints: Hints | None = None,
-                  tier: str = "host") -> PutResult:
-        return await self._run(batched.put(self.core, key, data, desc, hints, tier))
-
-    async def put_many(self, items, desc: StateDescriptor | None = None, hints: Hints | None = None,
-                       tier: str = "host", routes=None) -> list[PutResult]:
-        return await self._run(batched.put_many(self.core, list(items), desc, hints, tier, routes))
-
-    async def get(self, key, namespace: str | None = None, accept=None, ranges=None,
-                  expect: StateDescriptor | None = None) -> ReadLease | None:
-        """A read lease, or None; use it as `async with await client.get(k) as lease:`."""
-        return await self._run(self.core.op_get(key, namespace, accept, ranges, expect))
-
-    async def get_into(self, key, out, namespace: str | None = None, verify: bool = False,
-                       expect: StateDescriptor | None = None) -> int | None:
-        return await self._run(self.core.op_get_into(key, out, namespace, verify, expect))
-
-    async def get_many_into(self, items, namespace: str | None = None,
-                            expect: StateDescriptor | None = None) -> list[int | None]:
-        """As Client.get_many_into."""
-        return await self._run(batched.get_many_into(self.core, list(items), namespace, expect))
-
-    async def get_many(self, keys, namespace: str | None = None,
-                       expect: StateDescriptor | None = None) -> list[ReadLease | None]:
-        """As Client.get_many."""
-        return await self._run(batched.get_many(self.core, list(keys), namespace, expect))
-
-    async def release_many(self, leases) -> None:
-        """As Client.release_many."""
-        await self._run(batched.release_many(self.core, list(leases)))
-
-    async def lookup(self, keys, namespace: str | None = None,
-                     expect: StateDescriptor | None = None) -> LookupResult:
-        return await self._run(self.core.op_lookup(list(keys), namespace, expect))
-
-    async def delete(self, keys, namespace: str | None = None, scope: str = "cluster") -> int:
-        return await self._run(self.core.op_batch(m.Delete, list(keys), namespace, scope=scope))
-
-    async def pin(self, keys, ttl_s: float | None = None, namespace: str | None = None,
-                  scope: str = "cluster") -> int:
-        return await self._run(self.core.op_batch(m.Pin, list(keys), namespace, ttl_s=ttl_s, scope=scope))
-
-    async def unpin(self, keys, namespace: str | None = None, scope: str = "cluster") -> int:
-        return await self._run(self.core.op_batch(m.Unpin, list(keys), namespace, scope=scope))
-
-    async def prefetch(self, keys, tier: str = "host", policy: str = "best_effort",
-                       timeout_s: float | None = None, namespace: str | None = None) -> int:
-        return await self._run(self.core.op_batch(m.Prefetch, list(keys), namespace,
-                                                  tier=tier, policy=policy, timeout_s=timeout_s))
-
-    async def put_group(self, items, hints: Hints | None = None, routes=None) -> group_ops.GroupPutResult:
-        """Store objects that are only usable together as one group (see Client.put_group)."""
-        return await self._run(group_ops.put_group(self.core, list(items), hints, routes))
-
-    async def put_groups(self, groups, hints: Hints | None = None, routes=None) -> list:
-        """put_group for many groups; per group its GroupPutResult or the exception that
-        refused it (see Client.put_groups)."""
-        return await self._run(group_ops.put_groups(self.core, [list(items) for items in groups], hints, routes))
-
-    async def lookup_groups(self, groups, namespace: str | None = None) -> group_ops.GroupLookup:
-        """Per group (a list of member keys: ChunkKeys, or kvstore.groups.Member) whether it
-        is complete: its manifest and every member held, live and under the descriptor the
-        key expects, on any tier. `leading` counts the complete groups before the first
-        incomplete one."""
-        return await self._run(group_ops.lookup_groups(self.core, list(groups), namespace))
-
-    async def get_groups(self, groups, namespace: str | None = None) -> list:
-        """get_group for many groups in one round trip (per window of leases): per group a
-        GroupLease, or None with nothing of it leased."""
-        return await self._run(group_ops.get_groups(self.core, [list(members) for members in groups], namespace))
-
-    async def get_group(self, members, namespace: str | None = None) -> group_ops.GroupLease | None:
-        """Read leases on every member of the group (a GroupLease, a context manager), or
-        None and nothing leased: never part of a group."""
-        return await self._run(group_ops.get_group(self.core, list(members), namespace))
-
-    async def stats(self) -> dict:
-        return (await self._run(self.core.op_simple(m.Stats()))).document
-
-    async def check_integrity(self) -> None:
-        await self._run(self.core.op_simple(m.Check()))
-
-    async def get_into_device(self, key, out, namespace: str | None = None,
-                              expect: StateDescriptor | None = None) -> int | None:
-        """As Client.get_into_device."""
-        return await self._run(op_get_into_device(self.core, key, out, namespace, expect))
-
-    async def gpu_handle(self) -> GpuHandleReply:
-        return await self._run(self.core.op_simple(m.GpuHandle()))

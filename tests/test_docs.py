@@ -36,15 +36,23 @@ def _defines(source: str, name: str) -> bool:
                      source, re.M) is not None
 
 
-def _classes() -> dict[str, list[str]]:
-    """Class name -> the sources of the project's files that define it."""
-    found: dict[str, list[str]] = {}
+def _classes() -> dict[str, list[tuple[str, list[str]]]]:
+    """Class name -> (source of the file that defines it, its base classes' names), per
+    definition in the project."""
+    found: dict[str, list[tuple[str, list[str]]]] = {}
     for package in PACKAGES:
         for path in (ROOT / package).rglob("*.py"):
             source = path.read_text()
-            for name in re.findall(r"^class\s+([A-Za-z0-9_]+)", source, re.M):
-                found.setdefault(name, []).append(source)
+            for name, bases in re.findall(r"^class\s+([A-Za-z0-9_]+)\s*(?:\(([^)]*)\))?", source, re.M):
+                found.setdefault(name, []).append((source, re.findall(r"[A-Za-z_][A-Za-z0-9_]*", bases)))
     return found
+
+
+def _has(classes: dict, cls: str, attr: str, seen=()) -> bool:
+    """`cls` (one of ours) or a class it inherits from defines `attr`."""
+    return any(_defines(source, attr) or any(_has(classes, b, attr, seen + (cls,)) for b in bases
+                                             if b in classes and b not in seen)
+               for source, bases in classes.get(cls, ()))
 
 
 def _module_exists(dotted: str) -> bool:
@@ -76,7 +84,7 @@ def test_every_name_a_doc_gives_is_defined_where_it_says(doc):
             if not all(_defines(source, part) for part in ident.groups() if part):
                 wrong.add(f"{path}: {ident.group(0)}")
     for cls, attr in METHOD.findall(text):
-        if cls in classes and not any(_defines(source, attr) for source in classes[cls]):
+        if cls in classes and not _has(classes, cls, attr):
             wrong.add(f"{cls}.{attr}")
     wrong |= {m for m in MODULE.findall(text) if not _module_exists(m)}
     assert not wrong, f"{doc.relative_to(ROOT)} names what the code does not define: {sorted(wrong)}"
