@@ -44,10 +44,6 @@ class ClusterLink:
     """The cluster as the tier manager sees it: the roles, membership and re-homing. The
     last tier of the chain (server/tiering/absent.py: NoCluster stands in when it is off)."""
 
-    def victim_sink(self, host):
-        """The host tier's victims, with no NVMe tier: copied to their homes, then evicted."""
-        return host.copy_then_evict(self.demote)
-
     def __init__(self, manager, config: ClusterConfig):
         """config: the `[cluster]` table."""
         self.manager = manager
@@ -68,6 +64,10 @@ class ClusterLink:
         r = self.replicator
         self.sending, self.on_commit, self.must_send, self.forget = r.sending, r.on_commit, r.must_send, r.forget
         self.demote, self.demote_from_nvme, self.put_remote = r.demote, r.demote_from_nvme, r.put_remote
+
+    def victim_sink(self, host):
+        """The host tier's victims, with no NVMe tier: copied to their homes, then evicted."""
+        return host.copy_then_evict(self.demote)
 
     async def start(self) -> None:
         await self.node.start()
