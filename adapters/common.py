@@ -6,18 +6,18 @@ namespace salt, model and revision (kvstore-key-v1's root) and the full descript
 dtype, layout, shard): the same engine key under another model, dtype, layout or rank is
 another object, so a reader never gets state it cannot use.
 
-`SafeStore` is the adapters' only way to the daemon. Every call returns a plain value and
-never raises: a daemon that is down, restarted, slow or full is a miss (counted in
-`num_failures`, logged once per outage by StoreLink), and the engine recomputes. It is
-thread-safe (one lock around one connection): engines call their storage backends from
-scheduler, worker and I/O threads.
+`SafeStore` is the adapters' only way to the daemon: the engine-facing calls over one
+`client/fail_soft.py: FailSoftLink`. Every call returns a plain value and never raises: a
+daemon that is down, restarted, slow or full is a miss (counted in `num_failures`, logged once
+per outage), a request the store refuses as wrong is a miss too (`num_refused`; the link stays
+up), and the engine recomputes. It is thread-safe (the link holds one lock around one
+connection): engines call their storage backends from scheduler, worker and I/O threads.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -25,7 +25,7 @@ import numpy as np
 from kvstore.errors import InvalidArgument
 from kvstore.identity import ObjectId, StateDescriptor, chain_hash, namespace_salt, object_id, root_hash
 from kvstore.client.buffers import as_writable_u8
-from kvstore.client.connector_link import StoreLink
+from kvstore.client.fail_soft import FailSoftLink
 
 log = logging.getLogger("kvstore.adapters")
 # One lookup request carries at most this many ids (the daemon's batch limit is 4,096).
@@ -78,47 +78,25 @@ class StoreConfig:
                    pick("timeout_s", 5.0, float), pick("retry_after_s", 2.0, float))
 
 
-class _Refused:
-    __slots__ = ("error",)
-
-    def __init__(self, error):
-        self.error = error
-
-
 class SafeStore:
     """A thread-safe, never-raising handle on the daemon (see the module docstring)."""
 
     def __init__(self, config: StoreConfig):
         self.config = config
-        self._link = StoreLink(config.socket_path, config.namespace, config.timeout_s, config.retry_after_s)
-        self._lock = threading.Lock()
-        self.num_failures = 0  # calls answered as a miss because the store failed
-        self.num_refused = 0  # calls the store refused as invalid (answered as a miss)
+        self.link = FailSoftLink(config.socket_path, config.namespace, config.timeout_s, config.retry_after_s)
         self.num_hits = 0
         self.num_misses = 0
         self.num_stored = 0
 
-    def _call(self, op, on_failure):
-        """op(client) never returns None; None from the link means the store failed or is
-        being skipped after a failure. A request the store refuses as wrong (InvalidArgument:
-        a bad buffer, a size that does not match) is a miss too, but not an outage: the link
-        stays up for the next call."""
-        def guarded(client):
-            try:
-                return op(client)
-            except InvalidArgument as exc:
-                return _Refused(exc)
+    @property
+    def num_failures(self) -> int:
+        """Calls answered as a miss because the store failed or was skipped after a failure."""
+        return self.link.num_failures
 
-        with self._lock:
-            result = self._link.call(guarded)
-            if result is None:
-                self.num_failures += 1
-                return on_failure
-        if isinstance(result, _Refused):
-            self.num_refused += 1
-            log.warning("kvstore refused a request: %s", result.error)
-            return on_failure
-        return result
+    @property
+    def num_refused(self) -> int:
+        """Calls the store refused as invalid (answered as a miss; the link stayed up)."""
+        return self.link.num_refused
 
     def contains(self, ids: list[ObjectId]) -> list[bool]:
         """Which of `ids` the store holds (any tier), in one round trip per 4,096 ids."""
@@ -131,7 +109,7 @@ class SafeStore:
                 found += [t is not None for t in client.lookup(ids[start:start + LOOKUP_BATCH]).tiers]
             return found
 
-        found = self._call(op, [False] * len(ids))
+        found = self.link.call(op, [False] * len(ids))
         hits = sum(found)
         self.num_hits += hits
         self.num_misses += len(ids) - hits
@@ -146,7 +124,7 @@ class SafeStore:
         """Copy the object into `out` (a writable buffer, numpy array or CPU tensor of at
         least its size); False on a miss or any store failure (then `out` may be partly
         written: the caller must not use it)."""
-        got = self._call(lambda client: client.get_into(oid, out, verify=False) or 0, 0)
+        got = self.link.call(lambda client: client.get_into(oid, out, verify=False) or 0, 0)
         return bool(got)
 
     def get_many_into(self, pairs: list[tuple[ObjectId, object]]) -> list[bool]:
@@ -155,7 +133,7 @@ class SafeStore:
         store failure: for all of them); a False item's buffer may be partly written."""
         if not pairs:
             return []
-        return self._call(lambda client: [size is not None for size in client.get_many_into(pairs)],
+        return self.link.call(lambda client: [size is not None for size in client.get_many_into(pairs)],
                           [False] * len(pairs))
 
     def put_many(self, items: list[tuple[ObjectId, object]], desc: StateDescriptor, routes=None) -> list[bool]:
@@ -172,7 +150,7 @@ class SafeStore:
                 log.warning("kvstore refused %d of %d puts: %s", len(refused), len(results), refused[0])
             return [r.error is None for r in results]
 
-        stored = self._call(op, [False] * len(items))
+        stored = self.link.call(op, [False] * len(items))
         self.num_stored += sum(stored)
         return stored
 
@@ -196,7 +174,7 @@ class SafeStore:
                 log.warning("kvstore refused %d of %d group puts: %s", len(refused), len(results), refused[0])
             return [not isinstance(r, Exception) for r in results]
 
-        stored = self._call(op, [False] * len(groups))
+        stored = self.link.call(op, [False] * len(groups))
         self.num_stored += sum(len(items) for items, ok in zip(groups, stored) if ok)
         return stored
 
@@ -204,7 +182,7 @@ class SafeStore:
         """Per group (member keys: ChunkKeys or kvstore.groups.Member) whether it is complete."""
         if not groups:
             return []
-        found = self._call(lambda client: list(client.lookup_groups(groups).complete), [False] * len(groups))
+        found = self.link.call(lambda client: list(client.lookup_groups(groups).complete), [False] * len(groups))
         self.num_hits += sum(found)
         self.num_misses += len(found) - sum(found)
         return found
@@ -233,19 +211,17 @@ class SafeStore:
                         lease.release()
             return copied
 
-        return self._call(op, [False] * len(groups))
+        return self.link.call(op, [False] * len(groups))
 
     def delete(self, ids: list[ObjectId]) -> int:
-        return self._call(lambda client: client.delete(ids), 0) if ids else 0
+        return self.link.call(lambda client: client.delete(ids), 0) if ids else 0
 
     def stats(self) -> dict:
         return {"num_hits": self.num_hits, "num_misses": self.num_misses, "num_stored": self.num_stored,
-                "num_failures": self.num_failures, "num_refused": self.num_refused,
-                "last_error": self._link.last_error}
+                **self.link.stats()}
 
     def close(self) -> None:
-        with self._lock:
-            self._link.close()
+        self.link.close()
 
 
 def _copy_group(lease, outs) -> bool:

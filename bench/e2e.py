@@ -37,7 +37,7 @@ a token in 8, but flips near-ties elsewhere). `identity all` is the minimum over
 
 Hybrid: the reference hybrid model (`gpu.engine.hybrid`: attention and gated delta-rule
 layers, seeded weights, SmolLM2's vocabulary so it reads the same corpus tokens) through
-`client.connector.KVConnector`, where each chunk's attention KV and the fp32 recurrent state
+`gpu.engine.connector.KVConnector`, where each chunk's attention KV and the fp32 recurrent state
 after it are one store group. As for TTFT above: the N-token prefix is stored by a first
 request (untimed), then recompute and a full hit (N tokens loaded: chunks read alone, the
 last one with its state in one group read) alternate, median TTFT of each; every hit must
@@ -133,7 +133,7 @@ def hybrid_engine(vocab_size: int):
 
 def hybrid_rows(socket: str, engine, tokenizer, reps: int) -> list[Row]:
     """TTFT of the hybrid model with a full hit through store groups against recompute (see the top)."""
-    from kvstore.client.connector import KVConnector
+    from kvstore.gpu.engine.connector import KVConnector
     connector = KVConnector(socket, engine.codecs(), engine.estimate_prefill_s)
     text = corpus(tokenizer, max(LENGTHS.values()) + 1)
     engine.generate(text[:300], 1)  # warm-up

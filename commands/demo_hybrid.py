@@ -4,7 +4,7 @@ No small real hybrid model ships offline, so this is the reference one (`gpu.eng
 attention and gated delta-rule layers, seeded weights, SmolLM2's vocabulary so it reads the
 same prompt token ids). Each turn's prompt runs twice: through the store and recomputing.
 Through the store, each prompt chunk's attention KV and the fp32 recurrent state after it
-are saved as one store group (`client.connector_objects`), and a hit ends where such a group
+are saved as one store group (`gpu.engine.connector_objects`), and a hit ends where such a group
 is whole: its last chunk and state are read with one group read, so the engine gets KV and
 state together or neither. Its replies are noise (random weights); what it shows is that the
 hit tokens come back through groups, across turns, branches and a daemon restart, with
@@ -15,8 +15,6 @@ from __future__ import annotations
 
 from dataclasses import asdict
 
-from kvstore.client.connector import KVConnector
-
 # Room for the demo's longest prompt and its reply (the default context is 4,096 tokens).
 MAX_POSITION = 8192
 NUM_PAGES = MAX_POSITION // 16
@@ -26,6 +24,7 @@ class HybridTurns:
     """One hybrid engine with a connector to the demo's daemon, and the same engine without."""
 
     def __init__(self, socket_path: str, vocab_size: int, chunk_tokens: int):
+        from kvstore.gpu.engine.connector import KVConnector  # the engine (torch) only when the demo runs
         from kvstore.gpu.engine.hybrid import HybridConfig
         from kvstore.gpu.engine.hybrid_engine import HybridEngine
         self.engine = HybridEngine(HybridConfig(vocab_size=vocab_size, max_position=MAX_POSITION),

@@ -13,7 +13,8 @@ kv_cache (pages and block tables), batch (one step's index tensors), model (Llam
 sampling, sequence, engine (scheduling, continuous batching, export_kv / import_kv), chunked
 (the one computation of a chunk's KV that every path shares, so a stored chunk is bit-identical
 whichever path wrote it).
-With a store: store_engine (`StoreEngine`: the engine behind `client.connector.KVConnector`),
+With a store: connector (`KVConnector`: tensor-free, its parts in connector_objects,
+connector_plan and connector_ranged), store_engine (`StoreEngine`: the engine behind it),
 store_codecs (tensors <-> object bytes), hybrid and hybrid_engine (attention + gated delta-rule
 model with recurrent snapshots), sparse_mode and sparse_pages (Quest-style sparse decode whose
 pages come from the store by ranged reads).

@@ -6,7 +6,7 @@ passed. `generate(prompt, n, connector)` asks the connector how much of the prom
 holds (KV chunks plus the snapshot at the hit boundary, the codecs of `codecs()`), loads it,
 computes the rest and greedy-decodes, then saves the chunks and snapshots of its prompt. The
 connector stores each chunk with the snapshot at its end as one store group and reads the
-hit's last chunk and snapshot with one group read (client.connector_objects): the engine is
+hit's last chunk and snapshot with one group read (connector_objects): the engine is
 handed the KV and the state after it together, or nothing.
 
 Like the Llama engine (`chunked`), it computes a prompt in chunk-aligned pieces, one forward
@@ -41,7 +41,7 @@ from .kv_cache import CacheConfig, PagedKVCache
 from .store_codecs import PagedKVCodec, RecurrentCodec, paged_layout
 
 if TYPE_CHECKING:
-    from kvstore.client.connector import MatchResult
+    from .connector import MatchResult
 
 
 @dataclass(slots=True, eq=False)

@@ -1,6 +1,6 @@
 """Quest-style sparse decode on the real model, with pages fetched from the store by selection.
 
-DESIGN.md section 6, on one request:
+On one request:
 
 1. Dense prefill of the prompt, in chunk-aligned pieces (`chunked.prefill`, the one chunk
    computation every path of the engine shares, so chunks stored by `StoreEngine` are the

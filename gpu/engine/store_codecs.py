@@ -1,4 +1,4 @@
-"""The engine side of `client.connector`: state tensors <-> store object bytes.
+"""The engine side of `gpu.engine.connector`: state tensors <-> store object bytes.
 
 A paged KV object holds one chunk of `chunk_tokens` tokens in layout
 `paged(order=layer_first, layers, block=page_tokens, kv_heads, head_dim)`: segment (layer, block)

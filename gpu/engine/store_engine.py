@@ -1,4 +1,4 @@
-"""The reference engine wired to a kvstore daemon through `client.connector.KVConnector`.
+"""The reference engine wired to a kvstore daemon through `gpu.engine.connector.KVConnector`.
 
 `StoreEngine` is an `Engine` whose requests first ask the store for their prompt's prefix:
 `add_request` looks the chunks up and loads the part that is faster to load than to recompute
@@ -27,11 +27,11 @@ from pathlib import Path
 
 import torch
 
-from kvstore.client.connector import ConnectorConfig, KVConnector, MatchResult
 from kvstore.errors import InvalidArgument
 from kvstore.identity import DEFAULT_CHUNK_TOKENS, StateDescriptor
 
 from . import chunked
+from .connector import ConnectorConfig, KVConnector, MatchResult
 from .engine import Engine, EngineConfig
 from .gguf_loader import DEFAULT_MODEL_FILE, ModelConfig, default_model_path, load_gguf
 from .model import LlamaModel

@@ -172,7 +172,7 @@ class RecordingCodec:
 
 
 def test_connector_never_loads_another_models_state(daemon):
-    from kvstore.client.connector import KVConnector
+    from kvstore.gpu.engine.connector import KVConnector
     keys_b = chunk_keys(TOKENS, MODEL_B)
     with daemon.client() as c:
         for i, key in enumerate(keys_b):  # model A's state under model B's ids

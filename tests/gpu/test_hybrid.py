@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvstore.client.connector import KVConnector
+from kvstore.gpu.engine.connector import KVConnector
 from kvstore.gpu.engine.hybrid import HybridConfig, HybridModel
 from kvstore.gpu.engine.hybrid_engine import HybridEngine
 from kvstore.identity import chunk_keys, namespace_salt, object_id

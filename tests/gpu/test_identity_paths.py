@@ -178,7 +178,7 @@ def test_hybrid_reader_gets_what_it_computes(daemon_factory):
     """The hybrid engine's chunks (attention KV and the snapshot after them), written by a
     request of one length and read by one of another, are the reader's own bytes; chunks
     completed while decoding are not saved (a token at a time, they would differ)."""
-    from kvstore.client.connector import KVConnector
+    from kvstore.gpu.engine.connector import KVConnector
     from kvstore.gpu.engine.hybrid import HybridConfig
     from kvstore.gpu.engine.hybrid_engine import HybridEngine
     daemon = daemon_factory("64MiB")

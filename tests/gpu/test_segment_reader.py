@@ -3,7 +3,7 @@ across steps are dropped when their connection dies, never read after the daemon
 
 import numpy as np
 
-from kvstore.client.connector_ranged import SegmentReader
+from kvstore.gpu.engine.connector_ranged import SegmentReader
 from kvstore import StateDescriptor, chunk_keys
 
 DESC = StateDescriptor("default", "m", "r", kind="kv", dtype="fp32", chunk_tokens=32,
@@ -13,7 +13,7 @@ TOKENS = list(range(32))
 
 
 class Link:
-    """The StoreLink shape SegmentReader uses: call(op) runs op on the current client."""
+    """The FailSoftLink shape SegmentReader uses: call(op) runs op on the current client."""
 
     def __init__(self, client):
         self.client = client
@@ -35,7 +35,7 @@ def test_a_kept_lease_whose_connection_died_is_not_read_again(daemon):
         first = reader.read(7, TOKENS, {0: [(1, 1)]})
         kept = reader._requests[7].by_chunk[0]
         assert np.array_equal(first[(0, 1, 1)], chunk_bytes(1)[seg.offset:seg.offset + seg.length])
-        c.reconnect()  # what StoreLink does when a call fails: the daemon drops the old leases
+        c.reconnect()  # what FailSoftLink does when a call fails: the daemon drops the old leases
         assert kept.closed
         # The chunk's old place now holds other bytes; the chunk itself lives elsewhere.
         other.delete([key])

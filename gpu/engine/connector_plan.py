@@ -1,4 +1,4 @@
-"""Load or recompute (DESIGN.md section 7): how many leading chunks an engine should load.
+"""Load or recompute: how many leading chunks an engine should load.
 
 Pure: no I/O. Given which objects the store holds for each chunk of a prompt, the load rate
 the daemon estimated, and the engine's own prefill estimate, pick the prefix whose loading

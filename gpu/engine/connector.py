@@ -14,20 +14,24 @@ Shaped like vLLM's KV connector (KVConnectorBase_V1), so a vLLM adapter is a thi
 
 Engine-agnostic and tensor-free: the engine side passes one `StateCodec` per kind of state it
 keeps (KV of attention layers; for hybrid models also recurrent snapshots). A codec owns the
-conversion between the engine's tensors and the object's bytes (dtype casts, fp8, mxfp8), so
-client/ never imports torch or gpu/. Keys follow kvstore-key-v1 (`kvstore.identity`): one chain
-over the token ids, one object id per codec descriptor.
+conversion between the engine's tensors and the object's bytes (dtype casts, fp8, mxfp8;
+store_codecs.py here), so this module and its parts (connector_objects, connector_plan,
+connector_ranged) import neither torch nor the engine: they deal in bytes and numpy views. It
+lives beside the reference engine, its user (store_engine, hybrid_engine, `kvstore demo`).
+Keys follow kvstore-key-v1 (`kvstore.identity`): one chain over the token ids, one object id
+per codec descriptor.
 
 Hybrid models (codecs with `boundary_only`): a recurrent snapshot is only ever stored, found
-and read with the chunk it ends, as one store group (client.connector_objects): a chunk whose
+and read with the chunk it ends, as one store group (connector_objects): a chunk whose
 end has every snapshot is saved with them by put_group; a hit ends where such a group is
 complete (lookup_groups) and every earlier chunk is held; the load reads that last chunk and
 its snapshots with get_group. KV is never imported without the state after it.
 
 Every store failure (daemon down, miss after lookup, checksum, timeout, full) becomes a
 recompute: nothing is imported unless every object of the load was leased first, so the
-engine's output is the same with the store or without it. After a failure the connector skips
-the store for `retry_after_s`, then reconnects. One thread drives a connector.
+engine's output is the same with the store or without it. The store is reached through one
+`client.fail_soft.FailSoftLink` (`link`): after a failure the connector skips the store for
+`retry_after_s`, then reconnects. One thread drives a connector.
 """
 
 from __future__ import annotations
@@ -40,10 +44,11 @@ import numpy as np
 
 from kvstore.errors import InvalidArgument
 from kvstore.identity import ChunkKey, StateDescriptor, chunk_keys, namespace_salt
-from kvstore.client.connector_link import StoreLink
-from kvstore.client.connector_objects import ChunkObjects
-from kvstore.client.connector_plan import plan_load
-from kvstore.client.connector_ranged import SegmentReader
+from kvstore.client.fail_soft import FailSoftLink
+
+from .connector_objects import ChunkObjects
+from .connector_plan import plan_load
+from .connector_ranged import SegmentReader
 
 # Load-rate guess when a lookup has no hit bytes to derive one from (host memcpy speed here).
 DEFAULT_LOAD_S_PER_BYTE = 1 / 4e9
@@ -134,7 +139,7 @@ class KVConnector:
         self._prefill_s = prefill_s
         self.objects = ChunkObjects(self.codecs, namespace_salt(first.namespace, config.secret))
         self._boundary = bool(self.objects.boundary)
-        self.link = StoreLink(socket_path, first.namespace, config.timeout_s, config.retry_after_s)
+        self.link = FailSoftLink(socket_path, first.namespace, config.timeout_s, config.retry_after_s)
         self.segments = SegmentReader(self.link, first, self._keys)
         self._pending: list[tuple[int, ChunkKey, object]] = []  # (codec, key, bytes): put alone
         self._pending_groups: list[list[tuple[int, ChunkKey, object]]] = []  # each put as one group
@@ -210,7 +215,7 @@ class KVConnector:
         """Kept for the vLLM shape: start_load_kv has loaded every layer already."""
 
     def read_segments(self, request_id, token_ids, wanted: dict) -> dict | None:
-        """Ranged reads for sparse attention (see client.connector_ranged): {chunk: [(layer,
+        """Ranged reads for sparse attention (see connector_ranged): {chunk: [(layer,
         block), ...]} of the first codec's objects -> {(chunk, layer, block): uint8 array}."""
         return self.segments.read(request_id, token_ids, wanted)
 

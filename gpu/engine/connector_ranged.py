@@ -1,4 +1,4 @@
-"""Ranged reads of chunk objects: what a sparse-attention page selection turns into (DESIGN.md 6).
+"""Ranged reads of chunk objects: what a sparse-attention page selection turns into.
 
 A selection names (layer, page) pairs; page p of a request is block p % blocks_per_chunk of
 chunk p // blocks_per_chunk. The reader turns {chunk: [(layer, block), ...]} into the byte
@@ -27,7 +27,7 @@ class _Leases:
 
 class SegmentReader:
     def __init__(self, link, descriptor: StateDescriptor, keys_of):
-        """link: a StoreLink; keys_of(token_ids) -> the ChunkKeys of those tokens."""
+        """link: a FailSoftLink; keys_of(token_ids) -> the ChunkKeys of those tokens."""
         self.link = link
         self.descriptor = descriptor
         self.bytes_read = 0

@@ -2,13 +2,13 @@
 
 Codecs here hand the connector fixed bytes per chunk (no engine, no torch): a KV codec with
 one object per chunk and a snapshot codec whose object is the state after a chunk. A
-snapshot is stored, found and read only with the chunk it ends (client.connector_objects)."""
+snapshot is stored, found and read only with the chunk it ends (gpu.engine.connector_objects)."""
 
 from __future__ import annotations
 
 import pytest
 
-from kvstore.client.connector import KVConnector
+from kvstore.gpu.engine.connector import KVConnector
 from kvstore import Layout, StateDescriptor, chunk_keys
 from kvs_testing import payload
 

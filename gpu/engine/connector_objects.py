@@ -14,7 +14,7 @@ complete; its load reads chunks 0 .. n-2 alone and chunk n-1 with its snapshots 
 group read, so KV and the state after it arrive together or not at all. Without boundary
 codecs every object is read and put alone.
 
-Every call here takes a `client.sync.Client` and raises what it raises (a StoreLink turns
+Every call here takes a `client.sync.Client` and raises what it raises (a FailSoftLink turns
 that into a recompute); the one exception is a group put the store refuses (full, a
 conflicting member): that is an outcome of the save, not an outage.
 """
