@@ -43,7 +43,7 @@ _DESC = {"namespace": "t", "model": "m", "model_revision": "r", "kind": "kv", "d
 VALID = {
     "hello": {"client": "fuzz", "pid": 1}, "open": {"namespace": "t", "token": "secret-secret-secret"},
     "reserve": {"namespace": "t", "object_id": _ID, "size": 2048, "descriptor": _DESC, "hints": {"ttl_s": 1.0}},
-    "commit": {"lease": 1, "checksum": b"\x00" * 16}, "abort": {"lease": 1},
+    "abort": {"lease": 1},
     "get": {"namespace": "t", "object_id": _ID, "accept": ["bf16"]}, "release": {"lease": 1},
     "lookup": {"namespace": "t", "ids": [_ID]}, "delete": {"namespace": "t", "ids": [_ID]},
     "pin": {"namespace": "t", "ids": [_ID], "ttl_s": 2.0}, "unpin": {"namespace": "t", "ids": [_ID]},

@@ -13,7 +13,7 @@ from typing import ClassVar
 
 from kvstore.errors import InvalidArgument, ProtocolError
 from kvstore.fields import (  # noqa: F401 (its constants are part of this module's interface)
-    ACCEPT, BOOL, CHECKSUM, DESCRIPTOR, EXPECT, EXPECT_LIST, EXPECT_OF, FLOAT, HINTS, IDS, LEASE,
+    ACCEPT, BOOL, DESCRIPTOR, EXPECT, EXPECT_LIST, EXPECT_OF, FLOAT, HINTS, IDS, LEASE,
     MAX_EXPECTED_DESCRIPTORS, MAX_OBJECT_BYTES, NAMESPACE, NO_EXPECTATION, OID, OPT_STR, PIN_TTL,
     PACKED_CHECKSUMS, PACKED_IDS, PACKED_U64, PREFETCH_POLICIES, PUT_TIERS, RANGES, RAW_IDS, ROUTES, SCOPES, SIZE,
     STR, TIERS,
@@ -65,15 +65,6 @@ class Reserve(Message):
     _codecs: ClassVar = {"namespace": NAMESPACE, "object_id": OID, "size": SIZE,
                          "descriptor": DESCRIPTOR, "hints": HINTS, "tier": _choice(PUT_TIERS)}
     _defaults: ClassVar = {"hints": Hints(), "tier": "host"}
-
-
-@dataclass(frozen=True, slots=True)
-class Commit(Message):
-    """Phase two of a put: the bytes are written; make the object visible."""
-    lease: int
-    checksum: bytes
-    op: ClassVar[str] = "commit"
-    _codecs: ClassVar = {"lease": LEASE, "checksum": CHECKSUM}
 
 
 @dataclass(frozen=True, slots=True)
@@ -341,9 +332,15 @@ class Touch(Message):
     _codecs: ClassVar = {"namespace": NAMESPACE, "ids": RAW_IDS}
 
 
+# Ops are named on the wire, not numbered: removing one renumbers nothing. Names once used
+# and since removed stay out of OPS and are never reused (tests/kvstore/test_protocol.py
+# checks), so a frame naming one gets the "unknown op" ProtocolError any unknown name gets:
+#   "commit": the single-object commit; every put commits with commit_many or commit_group.
+RETIRED_OPS = frozenset({"commit"})
+
 OPS: dict[str, type[Message]] = {
     cls.op: cls
-    for cls in (Hello, OpenNamespace, Reserve, Commit, Abort, Get, Release, Lookup, Delete, Pin, Unpin, Prefetch,
+    for cls in (Hello, OpenNamespace, Reserve, Abort, Get, Release, Lookup, Delete, Pin, Unpin, Prefetch,
                 Stats, Check, GpuHandle, ReserveMany, CommitMany, GetMany, ReleaseMany, Touch, *GROUP_OPS)
 }
 

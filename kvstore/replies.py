@@ -187,7 +187,7 @@ MISS = GetReply(False)
 @reply
 class LookupReply(ReplyMessage):
     """Per id its tier ("host", "nvme", "remote") or None; the leading hits, their bytes
-    and the estimated time to load them (DESIGN.md section 7)."""
+    and the estimated time to load them."""
     hits: int
     tiers: tuple
     hit_bytes: int
@@ -378,9 +378,10 @@ class GetGroupReply(ReplyMessage):
     _codecs: ClassVar = {"descriptors": TUPLE}
 
 
-# What each op answers; release and abort answer nothing (None).
+# What each op answers; release and abort answer nothing (None). A CommitReply is no op's
+# reply of its own: it is a commit_many item's (CommitManyReply.results).
 REPLIES: dict[str, type[ReplyMessage] | None] = {
-    "hello": HelloReply, "open": OpenReply, "reserve": ReserveReply, "commit": CommitReply,
+    "hello": HelloReply, "open": OpenReply, "reserve": ReserveReply,
     "abort": None, "get": GetReply, "release": None, "lookup": LookupReply, "delete": DeleteReply,
     "pin": PinReply, "unpin": UnpinReply, "prefetch": PrefetchReply, "stats": StatsReply, "check": CheckReply,
     "gpu_handle": GpuHandleReply, "reserve_many": ReserveManyReply, "commit_many": CommitManyReply,

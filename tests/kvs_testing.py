@@ -12,7 +12,10 @@ import time
 
 import numpy as np
 
+from kvstore import messages as m
+from kvstore import replies as r
 from kvstore.config import GPU_ALIGNMENT_BYTES
+from kvstore.errors import from_wire
 from kvstore.identity import ObjectId
 from kvstore.tiers.allocator import Extent, ExtentAllocator
 
@@ -68,6 +71,20 @@ def wait_until(predicate, timeout_s: float, what: str) -> None:
     """As wait_for, but an AssertionError naming `what` when it does not come true."""
     if not wait_for(predicate, timeout_s):
         raise AssertionError(f"{what}: not within {timeout_s} s")
+
+
+def commit_one(client, lease: int, checksum: bytes) -> r.CommitReply:
+    """Commit one write lease the way clients do, as a commit_many of one (client/batched.py):
+    its CommitReply, or the error the daemon reported for it raised (the wire has no
+    single-object commit). Asserts the reply holds that one item and no other error."""
+    done = client._run(client.core.op_simple(m.CommitMany.of([lease], [checksum])))
+    assert len(done.codes) == 1, done
+    if done.codes[0] == r.FAILED:
+        ((index, error),) = done.errors
+        assert index == 0, done
+        raise from_wire(error)
+    assert not done.errors, done
+    return done.results()[0]
 
 
 class NumpyDevice:

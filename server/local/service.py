@@ -199,8 +199,6 @@ class LocalConnection(asyncio.Protocol):
             case m.Reserve():
                 self._ns(msg.namespace)
                 return mgr.reserve(owner, msg), None
-            case m.Commit():
-                return mgr.commit(owner, msg.lease, msg.checksum), None
             case m.Abort():
                 mgr.abort(owner, msg.lease)
                 return None, None

@@ -102,7 +102,8 @@ def targeted(vault_ids: list[bytes], default_ids: list[bytes]):
         st.builds(lambda op, n, i: (op, {"namespace": n, "ids": i}),
                   st.sampled_from(["lookup", "delete", "pin", "unpin", "prefetch"]), ns, ids),
         st.builds(lambda op, lid: (op, {"lease": lid}), st.sampled_from(["release", "abort"]), lease),
-        st.builds(lambda lid, c: ("commit", {"lease": lid, "checksum": c}), lease, st.binary(min_size=16, max_size=16)),
+        st.builds(lambda lid, c: ("commit_many", {"leases": m.pack_uints([lid]), "checksums": c}),
+                  lease, st.binary(min_size=16, max_size=16)),
         st.builds(lambda size, i: ("reserve", {"namespace": "default", "object_id": i, "size": size, "descriptor": desc}),
                   st.integers(-5, 2**41) | st.sampled_from(HOSTILE), st.binary(min_size=32, max_size=32)),
     )
@@ -130,7 +131,7 @@ def blast(path: str, seed: int, stop: threading.Event, vault_ids, default_ids, p
     plain = [
         ("open", {"namespace": "default"}), ("open", {"namespace": "vault", "token": "guess-guess-guess"}),
         ("get", {"namespace": "vault", "object_id": vault_ids[0]}), ("delete", {"namespace": "vault", "ids": vault_ids}),
-        ("release", {"lease": 1}), ("commit", {"lease": 2, "checksum": b"\0" * 16}),
+        ("release", {"lease": 1}), ("commit_many", {"leases": m.pack_uints([2]), "checksums": b"\0" * 16}),
         ("lookup", {"namespace": "default", "ids": default_ids}),
         ("reserve", {"namespace": "default", "object_id": b"\x05" * 32, "size": 300_000,
                      "descriptor": StateDescriptor("default", "m", "r").to_wire()}),

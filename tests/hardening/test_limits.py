@@ -21,6 +21,7 @@ import pytest
 
 from kvstore.client import AsyncClient, DaemonUnavailable
 from hardening_support import CHILD_ENV, HERE, MiB, assert_clean, content, key, rss_bytes
+from kvs_testing import commit_one
 from kvstore import StateDescriptor
 from kvstore import messages as m
 from kvstore.config import ServerConfig
@@ -74,7 +75,7 @@ def test_inflight_bytes_per_client_are_capped_with_a_clear_error(make_daemon):
             reserve(1, MiB)
         c._run(c.core.op_simple(m.Abort(first.lease)))
         second = reserve(1, MiB)  # aborting gave the bytes back
-        c._run(c.core.op_simple(m.Commit(second.lease, b"\0" * 16)))
+        commit_one(c, second.lease, b"\0" * 16)
         reserve(2, 2 * MiB)  # and so did committing
         with pytest.raises(LimitExceeded, match="max_inflight_bytes_per_client"):
             c.put(key("inflight", 3), np.zeros(3 * MiB, np.uint8))  # more than the limit alone

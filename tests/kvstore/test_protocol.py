@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 from kvstore import StateDescriptor
 from kvstore import messages as m
+from kvstore import replies as r
 from kvstore.errors import InvalidArgument, ProtocolError
 from kvstore.identity import ObjectId
 from kvstore.protocol import (MAX_BATCH, MAX_FRAME_BYTES, NEED_DATA, BadFrame, Fatal, FrameCodec, Reply,
@@ -120,7 +121,7 @@ def _oid():
 @pytest.mark.parametrize("msg", [
     m.Hello("engine", 123), m.OpenNamespace("t"), m.OpenNamespace("t", "tok"),
     m.Reserve("t", _oid(), 4096, StateDescriptor("t", "m", "r")),
-    m.Commit(5, b"\x00" * 16), m.Abort(5), m.Get("t", _oid()), m.Get("t", _oid(), ("bf16",)),
+    m.CommitMany.of([5, 6], [b"\x00" * 16, b"\x01" * 16]), m.Abort(5), m.Get("t", _oid()), m.Get("t", _oid(), ("bf16",)),
     m.Get("t", _oid(), expect=StateDescriptor("t", "m", "r")),
     m.Lookup("t", (_oid(), _oid()), (StateDescriptor("t", "m", "r"),)),
     m.Lookup("t", (_oid(), _oid()), (StateDescriptor("t", "m", "r"), StateDescriptor("t", "m2", "r")), b"\x01\xff"),
@@ -147,8 +148,9 @@ def test_every_message_survives_the_wire(msg):
     ("get", {"namespace": "t", "object_id": b"\x00" * 32, "evil": 1}, "unknown field"),
     ("reserve", {"namespace": "t", "object_id": b"\x00" * 32, "size": -1, "descriptor": {}}, "size"),
     ("reserve", {"namespace": "t", "object_id": b"\x00" * 32, "size": 1, "descriptor": {"namespace": "t"}}, "descriptor"),
-    ("commit", {"lease": 1, "checksum": b"\x00" * 8}, "checksum"),
-    ("commit", {"lease": 0, "checksum": b"\x00" * 16}, "lease"),
+    ("commit_many", {"leases": m.pack_uints([1]), "checksums": b"\x00" * 8}, "commit_many.checksums"),
+    ("commit_many", {"leases": m.pack_uints([1, 2]), "checksums": b"\x00" * 16}, "2 leases but 1 checksums"),
+    ("commit", {"lease": 1, "checksum": b"\x00" * 16}, "unknown op 'commit'"),  # removed: clients send commit_many
     ("lookup", {"namespace": "t", "ids": [b"\x00" * 32] * (MAX_BATCH + 1)}, "at most"),
     ("lookup", {"namespace": "t", "ids": [b"\x00" * 32], "expect": []}, "lookup.expect: must be a list of 1..16"),
     ("lookup", {"namespace": "t", "ids": [b"\x00" * 32], "expect_of": b"\x00"}, "expect_of needs expect"),
@@ -161,3 +163,13 @@ def test_every_message_survives_the_wire(msg):
 def test_hostile_values_get_errors_that_name_the_field(op, args, match):
     with pytest.raises((InvalidArgument, ProtocolError), match=match):
         m.decode_request(Request(1, op, args))
+
+
+def test_a_removed_op_is_refused_as_unknown_and_its_name_is_not_reused():
+    assert m.RETIRED_OPS and not m.RETIRED_OPS & (set(m.OPS) | set(r.REPLIES))
+    for op in sorted(m.RETIRED_OPS):
+        with pytest.raises(ProtocolError) as removed:
+            m.decode_request(Request(1, op, {}))
+        with pytest.raises(ProtocolError) as unknown:
+            m.decode_request(Request(1, "no_such_op", {}))
+        assert removed.value.message == unknown.value.message.replace("'no_such_op'", repr(op))

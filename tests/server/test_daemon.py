@@ -19,7 +19,7 @@ from kvstore import Hints, StateDescriptor, chunk_keys
 from kvstore.errors import CapacityError, ChecksumError, InvalidArgument, LimitExceeded, PermissionDenied
 from kvstore.identity import ObjectId
 from kvstore.protocol import FrameCodec, Reply, Request
-from kvs_testing import payload, wait_for
+from kvs_testing import commit_one, payload, wait_for
 
 MiB = 1 << 20
 
@@ -247,7 +247,7 @@ def test_commit_with_wrong_checksum_stores_nothing(daemon_factory):
         r = c._run(c.core.op_simple(m.Reserve("default", key, 100, StateDescriptor("default", "m", "r"))))
         c.core.arenas["default"][r.offset:r.offset + 100] = 7
         with pytest.raises(ChecksumError, match="do not match"):
-            c._run(c.core.op_simple(m.Commit(r.lease, b"\x00" * 16)))
+            commit_one(c, r.lease, b"\x00" * 16)
         assert c.get(key) is None
         assert c.stats()["namespaces"]["default"]["num_checksum_failures"] == 1
         c.check_integrity()
@@ -287,6 +287,34 @@ def test_garbage_on_the_socket_gets_errors_and_changes_nothing(daemon):
         raw.close()
         with c.get(key) as lease:
             assert bytes(lease.buffer) == b"keep" * 1000
+        c.check_integrity()
+
+
+def test_the_removed_single_commit_op_is_an_unknown_op_and_the_connection_goes_on(daemon):
+    """"commit" (the single-object commit, gone from the wire: clients commit with
+    commit_many) gets the error any unknown op gets, commits nothing, and the connection
+    and its write lease go on."""
+    from kvstore import messages as m
+
+    def raw(core, op: str, args: dict):
+        (reply,) = yield [Request(next(core._ids), op, args)]
+        return reply
+
+    with daemon.client() as c:
+        key, data = ids(1)[0], bytes([7]) * 100
+        c._run(c.core.op_open("default"))
+        lease = c._run(c.core.op_simple(m.Reserve("default", key, 100, StateDescriptor("default", "m", "r"))))
+        c.core.arenas["default"][lease.offset:lease.offset + 100] = 7
+        checksum = xxhash.xxh3_128_digest(data)
+        old = c._run(raw(c.core, "commit", {"lease": lease.lease, "checksum": checksum}))
+        unknown = c._run(raw(c.core, "no_such_op", {}))
+        assert old.error["code"] == unknown.error["code"] == "protocol"
+        assert old.error["message"].startswith("unknown op 'commit'; known: ")
+        assert old.error["message"] == unknown.error["message"].replace("'no_such_op'", "'commit'")
+        assert c.lookup([key]).hits == 0  # nothing was committed
+        assert not commit_one(c, lease.lease, checksum).exists  # the lease is still the client's to commit
+        with c.get(key) as got:
+            assert bytes(got.buffer) == data
         c.check_integrity()
 
 
