@@ -2,7 +2,7 @@
 
 A node's NVMe holds tens of millions of objects. Kept as Python objects (a key, a state int,
 a dict slot, a queue place each) they cost ~190 B per object, and a 10 M-object start spent
-~16 s building the dict and queues (issue 15). Here every object is a row of numpy columns:
+~16 s building the dict and queues. Here every object is a row of numpy columns:
 
     ns[row]     uint16   number of its index key's prefix (u16 length, namespace): prefixes
     ids[row]    32 B     its id;  hash[row] uint64: keyed hash of (ns, id), compared first
@@ -29,6 +29,7 @@ import secrets
 import struct
 from collections import OrderedDict
 from collections.abc import Callable
+from concurrent.futures import Future
 
 import numpy as np
 
@@ -40,6 +41,7 @@ from kvstore.policy.base import (
     MAX_PRIORITY,
     MIN_PRIORITY,
     PRIORITY_SHIFT,
+    PRIORITY_ZERO,
     SIZE_SHIFT,
     sparse,
 )
@@ -50,16 +52,15 @@ from kvstore.policy.s3fifo import (
     SMALL_QUEUE_FRACTION,
 )
 from kvstore.server.tiering.fifo_ring import Ring
-from kvstore.server.tiering.nvme_table_check import TableChecks
-from kvstore.server.tiering.nvme_table_load import EMPTY, GONE, BulkLoad
 from kvstore.tiers.nvme.holdings import index_keys, prefix_number
 
 _M64 = (1 << 64) - 1
 _WORDS = struct.Struct("<4Q")
+EMPTY, GONE = -1, -2  # a slot's marks: never used, and a removed row's (a tombstone)
 
 
-class NvmeTable(BulkLoad, TableChecks):
-    """Its bulk load and its integrity check live in nvme_table_load.py and nvme_table_check.py."""
+class NvmeTable:
+    """S3-FIFO over numpy columns, one row per object the NVMe tier holds (see above)."""
 
     name = "s3fifo"
 
@@ -352,6 +353,63 @@ class NvmeTable(BulkLoad, TableChecks):
 
     # --- bulk -----------------------------------------------------------------------------
 
+    def load(self, prefixes: list[bytes], namespaces: list[np.ndarray], ids: list[np.ndarray],
+             sizes: np.ndarray, order: np.ndarray | Future) -> None:
+        """Learn what recovery found (tiers/nvme/holdings.py: chunks of prefix numbers and ids)
+        into an empty table, as on_insert of each object in `order` (oldest first) would: all
+        enter S. `order` may be a Future, computed meanwhile (numpy sorts outside the GIL: 10 M
+        objects load in 1.3-1.7 s so, 2.9 s one after the other)."""
+        if self._live or self._next:
+            raise InvalidArgument("load() fills an empty NVMe table only")
+        n = len(sizes)
+        if not (sum(map(len, namespaces)) == n == sum(map(len, ids))) or (n and int(np.min(sizes)) <= 0):
+            raise InvalidArgument("load() needs one positive size and one id per object")
+        self.prefixes, self._number = list(prefixes), {p: i for i, p in enumerate(prefixes)}
+        self._columns(max(16, n + n // 8))
+        self._slots = np.full(self._slot_count(len(self.state)), EMPTY, np.int32)
+        rows = np.arange(n)
+        for column, chunks in ((self.ns, namespaces), (self.ids, ids)):
+            at = 0
+            for chunk in chunks:  # copied once, straight from the scan's chunks
+                column[at:at + len(chunk)] = chunk
+                at += len(chunk)
+        self.hash[:n] = self._hashes(self.ns[:n], self.ids[:n])
+        self.state[:n] = (np.asarray(sizes, np.int64) << SIZE_SHIFT) | PRIORITY_ZERO
+        self._next, self._live = n, n
+        self._place(rows)
+        if isinstance(order, Future):
+            order = order.result()
+        if self._live != n or len(order) != n or (n and not np.array_equal(np.bincount(order, minlength=n), np.ones(n))):
+            self.__init__(self.capacity_bytes)
+            raise InvalidArgument("load() needs distinct keys, and an order that names each object once")
+        self._small.extend(np.asarray(order, np.int32))
+        self._tracked_bytes = self._small_bytes = int(np.sum(sizes))
+
+    def _place(self, rows: np.ndarray) -> None:
+        """Put rows into the slots table, which holds no tombstone, in rounds: each round every
+        row still unplaced tries its next slot, and of rows that try the same empty slot one
+        wins. A row moves on only past an occupied slot, so each is found by probing from its
+        home. A row whose key a placed row has already (a duplicate) is left out of the table
+        and of _live."""
+        mask = len(self._slots) - 1
+        at = self._homes(rows)
+        while len(rows):
+            empty = self._slots[at] == EMPTY
+            self._slots[at[empty]] = rows[empty]  # of rows trying one slot, the last write wins
+            occupant = self._slots[at]
+            lost = occupant != rows
+            rows, at, occupant = rows[lost], at[lost], occupant[lost]
+            same = self.hash[occupant] == self.hash[rows]
+            if same.any():  # twins meet on their common probe path
+                maybe = np.nonzero(same)[0]
+                twin = np.zeros(len(rows), bool)
+                twin[maybe] = (self.ns[occupant[maybe]] == self.ns[rows[maybe]]) & \
+                    (self.ids[occupant[maybe]] == self.ids[rows[maybe]]).all(axis=1)
+                if twin.any():
+                    self._live -= int(twin.sum())
+                    rows, at = rows[~twin], at[~twin]
+            at = (at + 1) & mask
+
     def _rebuild_slots(self) -> None:
         """A fresh slots table (no tombstones), at most a quarter full."""
         rows = np.nonzero(self.state[:self._next])[0]
@@ -390,3 +448,73 @@ class NvmeTable(BulkLoad, TableChecks):
         self._place(np.arange(len(keep)))
         self._ghost = OrderedDict(self._ghost)
         return True
+
+    # --- integrity -------------------------------------------------------------------------
+
+    def check_integrity(self) -> None:
+        """Raise RuntimeError naming the first inconsistency: every invariant of the columns,
+        slots and queues, vectorised. O(n); the daemon runs it while it indexes few objects."""
+        def fail(message: str):
+            return RuntimeError(f"the NVMe table is inconsistent: {message}")
+
+        n = self._next
+        state, stale = self.state[:n], self.stale[:n]
+        alive = state != 0
+        if int(alive.sum()) != self._live:
+            raise fail(f"{int(alive.sum())} rows are live, {self._live} are counted")
+        sizes = np.where(alive, state >> SIZE_SHIFT, 0)
+        priority = ((state >> PRIORITY_SHIFT) & 0b11111) + MIN_PRIORITY
+        if (alive & ((sizes <= 0) | (priority > MAX_PRIORITY))).any():
+            raise fail("a live row has a size <= 0 or a priority out of range")
+        if int(sizes.sum()) != self._tracked_bytes:
+            raise fail(f"tracked_bytes is {self._tracked_bytes}, the rows sum to {int(sizes.sum())}")
+        in_main = (state & IN_MAIN) != 0
+        for name, ring, mine, recorded in (("S", self._small, alive & ~in_main, self._small_bytes),
+                                           ("M", self._main, alive & in_main, self._main_bytes)):
+            rows = ring.items()
+            if len(rows) and (int(rows.min()) < 0 or int(rows.max()) >= n):
+                raise fail(f"{name} holds a row out of range")
+            places = np.bincount(rows, minlength=n)[:n]
+            if (places[mine] != 1).any():
+                raise fail(f"a live row of {name} has {int(places[mine][places[mine] != 1][0])} places in it")
+            if (places[alive & ~mine] != 0).any():
+                raise fail(f"{name} holds a place of a row that lives in the other queue")
+            if int(sizes[mine].sum()) != recorded:
+                raise fail(f"{name} records {recorded} bytes, holds {int(sizes[mine].sum())}")
+        dead_places = np.bincount(np.concatenate([self._small.items(), self._main.items()]), minlength=n)[:n]
+        if (dead_places[~alive] != stale[~alive]).any() or stale[alive].any():
+            raise fail("a dead row's queue places differ from its stale count")
+        if int(stale.sum()) != self._num_stale:
+            raise fail(f"{self._num_stale} stale places are counted, the rows record {int(stale.sum())}")
+        free = np.asarray(self._free, np.int64)
+        if len(set(self._free)) != len(free) or set(self._free) != set(np.nonzero(~alive & (stale == 0))[0].tolist()):
+            raise fail("the free rows are not exactly the dead rows without queue places")
+        self._check_slots(alive, fail)
+        live = np.nonzero(alive)[0]
+        keys = np.concatenate([self.ns[live].astype("<u2").view(np.uint8).reshape(-1, 2), self.ids[live]], axis=1)
+        if len(np.unique(np.ascontiguousarray(keys).view(f"V{2 + ID_BYTES}").reshape(-1))) != self._live:
+            raise fail("a key is tracked twice")
+        if any(key in self for key in self._ghost):
+            raise fail("a tracked key is also in the ghost queue")
+        if sum(self._ghost.values()) != self._ghost_bytes:
+            raise fail(f"ghost records {self._ghost_bytes} bytes, holds {sum(self._ghost.values())}")
+        if self._ghost_bytes > self.ghost_capacity_bytes or len(self._ghost) > MAX_GHOST_ENTRIES:
+            raise fail(f"ghost holds {len(self._ghost)} keys / {self._ghost_bytes} bytes, over its bound")
+
+    def _check_slots(self, alive: np.ndarray, fail) -> None:
+        slots = self._slots
+        held = np.nonzero(slots >= 0)[0]
+        rows = slots[held].astype(np.int64)
+        if len(rows) and int(rows.max()) >= self._next:
+            raise fail("a slot names a row out of range")
+        if not np.array_equal(np.bincount(rows, minlength=self._next)[:self._next], alive.astype(np.int64)):
+            raise fail("the slots do not hold each live row exactly once")
+        if int((slots == GONE).sum()) != self._gone or 2 * (self._live + self._gone) > len(slots):
+            raise fail("the slots' tombstone count or load is wrong")
+        # Each row is found by probing from its home: no EMPTY slot lies between them.
+        empties = np.concatenate([[0], np.cumsum(slots == EMPTY)])
+        home = self._homes(rows)
+        between = np.where(home <= held, empties[held] - empties[home],
+                           empties[-1] - empties[home] + empties[held])
+        if (between != 0).any():
+            raise fail("a row lies past an empty slot from its home: probes cannot find it")
