@@ -19,6 +19,7 @@ from kvstore.replies import ClientLimits
 from kvstore.server.data_dir import DataDirLock, HeldLock, ensure_dir, hold_data_dir
 from kvstore.server.events import EventStream, NoEvents
 from kvstore.server.socket_path import claim_socket_path
+from kvstore.server.tiering.chain import compose
 from kvstore.server.tiering.gpu_reads import GpuReads
 from kvstore.server.host_memory import check_host_tier, host_memory
 from kvstore.server.local.service import SERVER_VERSION, LocalConnection
@@ -56,23 +57,23 @@ class Daemon:
 
     def __init__(self, config: ServerConfig):
         self.config = config
-        nvme = cluster = None  # the chain below the host tier, each tier only when enabled
+        nvme = remote = None  # the chain below the host tier, each tier only when enabled
         if config.nvme.enabled:
             from kvstore.server.tiering.nvme_mover import TierMover
             nvme_config = replace(config.nvme, path=config.nvme_path)
-            nvme = lambda manager: TierMover(manager, nvme_config)  # noqa: E731
+            nvme = lambda host, events: TierMover(host, events, nvme_config)  # noqa: E731
         if config.cluster.enabled:
             from kvstore.server.cluster.link import ClusterLink
-            cluster = lambda manager: ClusterLink(manager, config.cluster)  # noqa: E731
+            remote = lambda local: ClusterLink(local, config.cluster)  # noqa: E731
         elif config.remote.mooncake_enabled:  # a Mooncake Store pool as the remote tier
             from kvstore.server.pool.link import PoolLink
-            cluster = lambda manager: PoolLink(manager, config.remote.mooncake)  # noqa: E731
+            remote = lambda local: PoolLink(local, config.remote.mooncake)  # noqa: E731
         self.events = NoEvents()  # the KV event stream for routers, when [events] enabled
         if config.events.enabled:
             from kvstore.server.events.publisher import ZmqPublisher
             self.events = EventStream(config.events.under(config.data_dir), ZmqPublisher)
-        self.manager = TierManager(config.host, config.limits, verify_puts=config.verify_puts, make_nvme=nvme,
-                                   make_cluster=cluster, events=self.events)
+        self.tiers = compose(config.host, events=self.events, make_nvme=nvme, make_remote=remote)
+        self.manager = TierManager(self.tiers, config.limits, verify_puts=config.verify_puts)
         self.connections: dict[int, LocalConnection] = {}
         self.started_at = time.time()
         self._server: asyncio.AbstractServer | None = None
@@ -111,15 +112,15 @@ class Daemon:
             from kvstore.server.admin.server import AdminServer
             self.admin = AdminServer(self)
             await self.admin.start()
-        self.manager.host_bandwidth_bytes_s = measure_copy_bandwidth()
+        self.tiers.host.bandwidth_bytes_s = measure_copy_bandwidth()
         self._check_not_stopping()
-        self.recovery = await self.manager.mover.open()
+        self.recovery = await self.tiers.nvme.open()
         self._mover_open = True
         self._check_not_stopping()
         for name in self.config.host.namespaces:  # pre-open: no client waits for their arenas
-            await self.manager.open_namespace(name)
+            await self.tiers.host.open_namespace(name)
             self._check_not_stopping()
-        await self.manager.cluster.start()  # serve peers and join membership
+        await self.tiers.remote.start()  # serve peers and join membership
         self._cluster_started = True
         umask = os.umask(0o077)  # no window in which other users may connect to the new socket
         try:
@@ -147,7 +148,7 @@ class Daemon:
             raise DaemonError(f"[gpu] enabled = true, but the GPU tier cannot run here: "
                               f"{self.gpu_availability.reason}. Set [gpu] enabled = false, or fix that")
         self.gpu = GpuTier(gpu)
-        self.manager.attach_gpu(GpuReads(self.gpu, self.manager.host))
+        self.tiers.attach_gpu(GpuReads(self.gpu, self.tiers.host))
         log.info("event=gpu_tier device=%d capacity_bytes=%d", gpu.device, gpu.capacity_bytes)
 
     def gpu_stats(self) -> dict:
@@ -155,14 +156,14 @@ class Daemon:
         found = self.gpu_availability
         doc = {"enabled": self.config.gpu.enabled, "available": bool(found and found.available),
                "reason": found.reason if found else "not probed yet", "device": self.config.gpu.device}
-        copies = self.manager.gpu.stats()
+        copies = self.tiers.gpu.stats()
         if copies is not None:
             doc.update(copies)
         return doc
 
     def request_stop(self) -> None:
         """SIGTERM / SIGINT: stop serving, or give up starting (an arena's prefault included)."""
-        self.manager.stopping.set()
+        self.tiers.host.stopping.set()
         self._stopped.set()
 
     def _check_not_stopping(self) -> None:
@@ -185,7 +186,7 @@ class Daemon:
     async def stop(self) -> None:
         """Undo what start() did, also when it did not finish (interrupted or failed)."""
         log.info("event=stopping clients=%d", len(self.connections))
-        self.manager.stopping.set()
+        self.tiers.host.stopping.set()
         for task in self._tasks:
             task.cancel()
         if self.admin is not None:
@@ -202,11 +203,11 @@ class Daemon:
             except FileNotFoundError:
                 pass
         if self._cluster_started:  # leave membership before we stop serving
-            await self.manager.cluster.stop()
+            await self.tiers.remote.stop()
         if self._mover_open:
             if self.config.nvme.flush_on_shutdown:
-                await self.manager.mover.flush_host()
-            await self.manager.mover.close()
+                await self.tiers.nvme.flush_host()
+            await self.tiers.nvme.close()
         self.manager.close()
         for name in self.events.namespaces():  # what this daemon held cannot be read until it is back
             self.events.cleared(name)
@@ -281,7 +282,7 @@ class Daemon:
             "uptime_s": time.time() - self.started_at,
             "clients": len(self.connections),
             "socket": self.config.socket_path,
-            "host_bandwidth_bytes_s": self.manager.host_bandwidth_bytes_s,
+            "host_bandwidth_bytes_s": self.tiers.host.bandwidth_bytes_s,
             "recovery": self.recovery,
             "gpu": self.gpu_stats(),
             **self.manager.stats(),

@@ -1,4 +1,5 @@
-"""Imports point one way (DESIGN.md section 9). This test fails when one runs the wrong way."""
+"""Imports point one way (the table in docs/architecture.md, "The parts"). This test fails
+when one runs the wrong way."""
 
 import ast
 import pathlib
@@ -20,7 +21,8 @@ ALLOWED = {
 }
 # Inside the daemon (docs/architecture.md, "The parts"): which of its packages each may use.
 # The peer protocol knows nothing of tiers; the chain of tiers knows nothing of clients,
-# peers or the admin API (the cluster joins it through a factory the daemon passes in).
+# peers or the admin API (the remote tier joins it through a factory the daemon passes to
+# server/tiering/chain.py: compose).
 # The event stream for routers is a leaf the tiers report to; it knows nothing of them.
 SERVER = {
     "server/peer": {"server.peer", "server.later", "server.logs"},
@@ -164,13 +166,34 @@ def test_adapters_import_their_engine_lazily():
 
 
 def test_no_module_asks_whether_a_tier_exists():
-    """The chain of tiers is composed once (server/tiering/manager.py): a tier that is off is a
+    """The chain of tiers is composed once (server/tiering/chain.py): a tier that is off is a
     null object (server/tiering/absent.py), so nobody checks for a missing neighbour, nor asks
     whether one is enabled: the null object answers (its victim_sink, its listed_as)."""
     import re
-    asks = re.compile(r"\b(mover|cluster|link)\s+is\s+(not\s+)?None\b|\b(manager|mgr|self)\.(mover|cluster|gpu)\.enabled\b")
+    asks = re.compile(r"\b(mover|cluster|link|below)\s+is\s+(not\s+)?None\b"
+                      r"|\b(manager|mgr|self|chain|tiers)\.(mover|cluster|gpu|nvme|remote|below)\.enabled\b")
     found = [f"{p.relative_to(ROOT)}:{i}: {line.strip()}" for p in sorted((ROOT / "server").rglob("*.py"))
              for i, line in enumerate(p.read_text().splitlines(), 1) if asks.search(line)]
+    assert not found, "\n".join(found)
+
+
+def test_no_tier_holds_the_manager_or_reaches_a_sibling_through_it():
+    """The tiers are composed in server/tiering/chain.py and each is handed the tiers it talks
+    to: no tier, cluster or pool role holds the tier manager, and nothing outside the manager
+    reaches a tier through it (`manager.nvme`, `mgr.remote`, ...). GroupOps is the one part
+    built on the manager's ops (reserve, commit, get), not a tier."""
+    import re
+    holds = re.compile(r"\bself\.manager\b|\bdef __init__\(self, manager\b")
+    reach = re.compile(r"\b(manager|mgr)\.(mover|cluster|nvme|remote|gpu|chain)\b")
+    tiers = [p for part in ("server/tiering", "server/cluster", "server/pool") for p in sorted((ROOT / part).rglob("*.py"))
+             if p.relative_to(ROOT).as_posix() != "server/tiering/groups.py"]
+    found = [f"{p.relative_to(ROOT)}:{i}: {line.strip()}" for p in tiers
+             for i, line in enumerate(p.read_text().splitlines(), 1) if holds.search(line.split("#", 1)[0])]
+    users = [p for part in ("server", "commands", "bench") for p in sorted((ROOT / part).rglob("*.py"))
+             if p.relative_to(ROOT).as_posix() != "server/tiering/manager.py"]
+    found += [f"{p.relative_to(ROOT)}:{i}: {line.strip()}" for p in users
+              for i, line in enumerate(p.read_text().splitlines(), 1) if reach.search(line.split("#", 1)[0])]
+    assert len(tiers) > 30 and len(users) > 90, "the check reads the tiers and their users"
     assert not found, "\n".join(found)
 
 

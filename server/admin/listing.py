@@ -21,28 +21,28 @@ from kvstore.server.admin.http import Conflict
 from kvstore.server.tiering.objects import ObjectEntry, live_in
 
 
-def tiers_of(manager) -> tuple[str, ...]:
+def tiers_of(tiers) -> tuple[str, ...]:
     """The tiers this node keeps objects in (what ?tier= may name)."""
-    return ("host", *manager.mover.listed_as)
+    return ("host", *tiers.nvme.listed_as)
 
 
-def check_tier(manager, tier: str | None) -> None:
-    if tier is not None and tier not in tiers_of(manager):
-        raise InvalidArgument(f"unknown tier {tier!r}; this node has: {', '.join(tiers_of(manager))}")
+def check_tier(tiers, tier: str | None) -> None:
+    if tier is not None and tier not in tiers_of(tiers):
+        raise InvalidArgument(f"unknown tier {tier!r}; this node has: {', '.join(tiers_of(tiers))}")
 
 
-def _on_nvme(manager, namespace: str, oid: ObjectId) -> bool:
-    return manager.mover.holds(namespace, oid)
+def _on_nvme(tiers, namespace: str, oid: ObjectId) -> bool:
+    return tiers.nvme.holds(namespace, oid)
 
 
-def object_doc(manager, entry, now: float) -> dict:
+def object_doc(tiers, entry, now: float) -> dict:
     """A host entry (also on NVMe when a verified copy is there)."""
     pinned = entry.is_pinned(now)
     return {
         "object_id": entry.object_id.hex,
         "namespace": entry.namespace,
         "tier": "host",
-        "tiers": ["host", "nvme"] if _on_nvme(manager, entry.namespace, entry.object_id) else ["host"],
+        "tiers": ["host", "nvme"] if _on_nvme(tiers, entry.namespace, entry.object_id) else ["host"],
         "size": entry.size,
         "checksum": entry.checksum.hex(),
         "descriptor": entry.descriptor.to_wire(),
@@ -77,9 +77,9 @@ def nvme_doc(meta) -> dict:
     }
 
 
-def doc(manager, view, now: float) -> dict:
+def doc(tiers, view, now: float) -> dict:
     """The document of a view find_object or list_page returned."""
-    return object_doc(manager, view, now) if isinstance(view, ObjectEntry) else nvme_doc(view)
+    return object_doc(tiers, view, now) if isinstance(view, ObjectEntry) else nvme_doc(view)
 
 
 def _in_order(items: list):
@@ -89,11 +89,11 @@ def _in_order(items: list):
         yield heapq.heappop(items)
 
 
-async def list_page(manager, namespace: str | None, flt, after, limit: int, tier: str | None = None):
+async def list_page(tiers, namespace: str | None, flt, after, limit: int, tier: str | None = None):
     """Up to `limit` live objects after key `after` (views: host entries or NVMe metas), and
     the key to continue from (None: done). tier: only objects with a copy in that tier."""
-    now = manager.clock()
-    mover = manager.mover
+    now = tiers.host.clock()
+    mover = tiers.nvme
 
     def wanted(name: str) -> bool:
         return (namespace is None or name == namespace) and (after is None or name >= after[0])
@@ -101,13 +101,13 @@ async def list_page(manager, namespace: str | None, flt, after, limit: int, tier
     def host_candidates():
         if tier not in (None, "host", "nvme"):
             return
-        for name, ns in manager.namespaces.items():
+        for name, ns in tiers.host.namespaces.items():
             if not wanted(name):
                 continue
             for oid, entry in ns.objects.items():
                 key = (name, oid.digest)
                 if ((after is None or key > after) and entry.is_live(now) and flt.matches(entry)
-                        and (tier != "nvme" or _on_nvme(manager, name, oid))):
+                        and (tier != "nvme" or _on_nvme(tiers, name, oid))):
                     yield key, entry
 
     # Host entries win (they know hits and pins); at most limit + 1 of them can be on a page.
@@ -116,14 +116,14 @@ async def list_page(manager, namespace: str | None, flt, after, limit: int, tier
     if tier in (None, "nvme"):
         nvme_only = [(key, None) for key in mover.keys()
                      if wanted(key[0]) and (after is None or key > after)
-                     and live_in(manager.namespaces.get(key[0]), ObjectId(key[1]), now) is None]
+                     and live_in(tiers.host.namespaces.get(key[0]), ObjectId(key[1]), now) is None]
     merged = heapq.merge(host, _in_order(nvme_only), key=lambda item: item[0])
     page: list = []
     while len(page) <= limit:
         batch = list(itertools.islice(merged, limit + 1 - len(page)))
         if not batch:
             break
-        metas = iter(await manager.mover.metas([key for key, view in batch if view is None]))
+        metas = iter(await tiers.nvme.metas([key for key, view in batch if view is None]))
         for key, view in batch:
             if view is None:
                 view = next(metas)
@@ -135,30 +135,30 @@ async def list_page(manager, namespace: str | None, flt, after, limit: int, tier
     return [view for _, view in page], (page[-1][0] if more else None)
 
 
-async def find_object(manager, oid: ObjectId, namespace: str | None):
+async def find_object(tiers, oid: ObjectId, namespace: str | None):
     """The one object with this id on this node (in `namespace`, or in whichever namespace
     holds it): its live host entry, else its NVMe meta. NotFound, or Conflict when several
     namespaces hold the id and none was named."""
-    now = manager.clock()
-    mover = manager.mover
+    now = tiers.host.clock()
+    mover = tiers.nvme
     if namespace is not None:
         on_nvme = mover.holds(namespace, oid)
-        if namespace not in manager.namespaces and not on_nvme:
+        if namespace not in tiers.host.namespaces and not on_nvme:
             raise NotFound(f"no object {oid.hex} in namespace {namespace!r} on this node")
         names = [namespace]
     else:
-        names = {name for name, ns in manager.namespaces.items() if oid in ns.objects}
+        names = {name for name, ns in tiers.host.namespaces.items() if oid in ns.objects}
         names |= {name for name, digest in mover.keys() if digest == oid.digest}
         names = sorted(names)
     found = []
     nvme_keys = []
     for name in names:
-        entry = live_in(manager.namespaces.get(name), oid, now)
+        entry = live_in(tiers.host.namespaces.get(name), oid, now)
         if entry is not None:
             found.append(entry)
         elif mover.holds(name, oid):
             nvme_keys.append((name, oid.digest))
-    found += [meta for meta in await manager.mover.metas(nvme_keys) if meta is not None]
+    found += [meta for meta in await tiers.nvme.metas(nvme_keys) if meta is not None]
     if not found:
         where = f"namespace {namespace!r}" if namespace is not None else "any namespace"
         raise NotFound(f"no object {oid.hex} in {where} on this node (host or NVMe)")

@@ -59,10 +59,10 @@ async def lookup(request: web.Request) -> web.Response:
         raise InvalidArgument("lookup needs tokens and descriptor")
     desc = descriptor(body["descriptor"])
     keys = chunk_keys(tokens(body["tokens"]), desc, extra_keys=extra_keys(body.get("extra_keys")))
-    manager = request.app[ADMIN].daemon.manager
-    if desc.namespace in manager.namespaces and keys:  # never open a namespace for a lookup
+    tiers = request.app[ADMIN].daemon.tiers
+    if desc.namespace in tiers.host.namespaces and keys:  # never open a namespace for a lookup
         # desc's only; misses are asked of peers
-        found = await resolve(manager.lookup(desc.namespace, [k.object_id for k in keys], [desc] * len(keys)))
+        found = await resolve(tiers.index.lookup(desc.namespace, [k.object_id for k in keys], [desc] * len(keys)))
     else:
         found = LookupReply.nothing(len(keys))
     per_tier: dict[str, int] = {}

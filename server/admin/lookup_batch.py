@@ -124,7 +124,7 @@ async def lookup_batch(request: web.Request) -> web.Response:
         else:
             resolved.append(_by_tokens(prefix, objects))
             await asyncio.sleep(0)  # chunk_keys over up to 1M tokens: ~50 ms
-    index = daemon.manager.index
+    index = daemon.tiers.index
     tiers, sizes = await _place(index, namespace, objects)
     ranks = rank_of(tiers)
     results = []

@@ -85,8 +85,8 @@ EVENTS_COUNTERS = {
 OPS_COUNTERS = ("num_puts", "num_dedup_puts", "num_gets", "num_deletes")
 
 
-def total_ops(manager) -> int:
-    return sum(getattr(ns.counters, name) for ns in manager.namespaces.values() for name in OPS_COUNTERS)
+def total_ops(host) -> int:
+    return sum(getattr(ns.counters, name) for ns in host.namespaces.values() for name in OPS_COUNTERS)
 
 
 class OpsMeter:

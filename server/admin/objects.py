@@ -40,8 +40,8 @@ MAX_EVICT_REPORT = 10_000
 FILTER_FIELDS = ("model", "model_revision", "kind", "dtype", "session_id", "branch_id")
 
 
-def _manager(request: web.Request):
-    return request.app[ADMIN].daemon.manager
+def _tiers(request: web.Request):
+    return request.app[ADMIN].daemon.tiers
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,36 +94,37 @@ def decode_cursor(text: str) -> tuple[str, bytes]:
 
 
 async def list_objects(request: web.Request) -> web.Response:
-    manager = _manager(request)
+    tiers = _tiers(request)
     tier = query_str(request, "tier")
-    check_tier(manager, tier)
+    check_tier(tiers, tier)
     flt = ObjectFilter.parse({"model": query_str(request, "model"), "kind": query_str(request, "kind")})
     limit = query_int(request, "limit", DEFAULT_PAGE, 1, MAX_PAGE)
     cursor = query_str(request, "cursor")
-    views, last = await list_page(manager, query_str(request, "namespace"), flt,
+    views, last = await list_page(tiers, query_str(request, "namespace"), flt,
                                   decode_cursor(cursor) if cursor is not None else None, limit, tier)
-    now = manager.clock()
-    return json_response({"objects": [doc(manager, v, now) for v in views],
+    now = tiers.host.clock()
+    return json_response({"objects": [doc(tiers, v, now) for v in views],
                           "next_cursor": encode_cursor(last) if last is not None else None})
 
 
 async def _target(request: web.Request):
-    manager = _manager(request)
+    tiers = _tiers(request)
     oid = parse_object_id(request.match_info["id"])
-    return manager, await find_object(manager, oid, query_str(request, "namespace"))
+    return tiers, await find_object(tiers, oid, query_str(request, "namespace"))
 
 
 async def show_object(request: web.Request) -> web.Response:
-    manager, view = await _target(request)
-    document = doc(manager, view, manager.clock())
-    document.update(await _groups_doc(manager, view.namespace, view.object_id))
+    tiers, view = await _target(request)
+    document = doc(tiers, view, tiers.host.clock())
+    groups = request.app[ADMIN].daemon.manager.groups
+    document.update(await _groups_doc(tiers, groups, view.namespace, view.object_id))
     return json_response(document)
 
 
-async def _groups_doc(manager, namespace: str, oid) -> dict:
+async def _groups_doc(tiers, groups, namespace: str, oid) -> dict:
     """The store groups naming the object (those whose manifest is in host memory here), each
     complete or not; for a manifest, its members too."""
-    ns = manager.namespaces.get(namespace)
+    ns = tiers.host.namespaces.get(namespace)
     index = ns.groups if ns is not None else None
     gids = index.groups(oid) if index is not None else []
     out: dict = {}
@@ -131,7 +132,7 @@ async def _groups_doc(manager, namespace: str, oid) -> dict:
         out["members"] = [member.hex for member in index.members[oid]]
         gids = [oid, *gids]
     if gids:
-        found = await resolve(manager.groups.lookup_groups(namespace, [list(index.members[g]) for g in gids], None))
+        found = await resolve(groups.lookup_groups(namespace, [list(index.members[g]) for g in gids], None))
         complete = dict(zip(gids, found.complete))
         if "members" in out:
             out["complete"] = bool(complete.pop(oid))
@@ -142,9 +143,9 @@ async def _groups_doc(manager, namespace: str, oid) -> dict:
 
 
 async def delete_object(request: web.Request) -> web.Response:
-    manager, view = await _target(request)
+    tiers, view = await _target(request)
     # this node's admin: its copies (NVMe ones are deleted in the I/O pool)
-    await resolve(manager.delete(view.namespace, [view.object_id], scope="node"))
+    await resolve(tiers.index.delete(view.namespace, [view.object_id], scope="node"))
     return json_response({"deleted": True, "namespace": view.namespace, "object_id": view.object_id.hex})
 
 
@@ -155,20 +156,20 @@ async def pin_object(request: web.Request) -> web.Response:
     ttl_s = check_number(body, "ttl_s")
     if ttl_s == 0:
         raise InvalidArgument("ttl_s must be > 0, or null to pin until unpinned")
-    manager, view = await _target(request)
+    tiers, view = await _target(request)
     if not isinstance(view, ObjectEntry):
-        view = await manager.mover.promote(view.namespace, view.object_id)
+        view = await tiers.nvme.promote(view.namespace, view.object_id)
         if view is None:  # deleted meanwhile, or its NVMe copy failed its checksum (dropped, counted)
             raise NotFound(f"object {request.match_info['id']} left NVMe before it could be pinned")
-    manager.pin(view.namespace, [view.object_id], ttl_s, scope="node")  # like delete: this node's copy
-    return json_response(doc(manager, view, manager.clock()))
+    tiers.index.pin(view.namespace, [view.object_id], ttl_s, scope="node")  # like delete: this node's copy
+    return json_response(doc(tiers, view, tiers.host.clock()))
 
 
 async def unpin_object(request: web.Request) -> web.Response:
-    manager, view = await _target(request)
+    tiers, view = await _target(request)
     if isinstance(view, ObjectEntry):  # an NVMe-only copy is never pinned: nothing to undo
-        manager.unpin(view.namespace, [view.object_id], scope="node")
-    return json_response(doc(manager, view, manager.clock()))
+        tiers.index.unpin(view.namespace, [view.object_id], scope="node")
+    return json_response(doc(tiers, view, tiers.host.clock()))
 
 
 async def evict(request: web.Request) -> web.Response:
@@ -176,13 +177,13 @@ async def evict(request: web.Request) -> web.Response:
 
     Leased and pinned objects are never evicted; the answer lists what was."""
     body = await json_body(request, {"namespace", "tier", "bytes", "filter"})
-    manager = _manager(request)
+    tiers = _tiers(request)
     namespace = check_str(body, "namespace")
     tier = check_str(body, "tier") or "host"
     if tier == "nvme":
         raise InvalidArgument("evict frees host memory only; NVMe makes its own room (delete an NVMe copy "
                               "with DELETE /v1/objects/{id}, `kvstore objects rm`)")
-    check_tier(manager, tier)
+    check_tier(tiers, tier)
     num_bytes = check_number(body, "bytes", integer=True, minimum=1)
     raw_filter = body.get("filter")
     if num_bytes is None and raw_filter is None:
@@ -194,11 +195,11 @@ async def evict(request: web.Request) -> web.Response:
     flt = ObjectFilter.parse(raw_filter or {})
     if num_bytes is not None and namespace is None:
         raise InvalidArgument("bytes frees room in one namespace's arena; give namespace too")
-    if namespace is not None and namespace not in manager.namespaces:
+    if namespace is not None and namespace not in tiers.host.namespaces:
         raise NotFound(f"no namespace {namespace!r} on this node")
     evicted = []
-    for name in [namespace] if namespace is not None else sorted(manager.namespaces):
-        evicted += manager.evict(name, num_bytes, flt.matches)
+    for name in [namespace] if namespace is not None else sorted(tiers.host.namespaces):
+        evicted += tiers.index.evict(name, num_bytes, flt.matches)
     return json_response({
         "tier": tier,
         "requested_bytes": num_bytes,

@@ -98,7 +98,7 @@ async def cluster(request: web.Request) -> web.Response:
                   for name, tier in doc["tiers"].items()},
         "host_bandwidth_bytes_s": doc["host_bandwidth_bytes_s"],
     }
-    link = admin.daemon.manager.cluster
+    link = admin.daemon.tiers.remote
     if link.remote is None:  # one node; its remote tier may be a shared pool (else "pool" is left out)
         pool = await link.pool_status()
         return json_response({"self": node["node_id"], "nodes": [node], **({"pool": pool} if pool else {})})

@@ -1,4 +1,4 @@
-"""The admin REST API server (DESIGN.md section 8): aiohttp on the daemon's own event loop.
+"""The admin REST API server (docs/admin-api.md): aiohttp on the daemon's own event loop.
 
 At start it binds admin.host:admin.port (port 0: any free port) and writes the URL it got
 to <data_dir>/admin.addr. A bearer token is generated at first start into
@@ -154,11 +154,11 @@ class AdminServer:
 
     async def _sample_ops(self) -> None:
         while True:
-            self.ops.sample(time.monotonic(), total_ops(self.daemon.manager))
+            self.ops.sample(time.monotonic(), total_ops(self.daemon.tiers.host))
             await asyncio.sleep(OPS_SAMPLE_INTERVAL_S)
 
     def ops_per_s(self) -> float:
-        return self.ops.rate(time.monotonic(), total_ops(self.daemon.manager))
+        return self.ops.rate(time.monotonic(), total_ops(self.daemon.tiers.host))
 
     def check_token(self, request: web.Request) -> None:
         scheme, _, given = request.headers.get("Authorization", "").partition(" ")

@@ -10,6 +10,7 @@ back before the next home is asked.
 from __future__ import annotations
 
 import time
+from typing import NamedTuple
 
 import numpy as np
 
@@ -17,20 +18,27 @@ from kvstore.errors import CapacityError
 from kvstore.identity import read_refusal
 from kvstore.peer_messages import RemoteMeta
 from kvstore.ranges import check_within, total as ranges_total
-from kvstore.replies import MISS, GetReply
 from kvstore.server.events import MEDIUM_PEER
 from kvstore.server.tiering.objects import ObjectEntry
 from kvstore.server.tiering.bandwidth import moving_bandwidth
+from kvstore.tiers.allocator import Extent
 
 DEFAULT_REMOTE_BANDWIDTH = 1e9
+
+
+class RangesFetched(NamedTuple):
+    """Some byte ranges of an object, fetched and verified, packed in `extent` (transient)."""
+    extent: Extent
+    meta: RemoteMeta
+    checksum: bytes  # of the packed ranges, as the home computed and this node verified
 
 
 class Landing:
     """Where one transfer's bytes land in a namespace's arena (see the module docstring).
     An extent it holds is tracked as transient until `keep` hands it over."""
 
-    def __init__(self, manager, ns):
-        self.manager, self.ns = manager, ns
+    def __init__(self, host, ns):
+        self.host, self.ns = host, ns
         self.extent = None
         self.staged: np.ndarray | None = None
 
@@ -41,7 +49,7 @@ class Landing:
         if extent is None:
             self.staged = np.empty(size, dtype=np.uint8)  # no room yet: stage, copy after
             return self.staged
-        self.manager.track_transient(self.ns, extent, add=True)
+        self.host.track_transient(self.ns, extent, add=True)
         self.extent = extent
         return self.ns.arena.view(extent)[:size]
 
@@ -50,10 +58,10 @@ class Landing:
         copied in if they were staged), or None when no room can be made."""
         if self.extent is None:
             try:
-                extent = await self.manager.allocate(self.ns, size)
+                extent = await self.host.allocate(self.ns, size)
             except CapacityError:
                 return None
-            self.manager.track_transient(self.ns, extent, add=True)
+            self.host.track_transient(self.ns, extent, add=True)
             self.extent = extent
             np.copyto(np.frombuffer(self.ns.arena.view(extent), dtype=np.uint8)[:size], self.staged)
             self.staged = None
@@ -64,12 +72,12 @@ class Landing:
         it ends): this landing no longer frees it."""
         extent, self.extent = self.extent, None
         if untrack:
-            self.manager.track_transient(self.ns, extent, add=False)
+            self.host.track_transient(self.ns, extent, add=False)
         return extent
 
     def give_back(self) -> None:
         if self.extent is not None:
-            self.manager.track_transient(self.ns, self.extent, add=False)
+            self.host.track_transient(self.ns, self.extent, add=False)
             self.ns.arena.free(self.extent)
             self.extent = None
         self.staged = None
@@ -78,8 +86,9 @@ class Landing:
 class Fetcher:
     """Fetches local misses from home nodes. `held` is shared with the other cluster roles."""
 
-    def __init__(self, manager, node, held: set):
-        self.manager, self.node, self.held = manager, node, held
+    def __init__(self, local, node, held: set):
+        """local: this node's tiers (server/tiering/chain.py: LocalTiers)."""
+        self.host, self.events, self.node, self.held = local.host, local.events, node, held
         # Remote load estimates: start from a loopback-TCP guess, then follow fetches.
         self.bandwidth_bytes_s = DEFAULT_REMOTE_BANDWIDTH
 
@@ -88,8 +97,8 @@ class Fetcher:
         remote = self.node.remote
         if remote is None:
             return None
-        ns = await self.manager.open_namespace(namespace)
-        landing = Landing(self.manager, ns)
+        ns = await self.host.open_namespace(namespace)
+        landing = Landing(self.host, ns)
         start = time.perf_counter()
         try:
             meta = await remote.get_into(namespace, object_id, lambda meta: landing.place(meta.size))
@@ -101,21 +110,23 @@ class Fetcher:
         if meta is None or object_id in ns.objects:  # a miss, or a local put landed meanwhile
             landing.give_back()
             if meta is None:  # the homes no longer hold it (or are down): not a PEER holding now
-                self.manager.events.removed(namespace, object_id, MEDIUM_PEER)
+                self.events.removed(namespace, object_id, MEDIUM_PEER)
             return ns.objects.get(object_id)
         if await landing.settle(meta.size) is None:
             return None
         self.held.add((namespace, object_id.digest))  # a home had it
-        return self.manager.publish(ns, object_id, landing.keep(untrack=True), meta.size, meta.checksum,
+        return self.host.publish(ns, object_id, landing.keep(untrack=True), meta.size, meta.checksum,
                                     meta.descriptor, meta.hints, created_at=meta.created_at)
 
-    async def get_ranges(self, owner, namespace: str, object_id, accept, ranges: tuple, expect=None) -> GetReply:
-        """A local miss of a reader that needs only `ranges` (kvstore.ranges): fetch just those
-        bytes from a home and lease them; nothing is published here."""
-        mgr, remote = self.manager, self.node.remote
-        mgr.quotas.check_lease(owner)  # before any byte crosses the network
-        ns = mgr.namespaces[namespace]
-        size, landing, refused = ranges_total(ranges), Landing(mgr, ns), []
+    async def fetch_ranges(self, namespace: str, object_id, accept, ranges: tuple, expect=None):
+        """A local miss of a reader that needs only `ranges` (kvstore.ranges): just those bytes
+        fetched from a home, packed into an extent of their own (tracked as transient; the
+        read lease the tier manager grants on it frees it when it ends). Nothing is published
+        here. Returns a RangesFetched, the reason a home's copy was refused (its descriptor),
+        or None (no home holds it, none answered, or no room)."""
+        remote = self.node.remote
+        ns = self.host.namespaces[namespace]
+        size, landing, refused = ranges_total(ranges), Landing(self.host, ns), []
 
         def alloc(meta: RemoteMeta):
             check_within(ranges, meta.size)  # a home that did not check must not make us allocate
@@ -125,23 +136,17 @@ class Fetcher:
                 return None  # the bytes are drained, not kept
             return landing.place(size)
 
-        lease_id, got, extent = None, None, None
+        got, extent = None, None
         try:
             if remote is not None and remote.remote_homes(object_id):
                 got = await remote.get_ranges_into(namespace, object_id, ranges, alloc)
             if got is not None:
                 extent = await landing.settle(size)
-            if extent is not None:
-                lease_id = mgr.grant_ranged(owner, ns, object_id, extent)
-                landing.keep(untrack=False)  # the lease frees it when it ends
         finally:
-            if lease_id is None:
-                ns.counters.num_misses += 1  # a miss, a refusal or an error
+            if extent is None:
                 landing.give_back()
-        if lease_id is None:
-            return GetReply(False, refused[-1]) if refused else MISS
+        if extent is None:
+            return refused[-1] if refused else None
+        landing.keep(untrack=False)
         meta, checksum = got
-        ns.counters.num_hits += 1
-        ns.counters.bytes_out += size
-        return GetReply(True, lease=lease_id, offset=extent.offset, size=size, checksum=checksum, tier="remote",
-                        descriptor=meta.descriptor.to_wire(), ranges=ranges, object_size=meta.size)
+        return RangesFetched(extent, meta, checksum)

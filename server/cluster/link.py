@@ -12,7 +12,7 @@
     delete             -> this node's tiers, then every live member
     membership change  -> objects held here are copied to their new homes (server.cluster.rehome)
     pin / unpin        -> this node's host copies, then the homes' (scope "cluster")
-    peer asks us       -> read / reserve / lookup / delete / pin against the tier manager
+    peer asks us       -> read / reserve / lookup / delete / pin against this node's tiers
 
 Three roles, one module each, composed here: serving peers (server/cluster/serving.py),
 fetching misses from homes (server/cluster/fetch.py: one landing for whole and ranged
@@ -38,32 +38,69 @@ from kvstore.server.cluster.serving import PeerServing
 from kvstore.server.later import MaybeAwaitable, then
 from kvstore.server.cluster.node import PeerNode
 from kvstore.server.cluster.rehome import Rehomer
+from kvstore.server.tiering.chain import LocalTiers
+from kvstore.server.tiering.objects import ObjectEntry
 
 
 class ClusterLink:
-    """The cluster as the tier manager sees it: the roles, membership and re-homing. The
+    """The cluster as the tiers above see it: the roles, membership and re-homing. The
     last tier of the chain (server/tiering/absent.py: NoCluster stands in when it is off)."""
 
-    def __init__(self, manager, config: ClusterConfig):
-        """config: the `[cluster]` table."""
-        self.manager = manager
+    reads_ranges = True  # a ranged miss fetches only those ranges from a home (fetch_ranges)
+
+    def __init__(self, local: LocalTiers, config: ClusterConfig):
+        """local: this node's tiers, which peers are served from and fetches land in;
+        config: the `[cluster]` table."""
         self.config = config
+        self.events = local.events
         # (namespace, digest) of objects held here that every remote home is known to hold
         # too: they may leave this node without being sent. Only objects held here are kept,
         # and only for the member list of the day (homes move when it changes).
         self._held: set[tuple[str, bytes]] = set()
-        self.serving = PeerServing(manager, self._held)
+        self.serving = PeerServing(local, self._held)
         self.node = PeerNode(config, self.serving, on_members=self.on_members,
                              on_peer_state=self.on_peer_state)
-        self.fetcher = Fetcher(manager, self.node, self._held)
-        self.replicator = Replicator(manager, config, self.node, self._held, self.serving)
-        self.rehomer = Rehomer(self, config) if config.rehome else None
-        # What the tier manager and the re-homer call, each answered by its role.
-        self.fetch, self.get_ranges = self.fetcher.fetch, self.fetcher.get_ranges
-        self.meta, self.held_view = self.serving.meta, manager.held_view
-        r = self.replicator
-        self.sending, self.on_commit, self.must_send, self.forget = r.sending, r.on_commit, r.must_send, r.forget
-        self.demote, self.demote_from_nvme, self.put_remote = r.demote, r.demote_from_nvme, r.put_remote
+        self.fetcher = Fetcher(local, self.node, self._held)
+        self.replicator = Replicator(local, config, self.node, self._held, self.serving)
+        self.rehomer = Rehomer(self, local, config) if config.rehome else None
+
+    # --- what the tiers above ask (server/tiering/chain.py: Homes), each answered by its role
+
+    def fetch(self, namespace: str, oid: ObjectId) -> MaybeAwaitable[ObjectEntry | None]:
+        """A local miss fetched from the homes into the host tier (server/cluster/fetch.py)."""
+        return self.fetcher.fetch(namespace, oid)
+
+    def fetch_ranges(self, namespace: str, oid: ObjectId, accept, ranges: tuple, expect=None):
+        """Only `ranges` of a local miss, fetched from a home (Fetcher.fetch_ranges)."""
+        return self.fetcher.fetch_ranges(namespace, oid, accept, ranges, expect)
+
+    def on_commit(self, entry: ObjectEntry) -> None:
+        """A local commit: copied to the homes now (write_through) or later (server/cluster/replicate.py)."""
+        self.replicator.on_commit(entry)
+
+    def put_remote(self, entry: ObjectEntry):
+        """A put with tier="remote": the commit's reply waits for the homes."""
+        return self.replicator.put_remote(entry)
+
+    def must_send(self, namespace: str, oid: ObjectId) -> bool:
+        """Whether `oid` must be sent home before it may leave this node."""
+        return self.replicator.must_send(namespace, oid)
+
+    def forget(self, namespace: str, oid: ObjectId) -> None:
+        """`oid` left this node altogether."""
+        self.replicator.forget(namespace, oid)
+
+    async def demote(self, entries: list[ObjectEntry]) -> None:
+        """Host victims leaving this node: sent to the homes that may lack them first."""
+        await self.replicator.demote(entries)
+
+    async def demote_from_nvme(self, namespace: str, oids: list[ObjectId]) -> None:
+        """NVMe's victims leaving this node: sent to the homes that may lack them first."""
+        await self.replicator.demote_from_nvme(namespace, oids)
+
+    def sending(self, namespace: str, oid: ObjectId):
+        """The send gate (an async context), shared by commit copies, demotions and re-homing."""
+        return self.replicator.sending(namespace, oid)
 
     def victim_sink(self, host):
         """The host tier's victims, with no NVMe tier: copied to their homes, then evicted."""
@@ -139,7 +176,7 @@ class ClusterLink:
         metas = await self.remote.lookup(namespace, [i if isinstance(i, ObjectId) else ObjectId(bytes(i)) for i in ids])
         for oid, meta in zip(ids, metas):
             if meta is None:  # the homes no longer hold it (or are down): not a PEER holding now
-                self.manager.events.removed(namespace, oid, MEDIUM_PEER)
+                self.events.removed(namespace, oid, MEDIUM_PEER)
         return metas
 
     async def pool_status(self) -> None:

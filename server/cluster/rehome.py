@@ -35,6 +35,7 @@ from dataclasses import asdict, dataclass
 
 from kvstore.identity import ObjectId
 from kvstore.ownership import home_nodes, new_homes
+from kvstore.server.cluster.serving import PeerServing
 from kvstore.server.tiering.objects import live_in
 
 log = logging.getLogger("kvstore.rehome")
@@ -57,8 +58,11 @@ class RehomeCounters:
 
 
 class Rehomer:
-    def __init__(self, link, cluster_config):
-        self.link = link  # server.cluster.link.ClusterLink
+    def __init__(self, link, local, cluster_config):
+        """link: the cluster (server.cluster.link.ClusterLink: its peer tier and send gate);
+        local: this node's tiers (server/tiering/chain.py: LocalTiers)."""
+        self.link = link
+        self.host, self.nvme = local.host, local.nvme
         self.replicas = cluster_config.replicas
         self.delay_s = cluster_config.rehome_delay_s
         self.counters = RehomeCounters()
@@ -192,12 +196,11 @@ class Rehomer:
 
     def _held_here(self) -> dict[str, list[ObjectId]]:
         """Every live object of this node by namespace: host entries and NVMe-only ones."""
-        manager = self.link.manager
-        now = manager.clock()
+        now = self.host.clock()
         held: dict[str, set] = {}
-        for name, ns in manager.namespaces.items():
+        for name, ns in self.host.namespaces.items():
             held[name] = {oid.digest for oid, e in ns.objects.items() if e.is_live(now)}
-        for namespace, digest in manager.mover.keys():
+        for namespace, digest in self.nvme.keys():
             held.setdefault(namespace, set()).add(digest)
         return {name: [ObjectId(d) for d in digests] for name, digests in held.items() if digests}
 
@@ -249,14 +252,14 @@ class Rehomer:
 
     async def _copy_to(self, node: str, namespace: str, oid: ObjectId) -> int | bool | None:
         """Bytes sent (the object's size), False when the send failed, None when it is gone."""
-        manager, remote = self.link.manager, self.link.remote
-        entry = live_in(manager.namespaces.get(namespace), oid, manager.clock())
+        remote = self.link.remote
+        entry = live_in(self.host.namespaces.get(namespace), oid, self.host.clock())
         if entry is not None:
-            with self.link.held_view(entry) as view:
-                ok = await remote.put_to(node, namespace, oid, self.link.meta(entry), view)
+            with self.host.held_view(entry) as view:
+                ok = await remote.put_to(node, namespace, oid, PeerServing.meta(entry), view)
             return ok and entry.size
-        if manager.mover.holds(namespace, oid):
-            copy = await manager.mover.read_copy(namespace, oid)
+        if self.nvme.holds(namespace, oid):
+            copy = await self.nvme.read_copy(namespace, oid)
             if copy is None:
                 return None
             meta, data = copy

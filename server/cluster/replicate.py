@@ -38,8 +38,10 @@ class Replicator:
     """`held`: (namespace, digest) of objects held here that every remote home is known to
     hold too (shared with the other cluster roles); `serving` lends host entries' bytes."""
 
-    def __init__(self, manager, config, node, held: set, serving):
-        self.manager, self.config, self.node, self.held, self.serving = manager, config, node, held, serving
+    def __init__(self, local, config, node, held: set, serving):
+        """local: this node's tiers (server/tiering/chain.py: LocalTiers)."""
+        self.host, self.nvme, self.events = local.host, local.nvme, local.events
+        self.config, self.node, self.held, self.serving = config, node, held, serving
         self._background: set[asyncio.Task] = set()
         # Sends in flight per object: a delete waits for them, or the copy would land after it.
         self._sending: dict[tuple[str, bytes], list[asyncio.Future]] = {}
@@ -93,20 +95,20 @@ class Replicator:
     async def _send_to_homes(self, entry: ObjectEntry, raising: bool = False) -> tuple[list[str], bool]:
         """Send a host entry to every remote home: (the remote homes that hold it now, whether
         all of them do). raising: a home's Conflict is raised (tiers.remote.RemoteTier.put)."""
-        ns = self.manager.namespaces[entry.namespace]
+        ns = self.host.namespaces[entry.namespace]
         if ns.objects.get(entry.object_id) is not entry:
             return [], False  # deleted or evicted before its turn: its extent may be reused
         homes = self.remote.remote_homes(entry.object_id)
         async with self.sending(entry.namespace, entry.object_id):
             if ns.objects.get(entry.object_id) is not entry:
                 return [], False
-            with self.manager.held_view(entry) as view:
+            with self.host.held_view(entry) as view:
                 held = await self.remote.put(entry.namespace, entry.object_id, self.serving.meta(entry), view,
                                              raising)
         if held and set(held) >= set(homes):
             if ns.objects.get(entry.object_id) is entry:
                 self.held.add((entry.namespace, entry.object_id.digest))
-            self.manager.events.stored(entry.namespace, entry.object_id, MEDIUM_PEER, entry.descriptor, entry.hints)
+            self.events.stored(entry.namespace, entry.object_id, MEDIUM_PEER, entry.descriptor, entry.hints)
             return held, True
         return held, False
 
@@ -138,14 +140,14 @@ class Replicator:
 
     async def _send_from_nvme(self, namespace: str, oid) -> bool | None:
         async with self.sending(namespace, oid):
-            copy = await self.manager.mover.read_copy(namespace, oid)
+            copy = await self.nvme.read_copy(namespace, oid)
             if copy is None:
                 return None  # gone, or failed its check (counted by the NVMe tier)
             meta, data = copy
             homes = self.remote.remote_homes(oid)
             sent = set(await self.remote.put(namespace, oid, meta, data)) >= set(homes)
             if sent:
-                self.manager.events.stored(namespace, oid, MEDIUM_PEER, meta.descriptor, meta.hints)
+                self.events.stored(namespace, oid, MEDIUM_PEER, meta.descriptor, meta.hints)
             return sent
 
     def _count_demotions(self, items, results) -> None:
@@ -161,13 +163,13 @@ class Replicator:
         self.counters.num_remote_puts += 1
         homes = self.remote.homes(entry.object_id)
         held, sent = [], True
-        ns = self.manager.namespaces[entry.namespace]
+        ns = self.host.namespaces[entry.namespace]
         if self.remote.remote_homes(entry.object_id):
             try:
                 held, sent = await self._send_to_homes(entry, raising=True)
             except Conflict:  # a home holds this id as another state: the put is refused here too
                 if ns.objects.get(entry.object_id) is entry:
-                    self.manager.drop(ns, entry)
+                    self.host.drop(ns, entry)
                 raise
         if not sent:
             self.counters.num_remote_put_fallbacks += 1
@@ -176,7 +178,7 @@ class Replicator:
             # Every home that holds it: this node (it keeps its copy) and those the send reached.
             return CommitReply(False, "host", "memory", tuple(n for n in homes if n == self.node.node_id or n in held))
         if self.node.node_id not in homes and ns.objects.get(entry.object_id) is entry:
-            self.manager.drop(ns, entry)  # forgets it here too
+            self.host.drop(ns, entry)  # forgets it here too
             return CommitReply(False, "remote", "memory", tuple(homes))
         return CommitReply(False, "host" if self.node.node_id in homes else "remote", "memory", tuple(homes))
 
@@ -193,5 +195,5 @@ class Replicator:
             await asyncio.wait(pending, timeout=4 * self.config.peer_timeout_s)
         remote = await self.remote.delete(namespace, list(ids))
         for oid in ids:
-            self.manager.events.removed(namespace, oid, MEDIUM_PEER)
+            self.events.removed(namespace, oid, MEDIUM_PEER)
         return sum(a or b for a, b in zip(found, remote))

@@ -21,11 +21,12 @@ FOR_PEER: contextvars.ContextVar[bool] = contextvars.ContextVar("kvstore_for_pee
 
 
 class PeerServing:
-    """Serves peers from the tier manager. `held`: (namespace, digest) of objects held here
-    that every remote home is known to hold too (shared with the other cluster roles)."""
+    """Serves peers from this node's tiers (`local`: server/tiering/chain.py: LocalTiers).
+    `held`: (namespace, digest) of objects held here that every remote home is known to hold
+    too (shared with the other cluster roles)."""
 
-    def __init__(self, manager, held: set):
-        self.manager = manager
+    def __init__(self, local, held: set):
+        self.host, self.nvme, self.index = local.host, local.nvme, local.index
         self.held = held
 
     @staticmethod
@@ -33,56 +34,56 @@ class PeerServing:
         return RemoteMeta(entry.size, entry.checksum, entry.descriptor, entry.hints, entry.created_at)
 
     def _live(self, ns, object_id) -> ObjectEntry | None:
-        return live_in(ns, object_id, self.manager.clock())
+        return live_in(ns, object_id, self.host.clock())
 
     def read(self, namespace: str, object_id) -> PeerRead | None | object:
-        ns = self.manager.namespaces.get(namespace)
+        ns = self.host.namespaces.get(namespace)
         entry = self._live(ns, object_id)
         if entry is None:
-            if self.manager.mover.holds(namespace, object_id):
+            if self.nvme.holds(namespace, object_id):
                 return self._read_after_promotion(namespace, object_id)
             return None
         return self._lend(ns, entry)
 
     async def _read_after_promotion(self, namespace: str, object_id):
-        entry = await self.manager.mover.promote(namespace, object_id)
-        return None if entry is None else self._lend(self.manager.namespaces[namespace], entry)
+        entry = await self.nvme.promote(namespace, object_id)
+        return None if entry is None else self._lend(self.host.namespaces[namespace], entry)
 
     def _lend(self, ns, entry: ObjectEntry) -> PeerRead:
-        self.manager.hold(entry)  # the extent stays put until the transfer ends
+        self.host.hold(entry)  # the extent stays put until the transfer ends
         view = ns.arena.view(entry.extent)[:entry.size]
-        return PeerRead(self.meta(entry), view, lambda: self.manager.release_hold(entry), entry.serial)
+        return PeerRead(self.meta(entry), view, lambda: self.host.release_hold(entry), entry.serial)
 
     def reserve(self, namespace: str, object_id, meta: RemoteMeta):
         if meta.descriptor.namespace != namespace:
             raise ChecksumError("peer put names another namespace in its descriptor")
-        ns = self.manager.namespaces.get(namespace)
+        ns = self.host.namespaces.get(namespace)
         held = self._live(ns, object_id)
-        if held is None and self.manager.mover.holds(namespace, object_id):
-            held = self.manager.mover.remote_meta(namespace, object_id)
+        if held is None and self.nvme.holds(namespace, object_id):
+            held = self.nvme.remote_meta(namespace, object_id)
         if held is not None:  # the same state, or a Conflict (raised to a tier="remote" put)
             check_same_object(object_id, held.size, held.descriptor, meta.size, meta.descriptor)
             return None
         return self._reserve(namespace, object_id, meta)  # (a copy past its TTL is replaced at publish)
 
     async def _reserve(self, namespace: str, object_id, meta: RemoteMeta) -> PeerWrite:
-        ns = await self.manager.open_namespace(namespace)
+        ns = await self.host.open_namespace(namespace)
         token = FOR_PEER.set(True)  # demotions this makes room with skip the send gate
         try:
-            extent = await self.manager.allocate(ns, meta.size)
+            extent = await self.host.allocate(ns, meta.size)
         finally:
             FOR_PEER.reset(token)
-        self.manager.track_transient(ns, extent, add=True)
+        self.host.track_transient(ns, extent, add=True)
         view = ns.arena.view(extent)[:meta.size]
 
         def commit() -> None:  # the peer service verified the bytes against meta.checksum
-            self.manager.track_transient(ns, extent, add=False)
-            self.manager.publish(ns, object_id, extent, meta.size, meta.checksum, meta.descriptor, meta.hints,
+            self.host.track_transient(ns, extent, add=False)
+            self.host.publish(ns, object_id, extent, meta.size, meta.checksum, meta.descriptor, meta.hints,
                                  pin_hint=True, created_at=meta.created_at)
             self.held.add((namespace, object_id.digest))  # the sender sends to every home
 
         def abort() -> None:
-            self.manager.track_transient(ns, extent, add=False)
+            self.host.track_transient(ns, extent, add=False)
             ns.arena.free(extent)
 
         return PeerWrite(view, commit, abort)
@@ -90,14 +91,14 @@ class PeerServing:
     def delete(self, namespace: str, ids):
         for oid in ids:
             self.held.discard((namespace, oid.digest))
-        return self.manager.delete_here(namespace, ids)
+        return self.index.delete_here(namespace, ids)
 
     def pin(self, namespace: str, ids, ttl_s, unpin: bool) -> list[bool]:
-        return self.manager.pin_here(namespace, ids, ttl_s, unpin)
+        return self.index.pin_here(namespace, ids, ttl_s, unpin)
 
     def lookup(self, namespace: str, ids) -> list[RemoteMeta | None]:
-        ns = self.manager.namespaces.get(namespace)
-        mover = self.manager.mover
+        ns = self.host.namespaces.get(namespace)
+        mover = self.nvme
         found = []
         for oid in ids:
             entry = self._live(ns, oid)

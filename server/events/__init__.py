@@ -1,4 +1,4 @@
-"""The KV event stream for prefix-aware routers (`[events]`, issue 27): vLLM's wire format.
+"""The KV event stream for prefix-aware routers (`[events]`): vLLM's wire format.
 
 `stream.py` batches what the tiers report on the event loop, `publisher.py` sends the
 batches from its own thread over ZMQ and answers replays and snapshots, `holdings.py` keeps

@@ -108,7 +108,7 @@ def commit_many(mgr, owner: int, msg: m.CommitMany) -> MaybeAwaitable[r.CommitMa
 
 def get_many(mgr, owner: int, msg: m.GetMany) -> MaybeAwaitable[r.GetManyReply]:
     ids = msg.object_ids()
-    if msg.namespace not in mgr.namespaces:
+    if msg.namespace not in mgr.host.namespaces:
         return _get_many_without_arena(mgr, owner, msg, ids) if mgr.tiered else _misses(len(ids))
     n = len(ids)
     hits, leases, offsets, sizes = bytearray(n), [0] * n, [0] * n, [0] * n
@@ -138,11 +138,10 @@ def get_many(mgr, owner: int, msg: m.GetMany) -> MaybeAwaitable[r.GetManyReply]:
         return r.GetManyReply(bytes(hits), pack_uints(leases), pack_uints(offsets), pack_uints(sizes), b"".join(checksums),
                               tuple(descriptors), pack_uints(descriptor_of, 2),
                               errors.logged(n))
-    get = mgr.get
+    get, terms = mgr.get, m.Get(msg.namespace, ids[0] if ids else None, expect=msg.expect)  # the same for every id
 
     def served():
-        return then(each(enumerate(ids), lambda item: get(owner, msg.namespace, item[1], None, None, msg.expect), done),
-                    reply)
+        return then(each(enumerate(ids), lambda item: get(owner, terms, item[1]), done), reply)
 
     ahead = mgr.fetch_many(msg.namespace, ids)  # local misses read together, where the remote tier can
     if ahead is None:

@@ -21,10 +21,9 @@ from kvstore import messages as m
 from kvstore import replies as r
 from kvstore.errors import LimitExceeded, PermissionDenied, ProtocolError
 from kvstore.protocol import NEED_DATA, BadFrame, Fatal, FrameCodec, Reply, Request
-from kvstore.server.later import is_ready, resolve, then
+from kvstore.server.later import is_ready, then
 from kvstore.server.local import batches
 from kvstore.server.local.errors import error_wire
-from kvstore.server.tiering.shared_index import count_shared_hits
 
 log = logging.getLogger("kvstore.local")
 _conn_ids = itertools.count(1)
@@ -37,7 +36,8 @@ REPLY_BUFFER_HIGH_BYTES = 4 * 1024 * 1024
 
 
 class _Retry:
-    """An awaited step finished; dispatch `msg` again now that it will not wait."""
+    """A namespace's arena was made off the loop: dispatch its open `msg` again, which now
+    answers at once (with the arena's fd)."""
 
     __slots__ = ("msg",)
 
@@ -146,9 +146,8 @@ class LocalConnection(asyncio.Protocol):
         fd = None
         try:
             result = await pending
-            while isinstance(result, _Retry):  # the wait made it possible to answer now
+            if isinstance(result, _Retry):  # the arena is made: the open answers now
                 result, fd = self._dispatch(result.msg)
-                result = await resolve(result)  # or to start the I/O it needs (a promotion)
         except Exception as exc:
             self._reply(request, None, None, exc)
         else:
@@ -189,10 +188,8 @@ class LocalConnection(asyncio.Protocol):
         mgr, owner = self.manager, self.conn_id
         match msg:
             case m.Get():
-                if self._ns(msg.namespace) not in mgr.namespaces and mgr.tiered:
-                    return self._arena_for_read(msg), None
-                return mgr.get(owner, self._ns(msg.namespace), msg.object_id, msg.accept, msg.ranges, msg.expect,
-                               msg.gpu), None
+                self._ns(msg.namespace)
+                return mgr.get(owner, msg), None
             case m.Release():
                 mgr.release(owner, msg.lease)
                 return None, None
@@ -203,18 +200,18 @@ class LocalConnection(asyncio.Protocol):
                 mgr.abort(owner, msg.lease)
                 return None, None
             case m.Lookup():
-                return mgr.lookup(self._ns(msg.namespace), msg.ids, msg.expectations()), None
+                return mgr.index.lookup(self._ns(msg.namespace), msg.ids, msg.expectations()), None
             case m.Delete():
-                return then(mgr.delete(self._ns(msg.namespace), msg.ids, msg.scope), r.DeleteReply), None
+                return then(mgr.index.delete(self._ns(msg.namespace), msg.ids, msg.scope), r.DeleteReply), None
             case m.Pin():
-                return then(mgr.pin(self._ns(msg.namespace), msg.ids, msg.ttl_s, msg.scope), r.PinReply), None
+                return then(mgr.index.pin(self._ns(msg.namespace), msg.ids, msg.ttl_s, msg.scope), r.PinReply), None
             case m.Unpin():
-                return then(mgr.unpin(self._ns(msg.namespace), msg.ids, msg.scope), r.UnpinReply), None
+                return then(mgr.index.unpin(self._ns(msg.namespace), msg.ids, msg.scope), r.UnpinReply), None
             case m.Prefetch():
-                return mgr.prefetch(self._ns(msg.namespace), msg.ids, msg.tier, msg.policy, msg.timeout_s), None
+                return mgr.index.prefetch(self._ns(msg.namespace), msg.ids, msg.tier, msg.policy, msg.timeout_s), None
             case m.OpenNamespace():
                 self.daemon.authorize(msg.namespace, msg.token, self.peer)
-                ns = mgr.namespaces.get(msg.namespace)
+                ns = mgr.host.namespaces.get(msg.namespace)
                 if ns is None and not msg.create:  # a reader: nothing to map, and nothing is made
                     self.opened.add(msg.namespace)
                     return r.OpenReply(msg.namespace, 0), None
@@ -230,7 +227,7 @@ class LocalConnection(asyncio.Protocol):
                 return r.HelloReply(SERVER_VERSION, 1, self.conn_id, self.daemon.limits_for_clients(),
                                     mgr.host.config.shared_index), None
             case m.Touch():
-                count_shared_hits(mgr, self._ns(msg.namespace), msg.ids)
+                mgr.touch(self._ns(msg.namespace), msg.ids)
                 return None, None
             case m.Stats():
                 return r.StatsReply(self.daemon.client_stats(owner, self.opened)), None
@@ -238,7 +235,7 @@ class LocalConnection(asyncio.Protocol):
                 self.manager.check_integrity()
                 return r.CheckReply(True), None
             case m.GpuHandle():
-                return mgr.gpu.handle(), None
+                return self.daemon.tiers.gpu.handle(), None
             case m.ReserveMany():
                 self._ns(msg.namespace)
                 return batches.reserve_many(mgr, owner, msg), None
@@ -259,13 +256,7 @@ class LocalConnection(asyncio.Protocol):
         raise ProtocolError(f"op {msg.op} not served on the local socket")
 
     async def _open_later(self, msg: m.OpenNamespace):
-        await self.manager.open_namespace(msg.namespace)
-        return _Retry(msg)
-
-    async def _arena_for_read(self, msg: m.Get):
-        """A get in a namespace with no arena here: answered once one is made for it."""
-        if not await self.manager.arena_if_held(msg.namespace, (msg.object_id.digest,)):
-            return r.MISS
+        await self.manager.host.open_namespace(msg.namespace)
         return _Retry(msg)
 
     # --- output -----------------------------------------------------------------------

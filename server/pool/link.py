@@ -1,5 +1,5 @@
 """PoolLink: a Mooncake Store pool as the daemon's remote tier (`[remote] backend = "mooncake"`),
-behind the surface the tier manager uses of the peer tier (server/cluster/link.py).
+behind the surface the tiers above use of the peer tier (server/tiering/chain.py: Homes).
 
     local put (commit) -> write_through: background put into the pool; write_back: nothing yet
     leaving this node  -> an object evicted from its last local tier that the pool is not
@@ -40,7 +40,7 @@ from kvstore.errors import CapacityError
 from kvstore.identity import ObjectId
 from kvstore.peer_messages import RemoteMeta
 from kvstore.pool_header import HEADER_BYTES, PoolHeaderError, decode_header, encode_header, pool_key
-from kvstore.replies import MISS, CommitReply
+from kvstore.replies import CommitReply
 from kvstore.server.events import MEDIUM_PEER
 from kvstore.server.later import resolve
 from kvstore.server.pool.master_metrics import read_master_metrics
@@ -91,15 +91,21 @@ def address_of(buffer) -> tuple[int, np.ndarray]:
 
 
 class PoolLink:
-    """The remote tier as the tier manager sees it, for `[remote] backend = "mooncake"`."""
+    """The remote tier as the tiers above see it, for `[remote] backend = "mooncake"`."""
 
     remote = None  # no peer tier (no homes): the pool takes tier="remote" puts itself
     takes_remote_puts = True
     fetches_many = True  # a get_many's misses are read ahead together (fetch_many)
+    # A ranged miss reads the whole object: the pool cannot check a part of an object against
+    # the whole object's checksum, so it is fetched and verified, then the ranges are served
+    # from the host tier like any local hit's.
+    reads_ranges = False
 
-    def __init__(self, manager, config, make_store=None):
-        """config: the `[remote.mooncake]` table. make_store: builds the Mooncake client (tests)."""
-        self.manager, self.config = manager, config
+    def __init__(self, local, config, make_store=None):
+        """local: this node's tiers (server/tiering/chain.py: LocalTiers), which fetches land
+        in; config: the `[remote.mooncake]` table. make_store: builds the Mooncake client (tests)."""
+        self.host, self.nvme, self.events = local.host, local.nvme, local.events
+        self.config = config
         self.pool = MooncakePool(config, make_store)
         self.slots: HeaderSlots | None = None  # made at start (needs the loop)
         self.read = PoolReadCounters()
@@ -209,7 +215,7 @@ class PoolLink:
         metas = await self._metas(namespace, ids)
         for oid, meta in zip(ids, metas):
             if meta is None:
-                self.manager.events.removed(namespace, oid, MEDIUM_PEER)
+                self.events.removed(namespace, oid, MEDIUM_PEER)
         return metas
 
     async def fetch(self, namespace: str, object_id) -> ObjectEntry | None:
@@ -224,7 +230,7 @@ class PoolLink:
         if not self.pool.up:
             self.pool.usable()  # counts the skip
             return None
-        ns = await self.manager.open_namespace(namespace)
+        ns = await self.host.open_namespace(namespace)
         await self._register_arena(ns)
         start = time.perf_counter()
         guess = self._guess(namespace, object_id)
@@ -238,15 +244,15 @@ class PoolLink:
             # not make room (evict) for payloads that are not there. A hit guesses again.
             self._sizes.pop(namespace, None)
             self._known.pop((namespace, object_id.digest), None)
-            self.manager.events.removed(namespace, object_id, MEDIUM_PEER)
+            self.events.removed(namespace, object_id, MEDIUM_PEER)
             return None
         filled = extent is not None  # the payload came with the header
         if not filled:
             try:
-                extent = await self.manager.allocate(ns, meta.size)
+                extent = await self.host.allocate(ns, meta.size)
             except CapacityError:
                 return None
-            self.manager.track_transient(ns, extent, add=True)
+            self.host.track_transient(ns, extent, add=True)
         ok = False
         try:
             if not filled and self.pool.usable():
@@ -256,7 +262,7 @@ class PoolLink:
             ok = filled and self._verified(ns, namespace, object_id, extent, meta)
         finally:
             if not ok or object_id in ns.objects:  # a miss, or a local put landed meanwhile
-                self.manager.track_transient(ns, extent, add=False)
+                self.host.track_transient(ns, extent, add=False)
                 ns.arena.free(extent)
         if not ok:
             return None
@@ -281,9 +287,9 @@ class PoolLink:
         self._sizes[namespace] = meta.size
         self._known.pop((namespace, object_id.digest), None)  # held here now
         self.bandwidth_bytes_s = moving_bandwidth(self.bandwidth_bytes_s, meta.size, seconds)
-        self.manager.track_transient(ns, extent, add=False)
+        self.host.track_transient(ns, extent, add=False)
         self._held.add((namespace, object_id.digest))
-        return self.manager.publish(ns, object_id, extent, meta.size, meta.checksum, meta.descriptor, meta.hints,
+        return self.host.publish(ns, object_id, extent, meta.size, meta.checksum, meta.descriptor, meta.hints,
                                     created_at=meta.created_at)
 
     async def _read_guessed(self, ns, namespace: str, ids: list, guesses: list[int]) -> list:
@@ -300,8 +306,8 @@ class PoolLink:
         extents = []
         try:
             for guess in guesses:
-                extents.append(await self.manager.allocate(ns, HEADER_BYTES + guess))
-                self.manager.track_transient(ns, extents[-1], add=True)
+                extents.append(await self.host.allocate(ns, HEADER_BYTES + guess))
+                self.host.track_transient(ns, extents[-1], add=True)
         except CapacityError:
             pass
         n = len(extents)
@@ -328,12 +334,12 @@ class PoolLink:
             done = True
         finally:
             for i, extent in enumerate(extents):
-                self.manager.track_transient(ns, extent, add=False)
+                self.host.track_transient(ns, extent, add=False)
                 if not (done and kept[i]):  # (a call cut short keeps nothing)
                     ns.arena.free(extent)
                     continue
                 payload = ns.arena.trim_front(extent, HEADER_BYTES)
-                self.manager.track_transient(ns, payload, add=True)
+                self.host.track_transient(ns, payload, add=True)
                 out[i] = (out[i][0], payload)
         return out
 
@@ -346,7 +352,7 @@ class PoolLink:
         counts; only what this publishes is counted here (a get and a hit)."""
         if not self.pool.up:
             return
-        ns = await self.manager.open_namespace(namespace)
+        ns = await self.host.open_namespace(namespace)
         await self._register_arena(ns)
         for first in range(0, len(ids), MAX_POOL_BATCH):
             part = ids[first:first + MAX_POOL_BATCH]
@@ -366,24 +372,12 @@ class PoolLink:
                 if extent is None:
                     continue
                 if oid in ns.objects or not self._verified(ns, namespace, oid, extent, meta):
-                    self.manager.track_transient(ns, extent, add=False)
+                    self.host.track_transient(ns, extent, add=False)
                     ns.arena.free(extent)
                     continue
                 self.read.num_gets += 1
                 self.read.num_fetched_ahead += 1
                 self._publish_read(ns, namespace, oid, extent, meta, seconds)
-
-    async def get_ranges(self, owner, namespace: str, object_id, accept, ranges: tuple, expect=None):
-        """A sparse reader's local miss: the pool cannot check a part of an object against the
-        whole object's checksum, so the whole object is fetched and verified, then the ranges
-        are served from the host tier."""
-        entry = await self.fetch(namespace, object_id)
-        ns = self.manager.namespaces[namespace]
-        if entry is None:
-            ns.counters.num_misses += 1
-            return MISS
-        ns.counters.num_gets -= 1  # the get below counts this same request again
-        return await resolve(self.manager.get(owner, namespace, object_id, accept, ranges, expect))
 
     # --- writes --------------------------------------------------------------------------
 
@@ -451,7 +445,7 @@ class PoolLink:
         results = [False] * len(entries)
         by_ns: dict[str, list[int]] = {}
         for i, entry in enumerate(entries):
-            ns = self.manager.namespaces.get(entry.namespace)
+            ns = self.host.namespaces.get(entry.namespace)
             if ns is not None and ns.objects.get(entry.object_id) is entry:  # not deleted or evicted
                 by_ns.setdefault(entry.namespace, []).append(i)
         for name, indices in by_ns.items():
@@ -459,12 +453,12 @@ class PoolLink:
                 items = []
                 for i in indices:
                     e = entries[i]
-                    view = stack.enter_context(self.manager.held_view(e))
+                    view = stack.enter_context(self.host.held_view(e))
                     items.append((e.object_id, RemoteMeta(e.size, e.checksum, e.descriptor, e.hints, e.created_at), view))
                 async with contextlib.AsyncExitStack() as sends:
                     for i in indices:
                         await sends.enter_async_context(self._sending(name, entries[i].object_id))
-                    await self._register_arena(self.manager.namespaces[name])
+                    await self._register_arena(self.host.namespaces[name])
                     done = await self._put(name, items)
                 del items
             for i, ok in zip(indices, done):
@@ -475,7 +469,7 @@ class PoolLink:
 
     def _stored(self, namespace: str, oid, descriptor, hints) -> None:
         self._held.add((namespace, oid.digest))
-        self.manager.events.stored(namespace, oid, MEDIUM_PEER, descriptor, hints)
+        self.events.stored(namespace, oid, MEDIUM_PEER, descriptor, hints)
 
     def on_commit(self, entry: ObjectEntry) -> None:
         """A local put committed: under write_through, put it into the pool in the background.
@@ -527,7 +521,7 @@ class PoolLink:
         results: list = []
         for oid in oids:
             async with self._sending(namespace, oid):
-                copy = await self.manager.mover.read_copy(namespace, oid)
+                copy = await self.nvme.read_copy(namespace, oid)
                 if copy is None:
                     results.append(None)  # gone, or failed its check (counted by the NVMe tier)
                     continue
@@ -555,14 +549,14 @@ class PoolLink:
         not take it (down, full) the copy stays and the reply says tier "host": nothing is
         lost, and nothing pretends."""
         self.write.num_remote_puts += 1
-        ns = self.manager.namespaces[entry.namespace]
+        ns = self.host.namespaces[entry.namespace]
         if not (await self._put_entries([entry]))[0]:
             self.write.num_remote_put_fallbacks += 1
             log.warning("event=remote_put_fallback namespace=%s id=%s pool_up=%s", entry.namespace, entry.object_id,
                         self.pool.up)
             return CommitReply(False, "host", "memory", ())
         if ns.objects.get(entry.object_id) is entry:
-            self.manager.drop(ns, entry)  # forgets it here too
+            self.host.drop(ns, entry)  # forgets it here too
         return CommitReply(False, "remote", "memory", ())
 
     # --- deletes and pins ------------------------------------------------------------------
@@ -589,7 +583,7 @@ class PoolLink:
             for i, code in enumerate(codes):
                 removed[start + i] = code == 0
         for oid in ids:
-            self.manager.events.removed(namespace, oid, MEDIUM_PEER)
+            self.events.removed(namespace, oid, MEDIUM_PEER)
         return sum(a or b for a, b in zip(found, removed))
 
     def pin_everywhere(self, namespace: str, ids, ttl_s, unpin: bool, here: list[bool]) -> int:

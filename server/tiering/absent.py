@@ -1,6 +1,6 @@
 """The tiers around the host arena when they are switched off: null objects.
 
-The chain is [GPU copies] -> host -> NVMe -> the cluster's homes. A daemon without a GPU
+The chain (server/tiering/chain.py) is [GPU copies] -> host -> NVMe -> the remote tier. A daemon without a GPU
 tier gets `NoGpu`, one without NVMe `NoNvme`, one without a cluster `NoCluster`: each
 answers like the real tier holding nothing and reaching no one, synchronously where the
 real one would await I/O (server/later.py), so the tier manager and the other tiers never
@@ -10,7 +10,7 @@ ask whether a neighbour exists.
 from __future__ import annotations
 
 from kvstore.errors import InvalidArgument
-from kvstore.replies import IN_MEMORY, MISS, CommitReply, GetReply, GpuHandleReply
+from kvstore.replies import IN_MEMORY, CommitReply, GpuHandleReply
 from kvstore.server.later import MaybeAwaitable, then
 from kvstore.server.tiering.objects import ObjectEntry
 
@@ -106,21 +106,18 @@ class NoCluster:
     remote = None  # the peer tier (tiers.remote.RemoteTier) a clustered daemon has
     takes_remote_puts = False  # put(tier="remote") needs a tier to put into
     fetches_many = False  # a batch's misses are not read ahead together (fetch_many)
+    reads_ranges = False  # a ranged miss is a fetch too (of nothing)
     bandwidth_bytes_s = 1e9  # never used: nothing is fetched
 
     def victim_sink(self, host):
         """No tier below: the host tier drops its victims (no sink, nothing to await)."""
         return None
 
-    def __init__(self, host):
-        self.host = host  # server.tiering.host.HostTier: a ranged miss is counted there
+    async def demote(self, entries: list[ObjectEntry]) -> None:
+        pass
 
     def fetch(self, namespace: str, oid) -> MaybeAwaitable[ObjectEntry | None]:
         return None
-
-    def get_ranges(self, owner, namespace: str, oid, accept, ranges, expect=None) -> MaybeAwaitable[GetReply]:
-        self.host.namespaces[namespace].counters.num_misses += 1
-        return MISS
 
     def lookup_remote(self, namespace: str, ids) -> MaybeAwaitable[list]:
         return [None] * len(ids)

@@ -27,6 +27,7 @@ from kvstore.groups import group_descriptor, group_id, manifest_bytes, parse_man
 from kvstore.identity import ObjectId, descriptor_differences
 from kvstore.fields import pack_uints
 from kvstore.group_messages import CommitGroup
+from kvstore.messages import Get
 from kvstore.replies import CommitGroupReply, GetGroupReply, GetReply, LookupGroupsReply
 from kvstore.server.later import MaybeAwaitable, is_ready, resolve, then
 from kvstore.server.tiering.objects import check_same_object
@@ -54,7 +55,7 @@ class GroupOps:
             for lease in leases:
                 mgr.own_lease(owner, lease, "write")
             puts = {lease: mgr.pending_put(lease) for lease in leases}
-            ns = mgr.namespaces[puts[leases[0]].namespace]
+            ns = mgr.host.namespaces[puts[leases[0]].namespace]
             gid = group_id(msg.member_ids())
             self._check(ns, msg, puts, gid)
         except Exception:
@@ -135,7 +136,7 @@ class GroupOps:
             start += len(members)
             ids += [group_id(members), *members]
             wanted += [None if mine[0] is None else group_descriptor(mine[0]), *mine]
-        found = self.manager.lookup(namespace, tuple(ids), wanted if expect is not None else None)
+        found = self.manager.index.lookup(namespace, tuple(ids), wanted if expect is not None else None)
         return then(found, lambda reply: _complete(groups, reply.tiers))
 
     # --- get ----------------------------------------------------------------------
@@ -143,22 +144,22 @@ class GroupOps:
     async def get_group(self, owner: int, namespace: str, ids: list[ObjectId], expect: list | None) -> GetGroupReply:
         mgr = self.manager
         gid = group_id(ids)
-        if namespace not in mgr.namespaces and not await mgr.arena_if_held(namespace, (gid,)):
+        if namespace not in mgr.host.namespaces and not await mgr.arena_if_held(namespace, (gid,)):
             return GetGroupReply(False, "the group's manifest is not stored", -1)
         wanted = expect if expect is not None else [None] * len(ids)
         first = None if wanted[0] is None else group_descriptor(wanted[0])
         leased: list[GetReply] = []
         try:
-            manifest = await resolve(mgr.get(owner, namespace, gid, None, None, first))
+            manifest = await resolve(mgr.get(owner, Get(namespace, gid, expect=first)))
             if not manifest.hit:
                 return GetGroupReply(False, f"the group's manifest: {manifest.reason or 'not stored'}", -1)
             leased.append(manifest)
             for i, oid in enumerate(ids):
-                got = await resolve(mgr.get(owner, namespace, oid, None, None, wanted[i]))
+                got = await resolve(mgr.get(owner, Get(namespace, oid, expect=wanted[i])))
                 if not got.hit:
                     return GetGroupReply(False, f"member {i} ({oid.hex}): {got.reason or 'not stored'}", i)
                 leased.append(got)
-            arena = mgr.namespaces[namespace].arena
+            arena = mgr.host.namespaces[namespace].arena
             listed, sums = parse_manifest(arena.view(Extent(manifest.offset, manifest.size)))
             if listed != ids:
                 return GetGroupReply(False, "the manifest lists other members", -1)

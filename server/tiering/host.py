@@ -1,8 +1,9 @@
 """The host tier: every namespace's arena, index and policy, and the one way to make room.
 
-What the tiers below (server/tiering/nvme_mover.py, server/cluster*.py) and the tier manager use of the
-host tier is this class's public surface: open a namespace, make room (`make_room`, with a
-sink that decides where victims go), publish verified bytes as an object, hold an entry while
+What the tiers below (server/tiering/nvme_mover.py, server/cluster/, server/pool/) and the tier
+manager use of the host tier is this class's public surface: open a namespace, make room
+(`allocate` with the chain's sink, or `make_room` with a given one: the sink decides where
+victims go), publish verified bytes as an object, hold an entry while
 the daemon reads it, drop or evict one. Leases and clients are the tier manager's business.
 
 Runs on the daemon's event loop thread only; nothing here blocks on I/O. An extent is never
@@ -25,7 +26,7 @@ from kvstore.identity import Kind, ObjectId
 from kvstore.policy import make_policy
 from kvstore.server.events import MEDIUM_CPU, NoEvents
 from kvstore.server.host_memory import check_new_arena, host_memory
-from kvstore.server.later import MaybeAwaitable
+from kvstore.server.later import MaybeAwaitable, resolve
 from kvstore.server.tiering.expiry import ExpiryQueue
 from kvstore.server.tiering.namespace import Namespace, give_back_heap
 from kvstore.server.tiering.objects import ObjectEntry
@@ -45,13 +46,16 @@ class HostTier:
                  on_leave: Callable[[Namespace, ObjectEntry], None] = lambda ns, entry: None,
                  events=NoEvents()):
         """on_leave(ns, entry): told when an entry leaves the index (evicted, expired,
-        deleted, dropped); the tier manager forgets it in the cluster if no lower tier keeps it.
+        deleted, dropped); the chain (server/tiering/chain.py) forgets it in the cluster if no
+        lower tier keeps it.
         events: the KV event stream (server/events/), told of every entry that enters or
         leaves the index, as medium "CPU"."""
         self.config = config
         self.events = events
         self.clock = clock
         self.on_leave = on_leave
+        self.sink: Sink | None = None  # where victims go by default (server/tiering/chain.py sets it)
+        self.bandwidth_bytes_s = 8e9  # a memcpy here: lookups' load estimate (measured at start)
         self.namespaces: dict[str, Namespace] = {}
         self.num_holds = 0  # readers the daemon itself holds (copies to NVMe or peers in flight)
         self.stopping = threading.Event()  # set by the daemon's stop: an arena's prefault gives up
@@ -149,6 +153,10 @@ class HostTier:
             for entry in self._victims(ns, size):
                 self.evict(ns, entry)
         return extent
+
+    async def allocate(self, ns: Namespace, size: int) -> Extent:
+        """An extent in the arena, room made for it by the chain's sink."""
+        return await resolve(self.make_room(ns, size, self.sink))
 
     def make_room(self, ns: Namespace, size: int, sink: Sink | None) -> MaybeAwaitable[Extent]:
         """An extent of `size` bytes, room made for it: the one victim loop. The sink settles

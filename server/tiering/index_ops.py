@@ -1,8 +1,8 @@
 """Index operations over the chain of tiers: lookup, delete, pin, prefetch, operator eviction.
 
-Composed by `server.tiering.manager.TierManager` (which offers these as its own ops). Each
-asks the host tier first, then NVMe, then the cluster's homes, through the tiers' public
-surface. Like the manager it runs on the event loop; a call that needs NVMe or peer I/O
+Composed with the tiers (server/tiering/chain.py); the tier manager and the admin API call
+them. Each asks the host tier first, then NVMe, then the remote tier, through the tiers'
+public surface. Like the manager it runs on the event loop; a call that needs NVMe or peer I/O
 returns an awaitable instead of its result (server/later.py).
 """
 
@@ -38,15 +38,18 @@ def _log_failure(task: asyncio.Task) -> None:
 
 
 class IndexOps:
-    def __init__(self, manager):
-        self.manager = manager
-        self.host = manager.host
+    def __init__(self, host, nvme):
+        """host: the host tier; nvme: the NVMe tier (or NoNvme). `below`, the remote tier
+        asked on a local miss, is set by the chain once it is made (server/tiering/chain.py)."""
+        self.host = host
+        self.nvme = nvme
+        self.below = None
 
     def lookup(self, namespace: str, ids, expect: list | None = None) -> MaybeAwaitable[LookupReply]:
         """Per key its tier ("host", "nvme" or None), the leading hits, their bytes, and the
-        estimated time to load them at each tier's measured bandwidth (DESIGN.md section 7).
-        expect: per key the descriptor the reader can use, or None; an object stored under
-        another descriptor is a miss."""
+        estimated time to load them at each tier's measured bandwidth (docs/architecture.md,
+        "Load estimates"). expect: per key the descriptor the reader can use, or None; an
+        object stored under another descriptor is a miss."""
         tiers, sizes = self._placed_here(namespace, ids, expect)
         hits = next((i for i, tier in enumerate(tiers) if tier is None), len(tiers))
         host_bytes = sum(size for tier, size in zip(tiers[:hits], sizes) if tier == "host")
@@ -56,7 +59,7 @@ class IndexOps:
         if hits == len(ids):
             return result
         misses = [i for i, tier in enumerate(tiers) if tier is None]
-        metas = self.manager.cluster.lookup_remote(namespace, [ids[i] for i in misses])
+        metas = self.below.lookup_remote(namespace, [ids[i] for i in misses])
         return then(metas, lambda metas: self._with_remote(result, misses, metas, sizes, expect))
 
     def placements(self, namespace: str, ids, expect: list | None = None) -> MaybeAwaitable[Placements]:
@@ -68,16 +71,16 @@ class IndexOps:
         misses = [i for i, tier in enumerate(tiers) if tier is None]
         if not misses:
             return Placements(tiers, sizes)
-        metas = self.manager.cluster.lookup_remote(namespace, [ids[i] for i in misses])
+        metas = self.below.lookup_remote(namespace, [ids[i] for i in misses])
         return then(metas, lambda metas: self._placed_remote(tiers, sizes, misses, metas, expect))
 
     def load_estimate_s(self, num_objects: int, host_bytes: int, nvme_bytes: int = 0, remote_bytes: int = 0) -> float:
         """lookup's est_load_s for loading these objects and bytes from each tier."""
-        est = num_objects * PER_OBJECT_LOAD_S + host_bytes / self.manager.host_bandwidth_bytes_s
+        est = num_objects * PER_OBJECT_LOAD_S + host_bytes / self.host.bandwidth_bytes_s
         if nvme_bytes:
-            est += nvme_bytes / self.manager.mover.bandwidth_bytes_s
+            est += nvme_bytes / self.nvme.bandwidth_bytes_s
         if remote_bytes:
-            est += remote_bytes / self.manager.cluster.bandwidth_bytes_s
+            est += remote_bytes / self.below.bandwidth_bytes_s
         return est
 
     def _placed_here(self, namespace: str, ids, expect: list | None) -> tuple[list, list]:
@@ -88,7 +91,7 @@ class IndexOps:
         tiers, sizes = [], []
         entries = [objects.get(oid) for oid in ids]
         missed = [i for i, entry in enumerate(entries) if entry is None or not entry.is_live(now)]
-        on_nvme = dict(zip(missed, self.manager.mover.sizes_of(namespace, [ids[i] for i in missed])))
+        on_nvme = dict(zip(missed, self.nvme.sizes_of(namespace, [ids[i] for i in missed])))
         for i, oid in enumerate(ids):
             entry = entries[i]
             if i not in on_nvme:
@@ -118,7 +121,7 @@ class IndexOps:
         so an object and its reader's expectation are mostly the same object.)"""
         if tier == "host":
             return entry.descriptor == wanted
-        meta = self.manager.mover.remote_meta(namespace, ObjectId(bytes(oid)))
+        meta = self.nvme.remote_meta(namespace, ObjectId(bytes(oid)))
         return meta is not None and meta.descriptor == wanted
 
     def _with_remote(self, result: LookupReply, misses: list[int], metas: list, sizes: list, expect) -> LookupReply:
@@ -145,7 +148,7 @@ class IndexOps:
         count when NVMe copies or peers are involved."""
         found = self.delete_here(namespace, ids)
         if scope == "cluster":
-            return self.manager.cluster.delete_everywhere(namespace, ids, found)
+            return self.below.delete_everywhere(namespace, ids, found)
         return then(found, sum)
 
     def delete_here(self, namespace: str, ids) -> MaybeAwaitable[list[bool]]:
@@ -159,13 +162,13 @@ class IndexOps:
                 self.host.delete(ns, entry)
                 deleted.add(oid)
         found = [oid in deleted for oid in ids]
-        on_nvme = [oid for oid, size in zip(ids, self.manager.mover.sizes_of(namespace, list(ids))) if size is not None]
+        on_nvme = [oid for oid, size in zip(ids, self.nvme.sizes_of(namespace, list(ids))) if size is not None]
         if not on_nvme:
             return found
         return self._delete_on_nvme(namespace, on_nvme, found, ids)
 
     async def _delete_on_nvme(self, namespace: str, on_nvme, found: list, ids) -> list[bool]:
-        await self.manager.mover.delete(namespace, on_nvme)
+        await self.nvme.delete(namespace, on_nvme)
         gone = set(on_nvme)
         return [f or oid in gone for f, oid in zip(found, ids)]
 
@@ -176,7 +179,7 @@ class IndexOps:
         Returns how many of them are resident."""
         ns = self.host.namespaces.get(namespace)
         objects = ns.objects if ns is not None else {}
-        mover = self.manager.mover
+        mover = self.nvme
         absent = [oid for oid in ids if oid not in objects]
         missing = [oid for oid, size in zip(absent, mover.sizes_of(namespace, absent)) if size is not None]
         resident = sum(1 for oid in ids if oid in objects)
@@ -210,7 +213,7 @@ class IndexOps:
     def _pin_scoped(self, namespace: str, ids, ttl_s, scope: str, unpin: bool) -> MaybeAwaitable[int]:
         flags = self.pin_here(namespace, ids, ttl_s, unpin)
         if scope == "cluster":
-            return self.manager.cluster.pin_everywhere(namespace, ids, ttl_s, unpin, flags)
+            return self.below.pin_everywhere(namespace, ids, ttl_s, unpin, flags)
         return sum(flags)
 
     def pin_here(self, namespace: str, ids, ttl_s: float | None, unpin: bool = False) -> list[bool]:

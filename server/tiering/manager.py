@@ -1,12 +1,12 @@
 """The tier manager: the daemon's one object for the local protocol's ops.
 
-It composes the chain of tiers once, at construction: the host tier (server/tiering/host.py),
-then NVMe (server/tiering/nvme_mover.py) and the cluster's homes (server/cluster/link.py), each replaced by
-a null object (server/tiering/absent.py) when switched off. Above the host tier, device copies
-for local engines (server/tiering/gpu_reads.py) join at start, once the GPU probe found CUDA. Puts are two-phase (reserve ->
-write in shared memory -> commit), gets hand out read leases, and an extent is never freed
-or reused while a lease covers it. Lookups, deletes, pins and prefetches are IndexOps
-(server/tiering/index_ops.py), composed here too.
+It serves clients from a composed chain of tiers (server/tiering/chain.py: the host tier,
+NVMe, the remote tier, and device copies for local engines once the GPU probe found CUDA).
+Puts are two-phase (reserve -> write in shared memory -> commit), gets hand out read leases
+and walk the chain once (host, then NVMe, then the remote tier), and an extent is never freed
+or reused while a lease covers it. Leases, pending puts and client quotas are the manager's
+own; lookups, deletes, pins and prefetches are the chain's IndexOps
+(server/tiering/index_ops.py), groups GroupOps (server/tiering/groups.py).
 
 Runs on the daemon's event loop thread only; nothing here blocks on I/O. A call that needs
 NVMe or peer I/O answers with an awaitable instead of its reply (server/later.py).
@@ -15,22 +15,19 @@ NVMe or peer I/O answers with an awaitable instead of its reply (server/later.py
 from __future__ import annotations
 
 import logging
-import time
-from typing import Callable
 
 import xxhash
 
-from kvstore.config import HostTierConfig, LimitsConfig
+from kvstore.config import LimitsConfig
 from kvstore.errors import ChecksumError, InvalidArgument, NotFound, RangeError
 from kvstore.identity import ObjectId, read_refusal
-from kvstore.messages import Reserve, ReserveMany
-from kvstore.ranges import check_within
+from kvstore.messages import Get, Reserve, ReserveMany
+from kvstore.ranges import check_within, total as ranges_total
 from kvstore.replies import IN_MEMORY, MISS, STORED, CommitReply, GetReply, ReserveReply
-from kvstore.server.events import NoEvents
-from kvstore.server.tiering.absent import NoCluster, NoGpu, NoNvme
-from kvstore.server.tiering.host import HostTier, Namespace, give_back_heap
+from kvstore.server.tiering.chain import Chain
+from kvstore.server.tiering.host import Namespace, give_back_heap
 from kvstore.server.tiering.groups import GroupOps
-from kvstore.server.tiering.index_ops import IndexOps
+from kvstore.server.tiering.shared_index import count_shared_hits
 from kvstore.server.later import MaybeAwaitable, is_ready, resolve, then
 from kvstore.server.tiering.objects import ObjectEntry, PendingPut, check_same_object
 from kvstore.server.tiering.quotas import ClientQuotas
@@ -41,66 +38,40 @@ log = logging.getLogger("kvstore.tiers")
 
 
 class TierManager:
-    def __init__(self, host: HostTierConfig, limits: LimitsConfig = LimitsConfig(), *,
-                 verify_puts: bool = False, clock=time.monotonic,
-                 make_nvme: Callable[[TierManager], object] | None = None,
-                 make_cluster: Callable[[TierManager], object] | None = None, events=NoEvents()):
-        """The `[host]` and `[limits]` tables and ServerConfig.verify_puts. make_nvme / make_cluster:
-        factories of the tiers below the host arena (server.tiering.nvme_mover.TierMover, server.cluster.link.
-        ClusterLink), given this manager; None: that tier is off (a null object stands in).
-        events: the KV event stream (server/events/) the host and NVMe tiers report to."""
+    def __init__(self, chain: Chain, limits: LimitsConfig = LimitsConfig(), *, verify_puts: bool = False):
+        """chain: the tiers, composed (server/tiering/chain.py: compose); the `[limits]` table
+        and ServerConfig.verify_puts."""
+        self.chain = chain
+        self.host, self.nvme, self.remote, self.index = chain.host, chain.nvme, chain.remote, chain.index
         self.limits_config = limits
         self.verify_puts = verify_puts
-        self.clock = clock
-        self.events = events
-        self.host = HostTier(host, clock, on_leave=self._left_host, events=events)
+        self.clock = chain.host.clock
         self.leases = LeaseTable()
         self.quotas = ClientQuotas(limits, self.leases)
         self._pending: dict[int, PendingPut] = {}  # write lease id -> reserved put
         self._reading: dict[int, ObjectEntry] = {}  # read lease id -> entry it covers
         self._ranged: dict[int, tuple[Namespace, Extent]] = {}  # read lease id -> transient extent of fetched ranges
         self._on_gpu: dict[int, tuple[str, bytes]] = {}  # read lease id -> (namespace, digest) of a device copy
-        self.host_bandwidth_bytes_s = 8e9  # replaced by a measurement at start
-        # The host tier's surface, as the other tiers and the admin API use it.
-        h = self.host
-        self.namespaces, self.open_namespace = h.namespaces, h.open_namespace
-        self.publish, self.hold, self.release_hold, self.held_view = h.publish, h.hold, h.release_hold, h.held_view
-        self.drop, self.track_transient, self.stopping = h.drop, h.track_transient, h.stopping
-        # The chain below the host arena, and where host victims go: written down to NVMe
-        # (which sends what it refuses home), else sent home, else dropped (None: no await).
-        self.gpu = NoGpu()  # server.tiering.gpu_reads.GpuReads once attach_gpu() (the daemon's start)
-        self.mover = make_nvme(self) if make_nvme else NoNvme()
-        self.cluster = make_cluster(self) if make_cluster else NoCluster(self.host)
-        self.sink = self.mover.victim_sink(self.cluster.victim_sink(self.host))
-        self.tiered = self.sink is not None  # objects may live below the host arena
-        self.index = IndexOps(self)
-        i = self.index
-        self.lookup, self.delete, self.delete_here, self.prefetch = i.lookup, i.delete, i.delete_here, i.prefetch
-        self.pin, self.unpin, self.pin_here, self.evict = i.pin, i.unpin, i.pin_here, i.evict
         self.groups = GroupOps(self)
 
-    def attach_gpu(self, gpu) -> None:
-        """The GPU tier joins the chain (made at start: it needs the probe, and device memory)."""
-        self.gpu = gpu
-
-    async def allocate(self, ns: Namespace, size: int) -> Extent:
-        """An extent in the host arena, room made for it by the chain's sink."""
-        return await resolve(self.host.make_room(ns, size, self.sink))
+    @property
+    def tiered(self) -> bool:
+        """Objects may live below the host arena (a namespace with no arena may hold some)."""
+        return self.chain.tiered
 
     async def arena_if_held(self, namespace: str, digests: tuple) -> bool:
         """A read in a namespace with no arena here: its objects may still be on NVMe or at a
         peer, and their bytes need an arena to land in. Make one (True) only if one of them
         is found there. `digests`: raw 32-byte ids, as a Lookup carries them."""
-        found = await resolve(self.lookup(namespace, digests))
+        found = await resolve(self.index.lookup(namespace, digests))
         if all(tier is None for tier in found.tiers):
             return False
-        await self.open_namespace(namespace)
+        await self.host.open_namespace(namespace)
         return True
 
-    def _left_host(self, ns: Namespace, entry: ObjectEntry) -> None:
-        self.gpu.forget(ns.name, entry.object_id.digest)
-        if not self.mover.holds(ns.name, entry.object_id):  # gone from this node altogether
-            self.cluster.forget(ns.name, entry.object_id)
+    def touch(self, namespace: str, ids: tuple) -> None:
+        """Hits a client resolved from the shared index (op `touch`), counted as gets."""
+        count_shared_hits(self.host, self.nvme, namespace, ids)
 
     # --- put --------------------------------------------------------------------
 
@@ -114,7 +85,7 @@ class TierManager:
             )
         if msg.descriptor.namespace != msg.namespace:
             raise InvalidArgument("descriptor.namespace differs from the request's namespace")
-        if msg.tier == "remote" and not self.cluster.takes_remote_puts:
+        if msg.tier == "remote" and not self.remote.takes_remote_puts:
             raise InvalidArgument('put with tier="remote" needs a remote tier: a clustered daemon (cluster.enabled) '
                                   'or a Mooncake pool ([remote] backend = "mooncake")')
         existing = ns.objects.get(msg.object_id)
@@ -123,13 +94,13 @@ class TierManager:
             check_same_object(msg.object_id, existing.size, existing.descriptor, msg.size, msg.descriptor)
             ns.counters.num_dedup_puts += 1
             return ReserveReply(exists=True)
-        if existing is None and self.mover.holds(msg.namespace, msg.object_id):
-            held = self.mover.remote_meta(msg.namespace, msg.object_id)
+        if existing is None and self.nvme.holds(msg.namespace, msg.object_id):
+            held = self.nvme.remote_meta(msg.namespace, msg.object_id)
             if held is not None:
                 check_same_object(msg.object_id, held.size, held.descriptor, msg.size, msg.descriptor)
         self.quotas.check_lease(owner)
         self.quotas.check_reserve(owner, msg.size)
-        room = self.host.make_room(ns, msg.size, self.sink)  # the extent now, unless victims must go first
+        room = self.host.make_room(ns, msg.size, self.host.sink)  # the extent now, unless victims must go first
         return then(room, lambda extent: self._grant_write(owner, ns, msg, extent))
 
     def _grant_write(self, owner: Owner, ns: Namespace, msg: Reserve, extent: Extent) -> ReserveReply:
@@ -147,13 +118,13 @@ class TierManager:
         (exists). The checks that hold for the whole batch run once; columns are filled in
         place. Returns the first item it left for reserve() (a refusal, an id held on NVMe or
         expired, a quota reached, victims to make room), or len(ids)."""
-        ns = self.namespaces.get(msg.namespace)
+        ns = self.host.namespaces.get(msg.namespace)
         desc = msg.descriptor
-        if ns is None or desc.namespace != msg.namespace or (msg.tier == "remote" and not self.cluster.takes_remote_puts):
+        if ns is None or desc.namespace != msg.namespace or (msg.tier == "remote" and not self.remote.takes_remote_puts):
             return start
         expected, objects, now = desc.object_bytes, ns.objects, self.clock()
         leases_left, bytes_left = self.quotas.room(owner)
-        capacity, ttl_s, holds = ns.arena.capacity_bytes, self.limits_config.lease_ttl_s, self.mover.holds
+        capacity, ttl_s, holds = ns.arena.capacity_bytes, self.limits_config.lease_ttl_s, self.nvme.holds
         i, n, reserved = start, len(ids), 0
         while i < n:
             oid, size = ids[i], sizes[i]
@@ -189,7 +160,7 @@ class TierManager:
         and its reply is something else (an NVMe write-through to await, say), or the
         exception its commit raised."""
         i, n = start, len(items)
-        get_lease, pending, holds = self.leases.get, self._pending, self.mover.holds
+        get_lease, pending, holds = self.leases.get, self._pending, self.nvme.holds
         while i < n:
             lease_id, checksum = items[i]
             lease = get_lease(lease_id)
@@ -198,7 +169,7 @@ class TierManager:
             put = pending.get(lease_id)
             if put is None:
                 break
-            ns = self.namespaces[put.namespace]
+            ns = self.host.namespaces[put.namespace]
             if put.tier != "host" or put.object_id in ns.objects or holds(ns.name, put.object_id):
                 break
             if self.verify_puts and self.checksum_of(ns, put) != checksum:
@@ -207,8 +178,8 @@ class TierManager:
                 self.take_put(owner, lease_id)
                 entry = self.host.publish(ns, put.object_id, put.extent, put.size, checksum, put.descriptor,
                                           put.hints, pin_hint=True)
-                self.cluster.on_commit(entry)
-                reply = self.mover.on_commit(entry)
+                self.remote.on_commit(entry)
+                reply = self.nvme.on_commit(entry)
             except Exception as exc:  # this item's failure, as commit() would raise it
                 return i, exc
             if reply is not IN_MEMORY:
@@ -220,7 +191,7 @@ class TierManager:
     def commit(self, owner: Owner, lease_id: int, checksum: bytes) -> MaybeAwaitable[CommitReply]:
         self.own_lease(owner, lease_id, "write")
         put = self.take_put(owner, lease_id)
-        ns = self.namespaces[put.namespace]
+        ns = self.host.namespaces[put.namespace]
         if not self.bytes_match(ns, put, checksum):
             ns.arena.free(put.extent)
             raise ChecksumError(
@@ -259,7 +230,7 @@ class TierManager:
         """What this node holds of `oid` (a live host entry, else NVMe's metadata), or None."""
         old = ns.objects.get(oid)
         if old is None or not old.is_live(self.clock()):  # held only on NVMe: its bytes stand
-            old = self.mover.remote_meta(ns.name, oid) if self.mover.holds(ns.name, oid) else None
+            old = self.nvme.remote_meta(ns.name, oid) if self.nvme.holds(ns.name, oid) else None
         return old
 
     def publish_put(self, ns: Namespace, put: PendingPut, checksum: bytes) -> MaybeAwaitable[CommitReply]:
@@ -275,9 +246,9 @@ class TierManager:
         entry = self.host.publish(ns, put.object_id, put.extent, put.size, checksum, put.descriptor, put.hints,
                                   pin_hint=True)
         if put.tier == "remote":
-            return self.cluster.put_remote(entry)
-        self.cluster.on_commit(entry)
-        return self.mover.on_commit(entry)
+            return self.remote.put_remote(entry)
+        self.remote.on_commit(entry)
+        return self.nvme.on_commit(entry)
 
     def abort(self, owner: Owner, lease_id: int) -> None:
         self.own_lease(owner, lease_id, "write")
@@ -285,48 +256,124 @@ class TierManager:
 
     # --- get --------------------------------------------------------------------
 
-    def get(self, owner: Owner, namespace: str, oid: ObjectId, accept=None, ranges=None,
-            expect=None, gpu: bool = False) -> MaybeAwaitable[GetReply]:
-        """A read lease, or a miss. expect: the descriptor the reader can use (any other is a
-        miss). A local miss goes down the chain: NVMe (promoted), then the homes (fetched;
-        only the ranges asked for, when `ranges`). gpu: the reader mapped the GPU buffer; a
-        hit is leased on its device copy where the GPU tier can hold one."""
-        ns = self.namespaces.get(namespace)
+    def get(self, owner: Owner, msg: Get, oid: ObjectId | None = None) -> MaybeAwaitable[GetReply]:
+        """A read lease, or a miss, walking the chain once: the host tier; on a miss NVMe
+        (promoted), then the remote tier (fetched whole, or only the ranges asked for where
+        the remote tier reads ranges); what is brought up is leased as a host hit is.
+        msg.expect: the descriptor the reader can use (any other is a miss). msg.gpu: the
+        reader mapped the GPU buffer; a hit is leased on its device copy where the GPU tier can
+        hold one. A namespace with no arena here gets one only if the object is held below.
+        oid: the object, when `msg` holds the terms of a batch's reads (get_many, one id
+        after another); else msg.object_id."""
+        oid = msg.object_id if oid is None else oid
+        ns = self.host.namespaces.get(msg.namespace)
         if ns is None:
-            return MISS
+            return self._get_unopened(owner, msg, oid) if self.chain.tiered else MISS
         ns.counters.num_gets += 1
         entry = self.host.live_entry(ns, oid)
         if entry is None:
-            if self.mover.holds(namespace, oid):
-                self._check_ranges(ns, ranges, self.mover.size_of(namespace, oid))  # before promoting it
-                return self._get_after(self.mover.promote(namespace, oid), owner, ns, oid, accept, ranges, expect, gpu)
-            if ranges is not None:  # a sparse reader: only those bytes cross the network
-                return self.cluster.get_ranges(owner, namespace, oid, accept, ranges, expect)
-            return self._get_after(self.cluster.fetch(namespace, oid), owner, ns, oid, accept, None, expect, gpu)
-        refused = read_refusal(entry.descriptor, accept, expect)
+            return self._get_below(owner, ns, msg, oid)
+        return self._serve(owner, ns, entry, msg)
+
+    async def _get_unopened(self, owner: Owner, msg: Get, oid: ObjectId) -> GetReply:
+        if not await self.arena_if_held(msg.namespace, (oid.digest,)):
+            return MISS
+        ns = self.host.namespaces[msg.namespace]
+        ns.counters.num_gets += 1
+        entry = self.host.live_entry(ns, oid)  # a put may have landed meanwhile
+        return await resolve(self._get_below(owner, ns, msg, oid) if entry is None else self._serve(owner, ns, entry, msg))
+
+    def _get_below(self, owner: Owner, ns: Namespace, msg: Get, oid: ObjectId) -> MaybeAwaitable[GetReply]:
+        """A miss in the host tier: NVMe, then the remote tier."""
+        if self.nvme.holds(ns.name, oid):
+            self._check_ranges(ns, msg.ranges, self.nvme.size_of(ns.name, oid))  # before promoting it
+            return self._serve_brought(self.nvme.promote(ns.name, oid), owner, ns, msg, oid)
+        if msg.ranges is not None and self.remote.reads_ranges:  # a sparse reader: only those bytes cross the network
+            return self._get_ranges_below(owner, ns, msg, oid)
+        return self._serve_brought(self.remote.fetch(ns.name, oid), owner, ns, msg, oid)
+
+    def _serve_brought(self, bring: MaybeAwaitable, owner: Owner, ns: Namespace, msg: Get,
+                       oid: ObjectId) -> MaybeAwaitable[GetReply]:
+        """Serve what `bring` (a promotion or a fetch) put in the host tier, or a miss."""
+        if is_ready(bring):
+            return self._serve_resident(bring, owner, ns, msg, oid)
+
+        async def later() -> GetReply:
+            return await resolve(self._serve_resident(await bring, owner, ns, msg, oid))
+        return later()
+
+    def _serve_resident(self, brought: ObjectEntry | None, owner: Owner, ns: Namespace, msg: Get,
+                        oid: ObjectId) -> MaybeAwaitable[GetReply]:
+        entry = None if brought is None else self.host.live_entry(ns, oid)  # (brought, or a put's meanwhile)
+        if entry is None:  # held nowhere below, or gone again since
+            ns.counters.num_misses += 1
+            return MISS
+        return self._serve(owner, ns, entry, msg)
+
+    def _serve(self, owner: Owner, ns: Namespace, entry: ObjectEntry, msg: Get) -> MaybeAwaitable[GetReply]:
+        """A host entry: refused (its descriptor), or leased: on its device copy (msg.gpu, where
+        one is held or can be made), else on the host arena."""
+        refused = read_refusal(entry.descriptor, msg.accept, msg.expect)
         if refused is not None:
             ns.counters.num_misses += 1
             return GetReply(False, refused)
-        self._check_ranges(ns, ranges, entry.size)  # leased whole, but the same error wherever it is
+        self._check_ranges(ns, msg.ranges, entry.size)  # leased whole, but the same error wherever it is
         self.quotas.check_lease(owner)
-        if gpu and ranges is None:
-            copy = self.gpu.lease_copy(ns, entry)
+        if msg.gpu and msg.ranges is None:
+            copy = self.chain.gpu.lease_copy(ns, entry)
             if not is_ready(copy):  # being copied to the device now
-                return self._get_after(copy, owner, ns, oid, accept, None, expect, gpu=False, copied=True)
+                return self._lease_when_copied(copy, owner, ns, entry)
             if copy is not None:
                 return self._lease(owner, ns, entry, copy)
         return self._lease(owner, ns, entry)
+
+    async def _lease_when_copied(self, copy, owner: Owner, ns: Namespace, entry: ObjectEntry) -> GetReply:
+        """Leased on the device copy once made (its extent, acquired), or on the host entry
+        when none could be made; a miss if the object left meanwhile."""
+        on_gpu = await copy
+        if self.host.live_entry(ns, entry.object_id) is not entry:
+            if on_gpu is not None:
+                self.chain.gpu.release(ns.name, entry.object_id.digest)  # forgotten with its last reader
+            ns.counters.num_misses += 1
+            return MISS
+        return self._lease(owner, ns, entry, on_gpu)
+
+    async def _get_ranges_below(self, owner: Owner, ns: Namespace, msg: Get, oid: ObjectId) -> GetReply:
+        """A sparse reader's local miss: only its ranges fetched from a home, into an extent
+        leased to this reader alone (never published; freed when the lease ends)."""
+        self.quotas.check_lease(owner)  # before any byte crosses the network
+        try:
+            got = await resolve(self.remote.fetch_ranges(ns.name, oid, msg.accept, msg.ranges, msg.expect))
+        except BaseException:
+            ns.counters.num_misses += 1
+            raise
+        if got is None or isinstance(got, str):  # held by no home (or none answered), or refused: why
+            ns.counters.num_misses += 1
+            return MISS if got is None else GetReply(False, got)
+        try:
+            lease_id = self.grant_ranged(owner, ns, oid, got.extent)
+        except BaseException:
+            ns.counters.num_misses += 1
+            self.host.track_transient(ns, got.extent, add=False)
+            ns.arena.free(got.extent)
+            raise
+        size = ranges_total(msg.ranges)
+        ns.counters.num_hits += 1
+        ns.counters.bytes_out += size
+        return GetReply(True, lease=lease_id, offset=got.extent.offset, size=size, checksum=got.checksum,
+                        tier="remote", descriptor=got.meta.descriptor.to_wire(), ranges=msg.ranges,
+                        object_size=got.meta.size)
 
     def fetch_many(self, namespace: str, oids: list) -> MaybeAwaitable[None]:
         """Before a get_many is served: its local misses (in neither host nor NVMe) fetched
         together where the remote tier reads many in one call (a Mooncake pool); the batch's
         gets then find them in host memory. None when there is nothing to do."""
-        ns = self.namespaces.get(namespace)
-        if ns is None or not self.cluster.fetches_many:
+        ns = self.host.namespaces.get(namespace)
+        if ns is None or not self.remote.fetches_many:
             return None
-        holds, live = self.mover.holds, self.host.live_entry
+        holds, live = self.nvme.holds, self.host.live_entry
         missing = [oid for oid in oids if live(ns, oid) is None and not holds(namespace, oid)]
-        return self.cluster.fetch_many(namespace, missing) if len(missing) > 1 else None
+        return self.remote.fetch_many(namespace, missing) if len(missing) > 1 else None
 
     def _lease(self, owner: Owner, ns: Namespace, entry: ObjectEntry, on_gpu: Extent | None = None) -> GetReply:
         """A read lease on the host entry, or on its device copy (`on_gpu`, acquired for it)."""
@@ -337,39 +384,13 @@ class TierManager:
         ns.policy.on_access(oid)
         ns.counters.num_hits += 1
         ns.counters.bytes_out += entry.size
-        self.mover.on_hit(entry)
+        self.nvme.on_hit(entry)
         if on_gpu is not None:
             self._on_gpu[lease.lease_id] = (ns.name, oid.digest)
             return entry.get_reply(lease.lease_id, tier="gpu", offset=on_gpu.offset)
         self._reading[lease.lease_id] = entry
         entry.readers += 1
         return entry.get_reply(lease.lease_id)
-
-    def _get_after(self, bring: MaybeAwaitable, owner: Owner, ns: Namespace, oid: ObjectId, accept, ranges, expect,
-                   gpu: bool, copied: bool = False) -> MaybeAwaitable[GetReply]:
-        """Once `bring` put the object in the host tier (or found it nowhere), serve it from
-        there. copied: `bring` made a device copy instead (its extent, acquired, or None)."""
-        if is_ready(bring):
-            return self._served(bring, owner, ns, oid, accept, ranges, expect, gpu, copied)
-        return self._served_later(bring, owner, ns, oid, accept, ranges, expect, gpu, copied)
-
-    async def _served_later(self, bring, owner: Owner, ns: Namespace, oid: ObjectId, accept, ranges, expect, gpu: bool,
-                            copied: bool) -> GetReply:
-        return await resolve(self._served(await bring, owner, ns, oid, accept, ranges, expect, gpu, copied))
-
-    def _served(self, brought, owner: Owner, ns: Namespace, oid: ObjectId, accept, ranges, expect, gpu: bool,
-                copied: bool) -> MaybeAwaitable[GetReply]:
-        if copied and brought is not None:
-            entry = ns.objects.get(oid)
-            if entry is not None:
-                return self._lease(owner, ns, entry, brought)
-            self.gpu.release(ns.name, oid.digest)  # gone meanwhile: forgotten with its last reader
-            brought = None
-        if brought is None and not copied:
-            ns.counters.num_misses += 1  # num_gets was counted when the request came in
-            return MISS
-        ns.counters.num_gets -= 1  # the get below counts this same request again
-        return self.get(owner, ns.name, oid, accept, ranges, expect, gpu)  # resident now (or a miss)
 
     @staticmethod
     def _check_ranges(ns: Namespace, ranges, size: int) -> None:
@@ -407,11 +428,11 @@ class TierManager:
         if lease.mode == "write":
             put = self._pending.pop(lease.lease_id)
             self.quotas.settled(lease.owner, put.size)
-            self.namespaces[put.namespace].arena.free(put.extent)
+            self.host.namespaces[put.namespace].arena.free(put.extent)
             return
         on_gpu = self._on_gpu.pop(lease.lease_id, None)
         if on_gpu is not None:
-            self.gpu.release(*on_gpu)
+            self.chain.gpu.release(*on_gpu)
             return
         ranged = self._ranged.pop(lease.lease_id, None)
         if ranged is not None:
@@ -435,13 +456,13 @@ class TierManager:
             log.warning("event=lease_expired lease=%d owner=%s mode=%s", lease.lease_id, lease.owner, lease.mode)
             self._end_lease(lease)
         self.host.expire_objects()
-        self.mover.expire_due()
-        if self.mover.compact():
+        self.nvme.expire_due()
+        if self.nvme.compact():
             give_back_heap()
 
     def num_indexed(self) -> int:
         """Objects indexed here: host entries plus NVMe objects (one on both counts twice)."""
-        return sum(len(ns.objects) for ns in self.namespaces.values()) + ((self.mover.stats() or {}).get("objects") or 0)
+        return sum(len(ns.objects) for ns in self.host.namespaces.values()) + ((self.nvme.stats() or {}).get("objects") or 0)
 
     def check_integrity(self) -> None:
         """Raise RuntimeError if the index, leases, policy and arenas disagree."""
@@ -465,14 +486,14 @@ class TierManager:
         if readers != len(self._reading) + self.host.num_holds:
             raise RuntimeError(f"{readers} readers counted on entries, {len(self._reading)} read leases "
                                f"and {self.host.num_holds} daemon holds")
-        self.mover.check_integrity()
-        self.gpu.check_integrity()
+        self.nvme.check_integrity()
+        self.chain.gpu.check_integrity()
 
     def stats(self) -> dict:
         """Per namespace and per tier (a tier that is off is left out)."""
         namespaces, host = self.host.stats()
         tiers = {"host": host}
-        for name, tier in (("nvme", self.mover), ("remote", self.cluster)):
+        for name, tier in (("nvme", self.nvme), ("remote", self.remote)):
             doc = tier.stats()
             if doc is not None:
                 tiers[name] = doc

@@ -7,9 +7,11 @@
     writes:   write_back (demote only), write_through (at commit, the reply waits for the
               durable write), selective (after write_after_hits hits, in the background)
     evict:    a full NVMe tier drops its own victims (S3-FIFO over NVMe objects)
+    flush:    a clean stop writes the host objects NVMe lacks into its free room, most
+              valuable first, never evicting (flush_host, plan_flush)
 
 Every object that enters or leaves the NVMe table is reported to the KV event stream
-(`manager.events`, server/events/) as medium "STORAGE"; what recovery finds at start joins
+(server/events/) as medium "STORAGE"; what recovery finds at start joins
 the stream's holdings without an event per object (server/tiering/nvme_kept.py).
 
 Runs on the event loop; NVMe I/O runs in the NVMe tier's thread pool. While an object is
@@ -34,7 +36,6 @@ from kvstore.policy.admission import FrequencyAdmission
 from kvstore.replies import IN_MEMORY, CommitReply
 from kvstore.server.events import MEDIUM_STORAGE
 from kvstore.server.later import MaybeAwaitable, resolve
-from kvstore.server.tiering.nvme_flush import flush_host
 from kvstore.server.tiering.nvme_kept import KeptHoldings
 from kvstore.server.tiering.nvme_deadlines import NvmeDeadlines
 from kvstore.server.tiering.nvme_table import NvmeTable
@@ -60,17 +61,32 @@ class MoverCounters:
     num_expired: int = 0  # NVMe objects deleted past their TTL
 
 
+def plan_flush(entries: list[ObjectEntry], free_bytes: int, now: float) -> tuple[list[ObjectEntry], int]:
+    """What a clean stop writes to NVMe: (the entries that fit in `free_bytes`, pinned first,
+    then most read, then newest; how many do not fit)."""
+    planned, no_room = [], 0
+    for entry in sorted(entries, key=lambda e: (e.is_pinned(now), e.num_hits, e.created_at), reverse=True):
+        if entry.size <= free_bytes:
+            planned.append(entry)
+            free_bytes -= entry.size
+        else:
+            no_room += 1
+    return planned, no_room
+
+
 class TierMover:
-    """The NVMe tier in the chain: below the host tier (`manager.host`), above the cluster
-    (`manager.cluster`, where objects NVMe refuses or evicts go when their homes may lack them)."""
+    """The NVMe tier in the chain: below the host tier, above the remote tier (`below`: where
+    objects NVMe refuses or evicts go when their homes may lack them)."""
 
     listed_as = ("nvme",)  # what the admin API's ?tier= may name
 
-    def __init__(self, manager, config: NvmeTierConfig):
-        """`config` is the `[nvme]` table with its path filled in (ServerConfig.nvme_path)."""
-        self.manager = manager
-        self.host = manager.host
-        self.events = manager.events
+    def __init__(self, host, events, config: NvmeTierConfig):
+        """host: the host tier (server/tiering/host.py); events: the KV event stream; `config`
+        is the `[nvme]` table with its path filled in (ServerConfig.nvme_path). `below`, the
+        remote tier (server/tiering/chain.py: Homes), is set once the chain is composed."""
+        self.host = host
+        self.events = events
+        self.below = None
         self.config = config
         self.nvme: NvmeTier | None = None
         # What NVMe holds, and its eviction order: numpy columns keyed by the NVMe index's own
@@ -260,7 +276,7 @@ class TierMover:
             entry = self._host_entry(key)
             if entry is not None:
                 entry.on_nvme = False
-        cluster = self.manager.cluster
+        cluster = self.below
         leaving: dict[str, list] = {}  # those leaving the node go to their homes first
         for key in victims:
             if self._host_entry(key) is None:  # the cluster sends those the homes may lack
@@ -298,7 +314,7 @@ class TierMover:
             entry.on_nvme = False
         else:  # gone from this node altogether
             name, digest = key_parts(key)
-            self.manager.cluster.forget(name, ObjectId(digest))
+            self.below.forget(name, ObjectId(digest))
 
     def victim_sink(self, below):
         """Where the host tier's victims go: written down here (what NVMe refuses or evicts goes
@@ -310,7 +326,7 @@ class TierMover:
         the others written down as admission allows; those NVMe turns away go to their home
         nodes first (in a cluster). Each ends evicted, or resident if read or pinned meanwhile."""
         writes = []
-        cluster = self.manager.cluster
+        cluster = self.below
         for entry in victims:
             if entry.on_nvme or self._key(ns.name, entry.object_id) in self.policy:
                 self.host.evict(ns, entry)
@@ -333,7 +349,7 @@ class TierMover:
                 self.counters.num_demotions += 1
 
     def _displaceable_by(self, entry: ObjectEntry):
-        """Which NVMe objects a host victim may push out (TinyLFU admission, DESIGN section 5).
+        """Which NVMe objects a host victim may push out (TinyLFU admission, docs/architecture.md).
 
         While NVMe has room nothing is pushed out. An object read at least admit_min_hits
         times (recently: the sketch ages) takes the NVMe policy's victims like any write.
@@ -442,8 +458,29 @@ class TierMover:
     # --- other paths ------------------------------------------------------------------------------
 
     async def flush_host(self) -> int:
-        """On a clean stop, write the host objects NVMe lacks into its free room (nvme_flush.py)."""
-        return await flush_host(self)
+        """On a clean stop, write the host objects NVMe lacks into its free room: most valuable
+        first (plan_flush), as many as fit, never evicting, so what was durable before the
+        stop stays durable. What does not fit is counted and logged. How many landed."""
+        entries = [e for ns in self.host.namespaces.values() for e in ns.objects.values()
+                   if not e.on_nvme and not e.deleted and not self.holds(e.namespace, e.object_id)]
+        if not entries:
+            return 0
+        planned, no_room = plan_flush(entries, self.config.capacity_bytes - self.used_bytes, self.host.clock())
+        log.info("event=flush_start objects=%d bytes=%d planned=%d no_room=%d", len(entries),
+                 sum(e.size for e in entries), len(planned), no_room)
+        gate = asyncio.Semaphore(max(1, self.config.io_threads))
+
+        async def one(entry):
+            async with gate:
+                return await self.write(entry, displace=None)
+
+        results = await asyncio.gather(*(one(e) for e in planned))
+        written = sum(r is not None for r in results)
+        log.log(logging.WARNING if written < len(entries) else logging.INFO,
+                "event=flush_done written=%d not_written=%d no_room=%d bytes_written=%d",
+                written, len(entries) - written, no_room,
+                sum(e.size for e, r in zip(planned, results) if r is not None))
+        return written
 
     def write_in_background(self, entry: ObjectEntry) -> None:
         task = asyncio.get_running_loop().create_task(self.write(entry))

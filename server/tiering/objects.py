@@ -21,7 +21,7 @@ CHECKSUM_BYTES = 16  # xxh3-128
 
 # An entry's fields that never change, packed in one bytes object: extent offset and length
 # (0: none), size, created_at, serial, checksum. Five Python objects (an Extent and its ints, a
-# float, the checksum's bytes) and their slots cost ~220 B per object; the record ~96 (issue 15).
+# float, the checksum's bytes) and their slots cost ~220 B per object; the record ~96.
 _RECORD = struct.Struct("<QQQdQ16s")
 _EXTENT = struct.Struct("<QQ")
 

@@ -211,11 +211,11 @@ def shared_index(enabled: bool, namespace: str, arena_bytes: int,
     return SharedIndex(namespace, arena_bytes, prefault) if enabled else NO_SHARED_INDEX
 
 
-def count_shared_hits(manager, namespace: str, ids: tuple) -> None:
+def count_shared_hits(host, nvme, namespace: str, ids: tuple) -> None:
     """A client's report of hits it resolved from the index (op `touch`): counted as hits,
     and each object still here is touched as a get would (policy, hit count, NVMe's
-    admission and selective writes)."""
-    ns = manager.namespaces.get(namespace)
+    admission and selective writes). host, nvme: the host and NVMe tiers."""
+    ns = host.namespaces.get(namespace)
     if ns is None:
         return
     counters = ns.counters
@@ -228,4 +228,4 @@ def count_shared_hits(manager, namespace: str, ids: tuple) -> None:
             entry.num_hits += 1
             ns.policy.on_access(entry.object_id)
             counters.bytes_out += entry.size
-            manager.mover.on_hit(entry)
+            nvme.on_hit(entry)

@@ -17,6 +17,7 @@ from kvstore.ownership import home_nodes
 from kvstore.server.cluster.replicate import Replicator
 from kvstore.server.cluster.serving import PeerServing
 from kvstore.server.cluster.rehome import Rehomer
+from kvstore.server.tiering.chain import LocalTiers, compose
 from kvstore.server.tiering.manager import TierManager
 
 
@@ -53,12 +54,11 @@ class StandInLink:
     """server.cluster.link.ClusterLink's parts the re-homer uses (its real serving and replicating
     roles), bound to the stand-in remote."""
 
-    def __init__(self, manager, remote):
-        self.manager, self.remote = manager, remote
-        serving = PeerServing(manager, set())
-        self.held_view, self.meta = manager.held_view, serving.meta
+    def __init__(self, local, remote):
+        self.remote = remote
+        serving = PeerServing(local, set())
         node = types.SimpleNamespace(remote=remote, node_id=remote.node_id)
-        self.sending = Replicator(manager, ClusterConfig(), node, set(), serving).sending
+        self.sending = Replicator(local, ClusterConfig(), node, set(), serving).sending
 
 
 def objects(n):
@@ -67,13 +67,14 @@ def objects(n):
 
 @contextlib.asynccontextmanager
 async def rehomer_holding(ids, members, delay_s=0.01):
-    manager = TierManager(HostTierConfig(arena_bytes=4 << 20, prefault=False))
-    ns = await manager.open_namespace("t")
+    manager = TierManager(compose(HostTierConfig(arena_bytes=4 << 20, prefault=False)))
+    ns = await manager.host.open_namespace("t")
     for oid in ids:
-        extent = await manager.allocate(ns, 1000)
-        manager.publish(ns, oid, extent, 1000, b"\0" * 16, StateDescriptor("t", "m", "r"), Hints())
+        extent = await manager.host.allocate(ns, 1000)
+        manager.host.publish(ns, oid, extent, 1000, b"\0" * 16, StateDescriptor("t", "m", "r"), Hints())
     remote = StandInRemote("a", {n: f"{n}:1" for n in members})
-    r = Rehomer(StandInLink(manager, remote), ClusterConfig(rehome_delay_s=delay_s))
+    local = LocalTiers(manager.host, manager.nvme, manager.index, manager.host.events)
+    r = Rehomer(StandInLink(local, remote), local, ClusterConfig(rehome_delay_s=delay_s))
     r.begin(members)
     try:
         yield r, remote, manager

@@ -17,26 +17,28 @@ from kvstore.identity import ObjectId, StateDescriptor
 from kvs_testing import NumpyDevice, payload
 from kvstore.server.tiering.gpu_reads import GpuReads
 from kvstore.server.later import is_ready, resolve
+from kvstore.server.tiering.chain import compose
+from kvstore.messages import Get
 from kvstore.server.tiering.manager import TierManager
 
 KiB = 1024
 
 
 def manager_with_gpu(capacity_bytes: int | None = 8 * KiB):
-    manager = TierManager(HostTierConfig(arena_bytes=1 << 20, prefault=False))
+    manager = TierManager(compose(HostTierConfig(arena_bytes=1 << 20, prefault=False)))
     device = None
     if capacity_bytes is not None:
         device = NumpyDevice(capacity_bytes)
-        manager.attach_gpu(GpuReads(device, manager.host))
+        manager.chain.attach_gpu(GpuReads(device, manager.host))
     return manager, device
 
 
 async def put(manager, i: int, size: int = 2 * KiB) -> ObjectId:
-    ns = await manager.open_namespace("t")
+    ns = await manager.host.open_namespace("t")
     oid = ObjectId(bytes([i]) * 32)
-    extent = await manager.allocate(ns, size)
+    extent = await manager.host.allocate(ns, size)
     np.frombuffer(ns.arena.view(extent), dtype=np.uint8)[:size] = payload(size, oid)
-    manager.publish(ns, oid, extent, size, b"\0" * 16, StateDescriptor("t", "m", "r"), Hints())
+    manager.host.publish(ns, oid, extent, size, b"\0" * 16, StateDescriptor("t", "m", "r"), Hints())
     return oid
 
 
@@ -45,12 +47,12 @@ def test_a_gpu_get_is_leased_on_a_device_copy_holding_the_objects_bytes():
 
     async def scenario():
         oid = await put(manager, 1)
-        first = manager.get("me", "t", oid, gpu=True)
+        first = manager.get("me", Get("t", oid, gpu=True))
         assert not is_ready(first)  # the copy is made off the loop
         first = await first
-        second = manager.get("me", "t", oid, gpu=True)
+        second = manager.get("me", Get("t", oid, gpu=True))
         assert is_ready(second)  # the copy is there now: acquired at once
-        host = manager.get("me", "t", oid)  # a reader without gpu still reads the arena
+        host = manager.get("me", Get("t", oid))  # a reader without gpu still reads the arena
         return oid, first, second, host
     oid, first, second, host = asyncio.run(scenario())
     assert first.tier == second.tier == "gpu" and host.tier == "host"
@@ -58,10 +60,10 @@ def test_a_gpu_get_is_leased_on_a_device_copy_holding_the_objects_bytes():
     got = device.buffer[first.offset:first.offset + first.size]
     assert np.array_equal(got, payload(2 * KiB, oid))
     manager.check_integrity()
-    assert manager.gpu.stats()["readers"] == 2
+    assert manager.chain.gpu.stats()["readers"] == 2
     for reply in (first, second, host):
         manager.release("me", reply.lease)
-    assert manager.gpu.stats()["readers"] == 0 and manager.gpu.stats()["objects"] == 1
+    assert manager.chain.gpu.stats()["readers"] == 0 and manager.chain.gpu.stats()["objects"] == 1
     manager.check_integrity()
 
 
@@ -70,11 +72,11 @@ def test_a_deleted_object_loses_its_device_copy_after_its_last_reader():
 
     async def scenario():
         oid = await put(manager, 2)
-        reply = await resolve(manager.get("me", "t", oid, gpu=True))
-        assert await resolve(manager.delete("t", [oid])) == 1
+        reply = await resolve(manager.get("me", Get("t", oid, gpu=True)))
+        assert await resolve(manager.index.delete("t", [oid])) == 1
         return reply
     reply = asyncio.run(scenario())
-    assert manager.gpu.stats()["objects"] == 0 and device.allocator.used_bytes > 0  # still read
+    assert manager.chain.gpu.stats()["objects"] == 0 and device.allocator.used_bytes > 0  # still read
     manager.check_integrity()
     manager.release("me", reply.lease)
     assert device.allocator.used_bytes == 0
@@ -86,8 +88,8 @@ def test_a_gpu_tier_too_full_of_read_copies_leaves_the_get_on_the_host():
 
     async def scenario():
         oids = [await put(manager, i) for i in range(3)]
-        held = [await resolve(manager.get("me", "t", oid, gpu=True)) for oid in oids[:2]]
-        third = await resolve(manager.get("me", "t", oids[2], gpu=True))
+        held = [await resolve(manager.get("me", Get("t", oid, gpu=True))) for oid in oids[:2]]
+        third = await resolve(manager.get("me", Get("t", oids[2], gpu=True)))
         return held, third
     held, third = asyncio.run(scenario())
     assert [r.tier for r in held] == ["gpu", "gpu"] and third.tier == "host" and third.hit
@@ -99,10 +101,10 @@ def test_a_client_that_goes_away_gives_its_device_copies_back():
 
     async def scenario():
         oid = await put(manager, 4)
-        await resolve(manager.get("me", "t", oid, gpu=True))
+        await resolve(manager.get("me", Get("t", oid, gpu=True)))
     asyncio.run(scenario())
     assert manager.drop_owner("me") == 1
-    assert manager.gpu.stats()["readers"] == 0
+    assert manager.chain.gpu.stats()["readers"] == 0
     manager.check_integrity()
 
 
@@ -112,9 +114,9 @@ def test_a_failed_device_copy_serves_that_get_from_the_host_and_keeps_nothing(ca
 
     async def scenario():
         oid = await put(manager, 5)
-        first = await resolve(manager.get("me", "t", oid, gpu=True))
+        first = await resolve(manager.get("me", Get("t", oid, gpu=True)))
         assert device.allocator.used_bytes == 0  # the room is given back
-        return first, await resolve(manager.get("me", "t", oid, gpu=True))  # the next one copies
+        return first, await resolve(manager.get("me", Get("t", oid, gpu=True)))  # the next one copies
     first, again = asyncio.run(scenario())
     assert first.hit and first.tier == "host" and again.tier == "gpu"
     assert "event=gpu_copy_failed" in caplog.text
@@ -126,11 +128,11 @@ def test_without_a_gpu_tier_gpu_gets_are_host_gets_and_the_handle_is_refused():
 
     async def scenario():
         oid = await put(manager, 3)
-        return manager.get("me", "t", oid, gpu=True)
+        return manager.get("me", Get("t", oid, gpu=True))
     reply = asyncio.run(scenario())
     assert is_ready(reply) and reply.tier == "host"
     with pytest.raises(InvalidArgument, match="runs no GPU tier"):
-        manager.gpu.handle()
+        manager.chain.gpu.handle()
     manager.check_integrity()
 
 
@@ -151,17 +153,17 @@ def test_a_get_cancelled_mid_copy_keeps_the_room_until_the_copy_thread_stops():
 
     async def scenario():
         oid = await put(manager, 6)
-        get = asyncio.ensure_future(resolve(manager.get("me", "t", oid, gpu=True)))
+        get = asyncio.ensure_future(resolve(manager.get("me", Get("t", oid, gpu=True))))
         while not started.is_set():
             await asyncio.sleep(0.01)
         get.cancel()
         await asyncio.gather(get, return_exceptions=True)
-        assert manager.gpu.stats()["copying"] == 1 and device.allocator.used_bytes > 0  # still the thread's
+        assert manager.chain.gpu.stats()["copying"] == 1 and device.allocator.used_bytes > 0  # still the thread's
         assert manager.host.num_holds == 1  # and the host bytes under it stay put
         gate.set()
-        while manager.gpu.stats()["copying"]:
+        while manager.chain.gpu.stats()["copying"]:
             await asyncio.sleep(0.01)
-        return oid, await resolve(manager.get("me", "t", oid, gpu=True))
+        return oid, await resolve(manager.get("me", Get("t", oid, gpu=True)))
     oid, reply = asyncio.run(scenario())
     assert reply.tier == "gpu" and manager.host.num_holds == 0  # the finished copy was kept
     assert np.array_equal(device.buffer[reply.offset:reply.offset + reply.size], payload(2 * KiB, oid))

@@ -1,6 +1,7 @@
 """The NVMe mover's tables shrink after mass evictions and deletes, as the host tier's do."""
 
 from kvstore.config import HostTierConfig, NvmeTierConfig
+from kvstore.server.tiering.chain import compose
 from kvstore.server.tiering.manager import TierManager
 from kvstore.identity import ObjectId
 from kvstore.server.tiering.nvme_mover import TierMover
@@ -8,9 +9,9 @@ from kvstore.tiers.nvme.index import object_key
 
 
 def test_the_mover_rebuilds_what_it_holds_once_most_of_it_left(tmp_path):
-    manager = TierManager(HostTierConfig(arena_bytes=1 << 20, prefault=False),
-                          make_nvme=lambda m: TierMover(m, NvmeTierConfig(path=str(tmp_path))))
-    mover = manager.mover
+    manager = TierManager(compose(HostTierConfig(arena_bytes=1 << 20, prefault=False),
+                                  make_nvme=lambda host, events: TierMover(host, events, NvmeTierConfig(path=str(tmp_path)))))
+    mover = manager.nvme
     names = [("t", i.to_bytes(32, "little")) for i in range(8192)]
     keys = [mover._key(name, digest) for name, digest in names]
     assert keys[0] == object_key("t", ObjectId(names[0][1]))  # the NVMe index's own key
@@ -35,18 +36,18 @@ def test_num_indexed_counts_host_entries_and_nvme_objects(tmp_path):
 
     from kvstore.hints import Hints
     from kvstore.identity import ObjectId, StateDescriptor
-    manager = TierManager(HostTierConfig(arena_bytes=1 << 20, prefault=False),
-                          make_nvme=lambda m: TierMover(m, NvmeTierConfig(path=str(tmp_path))))
+    manager = TierManager(compose(HostTierConfig(arena_bytes=1 << 20, prefault=False),
+                                  make_nvme=lambda host, events: TierMover(host, events, NvmeTierConfig(path=str(tmp_path)))))
     assert manager.num_indexed() == 0
     for i in range(30):
-        manager.mover._remember(manager.mover._key("t", i.to_bytes(32, "little")), 4096)
+        manager.nvme._remember(manager.nvme._key("t", i.to_bytes(32, "little")), 4096)
 
     async def fill():
-        ns = await manager.open_namespace("t")
+        ns = await manager.host.open_namespace("t")
         for i in range(5):
-            manager.publish(ns, ObjectId(bytes([i]) * 32), ns.arena.alloc(64), 64, bytes(16),
+            manager.host.publish(ns, ObjectId(bytes([i]) * 32), ns.arena.alloc(64), 64, bytes(16),
                             StateDescriptor("t", "m", "r"), Hints())
     asyncio.run(fill())
     assert manager.num_indexed() == 35
-    without_nvme = TierManager(HostTierConfig(arena_bytes=1 << 20, prefault=False))
+    without_nvme = TierManager(compose(HostTierConfig(arena_bytes=1 << 20, prefault=False)))
     assert without_nvme.num_indexed() == 0

@@ -9,6 +9,7 @@ from kvstore.config import HostTierConfig
 from kvstore.errors import Conflict
 from kvstore.hints import Hints
 from kvstore.identity import ObjectId, StateDescriptor
+from kvstore.messages import Get
 from kvstore.server.tiering.objects import ObjectEntry, check_same_object
 
 OID = ObjectId(bytes(32))
@@ -53,11 +54,12 @@ class Clock:
 
 async def _manager_with_expired_copy():
     from kvstore.config import HostTierConfig
+    from kvstore.server.tiering.chain import compose
     from kvstore.server.tiering.manager import TierManager
     clock = Clock()
-    manager = TierManager(HostTierConfig(arena_bytes=1 << 20, prefault=False), clock=clock)
-    ns = await manager.open_namespace("ns")
-    old = manager.publish(ns, OID, await manager.allocate(ns, 10), 10, b"c" * 16, DESC, Hints(ttl_s=5.0))
+    manager = TierManager(compose(HostTierConfig(arena_bytes=1 << 20, prefault=False), clock=clock))
+    ns = await manager.host.open_namespace("ns")
+    old = manager.host.publish(ns, OID, await manager.host.allocate(ns, 10), 10, b"c" * 16, DESC, Hints(ttl_s=5.0))
     clock.now += 10  # past its TTL, not yet swept by housekeeping
     return manager, ns, old
 
@@ -67,10 +69,10 @@ def test_a_fetched_or_peer_copy_replaces_an_expired_one_and_is_served():
     then expired it and missed, and a home refused a peer's fresh copy as already held."""
     async def scenario():
         manager, ns, old = await _manager_with_expired_copy()
-        new = manager.publish(ns, OID, await manager.allocate(ns, 10), 10, b"c" * 16, DESC, Hints(ttl_s=5.0))
+        new = manager.host.publish(ns, OID, await manager.host.allocate(ns, 10), 10, b"c" * 16, DESC, Hints(ttl_s=5.0))
         assert new is not old and new.is_live(manager.clock()) and ns.objects[OID] is new
         assert ns.counters.num_expired == 1
-        assert manager.get("reader", "ns", OID).hit
+        assert manager.get("reader", Get("ns", OID)).hit
         manager.check_integrity()
     asyncio.run(scenario())
 
@@ -80,8 +82,8 @@ def test_a_copy_still_live_is_kept_and_the_new_bytes_given_back():
         manager, ns, old = await _manager_with_expired_copy()
         manager.clock.now -= 10  # back inside the TTL
         used = ns.arena.allocator.used_bytes
-        extent = await manager.allocate(ns, 10)
-        assert manager.publish(ns, OID, extent, 10, b"c" * 16, DESC, Hints()) is old
+        extent = await manager.host.allocate(ns, 10)
+        assert manager.host.publish(ns, OID, extent, 10, b"c" * 16, DESC, Hints()) is old
         assert ns.arena.allocator.used_bytes == used and ns.counters.num_expired == 0
     asyncio.run(scenario())
 
@@ -89,10 +91,11 @@ def test_a_copy_still_live_is_kept_and_the_new_bytes_given_back():
 def test_a_home_takes_a_peers_fresh_copy_over_its_expired_one():
     from kvstore.peer_messages import RemoteMeta
     from kvstore.server.cluster.serving import PeerServing
+    from kvstore.server.tiering.chain import LocalTiers
 
     async def scenario():
         manager, ns, old = await _manager_with_expired_copy()
-        serving = PeerServing(manager, set())
+        serving = PeerServing(LocalTiers(manager.host, manager.nvme, manager.index, manager.host.events), set())
         write = await serving.reserve("ns", OID, RemoteMeta(10, b"c" * 16, DESC, Hints()))
         assert write is not None, "the home answered 'held' for a copy past its TTL"
         write.commit()
@@ -107,21 +110,22 @@ def test_housekeeping_rebuilds_an_index_emptied_by_deletes():
     import sys
 
     from kvstore.config import HostTierConfig
+    from kvstore.server.tiering.chain import compose
     from kvstore.server.tiering.manager import TierManager
 
     async def scenario():
-        manager = TierManager(HostTierConfig(arena_bytes=(20_000 + 16) * 4096, prefault=False))
-        ns = await manager.open_namespace("ns")
+        manager = TierManager(compose(HostTierConfig(arena_bytes=(20_000 + 16) * 4096, prefault=False)))
+        ns = await manager.host.open_namespace("ns")
         ids = [ObjectId(i.to_bytes(32, "little")) for i in range(20_000)]
         for oid in ids:
-            manager.publish(ns, oid, await manager.allocate(ns, 10), 10, b"c" * 16, DESC, Hints())
+            manager.host.publish(ns, oid, await manager.host.allocate(ns, 10), 10, b"c" * 16, DESC, Hints())
         full = sys.getsizeof(ns.objects)
-        manager.delete_here("ns", ids[:19_000])
+        manager.index.delete_here("ns", ids[:19_000])
         assert sys.getsizeof(ns.objects) == full  # deleting never shrinks the table
         manager.expire()
         assert sys.getsizeof(ns.objects) < full / 8 and len(ns.objects) == 1_000
         assert all(ns.objects[oid].object_id == oid for oid in ids[19_000:])
-        assert manager.get("reader", "ns", ids[-1]).hit
+        assert manager.get("reader", Get("ns", ids[-1])).hit
         manager.check_integrity()
     asyncio.run(scenario())
 
@@ -130,15 +134,16 @@ def test_housekeeping_expires_only_what_is_due_and_never_a_newer_copy():
     """The expiry heap (server/tiering/expiry.py): objects without a TTL are never queued; a
     copy past its TTL goes at the next housekeeping; an id put again after its copy expired
     (a new serial) is not dropped by the old copy's queued item."""
+    from kvstore.server.tiering.chain import compose
     from kvstore.server.tiering.manager import TierManager
     now = [100.0]
-    manager = TierManager(HostTierConfig(arena_bytes=1 << 20, prefault=False), clock=lambda: now[0])
+    manager = TierManager(compose(HostTierConfig(arena_bytes=1 << 20, prefault=False), clock=lambda: now[0]))
 
     async def scenario():
-        ns = await manager.open_namespace("t")
+        ns = await manager.host.open_namespace("t")
         for i, ttl in enumerate((None, 5.0, 50.0)):
-            extent = await manager.allocate(ns, 4096)
-            manager.publish(ns, ObjectId(bytes([i]) * 32), extent, 4096, b"\0" * 16, StateDescriptor("t", "m", "r"),
+            extent = await manager.host.allocate(ns, 4096)
+            manager.host.publish(ns, ObjectId(bytes([i]) * 32), extent, 4096, b"\0" * 16, StateDescriptor("t", "m", "r"),
                             Hints(ttl_s=ttl))
         return ns
     ns = asyncio.run(scenario())
@@ -147,7 +152,7 @@ def test_housekeeping_expires_only_what_is_due_and_never_a_newer_copy():
     manager.expire()
     assert set(ns.objects) == {ObjectId(b"\0" * 32), ObjectId(b"\2" * 32)} and ns.counters.num_expired == 1
     now[0] = 151.0  # the 50 s copy is due; first it is found expired by a put of its id, which replaces it
-    fresh = manager.publish(ns, ObjectId(b"\2" * 32), ns.arena.alloc(4096), 4096, b"\0" * 16,
+    fresh = manager.host.publish(ns, ObjectId(b"\2" * 32), ns.arena.alloc(4096), 4096, b"\0" * 16,
                             StateDescriptor("t", "m", "r"), Hints())
     manager.expire()  # the old copy's queued item finds a newer copy and leaves it
     assert ns.objects[ObjectId(b"\2" * 32)] is fresh and ns.counters.num_expired == 2

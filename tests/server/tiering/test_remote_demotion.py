@@ -12,6 +12,7 @@ from kvstore.config import HostTierConfig
 from kvstore.errors import CapacityError
 from kvstore.hints import Hints
 from kvstore.identity import ObjectId, StateDescriptor
+from kvstore.server.tiering.chain import compose
 from kvstore.server.tiering.manager import TierManager
 
 MiB = 1 << 20
@@ -39,15 +40,14 @@ class StandInLink:
 
 
 def manager_with(behaviour, objects=6):
-    manager = TierManager(HostTierConfig(arena_bytes=8 * MiB, prefault=False),
-                          make_cluster=lambda manager: StandInLink(behaviour))
+    manager = TierManager(compose(HostTierConfig(arena_bytes=8 * MiB, prefault=False), make_remote=lambda local: StandInLink(behaviour)))
 
     async def fill():
-        ns = await manager.open_namespace("t")
+        ns = await manager.host.open_namespace("t")
         for i in range(objects):
             oid = ObjectId(bytes([i]) * 32)
-            extent = await manager.allocate(ns, MiB)
-            manager.publish(ns, oid, extent, MiB, b"\0" * 16, StateDescriptor("t", "m", "r"), Hints())
+            extent = await manager.host.allocate(ns, MiB)
+            manager.host.publish(ns, oid, extent, MiB, b"\0" * 16, StateDescriptor("t", "m", "r"), Hints())
         return ns
     return manager, fill
 
@@ -61,13 +61,13 @@ def test_victims_are_sent_then_evicted():
 
     async def scenario():
         ns = await fill()
-        extent = await manager.allocate(ns, 4 * MiB)  # the arena holds 8: some of the six must go
+        extent = await manager.host.allocate(ns, 4 * MiB)  # the arena holds 8: some of the six must go
         ns.arena.free(extent)
         return ns
     ns = asyncio.run(scenario())
-    assert len(manager.cluster.sent) >= 2
-    assert all(oid not in ns.objects for oid in manager.cluster.sent)  # sent, then gone
-    assert set(manager.cluster.forgotten) == set(manager.cluster.sent)
+    assert len(manager.remote.sent) >= 2
+    assert all(oid not in ns.objects for oid in manager.remote.sent)  # sent, then gone
+    assert set(manager.remote.forgotten) == set(manager.remote.sent)
     manager.check_integrity()
 
 
@@ -82,7 +82,7 @@ def test_an_interrupted_send_leaves_every_victim_resident_and_tracked(failure):
 
     async def scenario():
         ns = await fill()
-        task = asyncio.ensure_future(manager.allocate(ns, 4 * MiB))
+        task = asyncio.ensure_future(manager.host.allocate(ns, 4 * MiB))
         if failure == "cancelled":
             await asyncio.sleep(0.05)
             task.cancel()
@@ -97,7 +97,7 @@ def test_an_interrupted_send_leaves_every_victim_resident_and_tracked(failure):
 def test_a_victim_read_during_the_send_stays():
     async def send(link, entries):
         link.read = entries[0]
-        manager.hold(entries[0])  # a reader arrives while the copy is in flight
+        manager.host.hold(entries[0])  # a reader arrives while the copy is in flight
         await asyncio.sleep(0)
 
     manager, fill = manager_with(send)
@@ -105,11 +105,11 @@ def test_a_victim_read_during_the_send_stays():
     async def scenario():
         ns = await fill()
         try:
-            await manager.allocate(ns, 8 * MiB)
+            await manager.host.allocate(ns, 8 * MiB)
         except CapacityError:
             pass  # the read victim holds one MiB: the whole arena cannot be freed
         return ns
     ns = asyncio.run(scenario())
-    assert ns.objects.get(manager.cluster.read.object_id) is manager.cluster.read
-    manager.release_hold(manager.cluster.read)
+    assert ns.objects.get(manager.remote.read.object_id) is manager.remote.read
+    manager.host.release_hold(manager.remote.read)
     manager.check_integrity()

@@ -13,6 +13,7 @@ from kvstore.config import HostTierConfig
 from kvstore.hints import Hints
 from kvstore.identity import ObjectId, StateDescriptor
 from kvstore.shared_index import OCCUPIED, PROBE_SLOTS, RECORD, descriptor_digest, home_slot, record_at
+from kvstore.server.tiering.chain import compose
 from kvstore.server.tiering.manager import TierManager
 from kvstore.server.tiering.shared_index import SharedIndex
 
@@ -45,11 +46,11 @@ def records(shared: SharedIndex) -> dict:
 
 
 async def _filled(count: int, clock: Clock, ttl_every: int = 0):
-    manager = TierManager(HostTierConfig(arena_bytes=64 * 4096, prefault=False), clock=clock)
-    ns = await manager.open_namespace("ns")
+    manager = TierManager(compose(HostTierConfig(arena_bytes=64 * 4096, prefault=False), clock=clock))
+    ns = await manager.host.open_namespace("ns")
     for i in range(count):
         hints = Hints(ttl_s=5.0) if ttl_every and i % ttl_every == 0 else Hints()
-        manager.publish(ns, oid(i), manager.host.alloc_now(ns, 4096), 4096, bytes([i]) * 16, DESC, hints)
+        manager.host.publish(ns, oid(i), manager.host.alloc_now(ns, 4096), 4096, bytes([i]) * 16, DESC, hints)
     return manager, ns
 
 
@@ -73,8 +74,8 @@ def test_every_way_out_of_the_index_clears_the_record_before_the_extent_is_reuse
     extent = manager.host.alloc_now(ns, 4096)
     evicted = {oid(i).digest for i in range(64)} - {e.digest for e in ns.objects}
     assert len(evicted) == 1 and not evicted & set(records(ns.shared))
-    manager.publish(ns, oid(100), extent, 4096, b"n" * 16, DESC, Hints())
-    assert manager.delete("ns", [oid(1)], scope="node") == 1
+    manager.host.publish(ns, oid(100), extent, 4096, b"n" * 16, DESC, Hints())
+    assert manager.index.delete("ns", [oid(1)], scope="node") == 1
     manager.host.drop(ns, ns.objects[oid(2)])
     clock.now += 10  # past the TTL of every eighth object
     manager.expire()
@@ -93,7 +94,7 @@ def test_a_replaced_expired_copy_is_republished_at_its_new_extent():
     old = ns.objects[oid(0)]
     clock.now += 10
     new_extent = manager.host.alloc_now(ns, 4096)
-    manager.publish(ns, oid(0), new_extent, 4096, b"x" * 16, DESC, Hints())
+    manager.host.publish(ns, oid(0), new_extent, 4096, b"x" * 16, DESC, Hints())
     got = records(ns.shared)
     assert list(got) == [oid(0).digest] and got[oid(0).digest][1] == new_extent.offset != old.extent.offset
     manager.check_integrity()
@@ -107,7 +108,7 @@ def test_ids_whose_slots_are_all_taken_are_not_published():
     same_home = [i for i in range(200_000) if home_slot(oid(i).digest, shared.slots) == home][:PROBE_SLOTS + 1]
     entries = []
     for i in same_home:
-        manager.publish(ns, oid(i), manager.host.alloc_now(ns, 4096), 4096, b"c" * 16, DESC, Hints())
+        manager.host.publish(ns, oid(i), manager.host.alloc_now(ns, 4096), 4096, b"c" * 16, DESC, Hints())
         entries.append(ns.objects[oid(i)])
     published = [shared.publish(e) for e in entries]
     assert published == [True] * PROBE_SLOTS + [False] and shared.num_unpublished == 1
@@ -126,9 +127,9 @@ def test_clients_cannot_map_the_index_writable():
 
 def test_off_the_namespace_has_no_index():
     async def go():
-        manager = TierManager(HostTierConfig(arena_bytes=1 << 20, prefault=False, shared_index=False))
-        ns = await manager.open_namespace("ns")
-        manager.publish(ns, oid(0), manager.host.alloc_now(ns, 4096), 4096, b"c" * 16, DESC, Hints())
+        manager = TierManager(compose(HostTierConfig(arena_bytes=1 << 20, prefault=False, shared_index=False)))
+        ns = await manager.host.open_namespace("ns")
+        manager.host.publish(ns, oid(0), manager.host.alloc_now(ns, 4096), 4096, b"c" * 16, DESC, Hints())
         return manager, ns
     manager, ns = asyncio.run(go())
     assert not ns.shared.enabled and ns.shared.fd == -1

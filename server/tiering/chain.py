@@ -1,0 +1,97 @@
+"""The chain of tiers, composed in one place: [GPU copies] -> host -> NVMe -> remote.
+
+`compose()` is where the tiers meet. It builds the host tier, then NVMe with the host tier,
+then the node's index ops (lookup, delete, pin, prefetch over the chain), then the remote
+tier (the cluster's homes, or a Mooncake pool) with what it serves peers from and lands
+fetched bytes in (`LocalTiers`). Last it tells the upper tiers what lies below them: NVMe
+sends what it evicts or refuses to the remote tier, the index ops ask it on a local miss,
+and the host tier's victims go through NVMe's sink, else the remote tier's, else nowhere.
+
+No tier holds the tier manager or reaches a sibling through it: each is handed the tiers it
+talks to, typed by the small Protocols below, which the null objects of switched-off tiers
+(server/tiering/absent.py) implement too.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, NamedTuple, Protocol
+
+from kvstore.config import HostTierConfig
+from kvstore.identity import ObjectId
+from kvstore.server.events import NoEvents
+from kvstore.server.tiering.absent import NoCluster, NoGpu, NoNvme
+from kvstore.server.tiering.host import HostTier, Namespace
+from kvstore.server.tiering.index_ops import IndexOps
+from kvstore.server.tiering.objects import ObjectEntry
+
+
+class LocalCopies(Protocol):
+    """What the remote tier reads of this node's NVMe tier (server/tiering/nvme_mover.py:
+    TierMover, or NoNvme)."""
+
+    def holds(self, namespace: str, oid: ObjectId) -> bool: ...
+    def remote_meta(self, namespace: str, oid: ObjectId): ...
+    async def read_copy(self, namespace: str, oid: ObjectId): ...
+    async def promote(self, namespace: str, oid: ObjectId) -> ObjectEntry | None: ...
+    def keys(self) -> list[tuple[str, bytes]]: ...
+
+
+class Homes(Protocol):
+    """What the NVMe tier and the index ops hand down to the remote tier
+    (server/cluster/link.py: ClusterLink, server/pool/link.py: PoolLink, or NoCluster)."""
+
+    async def demote(self, entries: list[ObjectEntry]) -> None: ...
+    async def demote_from_nvme(self, namespace: str, oids: list[ObjectId]) -> None: ...
+    def must_send(self, namespace: str, oid: ObjectId) -> bool: ...
+    def forget(self, namespace: str, oid: ObjectId) -> None: ...
+    def lookup_remote(self, namespace: str, ids): ...
+    def delete_everywhere(self, namespace: str, ids, found): ...
+    def pin_everywhere(self, namespace: str, ids, ttl_s, unpin: bool, here: list[bool]): ...
+
+
+class LocalTiers(NamedTuple):
+    """What the remote tier is given: the tiers it serves peers from and lands fetched bytes
+    in, the node's index ops (a peer's delete and pin), and the KV event stream."""
+    host: HostTier
+    nvme: LocalCopies
+    index: IndexOps
+    events: object
+
+
+MakeNvme = Callable[[HostTier, object], object]  # (host tier, events) -> TierMover
+MakeRemote = Callable[[LocalTiers], object]  # -> ClusterLink or PoolLink
+
+
+class Chain:
+    """The composed tiers, top to bottom. `tiered`: objects may live below the host arena
+    (some tier below takes the host tier's victims)."""
+
+    def __init__(self, host: HostTier, nvme, index: IndexOps, remote):
+        self.host, self.nvme, self.index, self.remote = host, nvme, index, remote
+        self.gpu = NoGpu()  # server.tiering.gpu_reads.GpuReads once attach_gpu() (the daemon's start)
+        nvme.below = index.below = remote
+        host.sink = nvme.victim_sink(remote.victim_sink(host))
+        host.on_leave = self._left_host
+        self.tiered = host.sink is not None
+
+    def attach_gpu(self, gpu) -> None:
+        """The GPU tier joins the chain (made at start: it needs the probe, and device memory)."""
+        self.gpu = gpu
+
+    def _left_host(self, ns: Namespace, entry: ObjectEntry) -> None:
+        self.gpu.forget(ns.name, entry.object_id.digest)
+        if not self.nvme.holds(ns.name, entry.object_id):  # gone from this node altogether
+            self.remote.forget(ns.name, entry.object_id)
+
+
+def compose(host_config: HostTierConfig, *, clock=time.monotonic, events=NoEvents(),
+            make_nvme: MakeNvme | None = None, make_remote: MakeRemote | None = None) -> Chain:
+    """The chain for one daemon. make_nvme / make_remote: factories of the tiers below the host
+    arena (server.tiering.nvme_mover.TierMover; server.cluster.link.ClusterLink or
+    server.pool.link.PoolLink); None: that tier is off and a null object stands in."""
+    host = HostTier(host_config, clock, events=events)
+    nvme = make_nvme(host, events) if make_nvme else NoNvme()
+    index = IndexOps(host, nvme)
+    remote = make_remote(LocalTiers(host, nvme, index, events)) if make_remote else NoCluster()
+    return Chain(host, nvme, index, remote)
