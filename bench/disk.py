@@ -20,6 +20,9 @@
    `--restart-daemon` starts a whole daemon over such an index instead (and over an empty
    one): seconds until it takes clients, and its RssAnon per NVMe-indexed object.
 
+Reaches inside: it times the NVMe tier (tiers/nvme) alone against fio on the same file, which a
+daemon's socket round trips would blur.
+
 Disk use stays under 2 GiB (one 1 GiB data set at a time) and everything is removed at the
 end. Numbers on these machines vary by +-30% between runs: compare ratios within one run.
 """

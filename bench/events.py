@@ -2,6 +2,9 @@
 
     .venv/bin/python bench/events.py [--quick] [--no-subscriber]
 
+Reaches inside for one name only: `server.events.topic_of`, the ZMQ topic a router subscribes
+to (docs/routers.md); everything else runs through `kvstore serve` and the client.
+
 Three daemons, host tier only, alike but for `[events] enabled` (off, on, on); the first
 with events has a subscriber in its own process reading its namespace's stream as a router
 would (decoding every batch); the second gets its puts with routes (kvstore/route.py: 16

@@ -3,6 +3,8 @@ bench/remote.py measures the peer protocol with, and the backend the peer tests 
 
     python bench/peer_service.py --listen 127.0.0.1:8471 --secret-file s.txt [--transport ucx]
 
+Reaches inside: a peer service with no tiers behind it isolates the peer protocol's cost.
+
 It prints "listening HOST:PORT" once it serves, and stops on SIGTERM or SIGINT.
 """
 

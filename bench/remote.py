@@ -2,6 +2,9 @@
 
     .venv/bin/python bench/remote.py [--quick] [--transports tcp,ucx] [--parts peer,pool]
 
+Reaches inside: the peer transport (server/peer, tiers/remote) is timed alone against raw TCP;
+the pool part (`--parts pool`) runs daemons through `kvstore serve` and the client, as a user.
+
 The real peer service (`bench/peer_service.py`: the daemon's PeerService over a dict, uvloop) serves
 from its own process; a RemoteTier fetches from another. A timed get is one `get_into` of a
 4 MiB object into a pre-touched buffer, xxh3-128 check included; `transfer` is the same fetch

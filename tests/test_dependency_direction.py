@@ -197,6 +197,33 @@ def test_no_tier_holds_the_manager_or_reaches_a_sibling_through_it():
     assert not found, "\n".join(found)
 
 
+# Benchmarks drive the product as a user does: daemons through `kvstore serve`
+# (commands/smoke.py: start_daemon), the public client, the engines' plug-ins, the kernels.
+# These time one part alone against its own baseline, and say so in their docstrings.
+BENCH_INSIDE = {
+    "bench/disk.py": "the NVMe tier against fio on the same file",
+    "bench/housekeeping.py": "the expiry pass, a call on the daemon's loop with no client op",
+    "bench/peer_service.py": "a peer service with no tiers behind it (the far end of bench/remote.py)",
+    "bench/remote.py": "the peer transport against raw TCP",
+    "bench/events.py": "one name: the ZMQ topic a router subscribes to (server.events.topic_of)",
+}
+USER_SURFACE = {"kvstore", "client", "commands", "gpu", "adapters"}
+
+
+def test_benchmarks_drive_the_daemon_as_a_user_or_say_why_not():
+    files = sorted((ROOT / "bench").glob("*.py"))
+    assert len(files) > 15, "the check reads the benchmarks"
+    wrong = []
+    for path in files:
+        rel = path.relative_to(ROOT).as_posix()
+        inside = sorted({n for n in _imports(path) if n in PACKAGES and n not in USER_SURFACE})
+        if inside and rel not in BENCH_INSIDE:
+            wrong.append(f"{rel} imports {', '.join(inside)}: drive the daemon as a user, or list it in BENCH_INSIDE")
+        if rel in BENCH_INSIDE and "Reaches inside" not in (ast.get_docstring(ast.parse(path.read_text())) or ""):
+            wrong.append(f"{rel}: its docstring must say in a line why it reaches inside (\"Reaches inside: ...\")")
+    assert not wrong, "\n".join(wrong)
+
+
 def test_no_module_reaches_into_another_objects_privates():
     """`x._name` only on self or cls: a collaborator uses another object's public surface."""
     import re
