@@ -220,7 +220,7 @@ MIN_SECRET_CHARS = 16
 
 @dataclass(frozen=True, slots=True)
 class ClusterConfig:
-    """Peers, membership and the remote tier (DESIGN.md sections 4 and 8)."""
+    """Peers, membership and the remote tier (`[cluster]`, docs/cluster.md)."""
 
     enabled: bool = False
     node_id: str = ""  # empty: the host name

@@ -53,7 +53,7 @@ class ObjectId(bytes):
     """32-byte content id; prints as 64 hex characters.
 
     It is its digest: one bytes object, no wrapper around one (a daemon indexes tens of
-    millions of ids; a wrapper costs ~48 B more each, issue 15). So an id hashes and compares
+    millions of ids; a wrapper costs ~48 B more each). So an id hashes and compares
     as its raw 32 bytes, and a batch of ids off the wire probes an index without building
     an object per id. `hex` is the 64-character text (a property, not bytes.hex)."""
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The prepared GPU check (DESIGN.md section 10): on a machine with CUDA, in under 10 minutes,
+# The prepared GPU check: on a machine with CUDA, in under 10 minutes,
 #   1. find (or install) a Python whose torch sees CUDA,
 #   2. run the gpu-marked tests, then the small kernel tests on the device,
 #   3. run the kernel benchmark,

@@ -2,12 +2,15 @@
 (`server/tiering/manager.py`, `tiers/nvme/`, `bench/local.py`) exists, a name given with it
 (`server/peer/service.py: PeerService`) is defined there, every method named on one of our
 classes (`TierManager.get`) is defined on it, every `kvstore.*` module exists, and every
-relative link resolves. A renamed or deleted file fails here, not in a reader's hands."""
+relative link resolves. A renamed or deleted file fails here, not in a reader's hands. And no
+file cites the design document kept outside the repository: what the docs cite is here."""
 
 from __future__ import annotations
 
 import pathlib
 import re
+import shutil
+import subprocess
 
 import pytest
 
@@ -22,6 +25,13 @@ METHOD = re.compile(r"`([A-Z][A-Za-z0-9]+)\.([a-z_][a-z0-9_]*)(?:\(\))?`")
 MODULE = re.compile(r"`(kvstore\.(?:server|client|tiers|gpu|adapters|commands)(?:\.[A-Za-z_][A-Za-z0-9_]*)*)`")
 PACKAGES = ("kvstore", "server", "client", "tiers", "gpu", "adapters", "commands")
 LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
+# A citation of the design document that lives outside the repository (`../shared/`): the
+# design the docs and comments cite is in the repository or not cited. Spelled so that this
+# file does not match it.
+OUTSIDE_DESIGN = re.compile(rb"\bDESIGN\b(?:\.md|\s+section)")
+# Frozen text that is data, not docs: the e2e bench's prompt corpus, a copy of old docs whose
+# sha256 goes into every result (bench/e2e.py).
+FROZEN = {"bench/e2e_corpus.txt"}
 
 
 def _named_paths(text: str):
@@ -106,3 +116,13 @@ def test_every_relative_link_resolves(doc):
 def test_the_checks_read_the_docs():
     named = [p for doc in DOCS for p in _named_paths(doc.read_text())]
     assert len(DOCS) >= 5 and len(named) > 50, (len(DOCS), len(named))
+
+
+@pytest.mark.skipif(shutil.which("git") is None or not (ROOT / ".git").exists(), reason="needs a git checkout")
+def test_no_file_cites_the_design_outside_the_repository():
+    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                            capture_output=True, check=True).stdout.decode().split("\0")
+    files = [ROOT / name for name in listed if name and name not in FROZEN and (ROOT / name).is_file()]
+    citing = sorted(str(f.relative_to(ROOT)) for f in files if OUTSIDE_DESIGN.search(f.read_bytes()))
+    assert len(files) > 100, len(files)
+    assert not citing, f"these cite a design document that is not in the repository: {citing}"

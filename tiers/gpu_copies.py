@@ -2,7 +2,7 @@
 
 An object is content-addressed and immutable once committed, so a device copy checked at copy
 time stays right; the host arena keeps the object, and the GPU tier only caches copies of it
-for local engines to read over CUDA IPC (DESIGN.md section 4).
+for local engines to read over CUDA IPC (docs/architecture.md, "Design choices").
 
     copy_in(key, host bytes):  held already -> touch it, return its extent.
                                larger than the tier, or no room even with every idle copy

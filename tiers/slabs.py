@@ -1,5 +1,5 @@
 """SlabAllocator: size classes below one page, so a small object takes a slot near its own size
-instead of a whole 4 KiB page (issue 15).
+instead of a whole 4 KiB page.
 
 A slab is a run of pages taken from the page allocator (an ExtentAllocator) and carved into
 equal slots of one size class; objects larger than the largest class take pages directly,

@@ -12,8 +12,8 @@ from kvstore.errors import InvalidArgument
 MIN_PRIORITY, MAX_PRIORITY = -10, 10
 
 # What a policy remembers about a tracked object is one int, its state, not an object per key:
-# a tier may track tens of millions of objects, and an object with its dict costs ~120 B more
-# (issue 15). Bits 0-1: freq (0..3, hits not yet spent); bit 2: in S3-FIFO's main queue;
+# a tier may track tens of millions of objects, and an object with its dict costs ~120 B more.
+# Bits 0-1: freq (0..3, hits not yet spent); bit 2: in S3-FIFO's main queue;
 # bits 3-7: priority - MIN_PRIORITY; bits 8 and up: size_bytes. Only freq and the queue bit
 # ever change. A recompute cost, when hinted, is kept beside it (EvictionPolicy._costs).
 FREQ_MASK = 0b11
@@ -24,7 +24,7 @@ PRIORITY_ZERO = -MIN_PRIORITY << PRIORITY_SHIFT  # the priority bits of priority
 
 
 # Equal states are one int object: most objects of a tier have one of a few sizes (a block, a
-# page), and an int of its own costs each key 32 B (issue 15). Bounded, shared by every policy
+# page), and an int of its own costs each key 32 B. Bounded, shared by every policy
 # of the process (ints are immutable); past the bound a state is simply not shared.
 MAX_SHARED_STATES = 1 << 16
 _SHARED_STATES: dict[int, int] = {}
