@@ -31,8 +31,6 @@ log = logging.getLogger("kvstore.gpu")
 
 
 class GpuReads:
-    enabled = True
-
     def __init__(self, device, host: HostTier):
         """device: a tiers.gpu.GpuTier (or anything with its surface)."""
         self.device = device
