@@ -227,7 +227,7 @@ def main(argv=None) -> int:
     skipped: dict[str, str] = {}
     with scratch_dir("kvstore-bench-") as workdir:
         out = run(plan, workdir, skipped)
-    settings = {**asdict(plan), "mode": "quick" if args.quick else "full", "arena": ARENA,
+    settings = {**asdict(plan), "mode": "quick" if args.quick else "full", "arena": ARENA, "pages": out["pages"],
                 "lookup_round_trips": out["lookup_round_trips"], "elapsed_s": round(time.perf_counter() - started, 1)}
     report(SUITE, build_rows(out), TARGETS, skipped, settings)
     progress("bench", f"done in {time.perf_counter() - started:.0f} s")

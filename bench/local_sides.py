@@ -81,7 +81,8 @@ class KVStoreSide:
         self.small_out = touched(SMALL, seed=1)
 
     def info(self) -> dict:
-        return {"open_ms": self.open_ms}
+        """The first open's time, and what backs the arena (tiers/huge_pages.py)."""
+        return {"open_ms": self.open_ms, "pages": self.client.stats()["namespaces"]["bench"].get("pages")}
 
     def prepare(self, size: int, count: int) -> None:
         self.size = size

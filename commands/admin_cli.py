@@ -53,18 +53,19 @@ def _print_json(doc) -> int:
 def status_rows(stats: dict) -> list[str]:
     """The status table: one row per tier of each namespace, then the tier totals."""
     rows = [f"{'namespace':<16} {'tier':<5} {'objects':>8} {'used':>10} {'capacity':>10} {'':22} "
-            f"{'hit rate':>8} {'evictions':>9}"]
+            f"{'hit rate':>8} {'evictions':>9}  pages"]
 
-    def row(name: str, tier: str, t: dict) -> str:
+    def row(name: str, tier: str, t: dict, pages: str = "") -> str:
         lookups = t.get("num_hits", 0) + t.get("num_misses", 0)
         rate = f"{100 * t['num_hits'] / lookups:.0f}%" if lookups else "-"
         return (f"{name:<16} {tier:<5} {t['objects']:>8} {human_bytes(t['used_bytes']):>10} "
                 f"{human_bytes(t['capacity_bytes']):>10} {usage_bar(t['used_bytes'], t['capacity_bytes']):22} "
-                f"{rate:>8} {t.get('num_evictions', 0):>9}")
+                f"{rate:>8} {t.get('num_evictions', 0):>9}  {pages}").rstrip()
 
     shown = set()
     for name, ns in stats["namespaces"].items():
-        rows += [row(name, tier, t) for tier, t in sorted(ns["tiers"].items())]
+        pages = {"hugetlb": "huge (reserved)", "thp": "huge (transparent)", "off": "4 KiB"}.get(ns.get("pages"), "")
+        rows += [row(name, tier, t, pages if tier == "host" else "") for tier, t in sorted(ns["tiers"].items())]
         shown |= set(ns["tiers"])
     if not stats["namespaces"]:
         rows.append("(no namespaces opened yet)")

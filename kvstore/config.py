@@ -51,6 +51,9 @@ def default_data_dir() -> str:
     return os.path.join(base, "kvstore")
 
 
+HUGE_PAGES = ("auto", "off")  # the values of [host] huge_pages (tiers/huge_pages.py)
+
+
 @dataclass(frozen=True, slots=True)
 class HostTierConfig:
     # Each namespace gets its own memfd arena of this size (tenants never share memory).
@@ -63,6 +66,10 @@ class HostTierConfig:
     namespaces: tuple = ("default",)
     # Publish resident objects in a table clients map read-only, so hits need no round trip.
     shared_index: bool = True
+    # "auto": arenas on the host's reserved huge pages where enough are free, else on
+    # transparent huge pages where shared memory allows them, else 4 KiB pages (logged once);
+    # "off": 4 KiB pages (tiers/huge_pages.py).
+    huge_pages: str = "auto"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "arena_bytes", parse_size(self.arena_bytes, "host.arena_bytes"))
@@ -78,6 +85,8 @@ class HostTierConfig:
             raise InvalidArgument(f"host.policy must be one of {sorted(POLICIES)}, got {self.policy!r}")
         if len(self.namespaces) > self.max_namespaces:
             raise InvalidArgument("host.namespaces lists more namespaces than host.max_namespaces")
+        if self.huge_pages not in HUGE_PAGES:
+            raise InvalidArgument(f"host.huge_pages must be one of {list(HUGE_PAGES)}, got {self.huge_pages!r}")
 
 
 WRITE_POLICIES = ("write_back", "write_through", "selective")

@@ -6,11 +6,13 @@ poll a condition with a liveness bound, never measure time.
 
 from __future__ import annotations
 
+import contextlib
 import random
 import socket
 import time
 
 import numpy as np
+import pytest
 
 from kvstore import messages as m
 from kvstore import replies as r
@@ -117,3 +119,27 @@ class NumpyDevice:
 
     def check_integrity(self) -> None:
         self.allocator.check_integrity()
+
+
+NR_HUGEPAGES = "/proc/sys/vm/nr_hugepages"
+
+
+@contextlib.contextmanager
+def reserved_huge_pages(count: int):
+    """`count` more huge pages reserved while the block runs (root), then put back."""
+    try:
+        with open(NR_HUGEPAGES) as f:
+            before = int(f.read())
+        with open(NR_HUGEPAGES, "w") as f:
+            f.write(str(before + count))
+        with open(NR_HUGEPAGES) as f:
+            got = int(f.read()) - before
+    except OSError as exc:
+        pytest.skip(f"cannot reserve huge pages here ({exc}): needs root and a kernel with hugetlbfs")
+    try:
+        if got < count:
+            pytest.skip(f"the kernel reserved {got} of {count} huge pages (memory too fragmented)")
+        yield
+    finally:
+        with open(NR_HUGEPAGES, "w") as f:
+            f.write(str(before))

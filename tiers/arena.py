@@ -15,6 +15,9 @@ of memory fails here with CapacityError instead of a SIGBUS on some later write.
 of PREFAULT_STEP_BYTES and check `cancel` between them: a daemon told to stop while it prefaults
 a large arena (about 2 s per GiB here) stops within a step instead of finishing the arena first.
 
+With `pages` "hugetlb" the memfd is made of the host's reserved huge pages, with "thp" its
+mapping is madvised for transparent huge pages (tiers/huge_pages.py says which a host offers).
+
 The file is sealed against shrinking and growing, so a client holding the fd cannot ftruncate
 it and make the daemon's own accesses fault.
 
@@ -53,7 +56,10 @@ class HostArena:
     """
 
     def __init__(self, namespace: str, capacity_bytes: int, prefault: bool = True,
-                 cancel: threading.Event | None = None):
+                 cancel: threading.Event | None = None, pages: str = "off"):
+        """pages: "hugetlb", "thp" or "off" (tiers/huge_pages.py: choose). Reserved huge
+        pages that cannot be had after all (taken meanwhile) fall back to 4 KiB pages, logged;
+        `pages` then says what the arena got."""
         if not isinstance(namespace, str) or not namespace or "\0" in namespace:
             raise InvalidArgument(f"namespace must be a non-empty string, got {namespace!r}")
         if type(capacity_bytes) is not int or capacity_bytes <= 0 or capacity_bytes % PAGE_BYTES:
@@ -66,8 +72,22 @@ class HostArena:
         self.prefaulted = prefault  # all of it allocated at once; else where objects land
         self._allocator = SlabAllocator(ExtentAllocator(capacity_bytes, PAGE_BYTES))
         self._mmap: mmap.mmap | None = None
-        name = f"kvstore-{namespace}".encode()[:_MAX_NAME_BYTES].decode(errors="ignore")
-        self._fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        self._fd = -1
+        self.pages = pages
+        if pages == "hugetlb":
+            try:
+                self._make(prefault, cancel, os.MFD_HUGETLB)
+                return
+            except (OSError, CapacityError) as exc:  # the reserved pages went to another mapping meanwhile
+                _log.warning("event=huge_pages_fallback namespace=%s arena_bytes=%d error=%r pages=4KiB",
+                             namespace, capacity_bytes, exc)
+                self.pages = "off"
+        self._make(prefault, cancel, 0)
+
+    def _make(self, prefault: bool, cancel: threading.Event | None, huge_flag: int) -> None:
+        capacity_bytes = self._capacity
+        name = f"kvstore-{self._namespace}".encode()[:_MAX_NAME_BYTES].decode(errors="ignore")
+        self._fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING | huge_flag)
         try:
             os.ftruncate(self._fd, capacity_bytes)
             fcntl.fcntl(self._fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
@@ -75,6 +95,8 @@ class HostArena:
             for offset in steps:
                 self._reserve(offset, min(PREFAULT_STEP_BYTES, capacity_bytes - offset), cancel)
             self._mmap = mmap.mmap(self._fd, capacity_bytes, flags=mmap.MAP_SHARED)
+            if self.pages == "thp":
+                self._advise_huge()
             for offset in steps:
                 self._populate(offset, min(PREFAULT_STEP_BYTES, capacity_bytes - offset), cancel)
         except BaseException:
@@ -84,6 +106,14 @@ class HostArena:
             os.close(self._fd)
             self._fd = -1
             raise
+
+    def _advise_huge(self) -> None:
+        """Let the kernel back the mapping with transparent huge pages (before it is faulted)."""
+        try:
+            self._mmap.madvise(mmap.MADV_HUGEPAGE)
+        except (OSError, AttributeError) as exc:
+            _log.info("event=huge_pages_unavailable namespace=%s error=%r pages=4KiB", self._namespace, exc)
+            self.pages = "off"
 
     def _populate(self, offset: int, length: int, cancel: threading.Event | None) -> None:
         self._check_cancel(cancel)

@@ -63,7 +63,10 @@ SCHEMAS = {
                                 "capacity_bytes and used_bytes when [gpu] enabled"),
         "tiers": {"type": "object", "additionalProperties": _ref("TierStats")},
         "namespaces": {"type": "object", "additionalProperties": _obj(
-            {"tiers": {"type": "object", "additionalProperties": _ref("TierStats")}})},
+            {"tiers": {"type": "object", "additionalProperties": _ref("TierStats")},
+             "pages": {"type": "string", "enum": ["hugetlb", "thp", "off"],
+                       "description": "what backs the namespace's arena: reserved huge pages, transparent "
+                                      "huge pages, or 4 KiB pages ([host] huge_pages)"}})},
     }, extra=True),
     "Descriptor": _obj({"namespace": STR, "model": STR, "model_revision": STR, "kind": KIND, "dtype": DTYPE,
                         "layout": STR, "shard": STR, "chunk_tokens": INT}, extra=True),

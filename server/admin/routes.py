@@ -39,7 +39,8 @@ def _tier_stats(ns: dict) -> dict:
 
 def stats_document(admin) -> dict:
     stats = admin.daemon.stats()
-    per_ns = {name: {"tiers": {"host": _tier_stats(ns)}} for name, ns in sorted(stats["namespaces"].items())}
+    per_ns = {name: {"tiers": {"host": _tier_stats(ns)}, "pages": ns["pages"]}
+              for name, ns in sorted(stats["namespaces"].items())}
     total = dict.fromkeys(TIER_KEYS, 0)
     for ns in per_ns.values():
         for key, value in ns["tiers"]["host"].items():

@@ -33,6 +33,7 @@ from kvstore.server.tiering.objects import ObjectEntry
 from kvstore.server.tiering.shared_index import shared_index
 from kvstore.tiers.allocator import Extent
 from kvstore.tiers.arena import HostArena
+from kvstore.tiers.huge_pages import choose as choose_pages
 
 log = logging.getLogger("kvstore.tiers")
 
@@ -63,6 +64,7 @@ class HostTier:
         self._zombies: dict[int, ObjectEntry] = {}  # id(entry) -> deleted entry still read
         self._transient: dict[int, tuple[str, Extent]] = {}  # id(extent) -> (namespace, extent) being filled
         self.expiry = ExpiryQueue()  # objects with a TTL, by expiry time
+        self._pages_logged = ""  # the kind of arena pages last logged (tiers/huge_pages.py)
 
     # --- namespaces -------------------------------------------------------------
 
@@ -87,25 +89,31 @@ class HostTier:
             config = self.config
             if len(self.namespaces) + len(self._creating) >= config.max_namespaces:
                 raise CapacityError(f"namespace limit reached ({config.max_namespaces}); raise host.max_namespaces")
-            check_new_arena(config, host_memory(), name)  # a CapacityError here, not an OOM kill elsewhere
-            creating = asyncio.ensure_future(self._create_namespace(name))
+            pages = choose_pages(config.arena_bytes, config.huge_pages)
+            if pages.kind != self._pages_logged:  # once, and again only when the kind changes
+                self._pages_logged = pages.kind
+                log.info("event=arena_pages pages=%s reason=%r", pages.kind, pages.reason)
+            if pages.kind != "hugetlb":  # reserved huge pages are not in the memory available
+                check_new_arena(config, host_memory(), name)  # a CapacityError here, not an OOM kill elsewhere
+            creating = asyncio.ensure_future(self._create_namespace(name, pages.kind))
             self._creating[name] = creating
         # Every opener gets the namespace from the creating task itself: a dict lookup after the
         # await could run before the creator resumed (KeyError). Shielded: one opener cancelled
         # (a peer's deadline) does not cancel the creation the others wait for.
         return await asyncio.shield(creating)
 
-    async def _create_namespace(self, name: str) -> Namespace:
+    async def _create_namespace(self, name: str, pages: str) -> Namespace:
         config = self.config
         try:
             arena = await asyncio.get_running_loop().run_in_executor(
-                None, functools.partial(HostArena, name, config.arena_bytes, config.prefault, cancel=self.stopping))
+                None, functools.partial(HostArena, name, config.arena_bytes, config.prefault, cancel=self.stopping,
+                                        pages=pages))
         finally:
             del self._creating[name]
         ns = Namespace(name, arena, make_policy(config.policy, config.arena_bytes),
                        shared=shared_index(config.shared_index, name, config.arena_bytes, config.prefault))
         self.namespaces[name] = ns
-        log.info("event=namespace_open namespace=%s arena_bytes=%d", name, config.arena_bytes)
+        log.info("event=namespace_open namespace=%s arena_bytes=%d pages=%s", name, config.arena_bytes, arena.pages)
         return ns
 
     # --- making room ------------------------------------------------------------
@@ -380,6 +388,7 @@ class HostTier:
                 "capacity_bytes": ns.arena.capacity_bytes,
                 "used_bytes": ns.arena.allocator.used_bytes,
                 "slab_free_bytes": ns.arena.allocator.slab_free_bytes,
+                "pages": ns.arena.pages,  # what backs the arena (tiers/huge_pages.py)
                 "pinned": sum(1 for e in ns.objects.values() if e.is_pinned(now)),
                 **{k: getattr(c, k) for k in c.__slots__},
             }
