@@ -161,3 +161,21 @@ def test_an_object_id_is_its_digest_and_keys_a_dict_as_one():
     for bad in (raw[:31], raw + b"\0", raw.hex(), bytearray(raw)):
         with pytest.raises(InvalidArgument, match="32 bytes"):
             ObjectId(bad)
+
+
+def test_a_descriptor_hashes_once_and_stays_a_good_key_in_another_process():
+    """The hash is kept from construction (hot paths hash a descriptor per object); a pickled
+    descriptor is rebuilt from its fields, so another process (another str hash seed) finds
+    it as a key like one it made itself."""
+    import os
+    import pickle
+    import subprocess
+    import sys
+    d = StateDescriptor("t", "m", "r", kind="recurrent", dtype="fp32", layout="raw(bytes=64)")
+    assert hash(d) == hash(StateDescriptor("t", "m", "r", kind="recurrent", dtype="fp32", layout="raw(bytes=64)"))
+    assert hash(d.with_(dtype="bf16")) != hash(d) and d.with_(dtype="bf16") != d
+    code = ("import pickle, sys; from kvstore.identity import StateDescriptor as S; d = pickle.loads(sys.stdin.buffer.read()); "
+            "print({S('t', 'm', 'r', kind='recurrent', dtype='fp32', layout='raw(bytes=64)'): 'found'}.get(d, 'missing'))")
+    env = {**os.environ, "PYTHONHASHSEED": "12345"}
+    out = subprocess.run([sys.executable, "-c", code], input=pickle.dumps(d), capture_output=True, env=env, check=True)
+    assert out.stdout.decode().strip() == "found"
