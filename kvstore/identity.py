@@ -153,18 +153,28 @@ class StateDescriptor:
         object.__setattr__(self, "shard", Shard.parse(self.shard))
         if not isinstance(self.chunk_tokens, int) or self.chunk_tokens <= 0:
             raise InvalidArgument(f"chunk_tokens must be a positive integer, got {self.chunk_tokens!r}")
-        object.__setattr__(self, "_hash", hash(self._fields()))
+        object.__setattr__(self, "_hash", hash(self.fields()))
 
-    def _fields(self) -> tuple:
+    def fields(self) -> tuple:
+        """The values that make the descriptor what it is, in field order (hashed, compared)."""
         return (self.namespace, self.model, self.model_revision, self.kind, self.dtype, self.layout, self.shard,
                 self.chunk_tokens)
 
     def __hash__(self) -> int:
         return self._hash
 
+    def __eq__(self, other) -> bool:
+        """Field by field, after the shortcuts reads take per object: the same descriptor
+        object (one decoding cache serves a connection), or another hash."""
+        if self is other:
+            return True
+        if other.__class__ is not self.__class__:
+            return NotImplemented
+        return hash(self) == hash(other) and self.fields() == other.fields()
+
     def __reduce__(self):
         """Pickled by its fields: the hash is this process's (str hashes are seeded per process)."""
-        return (type(self), self._fields())
+        return (type(self), self.fields())
 
     def with_(self, **changes) -> StateDescriptor:
         """The same state seen as another kind, dtype, layout or shard."""

@@ -206,6 +206,7 @@ BENCH_INSIDE = {
     "bench/peer_service.py": "a peer service with no tiers behind it (the far end of bench/remote.py)",
     "bench/remote.py": "the peer transport against raw TCP",
     "bench/events.py": "one name: the ZMQ topic a router subscribes to (server.events.topic_of)",
+    "bench/daemon_costs.py": "the daemon's Python per small object, without socket, codec or client",
 }
 USER_SURFACE = {"kvstore", "client", "commands", "gpu", "adapters"}
 
