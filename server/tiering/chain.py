@@ -64,16 +64,18 @@ MakeRemote = Callable[[LocalTiers], object]  # -> ClusterLink or PoolLink
 
 
 class Chain:
-    """The composed tiers, top to bottom. `tiered`: objects may live below the host arena
-    (some tier below takes the host tier's victims)."""
+    """The composed tiers, top to bottom. `local`: what the remote tier was given (the tiers
+    of this node). `tiered`: objects may live below the host arena (some tier below takes the
+    host tier's victims)."""
 
-    def __init__(self, host: HostTier, nvme, index: IndexOps, remote):
-        self.host, self.nvme, self.index, self.remote = host, nvme, index, remote
+    def __init__(self, local: LocalTiers, remote):
+        self.local, self.remote = local, remote
+        self.host, self.nvme, self.index = local.host, local.nvme, local.index
         self.gpu = NoGpu()  # server.tiering.gpu_reads.GpuReads once attach_gpu() (the daemon's start)
-        nvme.below = index.below = remote
-        host.sink = nvme.victim_sink(remote.victim_sink(host))
-        host.on_leave = self._left_host
-        self.tiered = host.sink is not None
+        self.nvme.below = self.index.below = remote
+        self.host.sink = self.nvme.victim_sink(remote.victim_sink(self.host))
+        self.host.on_leave = self._left_host
+        self.tiered = self.host.sink is not None
 
     def attach_gpu(self, gpu) -> None:
         """The GPU tier joins the chain (made at start: it needs the probe, and device memory)."""
@@ -92,6 +94,5 @@ def compose(host_config: HostTierConfig, *, clock=time.monotonic, events=NoEvent
     server.pool.link.PoolLink); None: that tier is off and a null object stands in."""
     host = HostTier(host_config, clock, events=events)
     nvme = make_nvme(host, events) if make_nvme else NoNvme()
-    index = IndexOps(host, nvme)
-    remote = make_remote(LocalTiers(host, nvme, index, events)) if make_remote else NoCluster()
-    return Chain(host, nvme, index, remote)
+    local = LocalTiers(host, nvme, IndexOps(host, nvme), events)
+    return Chain(local, make_remote(local) if make_remote else NoCluster())

@@ -17,7 +17,7 @@ from kvstore.ownership import home_nodes
 from kvstore.server.cluster.replicate import Replicator
 from kvstore.server.cluster.serving import PeerServing
 from kvstore.server.cluster.rehome import Rehomer
-from kvstore.server.tiering.chain import LocalTiers, compose
+from kvstore.server.tiering.chain import compose
 from kvstore.server.tiering.manager import TierManager
 
 
@@ -73,7 +73,7 @@ async def rehomer_holding(ids, members, delay_s=0.01):
         extent = await manager.host.allocate(ns, 1000)
         manager.host.publish(ns, oid, extent, 1000, b"\0" * 16, StateDescriptor("t", "m", "r"), Hints())
     remote = StandInRemote("a", {n: f"{n}:1" for n in members})
-    local = LocalTiers(manager.host, manager.nvme, manager.index, manager.host.events)
+    local = manager.chain.local
     r = Rehomer(StandInLink(local, remote), local, ClusterConfig(rehome_delay_s=delay_s))
     r.begin(members)
     try:

@@ -91,11 +91,10 @@ def test_a_copy_still_live_is_kept_and_the_new_bytes_given_back():
 def test_a_home_takes_a_peers_fresh_copy_over_its_expired_one():
     from kvstore.peer_messages import RemoteMeta
     from kvstore.server.cluster.serving import PeerServing
-    from kvstore.server.tiering.chain import LocalTiers
 
     async def scenario():
         manager, ns, old = await _manager_with_expired_copy()
-        serving = PeerServing(LocalTiers(manager.host, manager.nvme, manager.index, manager.host.events), set())
+        serving = PeerServing(manager.chain.local, set())
         write = await serving.reserve("ns", OID, RemoteMeta(10, b"c" * 16, DESC, Hints()))
         assert write is not None, "the home answered 'held' for a copy past its TTL"
         write.commit()
