@@ -9,7 +9,8 @@ then resolved here, with no message to the daemon:
     record's id, flags, descriptor digest (against `expect`), expires_at (CLOCK_MONOTONIC)
     copy arena[offset:offset + size] into the caller's buffer
     xxh3-128(copy) == record.checksum and record.seq == s1, else ask the daemon
-    (and first: the header's alive_until is ahead, else the daemon stopped keeping the table)
+    (and first, once per call: the header's alive_until is ahead, else the daemon stopped
+    keeping the table; a batch's reads are as of its start)
 
 Anything else asks the daemon, as before: an id not in the table, a record being changed,
 an object past READ_INTO_MAX_BYTES (checking a copy costs more than a round trip there), a
@@ -125,49 +126,68 @@ class SharedReads:
             known = self._digests[id(descriptor)] = (descriptor, descriptor_digest(descriptor))
         return known[1]
 
-    def _read(self, namespace: str, digest: bytes, want, limit: int, out):
-        """(size, the copy, checksum) of a hit of at most `limit` bytes stored under `want`
-        (None: any descriptor), copied into `out` (None: a new array) and verified; or None:
-        ask the daemon. The hit is queued for the next report."""
+    def _table(self, namespace: str):
+        """(table, slot mask, arena, now) to read `namespace`'s hits from, or None (ask the
+        daemon): the checks that hold for a whole call, made once per call."""
         found = self._tables.get(namespace)
         arena = self._core.arenas.get(namespace)
         if found is None or arena is None:
             return None
-        table, mask = found
         if self._hangup is not None and self._hangup.poll(0):  # the daemon closed our connection
             return None
         now = time.monotonic()
-        if ALIVE.unpack_from(table, ALIVE_AT)[0] <= now:  # the daemon stopped keeping it (or died)
+        if ALIVE.unpack_from(found[0], ALIVE_AT)[0] <= now:  # the daemon stopped keeping it (or died)
             return None
-        home = home_slot(digest, mask + 1)
-        for i in range(PROBE_SLOTS):
-            at = HEADER_BYTES + ((home + i) & mask) * RECORD_BYTES
-            if table[at + 8:at + 40] != digest:
-                continue
-            s1 = SEQ.unpack_from(table, at)[0]  # before any field (x86: later loads stay later)
-            _, oid, offset, size, checksum, desc, expires_at, flags = RECORD.unpack_from(table, at)
-            if (s1 & 1 or oid != digest or flags != OCCUPIED or size > limit or offset + size > arena.size
+        return found[0], found[1], arena, now
+
+    def _read(self, namespace: str, items: list, limit: int) -> list:
+        """Per (digest, out, want) item: (size, out, checksum) of a hit of at most `limit`
+        bytes stored under `want` (None: any descriptor), copied into `out` (None: a new
+        array) and verified; or None: ask the daemon. The checks that hold for the whole call
+        (`_table`) are made once, so a batch's reads are as of its start; each object's are
+        made on its own. Hits are queued for the next report. One loop serves one read and a
+        batch: per object, it is what a batch costs (~3 us of Python besides the copy)."""
+        found: list = [None] * len(items)
+        opened = self._table(namespace)
+        if opened is None:
+            return found
+        table, mask, arena, now = opened
+        seq_at, record_at, checked = SEQ.unpack_from, RECORD.unpack_from, xxhash.xxh3_128_digest
+        slots, end, hits = mask + 1, arena.size, []
+        for k, (digest, out, want) in enumerate(items):
+            home = home_slot(digest, slots)
+            for i in range(PROBE_SLOTS):
+                at = HEADER_BYTES + ((home + i) & mask) * RECORD_BYTES
+                if table[at + 8:at + 40] == digest:
+                    break
+            else:
+                continue  # not in the table
+            s1 = seq_at(table, at)[0]  # before any field (x86: later loads stay later)
+            _, oid, offset, size, checksum, desc, expires_at, flags = record_at(table, at)
+            if (s1 & 1 or oid != digest or flags != OCCUPIED or size > limit or offset + size > end
                     or (want is not None and desc != self._digest(want))
                     or expires_at <= now):
-                return None
+                continue
             if out is None:
                 out = np.empty(size, np.uint8)
             elif out.size < size:
-                return None
-            copy = out[:size]
-            np.copyto(copy, arena[offset:offset + size])
-            if xxhash.xxh3_128_digest(copy) != checksum or SEQ.unpack_from(table, at)[0] != s1:
+                continue
+            copy = memoryview(out)[:size]  # (a memoryview's copy costs ~0.3 us less than np.copyto's)
+            copy[:] = arena[offset:offset + size]
+            if checked(copy) != checksum or seq_at(table, at)[0] != s1:
                 self.num_refused += 1  # changed while we copied: the daemon answers instead
-                return None
-            self._hit(namespace, digest)
-            return size, copy, checksum
-        return None
+                continue
+            hits.append(digest)
+            found[k] = (size, out, checksum)
+        if hits:
+            self._hit(namespace, hits)
+        return found
 
     def op_read_into(self, namespace: str, oid, dst: np.ndarray, want):
         """get_into from the index: the size copied into `dst`, or None (ask the daemon)."""
         if not self._tables:
             return None
-        found = self._read(namespace, oid.digest, want, READ_INTO_MAX_BYTES, dst)
+        (found,) = self._read(namespace, [(oid.digest, dst, want)], READ_INTO_MAX_BYTES)
         if found is not None and self._due():
             yield self.reports()
         return None if found is None else found[0]
@@ -179,10 +199,10 @@ class SharedReads:
         # The lease names the object's descriptor: `want`, else the one of a put that gave none
         # (stored under any other, it is read through the daemon, whose reply names it).
         descriptor = want if want is not None else self._opaque(namespace)
-        found = self._read(namespace, oid.digest, descriptor, GET_COPY_MAX_BYTES, None)
+        (found,) = self._read(namespace, [(oid.digest, None, descriptor)], GET_COPY_MAX_BYTES)
         if found is None:
             return None
-        size, copy, checksum = found
+        size, copy, checksum = found  # (a new array of `size` bytes)
         if self._due():
             yield self.reports()
         return ReadLease(self._core.release_cb, 0, oid, size, checksum, descriptor, "host", copy)  # 0: no daemon lease
@@ -190,24 +210,23 @@ class SharedReads:
     def op_read_many(self, namespace: str, prepared: list):
         """get_many_into from the index: per (oid, dst, want) item the size copied into dst,
         or None (ask the daemon)."""
-        if namespace not in self._tables:
+        if not self._tables:
             return [None] * len(prepared)
-        sizes = [None if (found := self._read(namespace, oid.digest, want, READ_INTO_MAX_BYTES, dst)) is None
-                 else found[0] for oid, dst, want in prepared]
+        found = self._read(namespace, [(oid.digest, dst, want) for oid, dst, want in prepared], READ_INTO_MAX_BYTES)
         if self._due():
             yield self.reports()
-        return sizes
+        return [None if hit is None else hit[0] for hit in found]
 
     # --- reporting hits ----------------------------------------------------------------
 
-    def _hit(self, namespace: str, digest: bytes) -> None:
+    def _hit(self, namespace: str, digests: list) -> None:
         hits = self._hits.get(namespace)
         if hits is None:
             hits = self._hits[namespace] = []
-        hits.append(digest)
-        self.num_pending += 1
-        if self.num_pending == 1:
+        if not self.num_pending:
             self._oldest = time.monotonic()
+        hits.extend(digests)
+        self.num_pending += len(digests)
 
     def _due(self) -> bool:
         return self.num_pending >= HITS_PER_REPORT or (

@@ -59,14 +59,17 @@ def setup():
     return index, arena, entry, reader
 
 
-def read(reader: SharedReads, want: StateDescriptor | None = None) -> int | None:
-    """op_read_into driven to its end (it yields only to report hits)."""
-    op = reader.op_read_into("t", OID, np.zeros(SIZE, np.uint8), want)
+def driven(op):
+    """A reader's op driven to its end (it yields only to report hits): what it returns."""
     try:
         while True:
             next(op)
     except StopIteration as done:
         return done.value
+
+
+def read(reader: SharedReads, want: StateDescriptor | None = None) -> int | None:
+    return driven(reader.op_read_into("t", OID, np.zeros(SIZE, np.uint8), want))
 
 
 def test_an_undisturbed_read_is_accepted_and_queued_for_report():
@@ -123,3 +126,24 @@ def test_another_descriptor_or_a_dead_table_is_refused():
     assert read(reader, DESC) == SIZE
     index.close()  # a daemon that stops marks its tables dead
     assert read(reader) is None
+
+
+def read_many(reader: SharedReads, oids) -> list:
+    """Each object into its own buffer, in one op_read_many."""
+    return driven(reader.op_read_many("t", [(oid, np.zeros(SIZE, np.uint8), None) for oid in oids]))
+
+
+def test_a_batch_checks_the_table_once_and_each_object_on_its_own():
+    index, arena, _, reader = setup()
+    oids = [OID] + [ObjectId(f"batch{i}".encode().ljust(32, b".")) for i in (1, 2)]
+    for i, oid in enumerate(oids[1:], start=1):
+        arena.bytes[i * SIZE:(i + 1) * SIZE] = payload(SIZE, oid)
+        checksum = xxhash.xxh3_128_digest(arena.bytes[i * SIZE:(i + 1) * SIZE])
+        index.publish(ObjectEntry.create(oid, "t", Extent(i * SIZE, SIZE), SIZE, checksum, DESC, Hints(),
+                                         time.monotonic()))
+    assert read_many(reader, oids) == [SIZE] * 3 and reader.num_pending == 3
+    # as the first object is copied, the second's bytes change under its unchanged record
+    arena.hook = lambda: arena.bytes.__setitem__(SIZE + 7, arena.bytes[SIZE + 7] ^ 1)
+    assert read_many(reader, oids) == [SIZE, None, SIZE] and reader.num_refused == 1
+    index.close()  # a dead table: the whole batch asks the daemon
+    assert read_many(reader, oids) == [None] * 3
