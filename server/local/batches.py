@@ -117,15 +117,8 @@ def get_many(mgr, owner: int, msg: m.GetMany) -> MaybeAwaitable[r.GetManyReply]:
     seen: dict[int, int] = {}  # id() of a descriptor map -> its index in descriptors
     errors = _Errors(owner, msg.op)
 
-    def done(item, reply: r.GetReply | None, exc) -> None:
-        i = item[0]
-        if exc is not None:
-            errors.add(i, exc)
-            return
-        if not reply.hit:
-            return
-        hits[i], leases[i], offsets[i], sizes[i], checksums[i] = 1, reply.lease, reply.offset, reply.size, reply.checksum
-        wire = reply.descriptor
+    def hit(i: int, lease: int, offset: int, size: int, checksum: bytes, wire: dict) -> None:
+        hits[i], leases[i], offsets[i], sizes[i], checksums[i] = 1, lease, offset, size, checksum
         at = seen.get(id(wire))
         if at is None:  # each object keeps its own map: equal ones are sent once
             at = next((j for j, d in enumerate(descriptors) if d == wire), len(descriptors))
@@ -134,14 +127,28 @@ def get_many(mgr, owner: int, msg: m.GetMany) -> MaybeAwaitable[r.GetManyReply]:
             seen[id(wire)] = at
         descriptor_of[i] = at
 
+    def done(item, reply: r.GetReply | None, exc) -> None:
+        if exc is not None:
+            errors.add(item[0], exc)
+        elif reply.hit:
+            hit(item[0], reply.lease, reply.offset, reply.size, reply.checksum, reply.descriptor)
+
     def reply(_) -> r.GetManyReply:
         return r.GetManyReply(bytes(hits), pack_uints(leases), pack_uints(offsets), pack_uints(sizes), b"".join(checksums),
                               tuple(descriptors), pack_uints(descriptor_of, 2),
                               errors.logged(n))
     get, terms = mgr.get, m.Get(msg.namespace, ids[0] if ids else None, expect=msg.expect)  # the same for every id
 
+    def left_over():
+        """(index, id) of the items the tier manager's plain-case run leaves to its single get,
+        in order (as reserve_many's)."""
+        i = 0
+        while (i := mgr.get_run(owner, msg, ids, i, hit)) < n:
+            yield i, ids[i]
+            i += 1
+
     def served():
-        return then(each(enumerate(ids), lambda item: get(owner, terms, item[1]), done), reply)
+        return then(each(left_over(), lambda item: get(owner, terms, item[1]), done), reply)
 
     ahead = mgr.fetch_many(msg.namespace, ids)  # local misses read together, where the remote tier can
     if ahead is None:

@@ -15,13 +15,14 @@ NVMe or peer I/O answers with an awaitable instead of its reply (server/later.py
 from __future__ import annotations
 
 import logging
+from typing import Callable
 
 import xxhash
 
 from kvstore.config import LimitsConfig
 from kvstore.errors import ChecksumError, InvalidArgument, NotFound, RangeError
 from kvstore.identity import ObjectId, read_refusal
-from kvstore.messages import Get, Reserve, ReserveMany
+from kvstore.messages import Get, GetMany, Reserve, ReserveMany
 from kvstore.ranges import check_within, total as ranges_total
 from kvstore.replies import IN_MEMORY, MISS, STORED, CommitReply, GetReply, ReserveReply
 from kvstore.server.tiering.chain import Chain
@@ -377,6 +378,14 @@ class TierManager:
 
     def _lease(self, owner: Owner, ns: Namespace, entry: ObjectEntry, on_gpu: Extent | None = None) -> GetReply:
         """A read lease on the host entry, or on its device copy (`on_gpu`, acquired for it)."""
+        lease_id = self._grant_read(owner, ns, entry, on_gpu)
+        if on_gpu is not None:
+            return entry.get_reply(lease_id, tier="gpu", offset=on_gpu.offset)
+        return entry.get_reply(lease_id)
+
+    def _grant_read(self, owner: Owner, ns: Namespace, entry: ObjectEntry, on_gpu: Extent | None = None) -> int:
+        """A read's lease and what a hit counts (the entry's hits, the policy, NVMe admission,
+        the reader that keeps the extent); its id."""
         oid = entry.object_id
         extent = entry.extent if on_gpu is None else on_gpu
         lease = self.leases.grant(owner, oid, extent, "read", self.limits_config.lease_ttl_s, self.clock())
@@ -387,10 +396,33 @@ class TierManager:
         self.nvme.on_hit(entry)
         if on_gpu is not None:
             self._on_gpu[lease.lease_id] = (ns.name, oid.digest)
-            return entry.get_reply(lease.lease_id, tier="gpu", offset=on_gpu.offset)
-        self._reading[lease.lease_id] = entry
-        entry.readers += 1
-        return entry.get_reply(lease.lease_id)
+        else:
+            self._reading[lease.lease_id] = entry
+            entry.readers += 1
+        return lease.lease_id
+
+    def get_run(self, owner: Owner, msg: GetMany, ids: list, start: int, hit: Callable) -> int:
+        """Serve a get_many's items from `start` while each is the plain case, exactly as get()
+        would: a live host entry stored under msg.expect (any, when None), leased on the host
+        arena; hit(i, lease id, offset, size, checksum, descriptor wire) takes item i's answer.
+        The checks that hold for the whole batch run once. Returns the first item it left for
+        get() (not resident, expired, stored under another descriptor, the lease quota
+        reached), or len(ids)."""
+        ns = self.host.namespaces.get(msg.namespace)
+        if ns is None:
+            return start
+        expect, objects, now = msg.expect, ns.objects, self.clock()
+        leases_left = self.quotas.room(owner)[0]
+        i, n = start, len(ids)
+        while i < n and leases_left > 0:
+            entry = objects.get(ids[i])
+            if entry is None or not entry.is_live(now) or (expect is not None and entry.descriptor != expect):
+                break
+            ns.counters.num_gets += 1
+            hit(i, self._grant_read(owner, ns, entry), *entry.read_fields())
+            leases_left -= 1
+            i += 1
+        return i
 
     @staticmethod
     def _check_ranges(ns: Namespace, ranges, size: int) -> None:

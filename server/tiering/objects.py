@@ -105,14 +105,19 @@ class ObjectEntry:
         """Not past its TTL at `now` (monotonic): the one liveness rule every reader applies."""
         return self.expires_at > now
 
-    def get_reply(self, lease_id: int, tier: str = "host", offset: int | None = None) -> GetReply:
-        """What a get hit sends: where to read (the host arena; tier "gpu": `offset` into the
-        GPU buffer), how to check it, and what it is."""
+    def read_fields(self) -> tuple[int, int, bytes, dict]:
+        """What a get hit sends of the object: (arena offset, size, checksum, descriptor wire)."""
         if self.descriptor_wire is None:
             self.descriptor_wire = _wire_of(self.descriptor)
         at, _, size, _, _, checksum = _RECORD.unpack(self._record)
+        return at, size, checksum, self.descriptor_wire
+
+    def get_reply(self, lease_id: int, tier: str = "host", offset: int | None = None) -> GetReply:
+        """What a get hit sends: where to read (the host arena; tier "gpu": `offset` into the
+        GPU buffer), how to check it, and what it is."""
+        at, size, checksum, wire = self.read_fields()
         return GetReply(True, lease=lease_id, offset=at if offset is None else offset, size=size,
-                        checksum=checksum, tier=tier, descriptor=self.descriptor_wire)
+                        checksum=checksum, tier=tier, descriptor=wire)
 
     def is_pinned(self, now: float) -> bool:
         return self.pinned_until > now

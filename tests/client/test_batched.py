@@ -6,6 +6,7 @@ import socket
 
 import numpy as np
 import pytest
+import xxhash
 
 from kvstore import StateDescriptor
 from kvstore import messages as m
@@ -67,7 +68,6 @@ def test_a_commit_many_with_a_lease_not_held_fails_that_item_only(daemon):
         reserved = c._run(c.core.op_simple(m.ReserveMany.of("default", keys, [64, 64], desc)))
         leases = unpack_uints(reserved.leases)
         offsets = unpack_uints(reserved.offsets)
-        import xxhash
         arena = c.core.arenas["default"]
         arena[offsets[0]:offsets[0] + 64] = 9
         good = xxhash.xxh3_128_digest(arena[offsets[0]:offsets[0] + 64])
@@ -274,6 +274,39 @@ def test_a_reserve_many_served_in_plain_runs_answers_each_item_as_a_reserve_woul
         assert c.stats()["leases"] == 6
         for i in granted:
             c._run(c.core.op_simple(m.Abort(leases[i])))
+        c.check_integrity()
+
+
+def test_a_get_many_served_in_plain_runs_answers_each_item_as_a_get_would(daemon_factory):
+    """The daemon serves runs of plain items (resident, live, the expected descriptor, a lease
+    quota left) without its per-item get; misses, another descriptor and the quota in between
+    land on exactly their own items, and the counters are a get's each."""
+    d = daemon_factory(config={"limits": {"max_leases_per_client": 5}})
+    desc, other = StateDescriptor("default", "m", "r"), StateDescriptor("default", "m", "r2")
+    keys = ids(9, 14)
+    with d.client() as c:
+        for i, k in enumerate(keys):
+            if i == 2:
+                continue  # never stored: a miss
+            c.put(k, payload(64 + i, i), desc=other if i == 4 else desc)  # item 4: another descriptor
+        before = c.stats()["namespaces"]["default"]
+        got = c._run(c.core.op_simple(m.GetMany.of("default", keys, desc)))
+        leases, offsets, sizes = (unpack_uints(x) for x in (got.leases, got.offsets, got.sizes))
+        errors = dict(got.errors)
+        hit = [i for i in range(9) if got.hits[i]]
+        assert hit == [0, 1, 3, 5, 6]  # 2 missing, 4 stored under `other`; the quota of 5 ends at 6
+        assert errors.keys() == {7, 8} and {e["code"] for e in errors.values()} == {"limit_exceeded"}
+        arena = c.core.arenas["default"]
+        for i in hit:
+            assert sizes[i] == 64 + i and np.array_equal(arena[offsets[i]:offsets[i] + sizes[i]], payload(64 + i, i))
+            assert got.checksums[16 * i:16 * i + 16] == xxhash.xxh3_128_digest(payload(64 + i, i))
+        assert len(got.descriptors) == 1 and len(set(leases[i] for i in hit)) == 5
+        after = c.stats()["namespaces"]["default"]
+        assert after["num_gets"] - before["num_gets"] == 9  # the two refused by the quota were asked too
+        assert after["num_hits"] - before["num_hits"] == 5 and after["num_misses"] - before["num_misses"] == 2
+        assert c.stats()["leases"] == 5
+        c._run(c.core.op_simple(m.ReleaseMany.of([leases[i] for i in hit])))
+        assert c.stats()["leases"] == 0
         c.check_integrity()
 
 
