@@ -27,10 +27,6 @@ class PageChoice:
     kind: str  # "hugetlb", "thp" or "off"
     reason: str  # why, in words for the log
 
-    @property
-    def huge(self) -> bool:
-        return self.kind != "off"
-
 
 def _meminfo(path: str) -> dict[str, int]:
     """The huge-page counts of /proc/meminfo (page counts; Hugepagesize in bytes)."""
