@@ -173,11 +173,31 @@ secret() {
     fi
 }
 
+# The images our tags name now. A rebuild moves a tag to a new image and leaves the old one
+# untagged, and each build leaves its build stage's image; under the vfs storage driver each
+# keeps a full copy of its layers (0.5-0.7 GB), so repeated test runs filled a 250 GB disk.
+# drop_untagged removes those, and only those (the build stages carry org.kvstore.stage=build).
+image_ids() {
+    local tag
+    for tag in "$@"; do docker image inspect -f '{{.Id}}' "$tag" 2>/dev/null || true; done
+}
+
+drop_untagged() {  # drop_untagged "ids": the ones that no tag names any more
+    local id
+    for id in $1; do
+        [ "$(docker image inspect -f '{{len .RepoTags}}' "$id" 2>/dev/null)" = 0 ] || continue
+        docker image rm "$id" >/dev/null 2>&1 || log "kept the replaced image $id (a container still uses it)"
+    done
+    docker image prune -f --filter label=org.kvstore.stage=build >/dev/null
+}
+
 build() {
     engine
     mkdir -p "$WORK"
     base_image
     context
+    local before
+    before="$(image_ids "$KVSTORE_IMAGE" "$KVSTORE_ETCD_IMAGE" "$KVSTORE_MOONCAKE_IMAGE")"
     if [ $MOONCAKE = 1 ]; then
         mooncake_context
         log "building $KVSTORE_IMAGE and $KVSTORE_MOONCAKE_IMAGE (log: $WORK/build-mooncake.log)"
@@ -187,6 +207,7 @@ build() {
             && docker build --network host --build-arg KVSTORE_IMAGE="$KVSTORE_IMAGE" -t "$KVSTORE_MOONCAKE_IMAGE" \
                 -f "$WORK/context-mooncake/Dockerfile.mooncake" "$WORK/context-mooncake"
         } >"$WORK/build-mooncake.log" 2>&1 || die "docker build failed; see $WORK/build-mooncake.log"
+        drop_untagged "$before"
         return 0
     fi
     log "building $KVSTORE_ETCD_IMAGE and $KVSTORE_IMAGE (log: $WORK/build.log)"
@@ -196,6 +217,7 @@ build() {
         && docker build --network host --build-arg BASE="$BASE_IMAGE" --build-arg WHEELS=docker/wheels \
             -t "$KVSTORE_IMAGE" -f "$WORK/context/docker/Dockerfile" "$WORK/context"
     } >"$WORK/build.log" 2>&1 || die "docker build failed; see $WORK/build.log"
+    drop_untagged "$before"
     secret
 }
 

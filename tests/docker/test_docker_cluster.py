@@ -193,6 +193,8 @@ def cannot_run_containers() -> str | None:
     out = subprocess.run(["docker", "run", "--rm", "--network", "none", "kvstore-base:bookworm", "true"],
                          capture_output=True, text=True, timeout=CALL_TIMEOUT_S)
     if out.returncode != 0:
+        if "no space left on device" in out.stderr:  # a full disk is a failure to fix, not a skip
+            raise AssertionError(f"the Docker engine's disk is full: {out.stderr.strip()[-500:]}")
         return f"the Docker engine here cannot run a container: {out.stderr.strip()[-500:]}"
     return None
 
