@@ -110,6 +110,14 @@ def touched(num_bytes: int, seed: int = 0) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 256, size=num_bytes, dtype=np.uint8)
 
 
+def page_aligned(num_bytes: int, seed: int = 0) -> np.ndarray:
+    """As touched(), but starting on a page boundary, as an engine's pinned or page-allocated
+    buffers do (numpy's own large arrays start 16 bytes past one)."""
+    raw = touched(num_bytes + 4096, seed)
+    skip = (-raw.ctypes.data) % 4096
+    return raw[skip:skip + num_bytes]
+
+
 def size_label(num_bytes: int) -> str:
     for unit, name in ((GiB, "GiB"), (MiB, "MiB"), (KiB, "KiB")):
         if num_bytes >= unit and num_bytes % unit == 0:
