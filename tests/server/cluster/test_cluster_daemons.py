@@ -259,9 +259,11 @@ def test_a_read_on_a_node_without_the_namespace_fetches_it_and_a_miss_makes_no_a
     a, b = pair
     key, absent = ObjectId(b"\x07" * 32), ObjectId(b"\x08" * 32)
     with a.client(namespace="only-a") as ca, b.client(namespace="only-a") as cb:
-        ca.put(key, payload(200_000, 7))
+        # the miss first: once a holds the object, replication to its homes (b, maybe) in the
+        # background would make b an arena for it whenever it lands
         assert cb.get(absent) is None
         assert "only-a" not in cb.stats()["namespaces"]
+        ca.put(key, payload(200_000, 7))
         out = np.empty(200_000, np.uint8)
         assert wait_for(lambda: cb.get_into(key, out) == out.size)
         assert np.array_equal(out, payload(200_000, 7))
