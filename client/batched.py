@@ -17,6 +17,7 @@ import numpy as np
 
 from kvstore import messages as m
 from kvstore import replies as r
+from kvstore.checksums import copy_and_hash
 from kvstore.errors import InvalidArgument, from_wire
 from kvstore.fields import unpack_uints
 from kvstore.hints import Hints
@@ -24,7 +25,7 @@ from kvstore.identity import ChunkKey, ObjectId, StateDescriptor
 from kvstore.protocol import MAX_BATCH
 from kvstore.route import packed_route
 from kvstore.client.buffers import as_writable_u8
-from kvstore.client.core import PUT_WINDOW_BYTES, ClientCore, Collect, Later, copy_and_hash, expectation, to_object_id
+from kvstore.client.core import PUT_WINDOW_BYTES, ClientCore, Collect, Later, expectation, to_object_id
 from kvstore.client.lease import ReadLease
 from kvstore.client.results import PutResult
 
@@ -188,8 +189,13 @@ def _settle_commits(committed: list, replies: list, results: list) -> None:
 
 
 def put(core: ClientCore, key, data, desc: StateDescriptor | None, hints: Hints | None, tier: str = "host"):
-    """One object: a put_many of one, whose error is raised (a route travels in its hints)."""
+    """One object: a put_many of one, whose error is raised (a route travels in its hints).
+    A small one goes inline: its bytes in one put_inline request, one round trip."""
     oid, d, src = core.put_item(key, data, desc)  # the caller's mistakes raise here
+    if src.size <= core.inline_put_bytes and tier in m.PUT_TIERS:
+        yield from core.op_open(d.namespace)
+        done = yield from core.op_simple(m.PutInline(d.namespace, oid, d, memoryview(src), hints or Hints(), tier))
+        return PutResult(oid, done.exists, done.tier, done.durability, homes=done.homes or ())
     (result,) = yield from put_many(core, [(oid, src)], d, hints, tier)
     if result.error is not None:
         raise result.error

@@ -37,8 +37,12 @@ from kvstore.client.shared_reads import ReportingCodec, SharedReads
 
 # Bytes of reserved-but-uncommitted puts one put_many keeps in flight.
 PUT_WINDOW_BYTES = 64 << 20
-# Copy-and-hash granularity: fits in L2 with room to spare.
-HASH_BLOCK_BYTES = 256 << 10
+
+# A single put of at most this many bytes sends its bytes in its request (PutInline): one
+# round trip instead of reserve and commit, where the round trip costs more than the frame's
+# extra copies (docs/architecture.md: "One round trip for a small put"). The daemon's own
+# limit, from hello, caps it; a daemon that names none gets two-phase puts only.
+INLINE_PUT_BYTES = 64 << 10
 
 
 class Later(list):
@@ -54,23 +58,6 @@ class Collect(list):
 def _opaque(namespace: str) -> StateDescriptor:
     """The descriptor of a put that gives none (made once: building one costs ~25 us)."""
     return StateDescriptor(namespace, "opaque", "0")
-
-
-def copy_and_hash(dst: np.ndarray, src: np.ndarray) -> bytes:
-    """Copy src into dst and return the xxh3-128 of what landed in dst.
-
-    Block by block, so each block is hashed while it is still in cache: one pass over
-    memory instead of two.
-    """
-    if src.size <= HASH_BLOCK_BYTES:
-        np.copyto(dst, src)
-        return xxhash.xxh3_128_digest(dst)
-    hasher = xxhash.xxh3_128()
-    for start in range(0, src.size, HASH_BLOCK_BYTES):
-        block = dst[start:start + HASH_BLOCK_BYTES]
-        np.copyto(block, src[start:start + HASH_BLOCK_BYTES])
-        hasher.update(block)
-    return hasher.digest()
 
 
 def to_object_id(key) -> ObjectId:
@@ -140,6 +127,7 @@ class ClientCore:
         self.max_leases: int | None = None  # the daemon's lease quota per client, from hello
         self.closed = False  # the connection is gone: so are its leases
         self.lease_ttl_s: float | None = None  # the daemon's, from hello
+        self.inline_put_bytes = 0  # puts up to this size go inline (PutInline); from hello
 
     def request(self, msg: m.Message, no_reply: bool = False) -> Request:
         return Request(next(self._ids), msg.op, msg.to_args(), no_reply)
@@ -171,6 +159,7 @@ class ClientCore:
         self.max_inflight_bytes = info.limits.max_inflight_bytes or PUT_WINDOW_BYTES
         self.max_leases = info.limits.max_leases
         self.lease_ttl_s = info.limits.lease_ttl_s
+        self.inline_put_bytes = min(INLINE_PUT_BYTES, info.limits.max_inline_put_bytes or 0)
         self.shared.offered = info.shared_index
         return info
 

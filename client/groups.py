@@ -20,13 +20,14 @@ import xxhash
 
 from kvstore import messages as m
 from kvstore import replies as r
+from kvstore.checksums import copy_and_hash
 from kvstore.errors import InvalidArgument, NotFound, from_wire
 from kvstore.fields import pack_uints, unpack_uints
 from kvstore.groups import Member, check_members, group_descriptor, group_id, manifest_bytes, manifest_size
 from kvstore.hints import Hints
 from kvstore.identity import ObjectId
 from kvstore.protocol import MAX_BATCH
-from kvstore.client.core import PUT_WINDOW_BYTES, ClientCore, _expect_fields, copy_and_hash
+from kvstore.client.core import PUT_WINDOW_BYTES, ClientCore, _expect_fields
 from kvstore.client.lease import ReadLease
 
 PUT_ATTEMPTS = 3  # a member said to be stored may leave before the commit: put again

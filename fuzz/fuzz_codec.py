@@ -43,6 +43,7 @@ _DESC = {"namespace": "t", "model": "m", "model_revision": "r", "kind": "kv", "d
 VALID = {
     "hello": {"client": "fuzz", "pid": 1}, "open": {"namespace": "t", "token": "secret-secret-secret"},
     "reserve": {"namespace": "t", "object_id": _ID, "size": 2048, "descriptor": _DESC, "hints": {"ttl_s": 1.0}},
+    "put_inline": {"namespace": "t", "object_id": _ID, "descriptor": _DESC, "data": b"x" * 2048, "hints": {"ttl_s": 1.0}},
     "abort": {"lease": 1},
     "get": {"namespace": "t", "object_id": _ID, "accept": ["bf16"]}, "release": {"lease": 1},
     "lookup": {"namespace": "t", "ids": [_ID]}, "delete": {"namespace": "t", "ids": [_ID]},

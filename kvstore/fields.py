@@ -91,6 +91,18 @@ def _checksum_dec(v):
     return v
 
 
+# The most bytes one put_inline carries (kvstore/messages.py: PutInline): well inside the
+# smallest frame a daemon may be configured to read (kvstore/config.py: MIN_FRAME_BYTES).
+INLINE_PUT_MAX_BYTES = 128 << 10
+
+
+def _inline_data_dec(v):
+    if not isinstance(v, bytes) or not 1 <= len(v) <= INLINE_PUT_MAX_BYTES:
+        raise InvalidArgument(f"must be 1..{INLINE_PUT_MAX_BYTES} bytes (msgpack bin); "
+                              "a larger object goes by reserve and commit")
+    return v
+
+
 def _choice(options):
     def dec(v):
         if v not in options:
@@ -129,6 +141,7 @@ STR = (_str_dec, lambda v: v)
 BOOL = (_bool_dec, lambda v: v)
 OPT_STR = (_opt_str_dec, lambda v: v)
 CHECKSUM = (_checksum_dec, lambda v: v)
+INLINE_DATA = (_inline_data_dec, lambda v: v)  # bytes, or a caller's flat uint8 buffer
 DESCRIPTOR = (StateDescriptor.from_wire, lambda v: v.to_wire())
 EXPECT = (lambda v: None if v is None else StateDescriptor.from_wire(v), lambda v: None if v is None else v.to_wire())
 # Distinct descriptors one lookup may expect (a request mixes a few kinds of state, not more).

@@ -13,7 +13,7 @@ from typing import ClassVar
 
 from kvstore.errors import InvalidArgument, ProtocolError
 from kvstore.fields import (  # noqa: F401 (its constants are part of this module's interface)
-    ACCEPT, BOOL, DESCRIPTOR, EXPECT, EXPECT_LIST, EXPECT_OF, FLOAT, HINTS, IDS, LEASE,
+    ACCEPT, BOOL, DESCRIPTOR, EXPECT, EXPECT_LIST, EXPECT_OF, FLOAT, HINTS, IDS, INLINE_DATA, INLINE_PUT_MAX_BYTES, LEASE,
     MAX_EXPECTED_DESCRIPTORS, MAX_OBJECT_BYTES, NAMESPACE, NO_EXPECTATION, OID, OPT_STR, PIN_TTL,
     PACKED_CHECKSUMS, PACKED_IDS, PACKED_U64, PREFETCH_POLICIES, PUT_TIERS, RANGES, RAW_IDS, ROUTES, SCOPES, SIZE,
     STR, TIERS,
@@ -65,6 +65,28 @@ class Reserve(Message):
     _codecs: ClassVar = {"namespace": NAMESPACE, "object_id": OID, "size": SIZE,
                          "descriptor": DESCRIPTOR, "hints": HINTS, "tier": _choice(PUT_TIERS)}
     _defaults: ClassVar = {"hints": Hints(), "tier": "host"}
+
+
+@dataclass(frozen=True, slots=True)
+class PutInline(Message):
+    """A whole put of a small object in one request, its bytes in the frame (at most
+    INLINE_PUT_MAX_BYTES): the daemon reserves as for a Reserve, copies and hashes the bytes
+    into the arena, and commits, answering what the commit answers. One round trip instead
+    of two, where the round trip costs more than the frame's extra copies."""
+    namespace: str
+    object_id: ObjectId
+    descriptor: StateDescriptor
+    data: bytes
+    hints: Hints = Hints()
+    tier: str = "host"
+    op: ClassVar[str] = "put_inline"
+    _codecs: ClassVar = {"namespace": NAMESPACE, "object_id": OID, "descriptor": DESCRIPTOR, "data": INLINE_DATA,
+                         "hints": HINTS, "tier": _choice(PUT_TIERS)}
+    _defaults: ClassVar = {"hints": Hints(), "tier": "host"}
+
+    def reserve(self) -> Reserve:
+        """The Reserve this put makes."""
+        return Reserve(self.namespace, self.object_id, len(self.data), self.descriptor, self.hints, self.tier)
 
 
 @dataclass(frozen=True, slots=True)
@@ -340,7 +362,7 @@ RETIRED_OPS = frozenset({"commit"})
 
 OPS: dict[str, type[Message]] = {
     cls.op: cls
-    for cls in (Hello, OpenNamespace, Reserve, Abort, Get, Release, Lookup, Delete, Pin, Unpin, Prefetch,
+    for cls in (Hello, OpenNamespace, Reserve, PutInline, Abort, Get, Release, Lookup, Delete, Pin, Unpin, Prefetch,
                 Stats, Check, GpuHandle, ReserveMany, CommitMany, GetMany, ReleaseMany, Touch, *GROUP_OPS)
 }
 

@@ -112,6 +112,7 @@ class ClientLimits(ReplyMessage):
     max_leases: int | None = None
     max_inflight_bytes: int | None = None
     lease_ttl_s: float | None = None
+    max_inline_put_bytes: int | None = None  # the most bytes a put_inline may carry
 
 
 @reply
@@ -381,7 +382,7 @@ class GetGroupReply(ReplyMessage):
 # What each op answers; release and abort answer nothing (None). A CommitReply is no op's
 # reply of its own: it is a commit_many item's (CommitManyReply.results).
 REPLIES: dict[str, type[ReplyMessage] | None] = {
-    "hello": HelloReply, "open": OpenReply, "reserve": ReserveReply,
+    "hello": HelloReply, "open": OpenReply, "reserve": ReserveReply, "put_inline": CommitReply,
     "abort": None, "get": GetReply, "release": None, "lookup": LookupReply, "delete": DeleteReply,
     "pin": PinReply, "unpin": UnpinReply, "prefetch": PrefetchReply, "stats": StatsReply, "check": CheckReply,
     "gpu_handle": GpuHandleReply, "reserve_many": ReserveManyReply, "commit_many": CommitManyReply,

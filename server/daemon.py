@@ -14,6 +14,7 @@ import numpy as np
 
 from kvstore.config import ServerConfig
 from kvstore.errors import KVStoreError, PermissionDenied
+from kvstore.fields import INLINE_PUT_MAX_BYTES
 from kvstore.protocol import MAX_BATCH
 from kvstore.replies import ClientLimits
 from kvstore.server.data_dir import DataDirLock, HeldLock, ensure_dir, hold_data_dir
@@ -273,7 +274,7 @@ class Daemon:
     def limits_for_clients(self) -> ClientLimits:
         limits = self.config.limits
         return ClientLimits(limits.max_frame_bytes, MAX_BATCH, limits.max_leases_per_client,
-                            limits.max_inflight_bytes_per_client, limits.lease_ttl_s)
+                            limits.max_inflight_bytes_per_client, limits.lease_ttl_s, INLINE_PUT_MAX_BYTES)
 
     def stats(self) -> dict:
         return {

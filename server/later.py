@@ -33,13 +33,14 @@ async def resolve(value: MaybeAwaitable[T]) -> T:
     return value if is_ready(value) else await value
 
 
-def then(value: MaybeAwaitable[T], fn: Callable[[T], U]) -> MaybeAwaitable[U]:
-    """fn(answer), now if `value` is ready, else as an awaitable of it."""
+def then(value: MaybeAwaitable[T], fn: Callable[[T], MaybeAwaitable[U]]) -> MaybeAwaitable[U]:
+    """fn(answer), now if `value` is ready, else as an awaitable of it. fn may itself
+    answer later (a commit after a reserve): its awaitable is awaited in turn."""
     if is_ready(value):
         return fn(value)
 
     async def later() -> U:
-        return fn(await value)
+        return await resolve(fn(await value))
     return later()
 
 

@@ -22,7 +22,7 @@ from kvstore import replies as r
 from kvstore.errors import LimitExceeded, PermissionDenied, ProtocolError
 from kvstore.protocol import NEED_DATA, BadFrame, Fatal, FrameCodec, Reply, Request
 from kvstore.server.later import is_ready, then
-from kvstore.server.local import batches
+from kvstore.server.local import batches, inline
 from kvstore.server.local.errors import error_wire
 
 log = logging.getLogger("kvstore.local")
@@ -196,6 +196,9 @@ class LocalConnection(asyncio.Protocol):
             case m.Reserve():
                 self._ns(msg.namespace)
                 return mgr.reserve(owner, msg), None
+            case m.PutInline():
+                self._ns(msg.namespace)
+                return inline.put_inline(mgr, owner, msg), None
             case m.Abort():
                 mgr.abort(owner, msg.lease)
                 return None, None

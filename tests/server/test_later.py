@@ -26,3 +26,15 @@ def test_an_answer_after_io_is_awaited_once_and_mapped_after():
         task = asyncio.ensure_future(_answer(5))  # a task or future resolves the same way
         assert not is_ready(task) and await resolve(task) == 5
     asyncio.run(main())
+
+
+def test_a_mapping_that_itself_answers_later_is_awaited_in_turn():
+    """A reserve that had to demote first, then a commit that waits for its durable write:
+    then() gives the commit's answer, never its awaitable as if it were the answer."""
+    async def main():
+        chained = then(_answer(3), lambda n: _answer(n * 10))
+        assert not is_ready(chained)
+        assert await resolve(chained) == 30
+        now_then_later = then(3, lambda n: _answer(n + 2))  # ready first: fn's answer as it is
+        assert not is_ready(now_then_later) and await resolve(now_then_later) == 5
+    asyncio.run(main())
