@@ -63,11 +63,13 @@ class Plan:
 FULL = Plan(reps=11, rep_bytes=128 * MiB, latency_iters=5000, lookup_iters=300)
 QUICK = Plan(reps=5, rep_bytes=32 * MiB, latency_iters=1000, lookup_iters=50)
 
-TARGETS = [
-    Target("get_into 4MiB", "throughput", "memcpy", ">=", 0.6),
+TARGETS = [  # the write path's and 4 MiB get_into's from issue 29
+    Target("get_into 4MiB", "throughput", "memcpy", ">=", 0.7),
     Target("get_into 4MiB", "throughput", "redis GET", ">=", 8.0),
     Target("get_into 4MiB", "throughput", "mooncake get_into", ">=", 5.0),
-    Target("put 4MiB", "throughput", "memcpy", ">=", 0.5),
+    Target("put 64KiB", "throughput", "redis SET", ">=", 3.0),
+    Target("put 4MiB", "throughput", "memcpy", ">=", 0.6),
+    Target("put 32MiB", "throughput", "memcpy", ">=", 0.8),
     Target("get 4KiB", "p50", "redis GET", "<=", 0.5),
     Target("get_into 4KiB", "p50", "redis GET", "<=", 0.5),
     Target(f"lookup {LOOKUP_KEYS}", "median", None, "<", 1.0),
