@@ -47,6 +47,13 @@ def latency_samples_us(call, iters: int) -> list[float]:
     return samples
 
 
+def _all_stored(what: str, results: list, elapsed: float) -> float:
+    failed = [r.error for r in results if r.error]
+    if failed:
+        raise RuntimeError(f"{what}: {len(failed)} of {len(results)} failed, first: {failed[0]}")
+    return elapsed
+
+
 class MemcpySide:
     def prepare(self, size: int, count: int) -> None:
         import numpy as np
@@ -97,10 +104,14 @@ class KVStoreSide:
         items = [(key, self.src) for key in self.rep_keys[rep]]
         results = []
         elapsed = timed(lambda: results.extend(self.client.put_many(items)))
-        failed = [r.error for r in results if r.error]
-        if failed:
-            raise RuntimeError(f"put_many: {len(failed)} of {len(items)} failed, first: {failed[0]}")
-        return elapsed
+        return _all_stored("put_many", results, elapsed)
+
+    def put_deferred(self, rep: int) -> float:
+        """put(wait=False) of each object, then flush(): every object stored when timing ends."""
+        put, src, results = self.client.put, self.src, []
+        elapsed = timed(lambda: ([put(key, src, wait=False) for key in self.rep_keys[rep]],
+                                 results.extend(self.client.flush())))
+        return _all_stored("put(wait=False)", results, elapsed)
 
     def drop(self, rep: int) -> None:
         if rep < self.reps:  # the last rep's objects stay for get

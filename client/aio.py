@@ -15,6 +15,7 @@ from kvstore.errors import DaemonUnavailable, from_wire
 from kvstore.protocol import NEED_DATA, BadFrame, Fatal, Reply
 from kvstore.replies import HelloReply
 from kvstore.client.api import ClientCalls, awaited
+from kvstore.client.batched import after_deferred, store_deferred, warn_unreported
 from kvstore.client.core import ClientCore, Collect, Later
 from kvstore.client.daemon_peer import check_daemon_peer
 from kvstore.client.sync import _ANCILLARY, RECV_BYTES, _recv_fds, parting_words
@@ -67,9 +68,15 @@ class AsyncClient(ClientCalls):
 
     async def reconnect(self) -> None:
         self._drop(DaemonUnavailable("reconnecting"))
+        unreported = self.core.deferred_results  # flush() on the new connection reports them
         await self._connect()
+        self.core.deferred_results[:0] = unreported
 
     async def close(self) -> None:
+        if self._sock is not None and self.core.deferred:
+            with contextlib.suppress(DaemonUnavailable):
+                await self._run(store_deferred(self.core), deferred_first=False)
+        warn_unreported(self.core)
         if self._sock is not None and self.core.shared.num_pending:  # hits read from the shared index
             with contextlib.suppress(DaemonUnavailable):
                 self._send(b"".join(map(self.core.codec.send_request, self.core.shared.reports())))
@@ -172,10 +179,12 @@ class AsyncClient(ClientCalls):
             raise DaemonUnavailable(f"no reply from {self.socket_path} within {self.timeout_s} s") from None
         return [None if r.no_reply else next(done) for r in requests]
 
-    async def _run(self, op):
+    async def _run(self, op, deferred_first: bool = True):
         async with self._lock:  # one op at a time keeps fds paired with their replies
             if self._sock is None:
                 raise DaemonUnavailable(f"not connected to {self.socket_path}; call reconnect()")
+            if deferred_first and (self.core.deferred or self.core.storing):
+                op = after_deferred(self.core, op)
             later: list[tuple[int, asyncio.Future]] = []  # (request id, reply) sent with Later
             try:
                 requests = next(op)

@@ -36,8 +36,16 @@ class ClientCalls:
     """The calls a client offers; the subclass provides `core` (a ClientCore) and `_run`."""
 
     def put(self, key, data, desc: StateDescriptor | None = None, hints: Hints | None = None,
-            tier: str = "host") -> PutResult:
+            tier: str = "host", wait: bool = True) -> PutResult | None:
         """Store `data` (bytes-like, numpy array or CPU tensor) under `key`.
+
+        wait=False: a deferred put. It returns None once the item is checked and its bytes
+        kept (copied, unless `data` is a `bytes`: the buffer may be reused at once); the
+        client stores deferred puts together, in order, as one put_many once 8 MiB or 1,024
+        of them are held, before any other call on this client (so its own reads, deletes
+        and lookups see them), and on close. Until then no other process sees them, and
+        they are lost if this process dies. `flush()` stores what is held and returns every
+        deferred put's PutResult since the last flush, errors included.
 
         Two phases: reserve an extent, copy straight into the shared arena, commit with
         the xxh3-128 checksum. An id the daemon already holds with the same size and
@@ -50,7 +58,15 @@ class ClientCalls:
         it ended up ("host" if no home could take it) and `result.homes` names the homes.
         On a daemon whose remote tier is a Mooncake pool: once the pool holds it (no homes).
         """
+        if not wait:
+            return self._run(batched.put_later(self.core, key, data, desc, hints, tier), deferred_first=False)
         return self._run(batched.put(self.core, key, data, desc, hints, tier))
+
+    def flush(self) -> list[PutResult]:
+        """Store the deferred puts (put(wait=False)) still held, and return the PutResult of
+        every deferred put made since the last flush, in order: `error` None where it was
+        stored, else why not (as put_many's results; a flush never raises for one item)."""
+        return self._run(batched.flush(self.core), deferred_first=False)
 
     def put_many(self, items, desc: StateDescriptor | None = None, hints: Hints | None = None,
                  tier: str = "host", routes=None) -> list[PutResult]:

@@ -13,12 +13,15 @@ frame in one pass.
 
 from __future__ import annotations
 
+import itertools
+import warnings
+
 import numpy as np
 
 from kvstore import messages as m
 from kvstore import replies as r
 from kvstore.checksums import copy_and_hash
-from kvstore.errors import InvalidArgument, from_wire
+from kvstore.errors import InvalidArgument, ServiceError, from_wire
 from kvstore.fields import unpack_uints
 from kvstore.hints import Hints
 from kvstore.identity import ChunkKey, ObjectId, StateDescriptor
@@ -82,6 +85,14 @@ def put_many(core: ClientCore, items, desc: StateDescriptor | None, hints: Hints
         except InvalidArgument as exc:
             oid = key.object_id if isinstance(key, ChunkKey) else key if isinstance(key, ObjectId) else None
             results[i] = PutResult(oid, False, error=exc)
+    yield from _put_sources(core, sources, hints, tier, results, packed)
+    return results
+
+
+def _put_sources(core: ClientCore, sources: list, hints: Hints, tier: str, results: list, packed: list | None,
+                 step_bytes: int = PIPE_BYTES):
+    """Store `sources` ((index, oid, descriptor, bytes), in order) window by window, in
+    pipeline steps of step_bytes; each item's PutResult goes to results[index]."""
     for namespace in {d.namespace for _, _, d, _ in sources}:
         yield from core.op_open(namespace)
     # Reservations hold arena space until committed: a window of them at a time, not the
@@ -92,8 +103,7 @@ def put_many(core: ClientCore, items, desc: StateDescriptor | None, hints: Hints
     if packed:  # a reserve_many frame carries its routes: keep them well inside one frame
         max_items = max(1, min(max_items, ROUTES_PER_FRAME_BYTES // max(map(len, filter(None, packed)))))
     for window in _runs(sources, limit, max_items):
-        yield from _put_window(core, window, hints, tier, results, packed)
-    return results
+        yield from _put_window(core, window, hints, tier, results, packed, step_bytes)
 
 
 def _packed_routes(routes, n: int) -> list | None:
@@ -119,10 +129,11 @@ def _runs(sources: list, max_bytes: int, max_items: int) -> list[list]:
     return runs
 
 
-def _put_window(core: ClientCore, sources: list, hints: Hints, tier: str, results: list, routes: list | None):
-    """Reserve, copy and commit a window in steps of PIPE_BYTES, overlapped: the daemon
+def _put_window(core: ClientCore, sources: list, hints: Hints, tier: str, results: list, routes: list | None,
+                step_bytes: int = PIPE_BYTES):
+    """Reserve, copy and commit a window in steps of step_bytes, overlapped: the daemon
     reserves step k+1 and commits step k-1 while this process copies and hashes step k."""
-    steps = [_groups(step, lambda item: id(item[2])) for step in _runs(sources, PIPE_BYTES, len(sources))]
+    steps = [_groups(step, lambda item: id(item[2])) for step in _runs(sources, step_bytes, len(sources))]
     reserving = yield Later(_reserves(core, steps[0], hints, tier, routes))
     committing = []
     for k, groups in enumerate(steps):
@@ -200,6 +211,77 @@ def put(core: ClientCore, key, data, desc: StateDescriptor | None, hints: Hints 
     if result.error is not None:
         raise result.error
     return result
+
+
+# --- deferred puts: put(wait=False) and flush() --------------------------------------
+
+# Deferred puts a client holds before it stores them as one put_many: enough to amortise
+# its two round trips over many objects (docs/architecture.md: "Deferred puts").
+DEFER_BYTES = PIPE_BYTES
+# Their put_many's pipeline steps: a quarter of a batch, so the daemon reserves the next step
+# while this process copies one (8 MiB steps: 32-34 us a 64 KiB put, 2 MiB: 27-30).
+DEFER_STEP_BYTES = 2 << 20
+_NO_HINTS = Hints()
+
+
+def put_later(core: ClientCore, key, data, desc: StateDescriptor | None, hints: Hints | None, tier: str = "host"):
+    """Take one put to store with the next ones: the caller's mistakes raise now, the bytes
+    are kept (a copy unless they are an immutable `bytes`), and once DEFER_BYTES or a
+    window's worth are held they are stored, in order, as put_many does. Their results
+    wait in core.deferred_results for flush()."""
+    if tier not in m.PUT_TIERS:
+        raise InvalidArgument(f"put tier must be one of {m.PUT_TIERS}, got {tier!r}")
+    oid, d, src = core.put_item(key, data, desc)
+    if type(data) is not bytes and src.size < DEFER_BYTES:  # a large one is stored before this returns
+        src = src.copy()  # the caller may reuse its buffer once put returns
+    core.deferred.append((oid, d, src, hints or _NO_HINTS, tier))
+    core.deferred_bytes += src.size
+    if core.deferred_bytes >= DEFER_BYTES or len(core.deferred) >= _window(core):
+        yield from store_deferred(core)
+
+
+def store_deferred(core: ClientCore):
+    """Store every deferred put, in the order they were made: one put_many per run of
+    puts with the same hints and tier. Their PutResults join core.deferred_results; an
+    error that stops this (the daemon lost) is every unstored put's result, and is raised."""
+    if core.storing is not None:  # a store whose call was interrupted in its driver
+        core.settle_deferred(ServiceError("the call storing this deferred put was interrupted: it may not be stored"))
+    while core.deferred:
+        pending, core.deferred, core.deferred_bytes = core.deferred, [], 0
+        outcome: list[PutResult | None] = [None] * len(pending)
+        core.storing = (pending, outcome)  # a connection lost under this: ClientCore.close settles them
+        try:
+            runs = itertools.groupby(enumerate(pending), key=lambda item: (item[1][3], item[1][4]))
+            for (hints, tier), run in runs:
+                yield from _put_sources(core, [(i, oid, d, src) for i, (oid, d, src, _, _) in run],
+                                        hints, tier, outcome, None, DEFER_STEP_BYTES)
+        except Exception as exc:
+            core.settle_deferred(exc)
+            raise
+        core.settle_deferred(None)
+
+
+def flush(core: ClientCore):
+    """Store the deferred puts; return the results of every deferred put since the last
+    flush, in order (each with its error, or None)."""
+    yield from store_deferred(core)
+    results, core.deferred_results = core.deferred_results, []
+    return results
+
+
+def warn_unreported(core: ClientCore) -> None:
+    """At close: a warning naming deferred puts that failed and were never flushed."""
+    failed = [result for result in core.deferred_results if result.error is not None]
+    core.deferred_results = []
+    if failed:
+        warnings.warn(f"{len(failed)} deferred put(s) (put(wait=False)) failed and no flush() reported "
+                      f"it; the first, {failed[0].object_id.hex}: {failed[0].error}", RuntimeWarning, stacklevel=3)
+
+
+def after_deferred(core: ClientCore, op):
+    """`op`, run once the deferred puts are stored (a client's reads see its own writes)."""
+    yield from store_deferred(core)
+    return (yield from op)
 
 
 # --- get_many ---------------------------------------------------------------------

@@ -25,14 +25,14 @@ import xxhash
 
 from kvstore import messages as m
 from kvstore import replies as r
-from kvstore.errors import ChecksumError, InvalidArgument, ProtocolError, from_wire
+from kvstore.errors import ChecksumError, DaemonUnavailable, InvalidArgument, ProtocolError, from_wire
 from kvstore.identity import ChunkKey, ObjectId, StateDescriptor, descriptor_differences
 from kvstore.protocol import MAX_BATCH, Reply, Request
 from kvstore.ranges import normalize as normalize_ranges
 from kvstore.client.buffers import as_u8, as_writable_u8
 from kvstore.client.lease import ReadLease
 from kvstore.client.pinning import pin_for_cuda
-from kvstore.client.results import LookupResult
+from kvstore.client.results import LookupResult, PutResult
 from kvstore.client.shared_reads import ReportingCodec, SharedReads
 
 # Bytes of reserved-but-uncommitted puts one put_many keeps in flight.
@@ -128,6 +128,13 @@ class ClientCore:
         self.closed = False  # the connection is gone: so are its leases
         self.lease_ttl_s: float | None = None  # the daemon's, from hello
         self.inline_put_bytes = 0  # puts up to this size go inline (PutInline); from hello
+        # put(wait=False): puts held to store together (oid, descriptor, bytes, hints, tier),
+        # their bytes, the batch being stored (its items, their results so far), and the
+        # results that flush() hands back (client/batched.py: put_later, store_deferred).
+        self.deferred: list[tuple] = []
+        self.deferred_bytes = 0
+        self.storing: tuple[list, list] | None = None
+        self.deferred_results: list[PutResult] = []
 
     def request(self, msg: m.Message, no_reply: bool = False) -> Request:
         return Request(next(self._ids), msg.op, msg.to_args(), no_reply)
@@ -142,7 +149,21 @@ class ClientCore:
     def release_request(self, lease_id: int) -> Request:
         return self.request(m.Release(lease_id), no_reply=True)
 
+    def settle_deferred(self, error: Exception | None) -> None:
+        """End the batch of deferred puts being stored: its results join deferred_results,
+        `error` standing for those that have none (not stored, or not known to be)."""
+        if self.storing is not None:
+            pending, outcome = self.storing
+            self.storing = None
+            self.deferred_results.extend(
+                result or PutResult(item[0], False, error=error) for result, item in zip(outcome, pending))
+
     def close(self) -> None:
+        if self.storing is not None or self.deferred:  # lost with the connection: flush() says so
+            lost = DaemonUnavailable("the connection to the daemon closed before this deferred put was stored")
+            self.settle_deferred(lost)
+            self.deferred_results.extend(PutResult(item[0], False, error=lost) for item in self.deferred)
+            self.deferred, self.deferred_bytes = [], 0
         self.closed = True
         self.shared.close()
         while self.fds:

@@ -12,6 +12,7 @@ from kvstore.errors import DaemonUnavailable, from_wire
 from kvstore.protocol import NEED_DATA, BadFrame, Fatal, Reply
 from kvstore.replies import HelloReply
 from kvstore.client.api import ClientCalls
+from kvstore.client.batched import after_deferred, store_deferred, warn_unreported
 from kvstore.client.core import ClientCore, Collect, Later
 from kvstore.client.daemon_peer import check_daemon_peer
 
@@ -99,10 +100,16 @@ class Client(ClientCalls):
     def reconnect(self) -> None:
         with self._lock:
             self._drop()
+            unreported = self.core.deferred_results  # flush() on the new connection reports them
             self._connect()
+            self.core.deferred_results[:0] = unreported
 
     def close(self) -> None:
         with self._lock:
+            if self._sock is not None and self.core.deferred:
+                with contextlib.suppress(DaemonUnavailable):
+                    self._run(store_deferred(self.core), deferred_first=False)
+            warn_unreported(self.core)
             if self._sock is not None and self.core.shared.num_pending:  # hits read from the shared index
                 with contextlib.suppress(DaemonUnavailable):
                     self._send(b"".join(map(self.core.codec.send_request, self.core.shared.reports())))
@@ -126,10 +133,12 @@ class Client(ClientCalls):
 
     # --- driving ops ---------------------------------------------------------------
 
-    def _run(self, op):
+    def _run(self, op, deferred_first: bool = True):
         with self._lock:
             if self._sock is None:
                 raise DaemonUnavailable(f"not connected to {self.socket_path}; call reconnect()")
+            if deferred_first and (self.core.deferred or self.core.storing):
+                op = after_deferred(self.core, op)
             try:
                 requests = next(op)
                 while True:

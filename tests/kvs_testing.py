@@ -30,6 +30,23 @@ def payload(size: int, seed) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8)
 
 
+def sent_ops(client) -> list:
+    """The ops `client` sends from now on, in order (its requests are recorded as made)."""
+    sent, request = [], client.core.request
+
+    def record(msg, no_reply=False):
+        sent.append(msg.op)
+        return request(msg, no_reply)
+    client.core.request = record
+    return sent
+
+
+def read_back(client, key, size: int) -> np.ndarray | None:
+    """The object's `size` bytes read with get_into; None on a miss or another size."""
+    out = np.empty(size, np.uint8)
+    return out if client.get_into(key, out) == size else None
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago."""
     with socket.socket() as s:

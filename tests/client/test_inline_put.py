@@ -15,29 +15,13 @@ from kvstore.errors import Conflict, InvalidArgument, PermissionDenied
 from kvstore.fields import INLINE_PUT_MAX_BYTES
 from kvstore.identity import ObjectId
 from kvstore.protocol import Request
-from kvs_testing import payload
+from kvs_testing import payload, read_back, sent_ops
 
 KiB = 1024
 
 
 def ids(n, seed=0):
     return [ObjectId(bytes([seed, i % 256, i // 256]) * 10 + b"in") for i in range(n)]
-
-
-def recording(c) -> list:
-    """The ops the client sends from now on, in order."""
-    sent, request = [], c.core.request
-
-    def record(msg, no_reply=False):
-        sent.append(msg.op)
-        return request(msg, no_reply)
-    c.core.request = record
-    return sent
-
-
-def read(c, key, size):
-    out = np.empty(size, np.uint8)
-    return out if c.get_into(key, out) == size else None
 
 
 def test_a_small_put_is_one_request_and_reads_back_bit_exact(daemon):
@@ -48,14 +32,14 @@ def test_a_small_put_is_one_request_and_reads_back_bit_exact(daemon):
         c.put(ids(1, 9)[0], payload(8, 0))  # the namespace is open: only puts are sent below
         before = c.stats()["namespaces"]["default"]["num_puts"]
         for key, size in zip(keys, sizes):
-            sent = recording(c)
+            sent = sent_ops(c)
             result = c.put(key, payload(size, key))
             small = size <= INLINE_PUT_BYTES
             assert sent == (["put_inline"] if small else ["reserve_many", "commit_many"]), size
             assert (result.existed, result.tier, result.durability) == (False, "host", "memory")
         assert c.stats()["namespaces"]["default"]["num_puts"] - before == len(sizes)
         for key, size in zip(keys, sizes):
-            assert np.array_equal(read(c, key, size), payload(size, key))
+            assert np.array_equal(read_back(c, key, size), payload(size, key))
             with c.get(key) as got:  # a lease whose checksum the client verifies
                 assert np.array_equal(np.frombuffer(got.buffer, np.uint8), payload(size, key))
         c.check_integrity()
@@ -80,7 +64,7 @@ def test_an_inline_put_dedups_and_refuses_as_a_two_phase_put_does(daemon):
                                  "paged(order=layer_first,layers=2,block=16,kv_heads=1,head_dim=8)", chunk_tokens=16)
         with pytest.raises(InvalidArgument, match="does not match its layout"):
             c.put(ids(1, 3)[0], payload(100, 2), desc=layout)
-        assert np.array_equal(read(c, key, 4 * KiB), payload(4 * KiB, 1))
+        assert np.array_equal(read_back(c, key, 4 * KiB), payload(4 * KiB, 1))
         assert c.stats()["leases"] == 0
         c.check_integrity()
 
@@ -106,7 +90,7 @@ def test_a_malformed_put_inline_is_refused_by_field_and_nothing_changes(daemon, 
         reply = c._run(raw(c.core, fields))
         assert reply.error["code"] == "invalid_argument" and named in reply.error["message"]
         assert c.lookup(ids(1, 5)).hits == 0  # nothing stored
-        assert np.array_equal(read(c, key, 4 * KiB), payload(4 * KiB, 4))  # and the connection serves on
+        assert np.array_equal(read_back(c, key, 4 * KiB), payload(4 * KiB, 4))  # and the connection serves on
         assert c.stats()["leases"] == 0
         c.check_integrity()
 
@@ -124,7 +108,7 @@ def test_an_inline_put_under_write_through_answers_sync_and_survives_sigkill(dae
                                                  "write_policy": "write_through"}})
     keys = ids(4, 7)
     with d.client() as c:
-        sent = recording(c)
+        sent = sent_ops(c)
         results = [c.put(key, payload(20_000 + i, key)) for i, key in enumerate(keys)]
         assert set(sent) == {"open", "put_inline"}
     assert [r.durability for r in results] == ["sync"] * 4
@@ -132,7 +116,7 @@ def test_an_inline_put_under_write_through_answers_sync_and_survives_sigkill(dae
     d.start("16MiB")
     with d.client() as c:
         for i, key in enumerate(keys):
-            assert np.array_equal(read(c, key, 20_000 + i), payload(20_000 + i, key))
+            assert np.array_equal(read_back(c, key, 20_000 + i), payload(20_000 + i, key))
         c.check_integrity()
 
 
@@ -145,11 +129,11 @@ def test_inline_puts_that_must_demote_to_make_room_wait_for_it_and_lose_nothing(
                                                 "admit_min_hits": 0, "write_policy": policy}})
     keys = ids(192, 8)
     with d.client() as c:
-        sent = recording(c)
+        sent = sent_ops(c)
         results = [c.put(key, payload(INLINE_PUT_BYTES, key)) for key in keys]
         assert set(sent) == {"open", "put_inline"}
         assert {r.durability for r in results} == {"sync" if policy == "write_through" else "memory"}
         assert c.stats()["namespaces"]["default"]["num_evictions"] > 0
         for key in keys:
-            assert np.array_equal(read(c, key, INLINE_PUT_BYTES), payload(INLINE_PUT_BYTES, key))
+            assert np.array_equal(read_back(c, key, INLINE_PUT_BYTES), payload(INLINE_PUT_BYTES, key))
         c.check_integrity()
