@@ -20,10 +20,9 @@ import logging
 import os
 from dataclasses import dataclass
 
-import numpy as np
-
 from kvstore.errors import InvalidArgument
 from kvstore.identity import ObjectId, StateDescriptor, chain_hash, namespace_salt, object_id, root_hash
+from kvstore.client import copies
 from kvstore.client.buffers import as_writable_u8
 from kvstore.client.fail_soft import FailSoftLink
 
@@ -230,5 +229,5 @@ def _copy_group(lease, outs) -> bool:
         dst = as_writable_u8(out)
         if member.size != dst.size:
             raise InvalidArgument(f"group member {member.object_id.hex} is {member.size} bytes, its buffer {dst.size}")
-        np.copyto(dst, member.numpy())
+        copies.copy(dst, member.numpy())
     return True

@@ -16,17 +16,15 @@ from __future__ import annotations
 import itertools
 import warnings
 
-import numpy as np
-
 from kvstore import messages as m
 from kvstore import replies as r
-from kvstore.checksums import copy_and_hash
 from kvstore.errors import InvalidArgument, ServiceError, from_wire
 from kvstore.fields import unpack_uints
 from kvstore.hints import Hints
 from kvstore.identity import ChunkKey, ObjectId, StateDescriptor
 from kvstore.protocol import MAX_BATCH
 from kvstore.route import packed_route
+from kvstore.client import copies
 from kvstore.client.buffers import as_writable_u8
 from kvstore.client.core import PUT_WINDOW_BYTES, ClientCore, Collect, Later, expectation, to_object_id
 from kvstore.client.lease import ReadLease
@@ -175,7 +173,7 @@ def _copy_reserved(core: ClientCore, groups: list, replies: list, results: list)
             elif reserved.exists[k]:
                 results[i] = PutResult(oid, True)
             else:
-                checksums.append(copy_and_hash(arena[offset:offset + src.size], src))
+                checksums.append(copies.copy_and_hash(arena[offset:offset + src.size], src))
                 leases.append(lease)
                 written.append((i, oid))
         if leases:
@@ -357,7 +355,7 @@ def get_many_into(core: ClientCore, items, namespace: str | None, expect: StateD
                 first_error = first_error or InvalidArgument(
                     f"object {oid.hex} is {size} bytes, its output buffer only {dst.size}")
                 continue
-            np.copyto(dst[:size], arena[offset:offset + size])
+            copies.copy(dst[:size], arena[offset:offset + size])
             sizes[window[p]] = size
         if leased:
             yield [core.request(m.ReleaseMany.of(leased), no_reply=True)]

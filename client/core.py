@@ -29,6 +29,7 @@ from kvstore.errors import ChecksumError, DaemonUnavailable, InvalidArgument, Pr
 from kvstore.identity import ChunkKey, ObjectId, StateDescriptor, descriptor_differences
 from kvstore.protocol import MAX_BATCH, Reply, Request
 from kvstore.ranges import normalize as normalize_ranges
+from kvstore.client import copies
 from kvstore.client.buffers import as_u8, as_writable_u8
 from kvstore.client.lease import ReadLease
 from kvstore.client.pinning import pin_for_cuda
@@ -269,7 +270,7 @@ class ClientCore:
         with lease:
             if lease.size > dst.size:
                 raise InvalidArgument(f"object is {lease.size} bytes, the output buffer only {dst.size}")
-            np.copyto(dst[:lease.size], lease.numpy())
+            copies.copy(dst[:lease.size], lease.numpy())
             if verify and xxhash.xxh3_128_digest(dst[:lease.size]) != lease.checksum:
                 raise ChecksumError(f"object {lease.object_id.hex}: copied bytes fail their checksum")
         return lease.size

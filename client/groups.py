@@ -20,13 +20,13 @@ import xxhash
 
 from kvstore import messages as m
 from kvstore import replies as r
-from kvstore.checksums import copy_and_hash
 from kvstore.errors import InvalidArgument, NotFound, from_wire
 from kvstore.fields import pack_uints, unpack_uints
 from kvstore.groups import Member, check_members, group_descriptor, group_id, manifest_bytes, manifest_size
 from kvstore.hints import Hints
 from kvstore.identity import ObjectId
 from kvstore.protocol import MAX_BATCH
+from kvstore.client import copies
 from kvstore.client.core import PUT_WINDOW_BYTES, ClientCore, _expect_fields
 from kvstore.client.lease import ReadLease
 
@@ -209,7 +209,7 @@ def _written(arena, members: list, member_replies: list, manifest) -> m.CommitGr
             checksums.append(xxhash.xxh3_128_digest(src))
             leases.append(0)
         else:
-            checksums.append(copy_and_hash(arena[reserved.offset:reserved.offset + src.size], src))
+            checksums.append(copies.copy_and_hash(arena[reserved.offset:reserved.offset + src.size], src))
             leases.append(reserved.lease)
     if not manifest.exists:  # else only members are missing: they join the stored manifest
         listing = manifest_bytes([oid for oid, _, _, _ in members], checksums)
