@@ -11,7 +11,7 @@ import contextlib
 import socket
 
 from kvstore.config import default_socket_path
-from kvstore.errors import DaemonUnavailable, from_wire
+from kvstore.errors import DaemonUnavailable, KVStoreError, from_wire
 from kvstore.protocol import NEED_DATA, BadFrame, Fatal, Reply
 from kvstore.replies import HelloReply
 from kvstore.client.api import ClientCalls, awaited
@@ -74,7 +74,7 @@ class AsyncClient(ClientCalls):
 
     async def close(self) -> None:
         if self._sock is not None and self.core.deferred:
-            with contextlib.suppress(DaemonUnavailable):
+            with contextlib.suppress(KVStoreError):  # settled: each unstored put's result says why
                 await self._run(store_deferred(self.core), deferred_first=False)
         warn_unreported(self.core)
         if self._sock is not None and self.core.shared.num_pending:  # hits read from the shared index

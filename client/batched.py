@@ -18,7 +18,7 @@ import warnings
 
 from kvstore import messages as m
 from kvstore import replies as r
-from kvstore.errors import InvalidArgument, ServiceError, from_wire
+from kvstore.errors import InvalidArgument, KVStoreError, ServiceError, from_wire
 from kvstore.fields import unpack_uints
 from kvstore.hints import Hints
 from kvstore.identity import ChunkKey, ObjectId, StateDescriptor
@@ -234,6 +234,7 @@ def put_later(core: ClientCore, key, data, desc: StateDescriptor | None, hints: 
     if tier not in m.PUT_TIERS:
         raise InvalidArgument(f"put tier must be one of {m.PUT_TIERS}, got {tier!r}")
     oid, d, src = core.put_item(key, data, desc)
+    yield from core.op_open(d.namespace)  # a namespace this client may not write raises here (once per namespace)
     if type(data) is not bytes and src.size < DEFER_BYTES:  # a large one is stored before this returns
         src = src.copy()  # the caller may reuse its buffer once put returns
     core.deferred.append((oid, d, src, hints or _NO_HINTS, tier))
@@ -244,19 +245,26 @@ def put_later(core: ClientCore, key, data, desc: StateDescriptor | None, hints: 
 
 def store_deferred(core: ClientCore):
     """Store every deferred put, in the order they were made: one put_many per run of
-    puts with the same hints and tier. Their PutResults join core.deferred_results; an
-    error that stops this (the daemon lost) is every unstored put's result, and is raised."""
+    puts with the same hints and tier. Their PutResults join core.deferred_results. A run
+    the daemon refuses whole (its namespace's open) gets that error as each put's result,
+    and the next runs go on; the daemon lost under it (the driver raises, and
+    ClientCore.close settles the batch) or any other error stops it, with every unstored
+    put's result that error."""
     if core.storing is not None:  # a store whose call was interrupted in its driver
         core.settle_deferred(ServiceError("the call storing this deferred put was interrupted: it may not be stored"))
     while core.deferred:
         pending, core.deferred, core.deferred_bytes = core.deferred, [], 0
         outcome: list[PutResult | None] = [None] * len(pending)
-        core.storing = (pending, outcome)  # a connection lost under this: ClientCore.close settles them
+        core.storing = (pending, outcome)
         try:
             runs = itertools.groupby(enumerate(pending), key=lambda item: (item[1][3], item[1][4]))
             for (hints, tier), run in runs:
-                yield from _put_sources(core, [(i, oid, d, src) for i, (oid, d, src, _, _) in run],
-                                        hints, tier, outcome, None, DEFER_STEP_BYTES)
+                run = [(i, oid, d, src) for i, (oid, d, src, _, _) in run]
+                try:
+                    yield from _put_sources(core, run, hints, tier, outcome, None, DEFER_STEP_BYTES)
+                except KVStoreError as refused:
+                    for i, oid, _, _ in run:
+                        outcome[i] = outcome[i] or PutResult(oid, False, error=refused)
         except Exception as exc:
             core.settle_deferred(exc)
             raise

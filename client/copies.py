@@ -1,8 +1,9 @@
 """The client's copies between caller buffers and the arena, on two threads when large.
 
-One thread's copy here runs at 7-9 GB/s; memory takes more. A large copy is split: a helper thread copies the second half while the calling thread
-copies the first (and, for a put, hashes it block by block while it is in cache), then
-hashes the second half once the helper's copy has landed. numpy's copy and xxhash release
+One thread's copy here runs at 7-9 GB/s; memory takes more. A large copy is split: a
+helper thread copies the second half while the calling thread copies the first (and, for a
+put, hashes it block by block while it is in cache, then hashes the second half once the
+helper's copy has landed). numpy's copy and xxhash release
 the GIL, so the halves run at once (docs/architecture.md: "What bounds a 4 MiB put or
 get"). KVSTORE_COPY_THREADS=1 keeps every copy on the calling thread (a process whose
 cores are all busy already).

@@ -8,7 +8,7 @@ import socket
 import threading
 
 from kvstore.config import default_socket_path
-from kvstore.errors import DaemonUnavailable, from_wire
+from kvstore.errors import DaemonUnavailable, KVStoreError, from_wire
 from kvstore.protocol import NEED_DATA, BadFrame, Fatal, Reply
 from kvstore.replies import HelloReply
 from kvstore.client.api import ClientCalls
@@ -107,7 +107,7 @@ class Client(ClientCalls):
     def close(self) -> None:
         with self._lock:
             if self._sock is not None and self.core.deferred:
-                with contextlib.suppress(DaemonUnavailable):
+                with contextlib.suppress(KVStoreError):  # settled: each unstored put's result says why
                     self._run(store_deferred(self.core), deferred_first=False)
             warn_unreported(self.core)
             if self._sock is not None and self.core.shared.num_pending:  # hits read from the shared index

@@ -14,7 +14,7 @@ import pytest
 from kvstore import StateDescriptor
 from kvstore.client import AsyncClient
 from kvstore.client.batched import DEFER_BYTES, WINDOW_ITEMS
-from kvstore.errors import Conflict, DaemonUnavailable, InvalidArgument
+from kvstore.errors import Conflict, DaemonUnavailable, InvalidArgument, PermissionDenied
 from kvstore.hints import Hints
 from kvstore.identity import ObjectId, chunk_keys
 from kvs_testing import payload, read_back, sent_ops
@@ -77,6 +77,17 @@ def test_the_callers_mistakes_raise_at_the_put_and_hold_nothing(daemon):
         with pytest.raises(InvalidArgument, match="another descriptor"):
             c.put(key, b"x", desc=other, wait=False)
         assert c.core.deferred == [] and c.flush() == []
+
+
+def test_a_deferred_put_into_a_namespace_the_client_may_not_open_raises_at_the_put(daemon_factory):
+    d = daemon_factory(config={"auth": {"unlisted": "deny", "namespaces": {"mine": {"token": "t" * 16}}}})
+    key = ids(1, 18)[0]
+    with d.client(namespace="mine", token="t" * 16) as c:
+        with pytest.raises(PermissionDenied, match="other"):
+            c.put(key, b"x" * 100, desc=StateDescriptor("other", "opaque", "0"), wait=False)
+        assert c.core.deferred == []  # nothing held for later calls to trip over
+        c.put(key, b"y" * 100, wait=False)
+        assert c.lookup([key]).hits == 1 and [r.error for r in c.flush()] == [None]
 
 
 def test_a_refused_deferred_put_is_in_flush_and_the_others_and_the_stored_one_stay(daemon):
