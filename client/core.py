@@ -26,7 +26,7 @@ import xxhash
 from kvstore import messages as m
 from kvstore import replies as r
 from kvstore.errors import ChecksumError, DaemonUnavailable, InvalidArgument, ProtocolError, from_wire
-from kvstore.identity import ChunkKey, ObjectId, StateDescriptor, descriptor_differences
+from kvstore.identity import ChunkKey, ObjectId, StateDescriptor, check_object_size, descriptor_differences
 from kvstore.protocol import MAX_BATCH, Reply, Request
 from kvstore.ranges import normalize as normalize_ranges
 from kvstore.client import copies
@@ -227,7 +227,9 @@ class ClientCore:
         src = as_u8(data)
         if src.size == 0:
             raise InvalidArgument(f"object {oid.hex}: cannot store an empty object")
-        return oid, carried or self._descriptor(desc), src
+        descriptor = carried or self._descriptor(desc)
+        check_object_size(descriptor, src.size)
+        return oid, descriptor, src
 
     def op_get(self, key, namespace: str | None, accept, ranges=None, expect: StateDescriptor | None = None,
                gpu: bool = False):

@@ -261,6 +261,17 @@ def chain_hash(salt: bytes, parent: bytes, tokens: Sequence[int], extra_keys: It
 IDENTITY_FIELDS = ("namespace", "model", "model_revision", "kind", "dtype", "layout", "shard", "chunk_tokens")
 
 
+def check_object_size(descriptor: StateDescriptor, size: int) -> None:
+    """InvalidArgument when `size` is not the size the descriptor's layout gives one object
+    (a layout without a fixed size, such as raw(bytes=0), takes any). The daemon checks
+    every put; the client checks first, so a put's caller hears of it at the put."""
+    expected = descriptor.object_bytes
+    if expected and size != expected:
+        raise InvalidArgument(
+            f"object of {size} bytes does not match its layout {descriptor.layout} "
+            f"in {descriptor.dtype.value} ({expected} bytes per {descriptor.chunk_tokens}-token chunk)")
+
+
 def descriptor_differences(expected: StateDescriptor, actual: StateDescriptor) -> str:
     """The fields where two descriptors differ, as `field: expected != actual` ('' if none)."""
     def text(value) -> str:

@@ -21,7 +21,7 @@ import xxhash
 
 from kvstore.config import LimitsConfig
 from kvstore.errors import ChecksumError, InvalidArgument, NotFound, RangeError
-from kvstore.identity import ObjectId, read_refusal
+from kvstore.identity import ObjectId, check_object_size, read_refusal
 from kvstore.messages import Get, GetMany, Reserve, ReserveMany
 from kvstore.ranges import check_within, total as ranges_total
 from kvstore.replies import IN_MEMORY, MISS, STORED, CommitReply, GetReply, ReserveReply
@@ -78,12 +78,7 @@ class TierManager:
 
     def reserve(self, owner: Owner, msg: Reserve) -> MaybeAwaitable[ReserveReply]:
         ns = self.host.namespace(msg.namespace)
-        expected = msg.descriptor.object_bytes
-        if expected and msg.size != expected:
-            raise InvalidArgument(
-                f"object of {msg.size} bytes does not match its layout {msg.descriptor.layout} "
-                f"in {msg.descriptor.dtype.value} ({expected} bytes per {msg.descriptor.chunk_tokens}-token chunk)"
-            )
+        check_object_size(msg.descriptor, msg.size)
         if msg.descriptor.namespace != msg.namespace:
             raise InvalidArgument("descriptor.namespace differs from the request's namespace")
         if msg.tier == "remote" and not self.remote.takes_remote_puts:

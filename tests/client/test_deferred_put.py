@@ -76,6 +76,10 @@ def test_the_callers_mistakes_raise_at_the_put_and_hold_nothing(daemon):
             c.put(12, b"x", wait=False)
         with pytest.raises(InvalidArgument, match="another descriptor"):
             c.put(key, b"x", desc=other, wait=False)
+        layout = StateDescriptor("default", "m", "r", "kv", "bf16",
+                                 "paged(order=layer_first,layers=2,block=16,kv_heads=1,head_dim=8)", chunk_tokens=16)
+        with pytest.raises(InvalidArgument, match="object of 100 bytes does not match its layout"):
+            c.put(ids(1, 4)[0], b"x" * 100, desc=layout, wait=False)
         assert c.core.deferred == [] and c.flush() == []
 
 

@@ -231,10 +231,21 @@ def test_namespaces_cannot_see_each_other(daemon):
 
 
 def test_layout_size_mismatch_is_refused(daemon):
+    from kvstore import messages as m
     desc = StateDescriptor("default", "m", "r", "kv", "bf16", "paged(order=layer_first,layers=2,block=16,kv_heads=1,head_dim=8)", chunk_tokens=16)
     with daemon.client() as c:
+        c.put(ids(2)[1], b"y" * desc.object_bytes, desc)  # the namespace is open
+        sent, request = [], c.core.request
+        c.core.request = lambda msg, no_reply=False: (sent.append(msg.op), request(msg, no_reply))[1]
         with pytest.raises(InvalidArgument, match="does not match its layout"):
             c.put(ids(1)[0], b"x" * 100, desc)
+        assert sent == []  # the client refused it before sending anything
+        # and the daemon refuses it too, for a client that does not check: as a reserve and inline
+        reply = c._run(c.core.op_simple(m.ReserveMany.of("default", [ids(1)[0]], [100], desc)))
+        assert "does not match its layout" in str(reply.errors)
+        with pytest.raises(InvalidArgument, match="object of 100 bytes does not match its layout"):
+            c._run(c.core.op_simple(m.PutInline("default", ids(1)[0], desc, b"x" * 100, Hints(), "host")))
+        assert c.lookup(ids(1)).hits == 0
         c.put(ids(1)[0], b"x" * desc.object_bytes, desc)
 
 
