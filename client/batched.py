@@ -381,18 +381,22 @@ def get_many(core: ClientCore, keys, namespace: str | None, expect: StateDescrip
     release()). Raises the first refused get's error after releasing what was leased."""
     namespace = namespace or core.namespace
     yield from core.op_open(namespace, create=False)
-    leases: list[ReadLease | None] = [None] * len(keys)
+    # Small hits from the shared index first: leases over private copies, nothing to release.
+    leases: list[ReadLease | None] = yield from core.shared.op_get_many(
+        namespace, [(to_object_id(key), expectation(key, expect)) for key in keys])
+    asked = [i for i, lease in enumerate(leases) if lease is None]  # the rest: asked of the daemon
     first_error, unwanted = None, []
     step = _window(core)
-    for start in range(0, len(keys), step):
-        hits, refused, error = yield from _get_window(core, keys[start:start + step], namespace, expect)
+    for start in range(0, len(asked), step):
+        window = asked[start:start + step]
+        hits, refused, error = yield from _get_window(core, [keys[i] for i in window], namespace, expect)
         first_error, unwanted = first_error or error, unwanted + refused
         arena = core.arenas.get(namespace)
         for p, oid, lease, offset, size, checksum, descriptor in hits:
-            leases[start + p] = ReadLease(core.release_cb, lease, oid, size, checksum, descriptor, "host",
+            leases[window[p]] = ReadLease(core.release_cb, lease, oid, size, checksum, descriptor, "host",
                                           arena[offset:offset + size], core=core)
     if first_error is not None:
-        unwanted += [lease.detach() for lease in leases if lease is not None]
+        unwanted += [lease_id for lease in leases if lease is not None and (lease_id := lease.detach()) is not None]
     if unwanted:
         yield [core.request(m.ReleaseMany.of(unwanted), no_reply=True)]
     if first_error is not None:

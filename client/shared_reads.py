@@ -16,9 +16,9 @@ Anything else asks the daemon, as before: an id not in the table, a record being
 an object past READ_INTO_MAX_BYTES (checking a copy costs more than a round trip there), a
 buffer too small (the daemon's answer raises the right error), ranges, `accept`, GPU reads,
 a namespace not mapped yet, and any CPU but x86-64 (the seqlock argument relies on its
-ordering of loads and stores). `get` of an object up to GET_COPY_MAX_BYTES copies it into a
-private buffer and returns a lease over that copy (nothing to release at the daemon);
-bigger ones keep the zero-copy lease.
+ordering of loads and stores). `get` (and `get_many`) of an object up to GET_COPY_MAX_BYTES
+copies it into a private buffer and returns a lease over that copy (nothing to release at
+the daemon); bigger ones keep the zero-copy lease.
 
 The daemon does not see these hits, so they are queued and reported in one no-reply
 `touch` request (kvstore/messages.py: Touch): every HITS_PER_REPORT hits or once the oldest is
@@ -206,6 +206,20 @@ class SharedReads:
         if self._due():
             yield self.reports()
         return ReadLease(self._core.release_cb, 0, oid, size, checksum, descriptor, "host", copy)  # 0: no daemon lease
+
+    def op_get_many(self, namespace: str, wanted: list):
+        """get_many from the index: per (oid, want) item a lease over a private copy (objects
+        up to GET_COPY_MAX_BYTES, as op_get), or None (ask the daemon)."""
+        if not self._tables:
+            return [None] * len(wanted)
+        descriptors = [want if want is not None else self._opaque(namespace) for _, want in wanted]
+        found = self._read(namespace, [(oid.digest, None, d) for (oid, _), d in zip(wanted, descriptors)],
+                           GET_COPY_MAX_BYTES)
+        if self._due():
+            yield self.reports()
+        release = self._core.release_cb
+        return [None if hit is None else ReadLease(release, 0, oid, hit[0], hit[2], d, "host", hit[1])
+                for (oid, _), d, hit in zip(wanted, descriptors, found)]
 
     def op_read_many(self, namespace: str, prepared: list):
         """get_many_into from the index: per (oid, dst, want) item the size copied into dst,

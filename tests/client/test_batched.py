@@ -24,9 +24,10 @@ def ids(n, seed=0):
     return [ObjectId(rng.bytes(32)) for _ in range(n)]
 
 
-def test_get_many_leases_every_hit_bit_exact_and_release_many_ends_them(daemon):
+@pytest.mark.parametrize("shared", [False, True], ids=["daemon leases", "shared index copies"])
+def test_get_many_leases_every_hit_bit_exact_and_release_many_ends_them(daemon, shared):
     keys = ids(1300, 1)  # more than one batch (1,024)
-    with daemon.client() as c:
+    with daemon.client(shared_index=shared) as c:
         assert all(r.error is None for r in c.put_many([(k, payload(512 + i, i)) for i, k in enumerate(keys)
                                                         if i % 5]))
         leases = c.get_many(keys)
@@ -35,7 +36,10 @@ def test_get_many_leases_every_hit_bit_exact_and_release_many_ends_them(daemon):
             if lease is not None:
                 assert lease.size == 512 + i and lease.verify()
                 assert np.array_equal(lease.numpy(), payload(512 + i, i)), i
-        assert c.stats()["leases"] == sum(lease is not None for lease in leases)
+        # from the shared index, small hits are private copies: the daemon holds no lease for them
+        held = [lease.lease_id != 0 for lease in leases if lease is not None]
+        assert held == [not shared] * len(held)
+        assert c.stats()["leases"] == sum(held)
         leases[1].release()  # released already: release_many skips it
         c.release_many(leases)
         assert c.stats()["leases"] == 0
@@ -144,7 +148,7 @@ def test_a_namespace_not_opened_is_refused_and_one_in_another_tenant_is_not_read
 
 def test_release_many_ends_what_it_holds_and_names_what_it_did_not(daemon):
     keys = ids(3, 6)
-    with daemon.client() as c:
+    with daemon.client(shared_index=False) as c:  # daemon leases
         c.put_many([(k, payload(64, i)) for i, k in enumerate(keys)])
         leases = c.get_many(keys)
         held = [lease.lease_id for lease in leases]
@@ -156,13 +160,16 @@ def test_release_many_ends_what_it_holds_and_names_what_it_did_not(daemon):
 def test_get_many_past_the_lease_quota_raises_and_keeps_no_lease(daemon_factory):
     d = daemon_factory(config={"limits": {"max_leases_per_client": 3}})
     keys = ids(5, 7)
-    with d.client() as c:
+    with d.client(shared_index=False) as c:  # daemon leases
         c.put_many([(k, payload(64, i)) for i, k in enumerate(keys)])
         with pytest.raises(LimitExceeded, match="max_leases_per_client"):
             c.get_many(keys)
         assert c.stats()["leases"] == 0
         outs = [np.zeros(64, np.uint8) for _ in keys[:3]]
         assert c.get_many_into(list(zip(keys[:3], outs))) == [64] * 3
+    with d.client() as c:  # copies from the shared index hold no daemon lease: the quota does not bind
+        leases = c.get_many(keys)
+        assert [lease.size for lease in leases] == [64] * 5 and c.stats()["leases"] == 0
 
 
 def test_get_many_promotes_from_nvme_after_a_restart(daemon_factory):

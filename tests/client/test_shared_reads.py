@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from kvstore.client import AsyncClient
-from kvs_testing import payload, wait_until
+from kvs_testing import payload
 from kvstore import StateDescriptor, chunk_keys
 from kvstore.errors import DaemonUnavailable
 from kvstore.hints import Hints
@@ -143,6 +143,25 @@ def test_get_many_into_mixes_index_hits_and_the_daemons_answers(daemon):
         for i, k in enumerate(keys):
             assert np.array_equal(outs[i], payload(8192, k) if i % 2 == 0 else np.zeros(8192, np.uint8))
         assert host_stats(c)["num_shared_hits"] == 20 and c.stats()["leases"] == 0
+
+
+def test_get_many_copies_small_hits_from_the_index_and_leases_the_rest(daemon):
+    small, large = [oid("gm", i) for i in range(30)], [oid("gml", i) for i in range(4)]
+    with daemon.client() as c:
+        c.put_many([(k, payload(4096, k)) for k in small[::2]] + [(k, payload(100_000, k)) for k in large])
+        sent = []
+        request = c.core.request
+        c.core.request = lambda msg, no_reply=False: (sent.append(msg.op), request(msg, no_reply))[1]
+        leases = c.get_many(small + large)
+        assert [lease is None for lease in leases[:30]] == [i % 2 == 1 for i in range(30)]
+        for k, lease in zip(small + large, leases):
+            if lease is not None:
+                assert np.array_equal(lease.numpy(), payload(lease.size, k))
+        assert [lease.lease_id == 0 for lease in leases if lease is not None] == [True] * 15 + [False] * 4
+        assert "get_many" in sent  # the misses and the large objects were asked of the daemon
+        assert c.stats()["leases"] == 4  # only the large objects' leases
+        c.release_many(leases)
+        assert c.stats()["leases"] == 0 and host_stats(c)["num_shared_hits"] == 15
 
 
 def test_the_async_client_reads_from_the_index_too(daemon):
