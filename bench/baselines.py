@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import shutil
 import socket
 import subprocess
@@ -20,8 +21,33 @@ from bench.common import BaselineUnavailable
 SERVER_START_TIMEOUT_S = 20.0
 
 
+_ports_given: set[int] = set()  # never the same port twice in one process
+
+
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    """A TCP port on 127.0.0.1, free now, for a process that starts listening on it later.
+    Taken below the kernel's ephemeral range: a port the kernel hands out (bind to 0) can be
+    taken in between as the local port of an outgoing connection (a daemon dialling a peer
+    that is not up yet, or retrying an absent server, makes one every half second), which
+    fails the later listen with "Address already in use"."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(max(1024, low - 12000), low)
+        if port in _ports_given:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _ports_given.add(port)
+        return port
+    with socket.socket() as s:  # nothing free below the range: any port the kernel gives
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 

@@ -7,12 +7,12 @@ poll a condition with a liveness bound, never measure time.
 from __future__ import annotations
 
 import contextlib
-import random
-import socket
 import time
 
 import numpy as np
 import pytest
+
+from bench.baselines import free_port  # noqa: F401 (tests import it from here)
 
 from kvstore import messages as m
 from kvstore import replies as r
@@ -45,35 +45,6 @@ def read_back(client, key, size: int) -> np.ndarray | None:
     """The object's `size` bytes read with get_into; None on a miss or another size."""
     out = np.empty(size, np.uint8)
     return out if client.get_into(key, out) == size else None
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def port_for_later() -> int:
-    """A TCP port below the kernel's ephemeral range that is free now, for a process that
-    starts listening on it later: a free_port() can be taken in between as the local port of
-    an outgoing connection (a daemon retrying an absent server makes one every half second),
-    which fails the later listen with "Address already in use"."""
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            low = int(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        low = 32768
-    rng = random.Random()
-    for _ in range(200):
-        port = rng.randrange(max(1024, low - 12000), low)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        return port
-    return free_port()
 
 
 def wait_for(predicate, timeout: float = 10.0) -> bool:

