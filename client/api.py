@@ -110,10 +110,11 @@ class ClientCalls:
     def get_many(self, keys, namespace: str | None = None,
                  expect: StateDescriptor | None = None) -> list[ReadLease | None]:
         """A read lease per key (None on a miss), 1,024 per round trip: `get` for many keys.
-        As with `get`, an object of at most 64 KiB found in the shared index comes as a lease
-        over a private copy (no round trip, nothing held in the daemon); the others are
-        zero-copy leases. End them together with `release_many(leases)`, which sends one
-        frame, or each with `release()`. A refused get raises after every lease was released."""
+        An object of at most 16 KiB found in the shared index comes as a lease over a private
+        copy (no round trip, nothing held in the daemon), as with `get` (64 KiB there: a
+        batch shares its round trip); the others are zero-copy leases. End them together
+        with `release_many(leases)`, which sends one frame, or each with `release()`. A
+        refused get raises after every lease was released."""
         return self._run(batched.get_many(self.core, list(keys), namespace, expect))
 
     def release_many(self, leases) -> None:

@@ -146,9 +146,14 @@ def test_get_many_into_mixes_index_hits_and_the_daemons_answers(daemon):
 
 
 def test_get_many_copies_small_hits_from_the_index_and_leases_the_rest(daemon):
+    """Up to 16 KiB a copy (the first small object is exactly that); past it, 64 KiB too (which
+    `get` copies), a zero-copy lease from the daemon."""
     small, large = [oid("gm", i) for i in range(30)], [oid("gml", i) for i in range(4)]
+    small_sizes = [16384] + [4096] * 14
+    large_sizes = [16385, 65536, 100_000, 100_000]
     with daemon.client() as c:
-        c.put_many([(k, payload(4096, k)) for k in small[::2]] + [(k, payload(100_000, k)) for k in large])
+        c.put_many([(k, payload(n, k)) for k, n in zip(small[::2], small_sizes)]
+                   + [(k, payload(n, k)) for k, n in zip(large, large_sizes)])
         sent = []
         request = c.core.request
         c.core.request = lambda msg, no_reply=False: (sent.append(msg.op), request(msg, no_reply))[1]
