@@ -56,6 +56,22 @@ def test_a_hit_is_read_without_a_round_trip_and_bit_exact(daemon):
         c.check_integrity()
 
 
+def test_get_into_reads_up_to_8_mib_from_the_index_and_asks_the_daemon_past_it(daemon_factory):
+    """Objects of 4 MiB and up are copied on two threads (client/copies.py) and still checked
+    whole; one byte past READ_INTO_MAX_BYTES takes the round trip."""
+    d = daemon_factory("64MiB")
+    sizes = {oid("4m"): 4 << 20, oid("8m"): 8 << 20, oid("8m+1"): (8 << 20) + 1}
+    with d.client() as c:
+        for k, n in sizes.items():
+            c.put(k, payload(n, k))
+        out = np.zeros((8 << 20) + 1, np.uint8)
+        trips = round_trips(c)
+        for k, n in sizes.items():
+            assert c.get_into(k, out) == n and np.array_equal(out[:n], payload(n, k))
+        assert trips == [["get"]]  # the last one only (its release needs no reply)
+        assert c.stats()["leases"] == 0 and host_stats(c)["num_shared_hits"] == 2
+
+
 def test_hits_are_counted_and_reported_ahead_of_the_next_request_and_at_close(daemon):
     k = oid("counted")
     with daemon.client() as c:
@@ -207,69 +223,76 @@ def test_with_the_index_off_on_either_side_reads_are_round_trips(daemon_factory,
 
 # --- the race: readers against a writer that deletes, evicts and reuses extents -------------
 
-POOL = 400  # ids; a 1 MiB arena holds ~60 of their objects, so extents are recycled constantly
 RACE_S = 3.0
+# (ids, bytes a unit, puts a batch, deletes a batch). Small: a 1 MiB arena holds ~60 of 400
+# ids' objects of 1-4 pages, so extents are recycled constantly. Large: objects of 2-8 MiB,
+# read on two threads from 4 MiB (client/copies.py), ~8 of 24 ids in a 40 MiB arena.
+SMALL_RACE = (400, 4096, 16, 6)
+LARGE_RACE = (24, 2 << 20, 3, 1)
 
 
-def race_size(i: int) -> int:
-    return 4096 * (1 + i % 4) - (i * 37) % 4000  # 1-4 pages, rarely a whole number of them
+def race_size(i: int, unit: int = 4096) -> int:
+    return unit * (1 + i % 4) - (i * 37) % 4000  # 1-4 units, rarely a whole number of pages
 
 
-def race_writer(socket_path: str, until: float, results) -> None:
+def race_writer(socket_path: str, until: float, results, race) -> None:
     """As fast as it can: batches of puts (each evicting others to make room) and deletes."""
     from kvstore.client import Client
+    pool, unit, puts, deletes = race
     rng = np.random.default_rng(1)
-    keys = [oid("race", i) for i in range(POOL)]
+    keys = [oid("race", i) for i in range(pool)]
     writes = 0
     with Client.connect(socket_path) as c:
         while time.monotonic() < until:
-            batch = rng.integers(POOL, size=16).tolist()
-            c.put_many([(keys[i], payload(race_size(i), keys[i])) for i in batch])
-            c.delete([keys[i] for i in rng.integers(POOL, size=6).tolist()])
-            writes += 22
+            batch = rng.integers(pool, size=puts).tolist()
+            c.put_many([(keys[i], payload(race_size(i, unit), keys[i])) for i in batch])
+            c.delete([keys[i] for i in rng.integers(pool, size=deletes).tolist()])
+            writes += puts + deletes
     results.put(("writer", writes))
 
 
-def race_reader(socket_path: str, seed: int, until: float, results) -> None:
+def race_reader(socket_path: str, seed: int, until: float, results, race) -> None:
     """get_into, get and get_many_into of random ids; every byte accepted is checked."""
     from kvstore.client import Client
+    pool, unit, _, _ = race
     rng = np.random.default_rng(seed)
-    keys = [oid("race", i) for i in range(POOL)]
-    outs = [np.empty(4 * 4096, np.uint8) for _ in range(8)]
+    keys = [oid("race", i) for i in range(pool)]
+    outs = [np.empty(4 * unit, np.uint8) for _ in range(8)]
     hits = wrong = 0
 
     def check(i: int, got) -> None:
         nonlocal hits, wrong
         if got is not None:
             hits += 1
-            wrong += len(got) != race_size(i) or not np.array_equal(got, payload(race_size(i), keys[i]))
+            wrong += len(got) != race_size(i, unit) or not np.array_equal(got, payload(race_size(i, unit), keys[i]))
     with Client.connect(socket_path) as c:
         while time.monotonic() < until:
             way = rng.random()
             if way < 0.7:
-                i = int(rng.integers(POOL))
+                i = int(rng.integers(pool))
                 size = c.get_into(keys[i], outs[0])
                 check(i, None if size is None else outs[0][:size])
             elif way < 0.85:
-                i = int(rng.integers(POOL))
+                i = int(rng.integers(pool))
                 lease = c.get(keys[i])
                 if lease is not None:
                     with lease:
                         check(i, lease.numpy().copy())
             else:
-                batch = rng.integers(POOL, size=8).tolist()
+                batch = rng.integers(pool, size=8).tolist()
                 sizes = c.get_many_into([(keys[i], out) for i, out in zip(batch, outs)])
                 for i, out, size in zip(batch, outs, sizes):
                     check(i, None if size is None else out[:size])
         results.put((f"reader{seed}", (hits, wrong, c.core.shared.num_refused)))
 
 
-def test_readers_racing_deletes_evictions_and_reused_extents_get_only_exact_bytes(daemon_factory):
-    d = daemon_factory("1MiB")
+@pytest.mark.parametrize("race, arena", [(SMALL_RACE, "1MiB"), (LARGE_RACE, "40MiB")], ids=["small", "large"])
+def test_readers_racing_deletes_evictions_and_reused_extents_get_only_exact_bytes(daemon_factory, race, arena):
+    d = daemon_factory(arena)
     ctx = multiprocessing.get_context("fork")
     results, until = ctx.SimpleQueue(), time.monotonic() + RACE_S  # CLOCK_MONOTONIC: one clock for all
-    procs = [ctx.Process(target=race_writer, args=(d.socket, until, results))]
-    procs += [ctx.Process(target=race_reader, args=(d.socket, seed, until, results)) for seed in (2, 3)]
+    procs = [ctx.Process(target=race_writer, args=(d.socket, until, results, race))]
+    procs += [ctx.Process(target=race_reader, args=(d.socket, seed, until, results, race)) for seed in (2, 3)]
     for p in procs:
         p.start()
     got = dict(results.get() for _ in procs)
@@ -277,7 +300,7 @@ def test_readers_racing_deletes_evictions_and_reused_extents_get_only_exact_byte
         p.join(30)
     assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
     readers = [got[f"reader{seed}"] for seed in (2, 3)]
-    assert got["writer"] > POOL
+    assert got["writer"] > race[0]
     assert all(wrong == 0 for _, wrong, _ in readers) and all(hits > 0 for hits, _, _ in readers), readers
     with d.client() as c:
         c.check_integrity()  # index, arena and records agree after the race
