@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from kvstore.client import AsyncClient
-from kvs_testing import payload
+from kvs_testing import payload, sent_ops
 from kvstore import StateDescriptor, chunk_keys
 from kvstore.errors import DaemonUnavailable
 from kvstore.hints import Hints
@@ -170,9 +170,7 @@ def test_get_many_copies_small_hits_from_the_index_and_leases_the_rest(daemon):
     with daemon.client() as c:
         c.put_many([(k, payload(n, k)) for k, n in zip(small[::2], small_sizes)]
                    + [(k, payload(n, k)) for k, n in zip(large, large_sizes)])
-        sent = []
-        request = c.core.request
-        c.core.request = lambda msg, no_reply=False: (sent.append(msg.op), request(msg, no_reply))[1]
+        sent = sent_ops(c)
         leases = c.get_many(small + large)
         assert [lease is None for lease in leases[:30]] == [i % 2 == 1 for i in range(30)]
         for k, lease in zip(small + large, leases):

@@ -19,7 +19,7 @@ from kvstore import Hints, StateDescriptor, chunk_keys
 from kvstore.errors import CapacityError, ChecksumError, InvalidArgument, LimitExceeded, PermissionDenied
 from kvstore.identity import ObjectId
 from kvstore.protocol import FrameCodec, Reply, Request
-from kvs_testing import commit_one, payload, wait_for
+from kvs_testing import commit_one, payload, sent_ops, wait_for
 
 MiB = 1 << 20
 
@@ -235,8 +235,7 @@ def test_layout_size_mismatch_is_refused(daemon):
     desc = StateDescriptor("default", "m", "r", "kv", "bf16", "paged(order=layer_first,layers=2,block=16,kv_heads=1,head_dim=8)", chunk_tokens=16)
     with daemon.client() as c:
         c.put(ids(2)[1], b"y" * desc.object_bytes, desc)  # the namespace is open
-        sent, request = [], c.core.request
-        c.core.request = lambda msg, no_reply=False: (sent.append(msg.op), request(msg, no_reply))[1]
+        sent = sent_ops(c)
         with pytest.raises(InvalidArgument, match="does not match its layout"):
             c.put(ids(1)[0], b"x" * 100, desc)
         assert sent == []  # the client refused it before sending anything
