@@ -15,11 +15,15 @@ import fcntl
 import logging
 import os
 import stat
+import time
 
 from kvstore.errors import ServiceError
 
 log = logging.getLogger("kvstore.daemon")
 LOCK_FILE = "daemon.lock"
+# A busy lock whose file is still empty is read this many times, this far apart (0.5 s).
+HOLDER_READS = 50
+HOLDER_READ_GAP_S = 0.01
 
 
 class DataDirError(ServiceError):
@@ -117,7 +121,7 @@ def _lock(lock_path: str, error: type[Exception], busy: str) -> int:
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+        holder = _holder(fd)
         os.close(fd)
         raise error(busy.format(pid=holder)) from None
     except BaseException:
@@ -126,6 +130,17 @@ def _lock(lock_path: str, error: type[Exception], busy: str) -> int:
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
     return fd
+
+
+def _holder(fd: int) -> str:
+    """The pid the lock's holder wrote. It writes it just after taking the lock, so a file
+    still empty is read again for a while (two daemons started together meet in between)."""
+    for _ in range(HOLDER_READS):
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
+        if holder:
+            return holder
+        time.sleep(HOLDER_READ_GAP_S)
+    return "unknown"
 
 
 def _why(exc: OSError) -> str:

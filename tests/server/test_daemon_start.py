@@ -161,6 +161,29 @@ def test_two_daemons_started_together_on_one_socket_leave_one_serving(root):
     assert winner.returncode == 0 and not os.path.exists(sock)
 
 
+def test_a_busy_lock_names_its_holder_even_when_asked_before_the_holder_wrote_its_pid(root):
+    """The holder writes its pid just after it takes the lock; a second daemon refused in
+    between waits for it rather than naming "pid unknown" (the test above once met this)."""
+    import fcntl
+    import threading
+    from kvstore.server.data_dir import HeldLock
+    path = os.path.join(root, "s.lock")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held, and the file still empty
+    late = threading.Timer(0.1, lambda: os.pwrite(fd, b"4242\n", 0))
+    late.start()
+    try:
+        with pytest.raises(RuntimeError, match="held by 4242$"):
+            HeldLock(path, RuntimeError, "held by {pid}")
+        late.join()
+        os.ftruncate(fd, 0)  # a holder that never writes one: named unknown, not waited on forever
+        with pytest.raises(RuntimeError, match="held by unknown$"):
+            HeldLock(path, RuntimeError, "held by {pid}")
+    finally:
+        late.join()
+        os.close(fd)
+
+
 def test_a_socket_lock_that_cannot_be_made_is_one_line(root):
     os.mkdir(os.path.join(root, "s.lock"))  # in the lock file's place
     result = serve("--socket", os.path.join(root, "s"), "--data-dir", os.path.join(root, "data"),
