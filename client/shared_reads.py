@@ -55,8 +55,15 @@ ORDERED_MACHINES = ("x86_64", "amd64")
 # it pays while the hash costs less than the round trip and release. get_into of one object,
 # alternated with a read through the daemon (medians of 200, a machine copying 4 MiB at
 # ~20 GB/s): 4 MiB 225-262 against 442-596 us, 8 MiB 434 against 714, 16 MiB 1,296
-# against 1,363 (copies of 4 MiB and up on two threads either way, client/copies.py).
+# against 1,363 (copies of 4 MiB and up on two threads either way, client/copies.py; this
+# read has since copied and hashed by blocks, WHOLE_COPY_MAX_BYTES).
 READ_INTO_MAX_BYTES = 8 << 20
+# A hit up to this size is copied whole and then hashed (it is still in the core's cache:
+# 2 MiB of L2 here); a bigger one is copied and hashed block by block (client/copies.py), so
+# it crosses memory once. bench/local.py, the two alternated, five runs each: get_into 4 MiB
+# 0.59-0.70x memcpy copied whole (on two threads) -> 0.69-0.77x by blocks; 1 MiB 0.66-0.72x
+# whole, 0.59-0.67x by blocks.
+WHOLE_COPY_MAX_BYTES = 1 << 20
 # get() of objects up to this size returns a lease over a private copy; bigger ones keep
 # the zero-copy lease of a round trip (their copy would cost more than the trip).
 GET_COPY_MAX_BYTES = 64 << 10
@@ -182,12 +189,13 @@ class SharedReads:
                 out = np.empty(size, np.uint8)
             elif out.size < size:
                 continue
-            copy = memoryview(out)[:size]  # (a memoryview's copy costs ~0.3 us less than np.copyto's)
-            if size < copies.PARALLEL_BYTES:
+            if size <= WHOLE_COPY_MAX_BYTES:
+                copy = memoryview(out)[:size]  # (a memoryview's copy costs ~0.3 us less than np.copyto's)
                 copy[:] = arena[offset:offset + size]
-            else:  # large: on two threads, as a read through the daemon copies
-                copies.copy(out[:size], arena[offset:offset + size])
-            if checked(copy) != checksum or seq_at(table, at)[0] != s1:
+                landed = checked(copy)
+            else:  # block by block, each hashed while in cache (8 MiB: on two threads)
+                landed = copies.copy_and_hash(out[:size], arena[offset:offset + size])
+            if landed != checksum or seq_at(table, at)[0] != s1:
                 self.num_refused += 1  # changed while we copied: the daemon answers instead
                 continue
             hits.append(digest)

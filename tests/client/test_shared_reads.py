@@ -57,10 +57,12 @@ def test_a_hit_is_read_without_a_round_trip_and_bit_exact(daemon):
 
 
 def test_get_into_reads_up_to_8_mib_from_the_index_and_asks_the_daemon_past_it(daemon_factory):
-    """Objects of 4 MiB and up are copied on two threads (client/copies.py) and still checked
-    whole; one byte past READ_INTO_MAX_BYTES takes the round trip."""
+    """Objects up to WHOLE_COPY_MAX_BYTES are copied whole and then hashed, bigger ones copied
+    and hashed by blocks (client/copies.py; a last block short of the others, and two threads
+    at 8 MiB); one byte past READ_INTO_MAX_BYTES takes the round trip."""
     d = daemon_factory("64MiB")
-    sizes = {oid("4m"): 4 << 20, oid("8m"): 8 << 20, oid("8m+1"): (8 << 20) + 1}
+    sizes = {oid("1m"): 1 << 20, oid("1m+1"): (1 << 20) + 1, oid("4m"): 4 << 20, oid("8m"): 8 << 20,
+             oid("8m+1"): (8 << 20) + 1}
     with d.client() as c:
         for k, n in sizes.items():
             c.put(k, payload(n, k))
@@ -69,7 +71,7 @@ def test_get_into_reads_up_to_8_mib_from_the_index_and_asks_the_daemon_past_it(d
         for k, n in sizes.items():
             assert c.get_into(k, out) == n and np.array_equal(out[:n], payload(n, k))
         assert trips == [["get"]]  # the last one only (its release needs no reply)
-        assert c.stats()["leases"] == 0 and host_stats(c)["num_shared_hits"] == 2
+        assert c.stats()["leases"] == 0 and host_stats(c)["num_shared_hits"] == 4
 
 
 def test_hits_are_counted_and_reported_ahead_of_the_next_request_and_at_close(daemon):
