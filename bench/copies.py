@@ -9,8 +9,8 @@ at hand, in one process, over distinct source slots (as reads of different objec
     blocks   copies.copy_and_hash: 256 KiB blocks, each hashed while in cache (on two threads
              from 8 MiB); what a hit over WHOLE_COPY_MAX_BYTES uses
     behind   a helper thread copies 256 KiB blocks in order, the caller hashes each behind it
-    halves   the caller copies and hashes half by blocks while a helper copies the other half,
-             then hashes that half
+    halves   copies.copy_and_hash_in_halves: the caller copies and hashes half by blocks while a
+             helper copies the other half, then hashes that half (copy_and_hash's way from 8 MiB)
     memcpy   np.copyto of the same bytes into distinct slots (the baseline)
 
 Every way's digest is checked against the object's. Reps alternate the ways. Prints each
@@ -41,16 +41,12 @@ from kvstore.client import copies  # noqa: E402
 from kvstore.client.shared_reads import WHOLE_COPY_MAX_BYTES  # noqa: E402
 
 MiB = 1 << 20
-HELPER = ThreadPoolExecutor(1, thread_name_prefix="bench-copy")  # as copies.py's one helper
+HELPER = ThreadPoolExecutor(1, thread_name_prefix="bench-copy")  # `behind`'s helper, as copies.py has one
 
 
 def whole(dst: np.ndarray, src: np.ndarray) -> bytes:
     copies.copy(dst, src)
     return xxhash.xxh3_128_digest(dst)
-
-
-def blocks(dst: np.ndarray, src: np.ndarray) -> bytes:
-    return copies.copy_and_hash(dst, src)
 
 
 def behind(dst: np.ndarray, src: np.ndarray) -> bytes:
@@ -70,20 +66,7 @@ def behind(dst: np.ndarray, src: np.ndarray) -> bytes:
     return hasher.digest()
 
 
-def halves(dst: np.ndarray, src: np.ndarray) -> bytes:
-    half = max(HASH_BLOCK_BYTES, src.size // 2 // HASH_BLOCK_BYTES * HASH_BLOCK_BYTES)
-    second = HELPER.submit(np.copyto, dst[half:], src[half:])
-    hasher = xxhash.xxh3_128()
-    for start in range(0, half, HASH_BLOCK_BYTES):
-        block = dst[start:start + HASH_BLOCK_BYTES]
-        np.copyto(block, src[start:start + HASH_BLOCK_BYTES])
-        hasher.update(block)
-    second.result()
-    hasher.update(dst[half:])
-    return hasher.digest()
-
-
-WAYS = {"whole": whole, "blocks": blocks, "behind": behind, "halves": halves}
+WAYS = {"whole": whole, "blocks": copies.copy_and_hash, "behind": behind, "halves": copies.copy_and_hash_in_halves}
 
 
 def measure(size: int, total: int, reps: int) -> dict[str, float]:

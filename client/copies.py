@@ -74,6 +74,13 @@ def copy_and_hash(dst: np.ndarray, src: np.ndarray) -> bytes:
     kvstore.checksums.copy_and_hash, which serves objects under PARALLEL_HASHED_BYTES)."""
     if src.size < PARALLEL_HASHED_BYTES or THREADS == 1:
         return copy_and_hash_one_thread(dst, src)
+    return copy_and_hash_in_halves(dst, src)
+
+
+def copy_and_hash_in_halves(dst: np.ndarray, src: np.ndarray) -> bytes:
+    """copy_and_hash on two threads, whatever the size (bench/copies.py times it at any): the
+    helper copies the second half while this thread copies and hashes the first block by
+    block, then hashes the second half once it has landed."""
     half = _split(src.size)
     second = _pool().submit(np.copyto, dst[half:], src[half:])
     try:
