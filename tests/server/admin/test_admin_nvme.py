@@ -9,7 +9,7 @@ import signal
 import numpy as np
 import pytest
 
-from kvstore import StateDescriptor
+from kvstore import StateDescriptor, chunk_keys
 from kvstore.identity import ObjectId
 from kvstore.server.admin.client import AdminClient, AdminRequestFailed
 from kvstore.commands.cli import main
@@ -103,3 +103,27 @@ def test_status_and_cluster_show_the_nvme_tier_with_one_namespace(daemon_factory
     stats = api.get("/v1/stats")
     assert stats["tiers"]["host"]["allocation_unit_bytes"] == 64  # the smallest slot (tiers/slabs.py)
     assert stats["tiers"]["nvme"]["allocation_unit_bytes"] == 4096
+
+
+def test_admin_lookup_after_a_restart_finds_the_nvme_objects_of_a_namespace_not_opened_since(daemon_factory):
+    """Issue 41 item 12: the admin lookup answered no hits for a namespace no client had opened
+    since the restart, while a client's lookup of the same chunks found them on NVMe."""
+    d = daemon_factory("16MiB", config=NVME)
+    desc = StateDescriptor("tenant-x", "m", "r1", chunk_tokens=16)
+    tokens = list(range(4 * 16))
+    keys = chunk_keys(tokens, desc)
+    with d.client(namespace="tenant-x") as c:
+        for i, key in enumerate(keys):
+            c.put(key, np.full(SIZE, i, np.uint8))
+    assert d.stop(signal.SIGTERM) == 0  # the flush writes them to NVMe
+    d.start("16MiB")
+    api = AdminClient.from_data_dir(d.data_dir)
+    asked = {"tokens": tokens, "descriptor": desc.to_wire()}
+    before = api.post("/v1/lookup", asked)  # no client has opened tenant-x since the restart
+    assert "tenant-x" not in api.get("/v1/stats")["namespaces"]  # the lookup opened nothing
+    with d.client(namespace="tenant-x") as c:
+        seen = c.lookup(keys)
+    assert seen.hits == 4 and seen.tiers == ("nvme",) * 4
+    assert (before["hits"], before["tiers"], before["hit_chunks_per_tier"]) == (4, ["nvme"] * 4, {"nvme": 4})
+    assert before["hit_bytes"] == 4 * SIZE
+    assert api.post("/v1/lookup", asked)["tiers"] == before["tiers"]  # the same once the namespace is open
