@@ -40,9 +40,16 @@ from kvstore.tiers.slabs import SlabAllocator
 _log = logging.getLogger(__name__)
 
 PAGE_BYTES = 4096
-# Linux caps memfd names at 249 bytes; the name only shows in /proc/<pid>/fd (as "memfd:...")
-# to help whoever debugs, so a long namespace is cut rather than refused.
-_MAX_NAME_BYTES = 240
+# Linux caps memfd names at 249 bytes (not characters: a namespace of 100 CJK characters is
+# 300); the name only shows in /proc/<pid>/fd (as "memfd:...") to help whoever debugs, so a
+# long namespace is cut rather than refused.
+MAX_MEMFD_NAME_BYTES = 240
+
+
+def memfd_name(name: str) -> str:
+    """`name` cut to MAX_MEMFD_NAME_BYTES of UTF-8 at a character boundary: a name
+    os.memfd_create takes for any namespace (the arena's and its shared index's)."""
+    return name.encode()[:MAX_MEMFD_NAME_BYTES].decode(errors="ignore")  # drops a character cut in two
 # Prefault granularity: how long a stop waits for the step in progress (~0.5 s here).
 PREFAULT_STEP_BYTES = 256 << 20
 MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux 5.14+
@@ -86,8 +93,8 @@ class HostArena:
 
     def _make(self, prefault: bool, cancel: threading.Event | None, huge_flag: int) -> None:
         capacity_bytes = self._capacity
-        name = f"kvstore-{self._namespace}".encode()[:_MAX_NAME_BYTES].decode(errors="ignore")
-        self._fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING | huge_flag)
+        flags = os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING | huge_flag
+        self._fd = os.memfd_create(memfd_name(f"kvstore-{self._namespace}"), flags)
         try:
             os.ftruncate(self._fd, capacity_bytes)
             fcntl.fcntl(self._fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)

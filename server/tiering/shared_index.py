@@ -73,7 +73,7 @@ from kvstore.shared_index import (
     descriptor_digest, file_bytes, home_slot, record_at, slots_for,
 )
 from kvstore.server.tiering.objects import ObjectEntry
-from kvstore.tiers.arena import MADV_POPULATE_WRITE
+from kvstore.tiers.arena import MADV_POPULATE_WRITE, memfd_name
 
 log = logging.getLogger("kvstore.tiers")
 
@@ -99,7 +99,7 @@ class SharedIndex:
         self.size_bytes = file_bytes(self.slots)
         self.num_published = 0
         self.num_unpublished = 0  # objects whose slots were all taken: readers ask the daemon
-        self.fd = os.memfd_create(f"kvstore-index-{namespace}"[:240], os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        self.fd = os.memfd_create(memfd_name(f"kvstore-index-{namespace}"), os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             os.ftruncate(self.fd, self.size_bytes)
             fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)

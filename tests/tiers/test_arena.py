@@ -7,7 +7,7 @@ import pytest
 
 from kvstore.errors import InvalidArgument
 from kvstore.tiers.allocator import Extent
-from kvstore.tiers.arena import HostArena
+from kvstore.tiers.arena import MAX_MEMFD_NAME_BYTES, HostArena, memfd_name
 
 CAP = 64 * 4096
 
@@ -151,3 +151,12 @@ def test_fd_passed_over_unix_socket_maps_the_same_bytes(arena):
     with arena.view(extent) as view:
         assert bytes(view[:5]) == b"hello"
     mapping.close()
+
+
+@pytest.mark.parametrize("namespace", ["a" * 256, "界" * 100, "𝄞" * 256, "a" + "界" * 90])
+def test_a_long_namespace_makes_an_arena_its_memfd_name_cut_in_bytes_at_a_character(namespace):
+    name = memfd_name(f"kvstore-{namespace}")
+    assert len(name.encode()) <= MAX_MEMFD_NAME_BYTES and f"kvstore-{namespace}".startswith(name)
+    assert len(name.encode()) > MAX_MEMFD_NAME_BYTES - 4  # cut at the last whole character, no sooner
+    with HostArena(namespace, CAP) as a:
+        assert os.readlink(f"/proc/self/fd/{a.fd}").startswith(f"/memfd:{name}")

@@ -60,3 +60,16 @@ def test_a_get_of_an_nvme_object_makes_the_arena_it_lands_in(daemon_factory):
         out = np.empty(MiB, np.uint8)
         assert c.get_into(keys[0], out) == MiB and np.array_equal(out, data)
         assert "cold" in arenas(c)
+
+
+def test_a_namespace_of_multibyte_characters_longer_than_a_memfd_name_stores_and_reads(daemon):
+    """Issue 41 item 13: 100 CJK characters (300 bytes of UTF-8) answered "internal error:
+    OSError [Errno 22]": the shared index's memfd name was cut by characters, and Linux
+    limits it in bytes. The longest name the rules allow, in 4-byte characters, too."""
+    for namespace in ("界" * 100, "𝄞" * 256):
+        key = ids(1, seed=4)[0]
+        with daemon.client(namespace=namespace) as c:
+            c.put(key, b"state of a tenant with a long name")
+            assert namespace in arenas(c)
+            with c.get(key) as lease:
+                assert bytes(lease.buffer) == b"state of a tenant with a long name"
