@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 
 from kvstore import messages as m
+from kvstore.fields import pin_ttl
 from kvstore.client import batched
 from kvstore.client import groups as group_ops
 from kvstore.client.gpu import op_get_into_device
@@ -136,7 +137,9 @@ class ClientCalls:
         """Keep objects resident (never evicted) until unpinned or `ttl_s` passes; returns how
         many were pinned somewhere. A pin never shortens an earlier one's expiry. In a
         cluster, scope="cluster" pins this node's copies and the home nodes' (an object held
-        only by its homes stays there), "node" only this node's."""
+        only by its homes stays there), "node" only this node's. `ttl_s` is seconds in
+        (0, a century] (kvstore.units.MAX_DURATION_S), else InvalidArgument before anything is sent."""
+        ttl_s = pin_ttl(ttl_s)
         return self._run(self.core.op_batch(m.Pin, list(keys), namespace, ttl_s=ttl_s, scope=scope))
 
     def unpin(self, keys, namespace: str | None = None, scope: str = "cluster") -> int:

@@ -75,7 +75,7 @@ def put_many(core: ClientCore, items, desc: StateDescriptor | None, hints: Hints
     """Per item a PutResult; an item that cannot be stored carries its error (its
     object_id is None when the key itself is not one) and the others are stored.
     routes: per item a kvstore.route.Route or None (its blocks as the engine names them)."""
-    hints = hints or Hints()
+    hints = Hints.of(hints)
     if tier not in m.PUT_TIERS:
         raise InvalidArgument(f"put tier must be one of {m.PUT_TIERS}, got {tier!r}")
     packed = _packed_routes(routes, len(items))
@@ -207,7 +207,7 @@ def put(core: ClientCore, key, data, desc: StateDescriptor | None, hints: Hints 
     oid, d, src = core.put_item(key, data, desc)  # the caller's mistakes raise here
     if src.size <= core.inline_put_bytes and tier in m.PUT_TIERS:
         yield from core.op_open(d.namespace)
-        done = yield from core.op_simple(m.PutInline(d.namespace, oid, d, memoryview(src), hints or Hints(), tier))
+        done = yield from core.op_simple(m.PutInline(d.namespace, oid, d, memoryview(src), Hints.of(hints), tier))
         return PutResult(oid, done.exists, done.tier, done.durability, homes=done.homes or ())
     (result,) = yield from put_many(core, [(oid, src)], d, hints, tier)
     if result.error is not None:
@@ -223,7 +223,6 @@ DEFER_BYTES = PIPE_BYTES
 # Their put_many's pipeline steps: a quarter of a batch, so the daemon reserves the next step
 # while this process copies one (8 MiB steps: 32-34 us a 64 KiB put, 2 MiB: 27-30).
 DEFER_STEP_BYTES = 2 << 20
-_NO_HINTS = Hints()
 
 
 def put_later(core: ClientCore, key, data, desc: StateDescriptor | None, hints: Hints | None, tier: str = "host"):
@@ -233,11 +232,12 @@ def put_later(core: ClientCore, key, data, desc: StateDescriptor | None, hints: 
     wait in core.deferred_results for flush()."""
     if tier not in m.PUT_TIERS:
         raise InvalidArgument(f"put tier must be one of {m.PUT_TIERS}, got {tier!r}")
+    hints = Hints.of(hints)  # checked now: a held put the wire would refuse would fail its whole batch
     oid, d, src = core.put_item(key, data, desc)
     yield from core.op_open(d.namespace)  # a namespace this client may not write raises here (once per namespace)
     if type(data) is not bytes and src.size < DEFER_BYTES:  # a large one is stored before this returns
         src = src.copy()  # the caller may reuse its buffer once put returns
-    core.deferred.append((oid, d, src, hints or _NO_HINTS, tier))
+    core.deferred.append((oid, d, src, hints, tier))
     core.deferred_bytes += src.size
     if core.deferred_bytes >= DEFER_BYTES or len(core.deferred) >= _window(core):
         yield from store_deferred(core)

@@ -135,7 +135,7 @@ def put_groups(core: ClientCore, groups, hints: Hints | None = None, routes=None
     one round trip and all its commits in another. Per group its GroupPutResult, or the
     exception that refused it (that group stored nothing; the others are stored).
     routes: per group None or per item a kvstore.route.Route or None."""
-    hints = hints or Hints()
+    hints = Hints.of(hints)
     if routes is not None and len(routes) != len(groups):
         raise InvalidArgument(f"put_groups: {len(groups)} groups but {len(routes)} route lists")
     results: list = [None] * len(groups)

@@ -15,6 +15,7 @@ from kvstore.route import packed_route
 from kvstore.identity import ObjectId, StateDescriptor, _check_name
 from kvstore.protocol import MAX_BATCH, MAX_STR_CHARS
 from kvstore.ranges import CODEC as RANGES  # noqa: F401 (a field codec, as the others)
+from kvstore.units import check_seconds
 
 CHECKSUM_BYTES = 16  # xxh3-128
 # One object may not exceed this; arenas are sized far below it in practice.
@@ -129,14 +130,17 @@ SIZE = _int(1, MAX_OBJECT_BYTES)
 FLOAT = (_float, lambda v: v)
 
 
-def _pin_ttl(v):
-    v = _float(v)
-    if v == 0:
-        raise InvalidArgument("must be > 0 (seconds), or null to pin until unpinned")
-    return v
+def pin_ttl(v, name: str = "ttl_s"):
+    """A pin's TTL as a float: seconds in (0, MAX_DURATION_S], or None (pinned until unpinned).
+    One rule for the wire, the client's pin and the admin API's."""
+    if v is None:
+        return None
+    if check_seconds(v, name) == 0:
+        raise InvalidArgument(f"{name} must be > 0 seconds, or null to pin until unpinned")
+    return float(v)
 
 
-PIN_TTL = (_pin_ttl, lambda v: v)
+PIN_TTL = (pin_ttl, lambda v: v)
 STR = (_str_dec, lambda v: v)
 BOOL = (_bool_dec, lambda v: v)
 OPT_STR = (_opt_str_dec, lambda v: v)

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, fields, replace
 
 from kvstore.errors import InvalidArgument
 from kvstore.route import packed_route, route_json
+from kvstore.units import MAX_DURATION_S, check_seconds
 
 # A session or branch id is a label, not data; keep frames small.
 MAX_LABEL_CHARS = 128
@@ -16,17 +16,22 @@ MAX_LABEL_CHARS = 128
 class Hints:
     """Advice from the producer. Every field is optional; none changes what a get returns.
 
-    ttl_s: drop the object this many seconds after put (None: never expires). It counts from
-        the put on every tier and node: past it the object is a miss in host memory, on NVMe
-        (also after a restart), once promoted back, and in copies fetched from peers or a
-        Mooncake pool (node clocks must agree to within what the TTL tolerates).
+    ttl_s: drop the object this many seconds after put, 0..MAX_DURATION_S (a century; None:
+        never expires). It counts from the put on every tier and node: past it the object is
+        a miss in host memory, on NVMe (also after a restart), once promoted back, and in
+        copies fetched from peers or a Mooncake pool (node clocks must agree to within what
+        the TTL tolerates).
     priority: -10..10, higher is kept longer under pressure.
     session_id / branch_id: agent session and branch the state belongs to.
-    next_access_s: when the producer expects the next read, in seconds from now.
-    recompute_cost_ms: what a miss would cost the engine; drives cost-aware eviction.
+    next_access_s: when the producer expects the next read, in seconds from now (0..MAX_DURATION_S).
+    recompute_cost_ms: what a miss would cost the engine (0..MAX_DURATION_S * 1000); drives
+        cost-aware eviction.
     pin: keep resident in the host tier until unpinned.
     route: the engine's names for the object's blocks (kvstore.route.Route; kept packed), which
         the daemon's KV events for routers publish (`[events]`).
+
+    Every field is checked when the hints are made (InvalidArgument naming it and its range),
+    so a put, waited or deferred, never carries hints the wire or the daemon would refuse.
     """
 
     ttl_s: float | None = None
@@ -39,13 +44,11 @@ class Hints:
     route: bytes | None = None
 
     def __post_init__(self) -> None:
-        for name in ("ttl_s", "next_access_s", "recompute_cost_ms"):
-            value = getattr(self, name)
-            if value is not None and (
-                not isinstance(value, (int, float)) or isinstance(value, bool)
-                or not math.isfinite(value) or value < 0
-            ):
-                raise InvalidArgument(f"hint {name} must be a finite number >= 0, got {value!r}")
+        for name in ("ttl_s", "next_access_s"):
+            if (value := getattr(self, name)) is not None:
+                check_seconds(value, f"hint {name}")
+        if self.recompute_cost_ms is not None:
+            check_seconds(self.recompute_cost_ms, "hint recompute_cost_ms", MAX_DURATION_S * 1000, "milliseconds")
         if not isinstance(self.priority, int) or isinstance(self.priority, bool) or not -10 <= self.priority <= 10:
             raise InvalidArgument(f"hint priority must be an integer in -10..10, got {self.priority!r}")
         for name in ("session_id", "branch_id"):
@@ -75,6 +78,16 @@ class Hints:
         if self is _DEFAULT:
             return {}
         return {k: v for k in _FIELD_NAMES if (v := getattr(self, k)) != getattr(_DEFAULT, k)}
+
+    @staticmethod
+    def of(hints) -> Hints:
+        """`hints` if it is a Hints, the default Hints for None; else InvalidArgument (a put
+        checks its hints when it is made, not when it is sent)."""
+        if hints is None:
+            return _DEFAULT
+        if not isinstance(hints, Hints):
+            raise InvalidArgument(f"hints must be a kvstore.hints.Hints or None, got {type(hints).__name__}")
+        return hints
 
     @classmethod
     def from_wire(cls, data) -> Hints:

@@ -1,5 +1,6 @@
-"""Sizes and addresses as the config and the command line write them: `parse_size("64MiB")`,
-`parse_address("10.0.0.2:8471")`; errors name the key they came from."""
+"""Sizes, durations and addresses as the config, the command line and the APIs take them:
+`parse_size("64MiB")`, `check_seconds(60, "ttl_s")`, `parse_address("10.0.0.2:8471")`; errors
+name the key or field they came from."""
 
 from __future__ import annotations
 
@@ -23,6 +24,23 @@ def parse_size(value: int | str, key: str = "size") -> int:
         raise InvalidArgument(f"{key} must be a size in bytes or e.g. '64MiB', '2GiB', got {value!r}")
     unit = match.group(2).lower() if match.group(2) else None
     return int(float(match.group(1)) * _UNITS[unit])
+
+
+# The longest duration a TTL, a pin or a hint may name: a century. Longer means "never" (leave
+# the TTL out); the bound keeps every deadline (now + ttl) a finite float and every value one
+# that msgpack carries (its integers end at 2**64).
+MAX_DURATION_S = 100 * 365 * 24 * 3600
+
+
+def check_seconds(value, name: str, maximum: float = MAX_DURATION_S, unit: str = "seconds"):
+    """`value` unchanged when it is a number of `unit` in 0..maximum (an int or a float),
+    else InvalidArgument naming `name` and the range: NaN, infinities, bools and integers
+    too large for a float are refused here, so nothing past this check can overflow. The
+    one rule for TTLs and durations: Hints, the wire's pin TTL, the client, the admin API."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= maximum:
+        shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
+        raise InvalidArgument(f"{name} must be a number of {unit} in 0..{maximum:,}, got {shown}")
+    return value
 
 
 def parse_address(value: str, any_port: bool = False) -> tuple[str, int]:

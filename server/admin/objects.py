@@ -17,6 +17,7 @@ from aiohttp import web
 
 from kvstore.dtypes import DType
 from kvstore.errors import InvalidArgument, NotFound
+from kvstore.fields import pin_ttl
 from kvstore.hints import MAX_LABEL_CHARS
 from kvstore.identity import MAX_NAME_CHARS, Kind
 from kvstore.server.admin.http import (
@@ -153,9 +154,7 @@ async def pin_object(request: web.Request) -> web.Response:
     """Pin this node's host copy. An object only on NVMe is promoted into host memory first
     (a pin keeps an object resident, and only host copies are ever evicted)."""
     body = await json_body(request, {"ttl_s"}, optional=True, nullable=frozenset({"ttl_s"}))
-    ttl_s = check_number(body, "ttl_s")
-    if ttl_s == 0:
-        raise InvalidArgument("ttl_s must be > 0, or null to pin until unpinned")
+    ttl_s = pin_ttl(body.get("ttl_s"))  # the wire's rule: (0, a century], or null
     tiers, view = await _target(request)
     if not isinstance(view, ObjectEntry):
         view = await tiers.nvme.promote(view.namespace, view.object_id)

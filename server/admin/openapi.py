@@ -12,6 +12,7 @@ import functools
 from kvstore.dtypes import DType
 from kvstore.hints import MAX_LABEL_CHARS
 from kvstore.identity import MAX_NAME_CHARS, Kind
+from kvstore.units import MAX_DURATION_S
 
 MAX_TOKENS = 1 << 20  # server.admin.lookup.MAX_LOOKUP_TOKENS
 # server.admin.lookup_batch's limits
@@ -89,7 +90,8 @@ SCHEMAS = {
     "ObjectPage": _obj({"objects": {"type": "array", "items": _ref("Object")}, "next_cursor": _nullable(STR)},
                        extra=True),
     "Deleted": _obj({"deleted": BOOL, "namespace": STR, "object_id": STR}, extra=True),
-    "PinRequest": _obj({"ttl_s": {"type": "number", "minimum": 0, "exclusiveMinimum": True, "nullable": True}},
+    "PinRequest": _obj({"ttl_s": {"type": "number", "minimum": 0, "exclusiveMinimum": True,
+                                  "maximum": MAX_DURATION_S, "nullable": True}},
                        required=[]),
     "Filter": _obj({"model": NAME, "model_revision": NAME, "kind": KIND, "dtype": DTYPE,
                     "session_id": LABEL, "branch_id": LABEL},

@@ -83,6 +83,29 @@ def test_the_callers_mistakes_raise_at_the_put_and_hold_nothing(daemon):
         assert c.core.deferred == [] and c.flush() == []
 
 
+def test_hints_the_wire_would_refuse_raise_where_they_are_made_and_cost_no_other_put(daemon):
+    """Issue 41 items 8 and 14: Hints(ttl_s=2**64) was accepted; flush() then raised a bare
+    OverflowError (msgpack), a valid deferred put after it was never stored, and close()
+    raised with the socket left open. A waited pin with such a TTL raised OverflowError too."""
+    keys = ids(3, 19)
+    with pytest.raises(InvalidArgument, match=r"hint ttl_s must be a number of seconds in 0\.\.3,153,600,000"):
+        Hints(ttl_s=2**64)
+    c = daemon.client()
+    c.put(keys[0], payload(100, keys[0]), wait=False)
+    with pytest.raises(InvalidArgument, match="hints must be a kvstore.hints.Hints or None, got dict"):
+        c.put(keys[1], payload(100, keys[1]), hints={"ttl_s": 2**64}, wait=False)
+    with pytest.raises(InvalidArgument, match="hints must be a kvstore.hints.Hints or None, got dict"):
+        c.put(keys[1], payload(100, keys[1]), hints={"ttl_s": 60})
+    c.put(keys[2], payload(100, keys[2]), hints=Hints(ttl_s=3600), wait=False)
+    with pytest.raises(InvalidArgument, match=r"ttl_s must be a number of seconds in 0\.\.3,153,600,000"):
+        c.pin([keys[0]], ttl_s=2**64)  # refused before anything is sent
+    assert [(r.object_id, r.error) for r in c.flush()] == [(keys[0], None), (keys[2], None)]
+    c.close()
+    with daemon.client() as other:
+        assert other.lookup(keys).tiers == ("host", None, "host")
+        assert other.pin([keys[0]], ttl_s=60.5) == 1
+
+
 def test_a_deferred_put_into_a_namespace_the_client_may_not_open_raises_at_the_put(daemon_factory):
     d = daemon_factory(config={"auth": {"unlisted": "deny", "namespaces": {"mine": {"token": "t" * 16}}}})
     key = ids(1, 18)[0]

@@ -157,7 +157,14 @@ def test_every_message_survives_the_wire(msg):
     ("lookup", {"namespace": "t", "ids": [b"\x00" * 32], "expect": [{"namespace": "t", "model": "m",
                 "model_revision": "r"}], "expect_of": b"\x01"}, "index past expect's 1"),
     ("get", {"namespace": "t", "object_id": b"\x00" * 32, "expect": {"model": "m"}}, "get.expect"),
-    ("pin", {"namespace": "t", "ids": [], "ttl_s": float("nan")}, "finite"),
+    ("pin", {"namespace": "t", "ids": [], "ttl_s": float("nan")}, r"pin\.ttl_s: ttl_s must be a number of seconds"),
+    # issue 41 item 14: TTLs past a century are refused on the wire as where they are made
+    ("pin", {"namespace": "t", "ids": [], "ttl_s": 2**64 - 1}, r"pin\.ttl_s: .* in 0\.\.3,153,600,000"),
+    ("pin", {"namespace": "t", "ids": [], "ttl_s": 1e300}, r"pin\.ttl_s: .* in 0\.\.3,153,600,000"),
+    ("pin", {"namespace": "t", "ids": [], "ttl_s": 0}, r"pin\.ttl_s: ttl_s must be > 0 seconds"),
+    ("put_inline", {"namespace": "t", "object_id": b"\x00" * 32, "data": b"x",
+                    "descriptor": {"namespace": "t", "model": "m", "model_revision": "r"},
+                    "hints": {"ttl_s": 2**64 - 1}}, r"put_inline\.hints: hint ttl_s must be a number of seconds"),
     ("prefetch", {"namespace": "t", "ids": [], "tier": "moon"}, "one of"),
 ])
 def test_hostile_values_get_errors_that_name_the_field(op, args, match):

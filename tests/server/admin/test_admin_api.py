@@ -133,6 +133,18 @@ def test_pin_and_unpin(daemon):
     fails(lambda: daemon.api.post(f"/v1/objects/{SOME_ID}/pin", {}), 404)
 
 
+def test_a_pin_ttl_past_a_century_is_a_400_naming_the_range_not_a_500(daemon):
+    """Issue 41 item 14: {"ttl_s": 10**400} answered 500 (OverflowError); 2**64 was taken."""
+    with daemon.client("pin-ttl") as client:
+        (oid,) = put_objects(client, "pin-ttl", 1)
+    path = f"/v1/objects/{oid.hex}/pin"
+    for ttl_s in (10**400, 2**64, 1e300, 3_153_600_001):
+        err = fails(lambda: daemon.api.post(path, {"ttl_s": ttl_s}), 400, "invalid_argument")
+        assert "ttl_s must be a number of seconds in 0..3,153,600,000" in err.message
+    assert daemon.api.get(f"/v1/objects/{oid.hex}")["pinned"] is False
+    assert daemon.api.post(path, {"ttl_s": 3_153_600_000})["pinned"] is True
+
+
 def test_evict_spares_pinned_and_leased_objects(daemon):
     with daemon.client("ev") as client:
         ids = put_objects(client, "ev", 5)
