@@ -17,6 +17,7 @@ from kvstore.config_auth import AuthConfig, NamespaceAuth  # noqa: F401 (re-expo
 from kvstore.config_events import EventsConfig
 from kvstore.config_remote import RemoteConfig
 from kvstore.errors import InvalidArgument
+from kvstore.identity import check_name
 from kvstore.policy import POLICIES
 from kvstore.protocol import MAX_FRAME_BYTES
 from kvstore.units import parse_address, parse_size  # noqa: F401 (re-exported: callers read them here)
@@ -78,8 +79,10 @@ class HostTierConfig:
         if not isinstance(self.max_namespaces, int) or not 1 <= self.max_namespaces <= 1 << 16:
             # The NVMe tier's table numbers namespaces in 16 bits (server/tiering/nvme_table.py).
             raise InvalidArgument(f"host.max_namespaces must be an integer from 1 to 65536, got {self.max_namespaces!r}")
-        if isinstance(self.namespaces, str) or not all(isinstance(n, str) and n for n in self.namespaces):
+        if isinstance(self.namespaces, str) or not isinstance(self.namespaces, (list, tuple)):
             raise InvalidArgument("host.namespaces must be a list of namespace names")
+        for name in self.namespaces:
+            check_name("host.namespaces: a namespace", name)
         object.__setattr__(self, "namespaces", tuple(self.namespaces))
         if self.policy not in POLICIES:
             raise InvalidArgument(f"host.policy must be one of {sorted(POLICIES)}, got {self.policy!r}")

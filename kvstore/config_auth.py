@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvstore.errors import InvalidArgument
+from kvstore.identity import check_name
 
 # Shorter tokens are guessable; 16 characters of a random token are 80+ bits.
 MIN_TOKEN_CHARS = 16
@@ -48,9 +49,8 @@ class AuthConfig:
             raise InvalidArgument("auth.namespaces must be a table of [auth.namespaces.<name>] tables")
         rules = {}
         for name, rule in self.namespaces.items():
+            check_name("auth.namespaces: a namespace", name)  # before it is shown raw in a key below
             where = f"auth.namespaces.{name}"
-            if not isinstance(name, str) or not 0 < len(name) <= 256:
-                raise InvalidArgument(f"{where}: a namespace name is 1..256 characters")
             rules[name] = rule if isinstance(rule, NamespaceAuth) else _namespace_rule(where, rule)
         object.__setattr__(self, "namespaces", rules)
 

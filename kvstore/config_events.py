@@ -28,7 +28,7 @@ import re
 from dataclasses import dataclass, field, replace
 
 from kvstore.errors import InvalidArgument
-from kvstore.identity import _check_name
+from kvstore.identity import check_name
 
 # tcp://host:port (a name, an IPv4 address, [IPv6] or *) or ipc://<path>. Port 0 is refused:
 # subscribers must know where to connect, and the daemon does not publish a chosen port.
@@ -137,11 +137,8 @@ def _own_endpoints(value) -> dict:
         raise InvalidArgument("events.namespaces must be a table of namespaces")
     out = {}
     for name, ends in value.items():
+        check_name("events.namespaces: a namespace", name)  # before it is shown raw in a key below
         key = f"events.namespaces.{name}"
-        try:
-            _check_name("namespace", name)
-        except InvalidArgument as exc:
-            raise InvalidArgument(f"{key}: {exc.message}") from None
         if not isinstance(ends, dict) or not set(ends) <= {"endpoint", "replay_endpoint"}:
             raise InvalidArgument(f"{key} must be a table with endpoint and replay_endpoint")
         ends = {"endpoint": ends.get("endpoint", ""), "replay_endpoint": ends.get("replay_endpoint", "")}

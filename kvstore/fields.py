@@ -12,7 +12,7 @@ from kvstore.dtypes import DType
 from kvstore.errors import InvalidArgument
 from kvstore.hints import Hints
 from kvstore.route import packed_route
-from kvstore.identity import ObjectId, StateDescriptor, _check_name
+from kvstore.identity import ObjectId, StateDescriptor, check_name
 from kvstore.protocol import MAX_BATCH, MAX_STR_CHARS
 from kvstore.ranges import CODEC as RANGES  # noqa: F401 (a field codec, as the others)
 from kvstore.units import check_seconds
@@ -61,8 +61,7 @@ def _opt_str_dec(v):
 
 
 def _ns_dec(v):
-    _check_name("namespace", v)
-    return v
+    return check_name("namespace", v)
 
 
 def _oid_dec(v):

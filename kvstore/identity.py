@@ -20,6 +20,7 @@ from __future__ import annotations
 import enum
 import functools
 import hashlib
+import re
 import struct
 from dataclasses import dataclass, field, replace
 from typing import Iterable, Mapping, Sequence
@@ -33,6 +34,12 @@ ID_BYTES = 32
 DEFAULT_CHUNK_TOKENS = 256
 # Names and revisions are labels; a bound keeps every frame small.
 MAX_NAME_CHARS = 256
+# What a name (namespace, model, model revision) may not hold: control characters (C0, DEL,
+# C1: a newline in a namespace forged lines of the daemon's log and of `kvstore status`), the
+# line and paragraph separators, and lone surrogates (not UTF-8: no wire or file carries them).
+_NOT_IN_NAMES = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029\ud800-\udfff]")
+NAME_RULE = (f"1..{MAX_NAME_CHARS} characters, none of them a control character (U+0000..U+001F, "
+             "U+007F..U+009F), a line or paragraph separator (U+2028, U+2029) or a lone surrogate")
 MAX_TOKEN_ID = 2**32 - 1
 
 
@@ -118,9 +125,14 @@ class Shard:
         return f"{self.index}/{self.count}"
 
 
-def _check_name(what: str, value: str) -> None:
-    if not isinstance(value, str) or not value or len(value) > MAX_NAME_CHARS:
-        raise InvalidArgument(f"{what} must be a non-empty string of at most {MAX_NAME_CHARS} characters")
+def check_name(what: str, value) -> str:
+    """`value` when it is a name by NAME_RULE, else InvalidArgument saying the rule. The one
+    rule for every name of a descriptor, and for a namespace wherever one enters: the client,
+    the wire, the config's [auth] and [events] tables and the admin API."""
+    if not isinstance(value, str) or not 0 < len(value) <= MAX_NAME_CHARS or _NOT_IN_NAMES.search(value):
+        shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
+        raise InvalidArgument(f"{what} must be {NAME_RULE}, got {shown}")
+    return value
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,9 +152,9 @@ class StateDescriptor:
     _hash: int = field(default=0, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        _check_name("namespace", self.namespace)
-        _check_name("model", self.model)
-        _check_name("model_revision", self.model_revision)
+        check_name("namespace", self.namespace)
+        check_name("model", self.model)
+        check_name("model_revision", self.model_revision)
         # Accept strings for convenience; store the typed values.
         object.__setattr__(self, "kind", Kind.parse(self.kind))
         object.__setattr__(self, "dtype", DType.parse(self.dtype))
@@ -235,7 +247,7 @@ def _as_bytes(value: str | bytes) -> bytes:
 
 def namespace_salt(namespace: str, secret: bytes | None = None) -> bytes:
     """The 32-byte salt of a namespace. A per-tenant `secret` makes ids unguessable."""
-    _check_name("namespace", namespace)
+    check_name("namespace", namespace)
     return hashlib.blake2b(
         namespace.encode(), digest_size=ID_BYTES, key=secret or b"", person=b"kvstore-ns-v1"
     ).digest()

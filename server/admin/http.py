@@ -22,7 +22,7 @@ from kvstore.errors import (
     RequestError,
     ServiceError,
 )
-from kvstore.identity import ObjectId
+from kvstore.identity import ObjectId, check_name
 
 # A lookup of 1M token ids is about 8 MB of JSON; nothing else comes close.
 MAX_BODY_BYTES = 16 << 20
@@ -124,6 +124,12 @@ def query_str(request: web.Request, name: str) -> str | None:
     if value is not None and not value:
         raise InvalidArgument(f"query parameter {name} must not be empty")
     return value
+
+
+def query_namespace(request: web.Request) -> str | None:
+    """?namespace=: a name by kvstore.identity's rule (no control characters), or None."""
+    value = request.query.get("namespace")
+    return None if value is None else check_name("query parameter namespace", value)
 
 
 def parse_object_id(text: str) -> ObjectId:

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from aiohttp import web
 
 from kvstore.errors import InvalidArgument
-from kvstore.identity import ID_BYTES, MAX_NAME_CHARS, StateDescriptor, chunk_keys
+from kvstore.identity import ID_BYTES, StateDescriptor, check_name, chunk_keys
 from kvstore.route import MAX_HASH_BYTES, MAX_INT_HASH, MIN_INT_HASH, route_fields
 from kvstore.server.admin.http import ADMIN, NotEnabled, json_body, json_response
 from kvstore.server.admin.lookup import MAX_LOOKUP_TOKENS, descriptor, extra_keys, tokens
@@ -110,7 +110,7 @@ class Objects:
 
 async def lookup_batch(request: web.Request) -> web.Response:
     body = await json_body(request, {"namespace", "prefixes"})
-    namespace = _namespace(body.get("namespace"))
+    namespace = check_name("namespace", body.get("namespace"))
     prefixes = await _prefixes(body.get("prefixes"), namespace)
     daemon = request.app[ADMIN].daemon
     if any(isinstance(p, ByHashes) for p in prefixes) and not daemon.events.enabled:
@@ -223,12 +223,6 @@ async def _place(index, namespace: str, objects: Objects) -> tuple[list, list]:
 
 
 # --- the request --------------------------------------------------------------------------
-
-def _namespace(value) -> str:
-    if not isinstance(value, str) or not 1 <= len(value) <= MAX_NAME_CHARS:
-        raise InvalidArgument(f"namespace must be a string of 1..{MAX_NAME_CHARS} characters")
-    return value
-
 
 async def _prefixes(value, namespace: str) -> list[ByHashes | ByTokens]:
     if not isinstance(value, list) or not 1 <= len(value) <= MAX_PREFIXES:

@@ -19,7 +19,7 @@ from kvstore.dtypes import DType
 from kvstore.errors import InvalidArgument, NotFound
 from kvstore.fields import pin_ttl
 from kvstore.hints import MAX_LABEL_CHARS
-from kvstore.identity import MAX_NAME_CHARS, Kind
+from kvstore.identity import Kind, check_name
 from kvstore.server.admin.http import (
     ADMIN,
     check_number,
@@ -28,6 +28,7 @@ from kvstore.server.admin.http import (
     json_response,
     parse_object_id,
     query_int,
+    query_namespace,
     query_str,
 )
 from kvstore.server.admin.listing import check_tier, doc, find_object, list_page
@@ -60,9 +61,12 @@ class ObjectFilter:
     def parse(cls, data: dict) -> ObjectFilter:
         values = {name: data.get(name) for name in FILTER_FIELDS}
         for name, value in values.items():
-            longest = MAX_LABEL_CHARS if name in ("session_id", "branch_id") else MAX_NAME_CHARS
-            if value is not None and (not isinstance(value, str) or not 0 < len(value) <= longest):
-                raise InvalidArgument(f"filter field {name} must be a string of 1..{longest} characters")
+            if value is None:
+                continue
+            if name in ("model", "model_revision"):  # a descriptor's names: none can hold what the rule refuses
+                check_name(f"filter field {name}", value)
+            elif not isinstance(value, str) or not 0 < len(value) <= MAX_LABEL_CHARS:
+                raise InvalidArgument(f"filter field {name} must be a string of 1..{MAX_LABEL_CHARS} characters")
         if values["kind"] is not None:
             values["kind"] = Kind.parse(values["kind"])
         if values["dtype"] is not None:
@@ -101,7 +105,7 @@ async def list_objects(request: web.Request) -> web.Response:
     flt = ObjectFilter.parse({"model": query_str(request, "model"), "kind": query_str(request, "kind")})
     limit = query_int(request, "limit", DEFAULT_PAGE, 1, MAX_PAGE)
     cursor = query_str(request, "cursor")
-    views, last = await list_page(tiers, query_str(request, "namespace"), flt,
+    views, last = await list_page(tiers, query_namespace(request), flt,
                                   decode_cursor(cursor) if cursor is not None else None, limit, tier)
     now = tiers.host.clock()
     return json_response({"objects": [doc(tiers, v, now) for v in views],
@@ -111,7 +115,7 @@ async def list_objects(request: web.Request) -> web.Response:
 async def _target(request: web.Request):
     tiers = _tiers(request)
     oid = parse_object_id(request.match_info["id"])
-    return tiers, await find_object(tiers, oid, query_str(request, "namespace"))
+    return tiers, await find_object(tiers, oid, query_namespace(request))
 
 
 async def show_object(request: web.Request) -> web.Response:
@@ -177,7 +181,9 @@ async def evict(request: web.Request) -> web.Response:
     Leased and pinned objects are never evicted; the answer lists what was."""
     body = await json_body(request, {"namespace", "tier", "bytes", "filter"})
     tiers = _tiers(request)
-    namespace = check_str(body, "namespace")
+    namespace = body.get("namespace")
+    if namespace is not None:
+        check_name("namespace", namespace)
     tier = check_str(body, "tier") or "host"
     if tier == "nvme":
         raise InvalidArgument("evict frees host memory only; NVMe makes its own room (delete an NVMe copy "

@@ -37,7 +37,9 @@ def _ref(name: str) -> dict:
     return {"$ref": f"#/components/schemas/{name}"}
 
 
-NAME = {"type": "string", "minLength": 1, "maxLength": MAX_NAME_CHARS}
+# kvstore.identity.NAME_RULE: no control characters, line or paragraph separators
+NAME = {"type": "string", "minLength": 1, "maxLength": MAX_NAME_CHARS,
+        "pattern": "^[^\\u0000-\\u001f\\u007f-\\u009f\\u2028\\u2029]*$"}
 LABEL = {"type": "string", "minLength": 1, "maxLength": MAX_LABEL_CHARS}
 KIND = {"type": "string", "enum": [k.value for k in Kind]}
 DTYPE = {"type": "string", "enum": [d.value for d in DType]}
@@ -97,7 +99,7 @@ SCHEMAS = {
                     "session_id": LABEL, "branch_id": LABEL},
                    required=[]),
     "EvictRequest": _obj(
-        {"namespace": {"type": "string", "minLength": 1}, "tier": {"type": "string", "enum": ["host"]},
+        {"namespace": NAME, "tier": {"type": "string", "enum": ["host"]},
          "bytes": {"type": "integer", "minimum": 1}, "filter": _ref("Filter")},
         required=[],
         description="bytes frees that much room in one namespace (so it needs namespace); filter evicts "
@@ -218,7 +220,7 @@ def _query(name: str, schema: dict, description: str) -> dict:
 
 ID = {"name": "id", "in": "path", "required": True, "description": "object id, 64 hex characters",
       "schema": {"type": "string", "pattern": "^[0-9a-fA-F]{64}$"}}
-NAMESPACE = _query("namespace", {"type": "string", "minLength": 1},
+NAMESPACE = _query("namespace", NAME,
                    "namespace holding the object (default: search every namespace)")
 ONE = (ID, NAMESPACE)
 ONE_ERRORS = (400, 401, 404, 409)

@@ -30,10 +30,14 @@ HOSTILE = [
     {"namespace": "t", "model": "m", "model_revision": "r", "shard": "²/3"},
     {"namespace": "t", "model": "m", "model_revision": "r", "layout": "raw(bytes=²)"},
     [[0, 0]], [[-1, 1]], [[0]], [[0, 2**40]], [[0, 1]] * (MAX_BATCH + 1),  # byte ranges
+    "t\nts=1 level=error", {"namespace": "t\x1b[2J", "model": "m", "model_revision": "r"},  # forge log lines
+    {"ttl_s": 2**64 - 1}, 1e300,  # past a century: a TTL msgpack carries, refused by name
 ]
 hostile = st.sampled_from(HOSTILE) | wire_values
 
-names = st.text(st.characters(codec="utf-8"), min_size=1, max_size=24)
+# Names by kvstore.identity.NAME_RULE: any script, no control characters or line separators
+# (categories Cc, Zl, Zp; utf-8 leaves out surrogates). A name with one is among HOSTILE.
+names = st.text(st.characters(codec="utf-8", exclude_categories=("Cc", "Zl", "Zp")), min_size=1, max_size=24)
 oids = st.binary(min_size=32, max_size=32).map(ObjectId)
 id_batches = st.lists(oids, max_size=8).map(tuple)
 LAYOUTS = ["raw(bytes=0)", "paged(order=layer_first,layers=2,block=16,kv_heads=1,head_dim=8)",

@@ -32,6 +32,10 @@ def test_nested_tables_and_sizes():
     ({"log_level": "loud"}, "log_level"),
     ({"limits": {"lease_ttl_s": -1}}, "lease_ttl_s"),
     ({"host": 5}, "must be a table"),
+    # issue 41 item 15: no namespace name with a control character enters through the config
+    ({"host": {"namespaces": ["ok", "a\nlevel=error"]}}, r"host\.namespaces: a namespace must be .* control character"),
+    ({"auth": {"namespaces": {"a\nb": {"token": "t" * 16}}}}, r"auth\.namespaces: a namespace must be .* control"),
+    ({"auth": {"namespaces": {"": {"token": "t" * 16}}}}, r"auth\.namespaces: a namespace must be 1\.\.256"),
 ])
 def test_bad_config_is_refused_with_the_key_named(data, match):
     with pytest.raises(InvalidArgument, match=match):

@@ -77,7 +77,8 @@ def test_a_namespace_of_its_own_gets_its_endpoints_under_the_data_dir_by_default
     ({"ownership": 5}, r"events\.ownership"),
     ({"namespaces": {"a": {"endpoint": "udp://x:1"}}}, r"events\.namespaces\.a\.endpoint"),
     ({"namespaces": {"a": {"port": 1}}}, r"events\.namespaces\.a must be a table"),
-    ({"namespaces": {"": {}}}, r"events\.namespaces\.: namespace must be a non-empty string"),
+    ({"namespaces": {"": {}}}, r"events\.namespaces: a namespace must be 1\.\.256 characters"),
+    ({"namespaces": {"a\nlevel=error": {}}}, r"events\.namespaces: a namespace must be .*control character"),
     ({"namespaces": {"a/b": {}}}, r"events\.namespaces\.a/b: a name of its own endpoints' files"),
     ({"namespaces": {"a": {"endpoint": "tcp://127.0.0.1:7"}}, "endpoint": "tcp://127.0.0.1:7"}, "must differ"),
 ])

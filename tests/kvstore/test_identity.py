@@ -4,11 +4,15 @@ import pathlib
 import struct
 import subprocess
 import sys
+import unicodedata
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from kvstore import ObjectId, Shard, StateDescriptor, chunk_keys, namespace_salt
 from kvstore.errors import InvalidArgument
+from kvstore.identity import check_name
 
 VECTORS = pathlib.Path(__file__).resolve().parents[2] / "kvstore" / "vectors" / "key-v1.json"
 
@@ -128,6 +132,34 @@ def test_descriptor_validation_names_the_field(kwargs, match):
     args = {"namespace": "t", "model": "m", "model_revision": "r", **kwargs}
     with pytest.raises(InvalidArgument, match=match):
         StateDescriptor(**args)
+
+
+@pytest.mark.parametrize("field", ["namespace", "model", "model_revision"])
+@pytest.mark.parametrize("name", ["a\nts=1 level=error event=forged", "a\rb", "tab\there", "\x1b[31mred", "a\x00b",
+                                  "a\x7fb", "a\x85b", "a\u2028b", "a\u2029b", "a\ud800b"])
+def test_a_name_with_a_control_character_is_refused_saying_the_rule(field, name):
+    """Issue 41 item 15: a namespace holding a newline forged lines of the daemon's log."""
+    args = {"namespace": "t", "model": "m", "model_revision": "r", field: name}
+    with pytest.raises(InvalidArgument, match=rf"{field} must be 1\.\.256 characters, none of them a control character"):
+        StateDescriptor(**args)
+    if field == "namespace":
+        with pytest.raises(InvalidArgument, match="control character"):
+            namespace_salt(name)
+
+
+@given(st.text(min_size=1, max_size=40))
+def test_a_name_is_refused_exactly_when_it_holds_a_control_character_separator_or_surrogate(name):
+    refused = any(unicodedata.category(ch) in ("Cc", "Zl", "Zp", "Cs") for ch in name)
+    if refused:
+        with pytest.raises(InvalidArgument, match="control character"):
+            check_name("namespace", name)
+    else:
+        assert check_name("namespace", name) == name
+
+
+@pytest.mark.parametrize("name", ["tenant-a", "界" * 256, "𝄞 with spaces", "a.b/c:d=e", "\u00a0nbsp", "zwj\u200d"])
+def test_printable_names_in_any_script_are_names(name):
+    assert StateDescriptor(name, name, name).namespace == name and len(namespace_salt(name)) == 32
 
 
 def test_descriptor_wire_round_trip_and_unknown_fields():

@@ -166,6 +166,10 @@ def test_every_message_survives_the_wire(msg):
                     "descriptor": {"namespace": "t", "model": "m", "model_revision": "r"},
                     "hints": {"ttl_s": 2**64 - 1}}, r"put_inline\.hints: hint ttl_s must be a number of seconds"),
     ("prefetch", {"namespace": "t", "ids": [], "tier": "moon"}, "one of"),
+    # issue 41 item 15: a namespace that would forge a log line is refused as the client refuses it
+    ("open", {"namespace": "x\nts=1 level=error"}, r"open\.namespace: namespace must be .* control character"),
+    ("lookup", {"namespace": "t", "ids": [b"\x00" * 32], "expect": [{"namespace": "t\x1b", "model": "m",
+                "model_revision": "r"}]}, r"lookup\.expect: namespace must be .* control character"),
 ])
 def test_hostile_values_get_errors_that_name_the_field(op, args, match):
     with pytest.raises((InvalidArgument, ProtocolError), match=match):

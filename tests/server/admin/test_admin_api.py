@@ -145,6 +145,24 @@ def test_a_pin_ttl_past_a_century_is_a_400_naming_the_range_not_a_500(daemon):
     assert daemon.api.post(path, {"ttl_s": 3_153_600_000})["pinned"] is True
 
 
+def test_a_namespace_with_a_control_character_is_a_400_wherever_the_admin_api_takes_one(daemon):
+    """Issue 41 item 15: no namespace name that could forge a log line or a status row enters."""
+    bad = "x\nts=1 level=error event=forged"
+    desc = {"namespace": bad, "model": "m", "model_revision": "r", "chunk_tokens": 1}
+    calls = [
+        lambda: daemon.api.get("/v1/objects", namespace=bad),
+        lambda: daemon.api.get(f"/v1/objects/{SOME_ID}", namespace=bad),
+        lambda: daemon.api.delete(f"/v1/objects/{SOME_ID}", namespace=bad),
+        lambda: daemon.api.post("/v1/evict", {"namespace": bad, "bytes": 1}),
+        lambda: daemon.api.post("/v1/evict", {"filter": {"model": "m\x1b[2J"}}),
+        lambda: daemon.api.post("/v1/lookup", {"tokens": [1], "descriptor": desc}),
+        lambda: daemon.api.post("/v1/lookup/batch", {"namespace": bad, "prefixes": [{"tokens": [1], "descriptor": desc}]}),
+    ]
+    for call in calls:
+        err = fails(call, 400, "invalid_argument")
+        assert "must be 1..256 characters, none of them a control character" in err.message, err.message
+
+
 def test_evict_spares_pinned_and_leased_objects(daemon):
     with daemon.client("ev") as client:
         ids = put_objects(client, "ev", 5)

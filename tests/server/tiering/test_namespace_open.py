@@ -4,7 +4,9 @@ namespace used to make and prefault a whole arena for it)."""
 import signal
 
 import numpy as np
+import pytest
 
+from kvstore.errors import InvalidArgument
 from kvstore.identity import ObjectId
 
 MiB = 1 << 20
@@ -73,3 +75,17 @@ def test_a_namespace_of_multibyte_characters_longer_than_a_memfd_name_stores_and
             assert namespace in arenas(c)
             with c.get(key) as lease:
                 assert bytes(lease.buffer) == b"state of a tenant with a long name"
+
+
+def test_a_namespace_with_a_control_character_is_refused_on_the_wire_and_never_made(daemon):
+    """Issue 41 item 15: a namespace holding a newline was made, then forged lines of the
+    daemon's log (a fake level=error) and showed in `kvstore status`. The client refuses it
+    in a descriptor; a client that sends it anyway is refused by the daemon."""
+    forged = "x\nts=2026-01-01T00:00:00Z level=error event=forged"
+    key = ids(1, seed=5)[0]
+    with daemon.client() as c:
+        with pytest.raises(InvalidArgument, match=r"open\.namespace: namespace must be .* control character"):
+            c._run(c.core.op_open(forged))  # the open a writer sends first
+        with pytest.raises(InvalidArgument, match=r"namespace must be .* control character"):
+            c.lookup([key], namespace="tenant\u2028b")
+        assert not any(any(ch in name for ch in "\n\u2028") for name in arenas(c))
