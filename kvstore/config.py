@@ -159,6 +159,15 @@ class NvmeTierConfig:
 # Lowest limits.max_frame_bytes: a lookup of MAX_BATCH ids is a ~140 KiB frame. The highest
 # is the protocol's own MAX_FRAME_BYTES, the most any client sends.
 MIN_FRAME_BYTES = 256 * 1024
+# The least each per-client limit may be, and why: below it the daemon starts but refuses
+# what every client needs (limits.max_inflight_bytes_per_client = 1 failed every put).
+MIN_LIMITS = {
+    "max_clients": (1, "one client at least"),
+    "max_leases_per_client": (2, "a store group's put holds a member's lease and its manifest's at once"),
+    "max_inflight_bytes_per_client": (1 << 20, "no put of an object larger than it can be stored"),
+}
+# A reader's lease must outlive its copy; the client takes a lease as ended at 80% of the TTL.
+MIN_LEASE_TTL_S = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,14 +186,16 @@ class LimitsConfig:
     def __post_init__(self) -> None:
         for name in ("max_inflight_bytes_per_client", "max_frame_bytes"):
             object.__setattr__(self, name, parse_size(getattr(self, name), f"limits.{name}"))
-        for name in ("max_clients", "max_leases_per_client", "max_inflight_bytes_per_client"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
-                raise InvalidArgument(f"limits.{name} must be an integer >= 1")
+        for name, (least, why) in MIN_LIMITS.items():
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < least:
+                raise InvalidArgument(f"limits.{name} must be an integer >= {least} ({why}), got {value!r}")
         if not MIN_FRAME_BYTES <= self.max_frame_bytes <= MAX_FRAME_BYTES:
             raise InvalidArgument(f"limits.max_frame_bytes must be in {MIN_FRAME_BYTES}..{MAX_FRAME_BYTES}, "
                                   f"got {self.max_frame_bytes}")
-        if not _positive_number(self.lease_ttl_s):
-            raise InvalidArgument(f"limits.lease_ttl_s must be a number > 0, got {self.lease_ttl_s!r}")
+        if not _positive_number(self.lease_ttl_s) or self.lease_ttl_s < MIN_LEASE_TTL_S:
+            raise InvalidArgument(f"limits.lease_ttl_s must be a number of seconds >= {MIN_LEASE_TTL_S:g} (a reader's "
+                                  f"lease must outlive its copy), got {self.lease_ttl_s!r}")
 
 
 # cudaMalloc aligns to 256 bytes; the GPU tier's extents keep that (tiers/gpu.py)

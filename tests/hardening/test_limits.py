@@ -26,6 +26,7 @@ from kvstore import StateDescriptor
 from kvstore import messages as m
 from kvstore.config import ServerConfig
 from kvstore.errors import InvalidArgument, LimitExceeded
+from kvstore.groups import Member
 from kvstore.protocol import FrameCodec, Reply, Request
 
 
@@ -35,10 +36,33 @@ from kvstore.protocol import FrameCodec, Reply, Request
     ({"max_frame_bytes": "1KiB"}, "max_frame_bytes"),
     ({"max_frame_bytes": "1GiB"}, "max_frame_bytes"),
     ({"max_clients": 0}, "max_clients"),
+    # issue 41 item 16: limits the daemon took and then refused every put (or read) under
+    ({"max_inflight_bytes_per_client": 1}, r"limits\.max_inflight_bytes_per_client must be an integer >= 1048576 "
+                                           r"\(no put of an object larger than it can be stored\), got 1"),
+    ({"max_inflight_bytes_per_client": "1023KiB"}, r"limits\.max_inflight_bytes_per_client must be .* >= 1048576"),
+    ({"max_leases_per_client": 1}, r"limits\.max_leases_per_client must be an integer >= 2 \(a store group"),
+    ({"lease_ttl_s": 0.001}, r"limits\.lease_ttl_s must be a number of seconds >= 1 \(a reader's lease"),
 ])
 def test_bad_limits_are_refused_with_the_key_named(limits, match):
     with pytest.raises(InvalidArgument, match=match):
         ServerConfig.from_dict({"limits": limits})
+
+
+def test_the_least_limits_accepted_leave_a_daemon_that_stores_and_reads(make_daemon):
+    """Issue 41 item 16: the floors are where a daemon still does what every client needs."""
+    least = {"max_clients": 1, "max_leases_per_client": 2, "max_inflight_bytes_per_client": "1MiB", "lease_ttl_s": 1}
+    d = make_daemon({"limits": least})
+    big, small = key("least", 0), key("least", 1)
+    with d.client() as c:
+        assert c.put(big, content(big, MiB)).error is None  # an object as large as the limit
+        out = np.empty(MiB, np.uint8)
+        assert c.get_into(big, out) == MiB and np.array_equal(out, content(big, MiB))
+        desc = StateDescriptor("default", "m", "r")
+        assert not c.put_group([(small, content(small, 64 << 10), desc)]).existed  # member + manifest leases
+        with c.get_group([Member(small, desc)]) as group:
+            assert bytes(group[0].buffer) == bytes(content(small, 64 << 10))
+        with pytest.raises(LimitExceeded, match=r"limits\.max_inflight_bytes_per_client \(1048576\)"):
+            c.put(key("least", 2), content(big, MiB + 4096))
 
 
 def test_the_client_past_max_clients_is_refused_by_name_and_the_rest_keep_working(make_daemon):

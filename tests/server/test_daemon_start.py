@@ -237,6 +237,15 @@ def test_bad_config_is_refused_before_the_admin_api_starts(unstarted_daemon):
     assert not os.path.exists(os.path.join(d.data_dir, "admin.token"))
 
 
+def test_a_limit_that_would_refuse_every_put_is_refused_at_start_naming_the_key(unstarted_daemon):
+    """Issue 41 item 16: limits.max_inflight_bytes_per_client = 1 started a daemon whose every
+    put then failed with LimitExceeded."""
+    d = unstarted_daemon({"limits": {"max_inflight_bytes_per_client": 1}})
+    result = serve("--config", d.config_path, "--socket", d.socket)
+    assert_one_line_refusal(result, "limits.max_inflight_bytes_per_client", ">= 1048576", "got 1")
+    assert not os.path.exists(d.socket)
+
+
 def test_sigterm_during_a_long_prefault_stops_the_daemon(unstarted_daemon):
     """It used to prefault the whole arena first (2 s per GiB here, and more than RAM took the
     OOM killer to others first), then stop. Now SIGTERM interrupts the prefault."""
