@@ -11,13 +11,38 @@ import pathlib
 import re
 import shutil
 import subprocess
+import tomllib
 
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DOCS = sorted([ROOT / "README.md", ROOT / "bench" / "README.md", ROOT / "docker" / "README.md",
                *(ROOT / "docs").rglob("*.md")])
-TOP = {p.name for p in ROOT.iterdir() if not p.name.startswith(".")}
+
+
+def repository_files(root: pathlib.Path) -> list[str] | None:
+    """The files of the repository at `root` as git sees them (tracked, or new and not
+    ignored), or None where there is no git checkout."""
+    if shutil.which("git") is None or not (root / ".git").exists():
+        return None
+    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=root,
+                            capture_output=True, check=True).stdout.decode().split("\0")
+    return [name for name in listed if name]
+
+
+def top_level_names(root: pathlib.Path) -> set[str]:
+    """The repository's top-level names: from git, so an ignored build/ or kvstore-demo/ on
+    disk is not one (docker/README.md names build/docker/..., which a script makes: with a
+    build/ folder present they were checked as repository paths, and failed). Without git
+    (a source archive), what is on disk."""
+    files = repository_files(root)
+    if files is None:
+        return {p.name for p in root.iterdir() if not p.name.startswith(".")}
+    return {name.split("/")[0] for name in files}
+
+
+FILES = repository_files(ROOT)
+TOP = top_level_names(ROOT)
 # `a/b.py`, `a/b/`, optionally followed by `: Name` or `:line`
 PATH = re.compile(r"`((?:[A-Za-z0-9_.-]+/)+(?:[A-Za-z0-9_.-]+\.(?:py|sh|md|toml|yml|yaml|json|txt|in|cfg))?)(?::\s*([^`]*))?`")
 METHOD = re.compile(r"`([A-Z][A-Za-z0-9]+)\.([a-z_][a-z0-9_]*)(?:\(\))?`")
@@ -118,11 +143,40 @@ def test_the_checks_read_the_docs():
     assert len(DOCS) >= 5 and len(named) > 50, (len(DOCS), len(named))
 
 
-@pytest.mark.skipif(shutil.which("git") is None or not (ROOT / ".git").exists(), reason="needs a git checkout")
+@pytest.mark.skipif(FILES is None, reason="needs a git checkout")
 def test_no_file_cites_the_design_outside_the_repository():
-    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
-                            capture_output=True, check=True).stdout.decode().split("\0")
-    files = [ROOT / name for name in listed if name and name not in FROZEN and (ROOT / name).is_file()]
+    files = [ROOT / name for name in FILES if name not in FROZEN and (ROOT / name).is_file()]
     citing = sorted(str(f.relative_to(ROOT)) for f in files if OUTSIDE_DESIGN.search(f.read_bytes()))
     assert len(files) > 100, len(files)
     assert not citing, f"these cite a design document that is not in the repository: {citing}"
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
+def test_an_ignored_folder_on_disk_is_not_a_repository_path(tmp_path):
+    """Issue 41 item 17: with an ignored build/ folder on disk the doc checks took build/...
+    paths the docs name (made by scripts) for repository paths, and failed."""
+    subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
+    (tmp_path / ".gitignore").write_text("build/\n")
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "a.md").write_text("`build/docker/context`\n")
+    (tmp_path / "build").mkdir()
+    (tmp_path / "build" / "out.txt").write_text("made by a script")
+    subprocess.run(["git", "-C", str(tmp_path), "add", ".gitignore"], check=True)
+    assert top_level_names(tmp_path) == {".gitignore", "docs"}
+
+
+# Where the docs list the light core's dependencies: the text after "only", up to the end of the list.
+CORE_LISTS = {"docs/commands.md": r"It brings only (.*?), so it installs", "docs/engines.md": r"only (msgpack.*?)\."}
+
+
+@pytest.mark.parametrize("doc", sorted(CORE_LISTS))
+def test_the_light_core_a_doc_lists_is_the_packages_dependencies(doc):
+    """Issue 41 item 17: docs/commands.md listed the light core without pyzmq."""
+    with open(ROOT / "pyproject.toml", "rb") as f:
+        wanted = {re.match(r"[A-Za-z0-9_.-]+", dep).group(0).lower() for dep in tomllib.load(f)["project"]["dependencies"]}
+    text = " ".join((ROOT / doc).read_text().split())
+    listed = re.search(CORE_LISTS[doc], text)
+    assert listed, f"{doc}: no list of the light core's dependencies"
+    named = {name.lower() for name in re.findall(r"[A-Za-z][A-Za-z0-9_.-]*", re.sub(r"\(.*?\)", "", listed.group(1)))
+             if name != "and"}
+    assert named == wanted, f"{doc} lists {sorted(named)}, pyproject.toml's dependencies are {sorted(wanted)}"
