@@ -7,8 +7,11 @@ go straight to the non-blocking socket and are queued only when it is full.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import socket
+import warnings
+import weakref
 
 from kvstore.config import default_socket_path
 from kvstore.errors import DaemonUnavailable, KVStoreError, from_wire
@@ -39,6 +42,8 @@ class AsyncClient(ClientCalls):
         self._outbox = bytearray()
         self._lock = asyncio.Lock()
         self.server_info: HelloReply | None = None  # the daemon's hello: version, limits
+        self._abandoned = False  # a call stopped mid-way closed the connection: the next call opens one
+        self.core = self._new_core()
 
     @classmethod
     async def connect(cls, socket_path: str | None = None, namespace: str = "default", token: str | None = None,
@@ -46,9 +51,12 @@ class AsyncClient(ClientCalls):
                       shared_index: bool = True) -> AsyncClient:
         self = cls(socket_path, namespace, token, timeout_s, client_name, shared_index)
         await self._connect()
+        _UNCLOSED.add(self)
         return self
 
     async def _connect(self) -> None:
+        """Connect self.core (new, not yet connected) to the daemon and say hello. The
+        caller holds the lock, or nothing else can run a call yet."""
         self._loop = asyncio.get_running_loop()
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.setblocking(False)
@@ -61,21 +69,25 @@ class AsyncClient(ClientCalls):
             ) from None
         check_daemon_peer(sock, self.socket_path)  # closes sock when it refuses
         self._sock = sock
-        self.core = ClientCore(self.namespace, self.token, self._release, self.shared_index)
         self.core.shared.watch(sock)
         self._loop.add_reader(sock.fileno(), self._on_readable)
-        self.server_info = await self._run(self.core.op_hello(self.client_name))
+        self.server_info = await self._drive(self.core.op_hello(self.client_name), deferred_first=False)
 
     async def reconnect(self) -> None:
-        self._drop(DaemonUnavailable("reconnecting"))
-        unreported = self.core.deferred_results  # flush() on the new connection reports them
-        await self._connect()
-        self.core.deferred_results[:0] = unreported
+        async with self._lock:
+            self._drop(DaemonUnavailable("reconnecting"))
+            self._abandoned = False
+            self.core = self._new_core(self.core)  # flush() on the new connection reports the old one's results
+            await self._connect()
 
     async def close(self) -> None:
-        if self._sock is not None and self.core.deferred:
+        _UNCLOSED.discard(self)
+        if self.core.deferred and (self._sock is not None or self._abandoned):
             with contextlib.suppress(KVStoreError):  # settled: each unstored put's result says why
-                await self._run(store_deferred(self.core), deferred_first=False)
+                await self._run(store_deferred(self.core), deferred_first=False)  # (reconnects if abandoned)
+        self._abandoned = False
+        if self._sock is None:
+            self.core.close()  # no connection: deferred puts still held are lost, their results say so
         warn_unreported(self.core)
         if self._sock is not None and self.core.shared.num_pending:  # hits read from the shared index
             with contextlib.suppress(DaemonUnavailable):
@@ -88,7 +100,7 @@ class AsyncClient(ClientCalls):
     async def __aexit__(self, *exc) -> None:
         await self.close()
 
-    def _drop(self, error: Exception) -> None:
+    def _drop(self, error: Exception, keep_deferred: bool = False) -> None:
         if self._sock is None:
             return
         self._loop.remove_reader(self._sock.fileno())
@@ -96,11 +108,27 @@ class AsyncClient(ClientCalls):
         self._sock.close()
         self._sock = None
         self._outbox.clear()
-        self.core.close()
+        self.core.close(keep_deferred)
         for fut in self._waiting.values():
             if not fut.done():
                 fut.set_exception(error)
         self._waiting.clear()
+
+    def _abandon(self) -> None:
+        """A call stopped mid-way (cancelled, or an error between a request and its reply):
+        replies and fds it left unread would be taken for a later call's (another namespace's
+        arena, another object's lease). Close the connection (the daemon ends its leases and
+        reservations); the next call opens a new one."""
+        if self._sock is not None:
+            self._drop(DaemonUnavailable("a call on this connection was cancelled"), keep_deferred=True)
+            self.core = self._new_core(self.core)  # what ops of later calls are made on
+            self._abandoned = True
+
+    def __del__(self) -> None:
+        # No event loop can be counted on here to store them: say they are lost.
+        core = getattr(self, "core", None)
+        if core is not None and core.deferred:
+            _warn_lost(self.socket_path, len(core.deferred))
 
     def _lost(self, why: str) -> None:
         self._drop(DaemonUnavailable(f"lost the daemon at {self.socket_path}: {why}; call reconnect() once it is back"))
@@ -172,8 +200,13 @@ class AsyncClient(ClientCalls):
                 else:
                     fut.cancel()
             raise
+        gathered = asyncio.gather(*futures)
         try:
-            done = iter(await asyncio.wait_for(asyncio.gather(*futures), self.timeout_s))
+            done = iter(await asyncio.wait_for(gathered, self.timeout_s))
+        except asyncio.CancelledError:
+            if gathered.done() and not gathered.cancelled():
+                gathered.exception()  # retrieved: the caller was cancelled, not the replies
+            raise
         except asyncio.TimeoutError:
             self._lost(f"no reply within {self.timeout_s} s")
             raise DaemonUnavailable(f"no reply from {self.socket_path} within {self.timeout_s} s") from None
@@ -182,21 +215,38 @@ class AsyncClient(ClientCalls):
     async def _run(self, op, deferred_first: bool = True):
         async with self._lock:  # one op at a time keeps fds paired with their replies
             if self._sock is None:
-                raise DaemonUnavailable(f"not connected to {self.socket_path}; call reconnect()")
-            if deferred_first and (self.core.deferred or self.core.storing):
-                op = after_deferred(self.core, op)
-            later: list[tuple[int, asyncio.Future]] = []  # (request id, reply) sent with Later
-            try:
-                requests = next(op)
-                while True:
-                    requests = op.send(await self._exchange(requests, later))
-            except StopIteration as done:
-                return done.value
-            finally:
-                for request_id, fut in later:  # what the op did not collect: later replies are dropped
-                    self._waiting.pop(request_id, None)
-                    if fut.done() and not fut.cancelled():
-                        fut.exception()  # retrieved: no "exception was never retrieved" warning
+                if not self._abandoned:
+                    raise DaemonUnavailable(f"not connected to {self.socket_path}; call reconnect()")
+                self._abandoned = False
+                await self._connect()
+            return await self._drive(op, deferred_first)
+
+    async def _drive(self, op, deferred_first: bool):
+        """Run `op` to its result on the connection (the lock held, or nothing else can run)."""
+        if deferred_first and (self.core.deferred or self.core.storing):
+            op = after_deferred(self.core, op)
+        later: list[tuple[int, asyncio.Future]] = []  # (request id, reply) sent with Later
+        exchanging = False
+        try:
+            requests = next(op)
+            while True:
+                exchanging = True
+                replies = await self._exchange(requests, later)
+                exchanging = False
+                requests = op.send(replies)
+        except StopIteration as done:
+            return done.value
+        except BaseException as exc:
+            # Cancelled (or failed) between a request and its reply, or stopped anywhere by
+            # something that is not an error of the call: the connection cannot be trusted.
+            if exchanging or not isinstance(exc, Exception):
+                self._abandon()
+            raise
+        finally:
+            for request_id, fut in later:  # what the op did not collect: later replies are dropped
+                self._waiting.pop(request_id, None)
+                if fut.done() and not fut.cancelled():
+                    fut.exception()  # retrieved: no "exception was never retrieved" warning
 
     async def _exchange(self, requests, later: list):
         if isinstance(requests, Later):
@@ -229,3 +279,22 @@ class AsyncClient(ClientCalls):
                 self._send(self.core.codec.send_request(self.core.release_request(lease_id)))
             except DaemonUnavailable:
                 pass
+
+
+def _warn_lost(socket_path: str, count: int) -> None:
+    warnings.warn(f"kvstore: an AsyncClient of {socket_path} was not closed: its {count} deferred put(s) "
+                  "(put(wait=False)) were never stored; await client.flush() or client.close() before the "
+                  "event loop ends", RuntimeWarning, stacklevel=2)
+
+
+# AsyncClients never closed: at exit no event loop runs to store their deferred puts, so each
+# that still holds some is named in a warning (a client collected earlier warns in __del__).
+_UNCLOSED: weakref.WeakSet = weakref.WeakSet()
+
+
+@atexit.register
+def _warn_unclosed() -> None:
+    for client in list(_UNCLOSED):
+        if client.core.deferred:
+            _warn_lost(client.socket_path, len(client.core.deferred))
+            client.core.deferred = []  # warned once: not again by __del__

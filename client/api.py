@@ -14,6 +14,7 @@ from kvstore import messages as m
 from kvstore.fields import pin_ttl
 from kvstore.client import batched
 from kvstore.client import groups as group_ops
+from kvstore.client.core import ClientCore
 from kvstore.client.gpu import op_get_into_device
 from kvstore.client.lease import ReadLease
 from kvstore.client.results import LookupResult, PutResult
@@ -35,6 +36,14 @@ def _done(op):
 
 class ClientCalls:
     """The calls a client offers; the subclass provides `core` (a ClientCore) and `_run`."""
+
+    def _new_core(self, previous: ClientCore | None = None) -> ClientCore:
+        """The state of a new connection; `previous`, the closed one, hands its deferred puts
+        and unreported results over (ClientCore.adopt)."""
+        core = ClientCore(self.namespace, self.token, self._release, self.shared_index)
+        if previous is not None:
+            core.adopt(previous)
+        return core
 
     def put(self, key, data, desc: StateDescriptor | None = None, hints: Hints | None = None,
             tier: str = "host", wait: bool = True) -> PutResult | None:

@@ -159,10 +159,16 @@ class ClientCore:
             self.deferred_results.extend(
                 result or PutResult(item[0], False, error=error) for result, item in zip(outcome, pending))
 
-    def close(self) -> None:
-        if self.storing is not None or self.deferred:  # lost with the connection: flush() says so
+    def close(self, keep_deferred: bool = False) -> None:
+        """The connection is gone (its leases with it). Deferred puts never sent are lost,
+        each result saying so, unless `keep_deferred` (a call abandoned mid-way: the next
+        connection stores them, ClientCore.adopt); a batch being stored is lost either way
+        (whether the daemon stored it is unknown)."""
+        if self.storing is not None:
+            self.settle_deferred(DaemonUnavailable(
+                "the connection to the daemon closed while this deferred put was being stored: it may not be stored"))
+        if self.deferred and not keep_deferred:  # lost with the connection: flush() says so
             lost = DaemonUnavailable("the connection to the daemon closed before this deferred put was stored")
-            self.settle_deferred(lost)
             self.deferred_results.extend(PutResult(item[0], False, error=lost) for item in self.deferred)
             self.deferred, self.deferred_bytes = [], 0
         self.closed = True
@@ -172,6 +178,14 @@ class ClientCore:
         # Mappings stay valid for leases still in the caller's hands; the GC unmaps them.
         self.arenas.clear()
         self._unmapped.clear()
+
+    def adopt(self, previous: ClientCore) -> None:
+        """Take over what the closed connection `previous` leaves to this one: results of
+        deferred puts not yet reported by flush(), and the deferred puts it kept."""
+        self.deferred_results[:0] = previous.deferred_results
+        self.deferred[:0] = previous.deferred
+        self.deferred_bytes += previous.deferred_bytes
+        previous.deferred_results, previous.deferred, previous.deferred_bytes = [], [], 0
 
     # --- ops ----------------------------------------------------------------------
 
@@ -197,10 +211,13 @@ class ClientCore:
             self._unmapped.add(namespace)
             return
         self._unmapped.discard(namespace)
-        if not self.fds:
-            raise ProtocolError("open succeeded but no arena fd arrived with the reply")
+        if len(self.fds) < 1 + bool(opened.index_bytes):
+            raise ProtocolError("open succeeded but its arena (or index) fd did not arrive with the reply")
+        # Both fds are taken off the queue before anything here can fail, so a later open
+        # never takes this one's (the daemon sends them with the reply: arena, then index).
         fd = self.fds.popleft()
-        self.shared.attach(namespace, opened.index_bytes, self.fds)  # its fd came after the arena's
+        index_fd = self.fds.popleft() if opened.index_bytes else None
+        self.shared.attach(namespace, opened.index_bytes, index_fd)
         try:
             # Page tables at once (puts into fresh pages then run ~2x faster), but only over
             # memory the daemon allocated: populating a lazy arena would allocate all of it.

@@ -149,8 +149,8 @@ class ReadLease:
 
     def release(self) -> None:
         lease_id = self.detach()
-        if lease_id is not None:
-            self._release(lease_id)
+        if lease_id is not None and not (self._core is not None and self._core.closed):
+            self._release(lease_id)  # (a closed connection's leases ended with it)
 
     def detach(self) -> int | None:
         """End the lease here without telling the daemon, and return its id for a caller

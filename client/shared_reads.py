@@ -112,12 +112,11 @@ class SharedReads:
         """Ask for the index when opening a namespace."""
         return self.enabled and self.offered
 
-    def attach(self, namespace: str, index_bytes: int, fds) -> None:
-        """The open reply said an index fd came after the arena's (index_bytes > 0): take it
-        from `fds` and map it read-only. A table of another layout is not used."""
-        if not index_bytes or not fds:
+    def attach(self, namespace: str, index_bytes: int, fd: int | None) -> None:
+        """The open reply said an index fd came after the arena's (index_bytes > 0): map `fd`
+        read-only (and close it). A table of another layout is not used."""
+        if fd is None:
             return
-        fd = fds.popleft()
         try:
             table = mmap.mmap(fd, index_bytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
         finally:

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import array
+import atexit
 import contextlib
 import socket
 import threading
+import warnings
+import weakref
 
 from kvstore.config import default_socket_path
 from kvstore.errors import DaemonUnavailable, KVStoreError, from_wire
@@ -22,6 +25,9 @@ RECV_BYTES = 256 * 1024
 # so this client never blocks in send while the daemon, its reply buffer full, has stopped
 # reading until the client reads (server/local/service.py REPLY_BUFFER_HIGH_BYTES).
 SEND_GROUP_BYTES = 64 * 1024
+# At exit, how long to wait for a call in another thread before leaving its client's
+# deferred puts unstored (with a warning) rather than hang the exit.
+AT_EXIT_LOCK_S = 1.0
 # Room for a few fds per recvmsg; the daemon sends one per opened namespace.
 _ANCILLARY = socket.CMSG_SPACE(8 * array.array("i").itemsize)
 
@@ -72,7 +78,10 @@ class Client(ClientCalls):
         self._sock: socket.socket | None = None
         self._later: dict[int, Reply | None] = {}  # ids sent with Later -> reply, once read
         self.server_info: HelloReply | None = None  # the daemon's hello: version, limits
+        self._abandoned = False  # a call stopped mid-way closed the connection: the next call opens one
+        self.core = self._new_core()
         self._connect()
+        _AT_EXIT.add(self)
 
     @classmethod
     def connect(cls, socket_path: str | None = None, **kwargs) -> Client:
@@ -82,6 +91,7 @@ class Client(ClientCalls):
     # --- connection -------------------------------------------------------------
 
     def _connect(self) -> None:
+        """Connect self.core (new, not yet connected) to the daemon and say hello."""
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.settimeout(self.timeout_s)
         try:
@@ -93,33 +103,52 @@ class Client(ClientCalls):
             ) from None
         check_daemon_peer(sock, self.socket_path)  # closes sock when it refuses
         self._sock = sock
-        self.core = ClientCore(self.namespace, self.token, self._release, self.shared_index)
         self.core.shared.watch(sock)
-        self.server_info = self._run(self.core.op_hello(self.client_name))
+        self.server_info = self._run(self.core.op_hello(self.client_name), deferred_first=False)
 
     def reconnect(self) -> None:
         with self._lock:
             self._drop()
-            unreported = self.core.deferred_results  # flush() on the new connection reports them
+            self._abandoned = False
+            self.core = self._new_core(self.core)  # flush() on the new connection reports the old one's results
             self._connect()
-            self.core.deferred_results[:0] = unreported
 
     def close(self) -> None:
         with self._lock:
-            if self._sock is not None and self.core.deferred:
+            _AT_EXIT.discard(self)
+            if self.core.deferred and (self._sock is not None or self._abandoned):
                 with contextlib.suppress(KVStoreError):  # settled: each unstored put's result says why
-                    self._run(store_deferred(self.core), deferred_first=False)
+                    self._run(store_deferred(self.core), deferred_first=False)  # (reconnects if abandoned)
+            self._abandoned = False
+            if self._sock is None:
+                self.core.close()  # no connection: deferred puts still held are lost, their results say so
             warn_unreported(self.core)
             if self._sock is not None and self.core.shared.num_pending:  # hits read from the shared index
                 with contextlib.suppress(DaemonUnavailable):
                     self._send(b"".join(map(self.core.codec.send_request, self.core.shared.reports())))
             self._drop()
 
-    def _drop(self) -> None:
+    def _drop(self, keep_deferred: bool = False) -> None:
         if self._sock is not None:
             self._sock.close()
             self._sock = None
-            self.core.close()
+            self.core.close(keep_deferred)
+
+    def _abandon(self) -> None:
+        """A call stopped mid-way (KeyboardInterrupt, an error between a request and its
+        reply): replies and fds it left unread would be taken for a later call's (another
+        namespace's arena, another object's lease). Close the connection (the daemon ends its
+        leases and reservations); the next call opens a new one."""
+        if self._sock is not None:
+            self._drop(keep_deferred=True)
+            self.core = self._new_core(self.core)  # what ops of later calls are made on
+            self._abandoned = True
+
+    def __del__(self) -> None:
+        # Deferred puts still held when the client is collected are stored, not lost silently.
+        if getattr(self, "_sock", None) is not None or getattr(self, "_abandoned", False):
+            with contextlib.suppress(Exception):
+                self.close()
 
     def __enter__(self) -> Client:
         return self
@@ -136,15 +165,28 @@ class Client(ClientCalls):
     def _run(self, op, deferred_first: bool = True):
         with self._lock:
             if self._sock is None:
-                raise DaemonUnavailable(f"not connected to {self.socket_path}; call reconnect()")
+                if not self._abandoned:
+                    raise DaemonUnavailable(f"not connected to {self.socket_path}; call reconnect()")
+                self._abandoned = False
+                self._connect()
             if deferred_first and (self.core.deferred or self.core.storing):
                 op = after_deferred(self.core, op)
+            exchanging = False
             try:
                 requests = next(op)
                 while True:
-                    requests = op.send(self._exchange(requests))
+                    exchanging = True
+                    replies = self._exchange(requests)
+                    exchanging = False
+                    requests = op.send(replies)
             except StopIteration as done:
                 return done.value
+            except BaseException as exc:
+                # Stopped between a request and its reply, or interrupted anywhere (an fd
+                # taken off the queue but not yet used): the connection cannot be trusted.
+                if exchanging or not isinstance(exc, Exception):
+                    self._abandon()
+                raise
             finally:
                 self._later.clear()  # what the op did not collect: later replies are dropped
 
@@ -223,3 +265,34 @@ class Client(ClientCalls):
                     self._send(self.core.codec.send_request(self.core.release_request(lease_id)))
                 except DaemonUnavailable:
                     pass  # the daemon is gone, and with it the lease
+
+
+class _ClientsAtExit:
+    """Clients still open when the interpreter exits: their deferred puts are stored then
+    (close()), not lost silently. Weak: a client collected earlier closed itself (__del__)."""
+
+    def __init__(self):
+        self._clients = weakref.WeakSet()
+        atexit.register(self.close_all)
+
+    def add(self, client: Client) -> None:
+        self._clients.add(client)
+
+    def discard(self, client: Client) -> None:
+        self._clients.discard(client)
+
+    def close_all(self) -> None:
+        for client in list(self._clients):
+            # A call still running in another thread holds the lock: never wait on it at exit.
+            if not client._lock.acquire(timeout=AT_EXIT_LOCK_S):
+                warnings.warn(f"kvstore: a client of {client.socket_path} was busy in another thread at exit; "
+                              f"its {len(client.core.deferred)} deferred put(s) were not stored", RuntimeWarning)
+                continue
+            try:
+                with contextlib.suppress(Exception):
+                    client.close()
+            finally:
+                client._lock.release()
+
+
+_AT_EXIT = _ClientsAtExit()
