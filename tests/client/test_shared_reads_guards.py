@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import time
-from collections import deque
 
 import numpy as np
 import xxhash
@@ -55,7 +54,7 @@ def setup():
                                Hints(), time.monotonic())
     index.publish(entry)
     reader = SharedReads(Core(arena), True, lambda ns: DESC)
-    reader.attach("t", index.size_bytes, deque([os.dup(index.fd)]))
+    reader.attach("t", index.size_bytes, os.dup(index.fd))
     return index, arena, entry, reader
 
 
