@@ -7,8 +7,11 @@ torch is imported where it is used: an adapter module imports without its engine
 Attention groups: a chunk object is every layer of the group, K and V, for the chunk's
 blocks; it is staged in a host tensor shaped (layers, blocks, *block shape) and copied from or
 to the paged caches with index_select / index_copy_ (pinned staging where they are on a GPU).
-Mamba groups: a state object is, layer after layer, each state tensor's row of one block
-(vLLM's conv state, then its SSM state), the `mamba(layers, states)` layout.
+Mamba groups: vLLM 0.33's model runner (`allocate_kv_cache`) registers one raw page view
+per Mamba layer, int8 `[num_blocks, 1, 1, C]`: a block's C bytes are the layer's states
+packed in order (conv, then SSM; the layer's own `bind_kv_cache` slices them the same way),
+and the block stride may be a padded page. A state object is, layer after layer, those C
+bytes of one block: the `mamba(layers, states)` layout, padding never stored.
 
 Objects of one store group (LoadSpec / SaveSpec `joint`: a chunk's attention objects and the
 states at its end) are read with `get_groups_into` and put with `put_groups` (all of a step's
@@ -37,6 +40,13 @@ def _u8(tensor):
     return tensor.view(-1).view(torch.uint8).numpy()
 
 
+def _state_bytes(page, block: int):
+    """Block `block` of a Mamba layer's raw page view: its states' bytes, a flat uint8 view
+    (the padding past them is not part of it)."""
+    import torch
+    return page[block].view(-1).view(torch.uint8)
+
+
 class WorkerIO:
     """Mixed into KVStoreConnector; uses its groups, store, block size and chunk size."""
 
@@ -62,16 +72,19 @@ class WorkerIO:
                                  f"{desc.layout} says {desc.object_bytes}")
 
     def _check_states(self, g: int, desc, layers) -> None:
-        """Each Mamba layer is a list of state tensors (num_blocks, *shape), as vLLM registers them."""
-        per_block = 0
-        for states in layers:
-            if not isinstance(states, (list, tuple)) or any(t.shape[0] != self.num_blocks for t in states):
-                raise ValueError(f"kvstore: group {g}'s Mamba caches must be lists of (num_blocks, ...) state "
-                                 f"tensors, got {type(states).__name__}")
-            per_block += sum(t[0].numel() * t.element_size() for t in states)
-        if per_block != desc.object_bytes:
-            raise ValueError(f"kvstore: group {g}'s Mamba states hold {per_block} bytes per block, its descriptor "
-                             f"{desc.layout} says {desc.object_bytes}")
+        """Each Mamba layer is the raw page view vLLM's allocate_kv_cache makes: int8
+        [num_blocks, 1, 1, C], C bytes of states per block; the group's object is every layer's."""
+        import torch
+        content = desc.object_bytes // len(layers)
+        for page in layers:
+            if (isinstance(page, torch.Tensor) and page.shape[:1] == (self.num_blocks,) and page[0].squeeze().dim() <= 1
+                    and page[0].numel() * page.element_size() == content and page.stride(-1) == 1):
+                continue
+            got = type(page).__name__ + (f" {tuple(page.shape)}" if isinstance(page, torch.Tensor) else "")
+            raise ValueError(f"kvstore: group {g}'s Mamba caches must be vLLM 0.33's raw page views, one tensor per "
+                             f"layer shaped [num_blocks={self.num_blocks}, 1, 1, {content}] (the layer's states, "
+                             f"{content} bytes a block), got {got}. Register the caches vLLM's model runner allocates "
+                             "(vllm.v1.worker.utils.allocate_kv_cache) as they are")
 
     # --- buffers ---------------------------------------------------------------------------
 
@@ -148,14 +161,11 @@ class WorkerIO:
     def _scatter(self, spec: LoadSpec, buf) -> None:
         import torch
         if self.groups[spec.group][2] == "mamba":
-            block = spec.blocks[0][1]
-            at = 0
-            for states in self._layers[spec.group]:
-                for t in states:
-                    row = t[block]
-                    size = row.numel() * row.element_size()
-                    row.copy_(buf[at:at + size].clone().view(t.dtype).view(row.shape).to(t.device))  # clone: aligned
-                    at += size
+            block, at = spec.blocks[0][1], 0
+            for page in self._layers[spec.group]:
+                row = _state_bytes(page, block)
+                row.copy_(buf[at:at + row.numel()].to(row.device))
+                at += row.numel()
             self.num_loaded_states += 1
             return
         if not spec.blocks:
@@ -223,12 +233,10 @@ class WorkerIO:
         import torch
         if self.groups[spec.group][2] == "mamba":
             block, at = spec.block_ids[0], 0
-            for states in self._layers[spec.group]:
-                for t in states:
-                    row = t[block]
-                    size = row.numel() * row.element_size()
-                    buf[at:at + size].copy_(row.reshape(-1).view(torch.uint8).cpu())
-                    at += size
+            for page in self._layers[spec.group]:
+                row = _state_bytes(page, block)
+                buf[at:at + row.numel()].copy_(row.cpu())
+                at += row.numel()
             return
         for layer, cache in enumerate(self._layers[spec.group]):
             index = torch.tensor(spec.block_ids, device=cache.device)

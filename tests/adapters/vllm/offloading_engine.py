@@ -18,8 +18,9 @@ from vllm.v1.kv_cache_interface import MambaSpec
 from vllm.v1.kv_offload.base import OffloadingWorker, TransferResult
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 
-from vllm_engine import (BLOCK, DIM, HEADS, LAYER_NAMES, expected_kv, expected_state, mamba_kv_cache_config,
-                         step_until_scheduled)
+from vllm_engine import step_until_scheduled
+from vllm_model import (BLOCK, LAYER_NAMES, allocate_kv_caches, expected_kv, expected_state, mamba_config,
+                        mamba_layers, plan_kv_cache, read_kv, write_kv)
 
 
 NUM_BLOCKS = 64
@@ -73,21 +74,21 @@ class HostCopies(OffloadingWorker):
 class OffloadingEngine:
     """vLLM's scheduler with OffloadingConnector + TieringOffloadingSpec and kvstore as the
     secondary tier (the documented config: no model or dtype given), vLLM's worker connector
-    over CPU caches, and the test as the model runner of a hybrid model (attention layers 0-2,
-    two Mamba layers; vllm_engine.mamba_kv_cache_config). A Mamba layer's page is its states'
-    bytes, conv (fp16) then SSM (fp32). A step starting at a block boundary reads the state
+    over the caches vLLM allocates, and the test as the model runner of a hybrid model
+    (vllm_model.mamba_layers: attention layers 0-2, three Mamba layers). A Mamba layer's page is
+    its states' bytes, conv (fp16) then SSM (fp32). A step starting at a block boundary reads the state
     there and records any difference from the model's (`state_errors`). `stored` holds each
     chunk the tier was asked to store as it was then; `promotions` the tier's load jobs."""
 
     def __init__(self, socket_path):
         tier = {"type": "KVStoreSecondaryTier", "module_path": "kvstore.adapters.vllm_tier", "socket_path": socket_path,
                 "retry_after_s": 0.05}
-        self.config = create_vllm_config(
+        self.config = mamba_config(create_vllm_config(
             kv_connector="OffloadingConnector", kv_role="kv_both", block_size=BLOCK, max_num_batched_tokens=64,
             kv_connector_extra_config={"spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": 48 * 4096,
-                                       "secondary_tiers": [tier]})
-        self.config.cache_config.mamba_cache_mode = "align"
-        self.kv_config = mamba_kv_cache_config(NUM_BLOCKS)
+                                       "secondary_tiers": [tier]}))
+        self.layers = mamba_layers()
+        self.kv_config = plan_kv_cache(self.config, self.layers, NUM_BLOCKS)
         self.scheduler = create_scheduler(self.config, num_blocks=NUM_BLOCKS, kv_cache_config=self.kv_config)
         self.offloading = self.scheduler.connector.connector_scheduler
         self.manager = self.offloading.manager
@@ -110,10 +111,7 @@ class OffloadingEngine:
         self.groups = [list(group.layer_names) for group in self.kv_config.kv_cache_groups]
         self.mamba = {g: group.kv_cache_spec for g, group in enumerate(self.kv_config.kv_cache_groups)
                       if isinstance(group.kv_cache_spec, MambaSpec)}
-        self.caches = {name: torch.zeros(NUM_BLOCKS, 2, BLOCK, HEADS, DIM, dtype=torch.float16) for name in LAYER_NAMES}
-        for g, spec in self.mamba.items():
-            self.caches.update((name, torch.zeros(NUM_BLOCKS, spec.page_size_bytes, dtype=torch.int8))
-                               for name in self.groups[g])
+        self.caches = allocate_kv_caches(self.config, self.kv_config, self.layers)
         with set_current_vllm_config(self.config):
             self.worker.register_kv_caches(self.caches)
         self.requests, self.tables, self.state_errors = {}, {}, []
@@ -161,33 +159,31 @@ class OffloadingEngine:
             time.sleep(0.01)
         raise AssertionError("vLLM's scheduler made no progress")
 
-    def state_pages(self, tokens, n, g) -> list:
-        """Each Mamba layer's page after the first n tokens: its states' bytes, one after another."""
-        return [np.concatenate([s.contiguous().view(torch.uint8).reshape(-1).numpy() for s in states])
-                for states in expected_state(tokens, n, self.mamba[g], self.groups[g], by_layer=True)]
-
     def forward(self, rid, start, count):
         tokens = self.requests[rid].all_token_ids
         tables = self.tables[rid]
         for pos in range(start, start + count):
             for g, (names, table) in enumerate(zip(self.groups, tables)):
                 for name in names if g not in self.mamba else ():
-                    kv = expected_kv(tokens, pos, LAYER_NAMES.index(name))
-                    self.caches[name][table[pos // BLOCK], :, pos % BLOCK] = kv
-        for g in self.mamba:
+                    write_kv(self.layers[name], table[pos // BLOCK], pos % BLOCK,
+                             expected_kv(tokens, pos, LAYER_NAMES.index(name)))
+        for g, spec in self.mamba.items():  # through each Mamba layer's own (conv, SSM) views
             if start > 0 and start % BLOCK == 0:
                 block = tables[g][start // BLOCK - 1]
-                held = [self.caches[name][block].view(torch.uint8).numpy() for name in self.groups[g]]
-                if not all(np.array_equal(h[:len(w)], w) for h, w in zip(held, self.state_pages(tokens, start, g))):
+                held = [view[block] for name in self.groups[g] for view in self.layers[name].kv_cache]
+                want = expected_state(tokens, start, spec, self.groups[g])
+                if not all(torch.equal(h, w) for h, w in zip(held, want)):
                     self.state_errors.append((rid, start))
             end = start + count
             block = tables[g][-(-end // BLOCK) - 1]
-            for name, page in zip(self.groups[g], self.state_pages(tokens, end, g)):
-                self.caches[name][block, :len(page)] = torch.from_numpy(page).view(torch.int8)
+            for name, states in zip(self.groups[g], expected_state(tokens, end, spec, self.groups[g], by_layer=True)):
+                for view, state in zip(self.layers[name].kv_cache, states):
+                    view[block] = state
 
     def attention_blocks_exact(self, rid, count) -> bool:
         tokens, table = self.requests[rid].all_token_ids, self.tables[rid][0]
-        return all(torch.equal(self.caches[name][table[i], :, slot], expected_kv(tokens, i * BLOCK + slot, layer))
+        return all(torch.equal(read_kv(self.layers[name], table[i])[:, slot],
+                               expected_kv(tokens, i * BLOCK + slot, layer))
                    for i in range(count) for slot in range(BLOCK) for layer, name in enumerate(LAYER_NAMES))
 
     def shutdown(self):

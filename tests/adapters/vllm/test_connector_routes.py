@@ -20,8 +20,8 @@ from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
 from kvstore.identity import ObjectId
 from kvs_events import EventSubscriber, wait_subscribed
-from vllm_engine import (BLOCK, CHUNK, Engine, base_config, hybrid_kv_cache_config, kv_cache_config,  # noqa: F401
-                         make_request, mamba_config, mamba_kv_cache_config, tokens_of)
+from vllm_engine import Engine, base_config, make_request, tokens_of  # noqa: F401 (a fixture)
+from vllm_model import BLOCK, hybrid_layers, mamba_config, mamba_layers
 
 pytestmark = pytest.mark.engines
 
@@ -133,15 +133,17 @@ def test_saved_chunks_are_named_by_vllms_block_hashes(base_config, daemon_factor
 
 def test_a_hybrid_models_groups_are_named_per_group(base_config, daemon_factory):
     d = daemon_factory("64MiB", config={"events": {"enabled": True}})
-    engine = engine_with_events(base_config, d.socket, make_kv_config=hybrid_kv_cache_config)
-    groups = run_and_compare(engine, d, [make_request(3, tokens_of(PROMPT, 7))], num_objects=6)
-    assert {g: len(h) for g, h in groups.items()} == {0: 6, 1: 6}  # full attention and sliding window
-    assert groups[0] == groups[1]  # one request's hashes, in both groups
+    dense = copy.deepcopy(base_config)  # vLLM names (caches) every window block only where it retains them all
+    dense.cache_config.prefix_cache_retention_interval = BLOCK
+    engine = engine_with_events(dense, d.socket, make_layers=hybrid_layers)
+    groups = run_and_compare(engine, d, [make_request(3, tokens_of(PROMPT, 7))], num_objects=9)
+    assert {g: len(h) for g, h in groups.items()} == {0: 6, 1: 6, 2: 6}  # two full attention, one sliding window
+    assert groups[0] == groups[1] == groups[2]  # one request's hashes, in every group
 
 
 def test_a_mamba_state_is_named_by_the_block_that_holds_it(base_config, daemon_factory):
     d = daemon_factory("64MiB", config={"events": {"enabled": True}})
-    engine = engine_with_events(mamba_config(base_config), d.socket, make_kv_config=mamba_kv_cache_config)
+    engine = engine_with_events(mamba_config(base_config), d.socket, make_layers=mamba_layers)
     request = make_request(4, tokens_of(PROMPT, 8))
     # 3 attention chunks; the states at 64 and 96 (where vLLM's steps end) join chunks 1 and 2
     groups = run_and_compare(engine, d, [request], num_objects=5)

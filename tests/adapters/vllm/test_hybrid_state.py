@@ -1,27 +1,32 @@
 """Hybrid SSM models through KVStoreConnector: attention KV and Mamba state stored and hit as
 one store group, in vLLM's real scheduler ("align" mode), against a real daemon.
 
-The engine (vllm_engine.Engine) plays the model runner: each step reads the Mamba state at
-its first token and records any difference from what the model computes (`state_errors`),
-so a state loaded wrong, stale, from another prefix or not at all shows, as does KV.
+The engine (vllm_engine.Engine) plays the model runner over the caches vLLM's own code plans,
+allocates and binds (vllm_model), registered as a vLLM 0.33 worker registers them: each step
+reads the Mamba state at its first token and records any difference from what the model
+computes (`state_errors`), so a state loaded wrong, stale, from another prefix or not at all
+shows, as does KV.
 """
 
+import copy
 import signal
 
 import pytest
 import torch
 
-from vllm_engine import (BLOCK, LAYER_NAMES, MAMBA_NAMES, Engine, base_config, expected_blocks,  # noqa: F401 (a fixture)
-                         make_request, mamba_config, mamba_kv_cache_config, tokens_of)
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm_engine import NUM_BLOCKS, Engine, base_config, make_request, tokens_of  # noqa: F401 (a fixture)
+from vllm_model import (BLOCK, LAYER_NAMES, MAMBA_NAMES, STATE_DTYPES, STATE_SHAPES, expected_blocks, expected_state,
+                        mamba_config, mamba_layers)
 
 pytestmark = pytest.mark.engines
 
 PROMPT = 100  # steps of 64 tokens: vLLM offers the state at 64 and at 96 (the prompt's last cacheable boundary)
 
 
-def mamba_engine(base, socket, sliding=False, shapes=((3, 32), (2, 4, 8)), **kwargs) -> Engine:
-    return Engine(mamba_config(base), socket,
-                  make_kv_config=lambda n: mamba_kv_cache_config(n, sliding=sliding, shapes=shapes), **kwargs)
+def mamba_engine(base, socket, sliding=False, shapes=STATE_SHAPES, dtypes=STATE_DTYPES, **kwargs) -> Engine:
+    return Engine(mamba_config(base), socket, make_layers=lambda: mamba_layers(sliding, shapes, dtypes), **kwargs)
 
 
 def saved(base, daemon, seed, sliding=False) -> tuple[Engine, list]:
@@ -35,39 +40,103 @@ def saved(base, daemon, seed, sliding=False) -> tuple[Engine, list]:
 
 
 def full_blocks_exact(engine, request, tokens, count) -> bool:
-    full = engine.group_blocks[request.request_id][0]
+    """The first `count` blocks of every full-attention layer hold what the model computed."""
     want = expected_blocks(tokens, count)
-    names = [LAYER_NAMES[0], LAYER_NAMES[2]] if len(engine.groups) == 3 else LAYER_NAMES
-    rows = [0, 2] if len(engine.groups) == 3 else list(range(len(LAYER_NAMES)))
-    return all(torch.equal(engine.block_kv(full[i], names), want[i][rows]) for i in range(count))
+    rows = [i for i, name in enumerate(LAYER_NAMES) if engine.layers[name].spec.sliding_window is None]
+    names = [LAYER_NAMES[i] for i in rows]
+    return all(torch.equal(engine.block_kv(request.request_id, i, names), want[i][rows]) for i in range(count))
+
+
+CONTENT = 3 * 32 * 2 + 2 * 4 * 8 * 4  # a Mamba layer's state bytes a block: conv 3x32 fp16, then SSM 2x4x8 fp32
+
+
+def test_the_raw_page_views_vllm_registers_for_mamba_layers_are_accepted(base_config, daemon):
+    """Issue 41, item 0: vLLM 0.33's model runner registers one raw int8 page view
+    [num_blocks, 1, 1, C] per Mamba layer (allocate_kv_cache; the layer unpacks it itself),
+    which the connector refused at worker start, wanting lists of per-state tensors. A state
+    object is every layer's C bytes of the block, conv then SSM, none of the page's padding."""
+    engine = mamba_engine(base_config, daemon.socket)  # registers what vLLM's model runner allocated
+    pages = [engine.registered[name] for name in MAMBA_NAMES]
+    assert all(isinstance(p, torch.Tensor) and p.dtype == torch.int8 for p in pages)
+    assert {tuple(p.shape) for p in pages} == {(NUM_BLOCKS, 1, 1, CONTENT)}
+    assert all(p.stride(0) > CONTENT for p in pages)  # vLLM padded the page to the attention page
+    desc = engine.connector.groups[1][0]
+    assert desc.object_bytes == len(MAMBA_NAMES) * CONTENT
+    tokens = tokens_of(PROMPT, 21)
+    engine.add(make_request(21, tokens))
+    engine.run_to_end()
+    assert engine.worker.num_saved_groups == 2 and not engine.state_errors
+    state_at_96 = engine.connector._plan(make_request(22, tokens)).ids[1][2]
+    held = bytearray(desc.object_bytes)
+    with daemon.client() as c:
+        assert c.get_into(state_at_96, held) == len(held)
+    want = expected_state(tokens, 96, engine.mamba[1], MAMBA_NAMES)  # layer after layer, conv then SSM
+    assert bytes(held) == b"".join(t.numpy().tobytes() for t in want)
+
+
+def test_mamba_caches_other_than_vllms_page_views_are_refused_naming_what_to_register(base_config, daemon):
+    """The per-state lists the connector once wanted (no vLLM 0.33 path registers them) and a
+    page of the wrong size are refused at worker start, saying what vLLM registers."""
+    engine = mamba_engine(base_config, daemon.socket)
+    page = engine.registered[MAMBA_NAMES[0]]
+    for wrong, got in [(list(engine.layers[MAMBA_NAMES[0]].kv_cache), "got list"),  # the layer's (conv, SSM) views
+                       (page[..., :CONTENT - 4], rf"got Tensor \({NUM_BLOCKS}, 1, 1, {CONTENT - 4}\)")]:
+        worker = KVConnectorFactory.create_connector(engine.config, KVConnectorRole.WORKER,
+                                                     copy.deepcopy(engine.kv_config))
+        with pytest.raises(ValueError, match=rf"group 1's Mamba caches must be vLLM 0.33's raw page views, one tensor "
+                                             rf"per layer shaped \[num_blocks={NUM_BLOCKS}, 1, 1, {CONTENT}\].*{got}"):
+            worker.register_kv_caches({**engine.registered, MAMBA_NAMES[0]: wrong})
 
 
 @pytest.mark.parametrize("sliding", [False, True], ids=["attention+mamba", "attention+window+mamba"])
 def test_a_prefix_and_its_state_load_bit_exact_in_a_fresh_engine(base_config, daemon, sliding):
     a, tokens = saved(base_config, daemon, 31 + sliding, sliding)
     assert a.worker.num_saved_groups == 2  # chunks 1 and 2 end where vLLM offered a state (64, 96)
+    # vLLM's grouping: the three Mamba layers one group, or (beside a window) a group each
+    assert len(a.mamba) == (3 if sliding else 1)
     desc = a.connector.groups[-1][0]
     assert (desc.kind.value, desc.dtype.value, str(desc.layout)) == (
-        "recurrent", "fp32", "mamba(layers=2,states=3x32:fp16+2x4x8:fp32)")
+        "recurrent", "fp32", f"mamba(layers={1 if sliding else 3},states=3x32:fp16+2x4x8:fp32)")
     b = mamba_engine(base_config, daemon.socket, sliding)
     again = make_request(100 + sliding, tokens)
     b.add(again)
     out = b.step_until_scheduled(again)
     assert out.num_scheduled_tokens[again.request_id] == PROMPT - 96  # 96 tokens and the state at 96 loaded
-    assert b.worker.num_loaded_states == 1 and not b.failed_receives
+    assert b.worker.num_loaded_states == len(b.mamba) and not b.failed_receives
     assert full_blocks_exact(b, again, tokens, 96 // BLOCK)
     b.run_to_end()
     assert not b.state_errors  # the first step after the load read exactly the model's state at 96
 
 
+def test_with_vllms_default_retention_the_prompts_last_state_is_the_hit(base_config, daemon):
+    """vLLM 0.33's default (--prefix-cache-retention-interval 0) keeps, and offers, only the
+    state at the prompt's last cacheable boundary (96), not where its first step ended (64)."""
+    config = mamba_config(base_config, retention_tokens=0)
+    tokens = tokens_of(PROMPT, 25)
+    a = Engine(config, daemon.socket, make_layers=mamba_layers)
+    a.add(make_request(25, tokens))
+    a.run_to_end()
+    assert a.worker.num_saved_groups == 1 and not a.state_errors
+    b = Engine(config, daemon.socket, make_layers=mamba_layers)
+    again = make_request(26, tokens)
+    b.add(again)
+    out = b.step_until_scheduled(again)
+    assert out.num_scheduled_tokens[again.request_id] == PROMPT - 96 and b.worker.num_loaded_states == 1
+    b.run_to_end()
+    assert not b.state_errors and full_blocks_exact(b, again, tokens, PROMPT // BLOCK)
+
+
 def test_states_of_odd_sizes_round_trip(base_config, daemon):
-    """A conv state of 3x3 fp16 (18 bytes) puts the fp32 SSM state at an odd offset of the object."""
+    """A conv state of 3x3 fp16 (18 bytes) puts the SSM state at byte 18 of the page (vLLM's own
+    layer unpacks it there; an fp32 state it could not view at that offset), 48 bytes a layer."""
     tokens = tokens_of(PROMPT, 35)
-    a = mamba_engine(base_config, daemon.socket, shapes=((3, 3), (2, 4, 8)))
+    odd = {"shapes": ((3, 3), (3, 5)), "dtypes": (torch.float16, torch.float16)}
+    a = mamba_engine(base_config, daemon.socket, **odd)
     a.add(make_request(150, tokens))
     a.run_to_end()
-    assert str(a.connector.groups[-1][0].layout) == "mamba(layers=2,states=3x3:fp16+2x4x8:fp32)"
-    b = mamba_engine(base_config, daemon.socket, shapes=((3, 3), (2, 4, 8)))
+    assert str(a.connector.groups[-1][0].layout) == "mamba(layers=3,states=3x3:fp16+3x5:fp16)"
+    assert tuple(a.registered[MAMBA_NAMES[0]].shape[1:]) == (1, 1, 48)
+    b = mamba_engine(base_config, daemon.socket, **odd)
     again = make_request(151, tokens)
     b.add(again)
     b.step_until_scheduled(again)
@@ -184,7 +253,6 @@ def test_a_state_corrupted_on_disk_is_never_loaded(base_config, daemon_factory):
     looks up again): the hit lands on the last whole group (64), and the state the engine
     reads is always the model's."""
     import os
-    from vllm_engine import expected_state
     d = daemon_factory("64MiB", config={"nvme": {"enabled": True, "capacity_bytes": "64MiB", "file_bytes": "16MiB",
                                                  "write_policy": "write_through"}})
     tokens = tokens_of(PROMPT, 91)
@@ -192,9 +260,8 @@ def test_a_state_corrupted_on_disk_is_never_loaded(base_config, daemon_factory):
     a.add(make_request(800, tokens))
     a.run_to_end()
     d.stop(signal.SIGKILL)
-    spec = mamba_kv_cache_config().kv_cache_groups[-1].kv_cache_spec
     # the whole state object at 96: layer after layer, conv state then SSM state
-    needle = b"".join(t.numpy().tobytes() for t in expected_state(tokens, 96, spec, MAMBA_NAMES))
+    needle = b"".join(t.numpy().tobytes() for t in expected_state(tokens, 96, a.mamba[1], MAMBA_NAMES))
     flipped = 0
     for root, _, files in os.walk(os.path.join(d.data_dir, "nvme")):
         for name in files:

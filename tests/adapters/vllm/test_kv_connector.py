@@ -17,8 +17,8 @@ import torch
 from tests.v1.kv_connector.unit.utils import create_scheduler
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-from vllm_engine import (BLOCK, LAYER_NAMES, NUM_BLOCKS, Engine, base_config, expected_blocks,  # noqa: F401
-                         hybrid_kv_cache_config, kv_cache_config, make_request, tokens_of)
+from vllm_engine import NUM_BLOCKS, Engine, base_config, make_request, tokens_of  # noqa: F401 (a fixture)
+from vllm_model import BLOCK, LAYER_NAMES, attention_layers, expected_blocks, hybrid_layers, plan_kv_cache
 
 pytestmark = pytest.mark.engines
 
@@ -39,9 +39,9 @@ def test_vllm_loads_a_prefix_saved_by_another_engine_bit_exact(base_config, daem
     # 96 tokens came from the store; vLLM computes only the last 4.
     assert out.num_scheduled_tokens[again.request_id] == 4
     assert b.worker.num_loaded_chunks == 3
-    blocks = b.blocks[again.request_id]
     for index, want in enumerate(expected_blocks(tokens, 6)):
-        assert torch.equal(b.block_kv(blocks[index]), want), f"block {index} differs from what the model computed"
+        assert torch.equal(b.block_kv(again.request_id, index), want), \
+            f"block {index} differs from what the model computed"
     assert not b.load_errors
     b.run_to_end()
 
@@ -89,9 +89,8 @@ def test_a_chunk_lost_between_lookup_and_load_is_recomputed(base_config, daemon)
     assert len(b.load_errors) == 4  # the four blocks of the two chunks
     b.run_to_end()
     # vLLM recomputed the failed blocks (recompute policy): they hold what the model computes.
-    blocks = b.blocks[again.request_id]
     for index, want in enumerate(expected_blocks(tokens, 4)):
-        assert torch.equal(b.block_kv(blocks[index]), want), f"block {index} was not recomputed"
+        assert torch.equal(b.block_kv(again.request_id, index), want), f"block {index} was not recomputed"
 
 
 def test_cache_salt_and_model_revision_keep_requests_apart(base_config, daemon):
@@ -107,7 +106,8 @@ def test_cache_salt_and_model_revision_keep_requests_apart(base_config, daemon):
     assert b.connector.get_num_new_matched_tokens(make_request(10, tokens, cache_salt="tenant-a"), 32) == (32, False)
     other = copy.deepcopy(base_config)
     other.kv_transfer_config.kv_connector_extra_config.update(socket_path=daemon.socket, model_revision="v2")
-    c = create_scheduler(other, num_blocks=NUM_BLOCKS, kv_cache_config=kv_cache_config())
+    c = create_scheduler(other, num_blocks=NUM_BLOCKS,
+                         kv_cache_config=plan_kv_cache(other, attention_layers(), NUM_BLOCKS))
     assert c.connector.get_num_new_matched_tokens(make_request(11, tokens, cache_salt="tenant-a"), 0) == (0, False)
 
 
@@ -116,39 +116,40 @@ def test_cache_salt_and_model_revision_keep_requests_apart(base_config, daemon):
 def test_a_hybrid_model_keeps_vllm_hybrid_manager_and_loads_each_group_bit_exact(base_config, daemon):
     assert base_config.scheduler_config.disable_hybrid_kv_cache_manager is False  # SupportsHMA: vLLM keeps it on
     tokens = tokens_of(100, 11)
-    a = Engine(base_config, daemon.socket, make_kv_config=hybrid_kv_cache_config)
+    a = Engine(base_config, daemon.socket, make_layers=hybrid_layers)
     a.add(make_request(21, tokens))
     a.run_to_end()
-    assert a.worker.num_saved_chunks == 6  # three whole chunks, each group its own object
-    b = Engine(base_config, daemon.socket, make_kv_config=hybrid_kv_cache_config)
+    assert len(a.groups) == 3  # vLLM's grouping: full attention layers 0 and 2 a group each, the window one
+    assert a.worker.num_saved_chunks == 9  # three whole chunks, each group its own object
+    b = Engine(base_config, daemon.socket, make_layers=hybrid_layers)
     again = make_request(22, tokens)
     b.add(again)
     out = b.step_until_scheduled(again)  # several groups: the load takes a step of its own
     assert out.num_scheduled_tokens[again.request_id] == 4  # 96 tokens from the store
     assert not b.load_errors and not b.failed_receives
-    full, sliding = b.group_blocks[again.request_id]
+    rid = again.request_id
     want = expected_blocks(tokens, 6)
     for index in range(6):
-        assert torch.equal(b.block_kv(full[index], [LAYER_NAMES[0], LAYER_NAMES[2]]), want[index][[0, 2]]), \
+        assert torch.equal(b.block_kv(rid, index, [LAYER_NAMES[0], LAYER_NAMES[2]]), want[index][[0, 2]]), \
             f"full-attention block {index} differs"
-    held = [index for index in range(6) if sliding[index] != 0]
+    held = [index for index in range(6) if b.block_of(rid, LAYER_NAMES[1], index) != 0]
     assert 0 < len(held) < 6, f"the sliding-window group should hold only its window, holds blocks {held}"
     for index in held:
-        assert torch.equal(b.block_kv(sliding[index], [LAYER_NAMES[1]]), want[index][[1]]), \
+        assert torch.equal(b.block_kv(rid, index, [LAYER_NAMES[1]]), want[index][[1]]), \
             f"sliding-window block {index} differs"
     b.run_to_end()
 
 
 def test_a_hybrid_prefix_missing_in_one_group_is_no_hit(base_config, daemon):
     tokens = tokens_of(70, 13)
-    a = Engine(base_config, daemon.socket, make_kv_config=hybrid_kv_cache_config)
+    a = Engine(base_config, daemon.socket, make_layers=hybrid_layers)
     a.add(make_request(23, tokens))
     a.run_to_end()
-    b = Engine(base_config, daemon.socket, make_kv_config=hybrid_kv_cache_config)
+    b = Engine(base_config, daemon.socket, make_layers=hybrid_layers)
     plan_ids = b.connector._plan(make_request(24, tokens)).ids
-    assert len(plan_ids) == 2 and plan_ids[0] != plan_ids[1]  # the groups never share an id
+    assert len(plan_ids) == 3 and len({ids[0] for ids in plan_ids}) == 3  # the groups never share an id
     with daemon.client() as c:
-        c.delete([plan_ids[1][1]])  # the sliding-window group's second chunk
+        c.delete([plan_ids[b.group_of[LAYER_NAMES[1]]][1]])  # the sliding-window group's second chunk
     assert b.connector.get_num_new_matched_tokens(make_request(25, tokens), 0) == (32, True)  # async: several groups
 
 
@@ -170,16 +171,19 @@ def test_a_window_that_moves_while_a_chunk_is_computed_loads_back_bit_exact(base
     small_steps = copy.deepcopy(base_config)
     small_steps.scheduler_config.max_num_batched_tokens = 24
     small_steps.kv_transfer_config.kv_connector_extra_config["chunk_tokens"] = 64
+    # vLLM keeps every window block it computed only with dense retention (an interval of one
+    # block); with its default, 0, it drops them as the window moves, and no chunk is whole to save.
+    small_steps.cache_config.prefix_cache_retention_interval = BLOCK
     tokens = tokens_of(200, 17)
 
-    def tight(num_blocks):
-        return hybrid_kv_cache_config(num_blocks, window=BLOCK)
+    def tight():
+        return hybrid_layers(window=BLOCK)
 
-    a = Engine(small_steps, daemon.socket, make_kv_config=tight, num_blocks=20)
+    a = Engine(small_steps, daemon.socket, make_layers=tight, num_blocks=34)  # 26 for the two full-attention groups
     a.add(make_request(26, tokens))
     a.run_to_end()
     assert a.worker.num_saved_chunks > 0
-    b = Engine(small_steps, daemon.socket, make_kv_config=tight)
+    b = Engine(small_steps, daemon.socket, make_layers=tight)
     again = make_request(27, tokens)
     b.add(again)
     out = b.step_until_scheduled(again)
@@ -187,11 +191,10 @@ def test_a_window_that_moves_while_a_chunk_is_computed_loads_back_bit_exact(base
     from_store = out.scheduled_new_reqs[0].num_computed_tokens  # a fresh engine: nothing local
     assert from_store > 0 and from_store % 64 == 0
     want = expected_blocks(tokens, 200 // BLOCK)
-    full, sliding = b.group_blocks[again.request_id]
-    loaded = from_store // 64
+    rid, loaded = again.request_id, from_store // 64
     for index in range(from_store // BLOCK):
-        assert torch.equal(b.block_kv(full[index], [LAYER_NAMES[0], LAYER_NAMES[2]]), want[index][[0, 2]]), \
+        assert torch.equal(b.block_kv(rid, index, [LAYER_NAMES[0], LAYER_NAMES[2]]), want[index][[0, 2]]), \
             f"full-attention block {index} differs ({loaded} chunks loaded)"
-        if sliding[index] != 0:
-            assert torch.equal(b.block_kv(sliding[index], [LAYER_NAMES[1]]), want[index][[1]]), \
+        if b.block_of(rid, LAYER_NAMES[1], index) != 0:
+            assert torch.equal(b.block_kv(rid, index, [LAYER_NAMES[1]]), want[index][[1]]), \
                 f"sliding-window block {index} differs ({loaded} chunks loaded)"

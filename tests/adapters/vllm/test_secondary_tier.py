@@ -34,7 +34,8 @@ from vllm.v1.kv_offload.tiering.manager import CPUPrimaryTierOffloadingManager, 
 
 from kvs_events import EventSubscriber, last_seq
 from offloading_engine import PROMPT, OffloadingEngine
-from vllm_engine import BLOCK, make_request, tokens_of
+from vllm_engine import make_request, tokens_of
+from vllm_model import BLOCK
 
 pytestmark = pytest.mark.engines
 

@@ -1,19 +1,18 @@
 """A vLLM engine for the connector tests: vLLM's real scheduler (and the connector vLLM's
 factory makes), with the test as the model runner over CPU caches (imported by the tests).
 
-Each step binds the metadata to a worker-role connector, runs start_load_kv, writes what a
-model would compute for the scheduled tokens into the current block tables, runs
-wait_for_save and reports back to the scheduler (load errors, and the receives a model with
-several KV cache groups reports). The "model" is deterministic: the KV of position p depends
-on every token up to p, the layer, K or V, the head and the dim; a Mamba layer's state after
-n tokens on every token before n, the layer and the state. A step starting at token s reads
-the Mamba state at s and records any difference from what the model would have computed
-(`state_errors`): a state loaded from the store that is wrong, stale or missing shows.
+The caches are the model's (vllm_model): planned, allocated and bound by vLLM's own code, and
+registered with the worker connector as vLLM's model runner registers them. Each step binds
+the metadata to a worker-role connector, runs start_load_kv, writes what the model computes
+for the scheduled tokens into the current block tables (through each layer's bound view, as
+a real layer does), runs wait_for_save and reports back to the scheduler (load errors, and
+the receives a model with several KV cache groups reports). A step starting at token s
+reads the Mamba state at s and records any difference from what the model would have
+computed (`state_errors`): a state loaded from the store that is wrong, stale or missing shows.
 """
 
 import copy
 import time
-from math import prod
 
 import pytest
 import torch
@@ -23,12 +22,14 @@ from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher
-from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MambaSpec,
-                                        SlidingWindowSpec)
+from vllm.v1.kv_cache_interface import MambaSpec
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
 
-BLOCK, LAYERS, HEADS, DIM, NUM_BLOCKS, CHUNK = 16, 3, 2, 8, 64, 32
+from vllm_model import (BLOCK, LAYER_NAMES, allocate_kv_caches, attention_layers, expected_kv, expected_state,
+                        plan_kv_cache, read_kv, write_kv)
+
+NUM_BLOCKS, CHUNK = 64, 32
 
 
 @pytest.fixture(scope="module")
@@ -38,46 +39,32 @@ def base_config():
                               max_num_batched_tokens=64, kv_connector_extra_config={"chunk_tokens": CHUNK})
 
 
-LAYER_NAMES = [f"model.layers.{i}.attn" for i in range(LAYERS)]
-
-
-def kv_cache_config(num_blocks=NUM_BLOCKS):
-    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=HEADS, head_size=DIM, dtype=torch.float16)
-    return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(LAYER_NAMES, spec)])
-
-
 class Engine:
-    """One vLLM scheduler (its connector made by vLLM) and one worker connector over CPU caches.
-    `make_kv_config` gives the KV cache groups (one, or a hybrid model's several)."""
+    """One vLLM scheduler (its connector made by vLLM) and one worker connector over the
+    caches vLLM allocates for the model `make_layers()` gives (vllm_model: attention only, a
+    hybrid model's several groups, Mamba layers), on `device`."""
 
-    def __init__(self, base, socket_path, device="cpu", make_kv_config=kv_cache_config, num_blocks=NUM_BLOCKS):
+    def __init__(self, base, socket_path, device="cpu", make_layers=attention_layers, num_blocks=NUM_BLOCKS):
         config = copy.deepcopy(base)
         config.kv_transfer_config.kv_connector_extra_config["socket_path"] = socket_path
         config.kv_transfer_config.kv_connector_extra_config["retry_after_s"] = 0.05
-        kv_config = make_kv_config(num_blocks)
+        self.config, self.layers = config, make_layers()
+        self.kv_config = kv_config = plan_kv_cache(config, self.layers, num_blocks)
         self.scheduler = create_scheduler(config, num_blocks=num_blocks, kv_cache_config=kv_config)
         self.connector = self.scheduler.connector
-        self.worker = KVConnectorFactory.create_connector(config, KVConnectorRole.WORKER, make_kv_config(num_blocks))
+        worker_config = copy.deepcopy(kv_config)  # vLLM's worker holds a copy of its own
+        self.worker = KVConnectorFactory.create_connector(config, KVConnectorRole.WORKER, worker_config)
         self.groups = [list(group.layer_names) for group in kv_config.kv_cache_groups]
+        self.group_of = {name: g for g, names in enumerate(self.groups) for name in names}
         self.mamba = {g: group.kv_cache_spec for g, group in enumerate(kv_config.kv_cache_groups)
                       if isinstance(group.kv_cache_spec, MambaSpec)}
-        self.caches = {name: torch.zeros(2, num_blocks, BLOCK, HEADS, DIM, dtype=torch.float16, device=device)
-                       for name in LAYER_NAMES}
-        for g, spec in self.mamba.items():
-            for name in self.groups[g]:
-                self.caches[name] = [torch.zeros(num_blocks, *shape, dtype=dtype, device=device)
-                                     for shape, dtype in zip(spec.shapes, spec.dtypes)]
-        self.worker.register_kv_caches(self.caches)
+        self.registered = allocate_kv_caches(config, worker_config, self.layers, device)
+        self.worker.register_kv_caches(self.registered)
         self.requests = {}
         self.group_blocks = {}  # request id -> per group, its block table (as of its last step)
         self.load_errors = set()
         self.failed_receives = set()
         self.state_errors = []  # (request, token) where a step read another Mamba state than the model's
-
-    @property
-    def blocks(self):
-        """request id -> the first group's block table."""
-        return {rid: tables[0] for rid, tables in self.group_blocks.items()}
 
     def add(self, request):
         self.requests[request.request_id] = request
@@ -133,26 +120,33 @@ class Engine:
                 block, slot = table[pos // BLOCK], pos % BLOCK
                 assert block != 0, f"vLLM gave the null block for computed position {pos}"
                 for name in names:
-                    cache = self.caches[name]
-                    cache[:, block, slot] = expected_kv(tokens, pos, LAYER_NAMES.index(name)).to(cache.device)
+                    write_kv(self.layers[name], block, slot, expected_kv(tokens, pos, LAYER_NAMES.index(name)))
         for g, spec in self.mamba.items():
             if start > 0 and start % BLOCK == 0:
                 held = self.state_at(g, tables[g][start // BLOCK - 1])
-                if not all(torch.equal(h, w) for h, w in zip(held, expected_state(tokens, start, spec, self.groups[g]))):
+                want = expected_state(tokens, start, spec, self.groups[g])
+                if not all(torch.equal(h, w) for h, w in zip(held, want)):
                     self.state_errors.append((rid, start))
             end = start + count
             block = tables[g][-(-end // BLOCK) - 1]
             assert block != 0, f"vLLM gave the null block for the state at {end}"
             for name, states in zip(self.groups[g], expected_state(tokens, end, spec, self.groups[g], by_layer=True)):
-                for cache, state in zip(self.caches[name], states):
-                    cache[block] = state.to(cache.device)
+                for view, state in zip(self.layers[name].kv_cache, states):  # vLLM's (conv, SSM) views of the page
+                    view[block] = state.to(view.device)
 
     def state_at(self, g, block) -> list:
-        """Group g's states in `block`, layer after layer, state after state."""
-        return [cache[block].cpu() for name in self.groups[g] for cache in self.caches[name]]
+        """Group g's states in `block`, layer after layer, state after state (through each Mamba
+        layer's own views)."""
+        return [view[block].cpu() for name in self.groups[g] for view in self.layers[name].kv_cache]
 
-    def block_kv(self, block, names=LAYER_NAMES):
-        return torch.stack([self.caches[name][:, block].cpu() for name in names])
+    def block_of(self, rid, name, index) -> int:
+        """The block that holds block `index` of request `rid` in layer `name` (0: none)."""
+        return self.group_blocks[rid][self.group_of[name]][index]
+
+    def block_kv(self, rid, index, names=LAYER_NAMES):
+        """Block `index` of request `rid` in attention layers `names`: (layers, 2, BLOCK, heads,
+        dim), as expected_blocks gives it."""
+        return torch.stack([read_kv(self.layers[name], self.block_of(rid, name, index)) for name in names])
 
     def run_to_end(self, max_steps=500):
         outs = []
@@ -173,14 +167,6 @@ def step_until_scheduled(engine, request, max_steps: int, pause_s: float = 0.0):
     raise AssertionError(f"{request.request_id} was not scheduled in {max_steps} steps")
 
 
-def expected_kv(tokens, pos, layer) -> torch.Tensor:
-    h = 0
-    for t in tokens[:pos + 1]:
-        h = (h * 31 + t + 7) % 65521
-    base = torch.arange(2 * HEADS * DIM, dtype=torch.float32).reshape(2, HEADS, DIM)
-    return (((base + h + 13 * layer) % 251) / 8).to(torch.float16)
-
-
 def tokens_of(n, seed):
     return [(seed * 7919 + i * 104729) % 50000 + 3 for i in range(n)]
 
@@ -191,62 +177,3 @@ def make_request(number, tokens, cache_salt=None):
     return Request(request_id=template.request_id, prompt_token_ids=list(tokens),
                    sampling_params=template.sampling_params, pooling_params=None, cache_salt=cache_salt,
                    block_hasher=get_request_block_hasher(BLOCK, sha256))
-
-
-def expected_blocks(tokens, count):
-    return [torch.stack([torch.stack([expected_kv(tokens, index * BLOCK + s, layer) for s in range(BLOCK)], dim=1)
-                         for layer in range(LAYERS)]) for index in range(count)]
-
-
-
-
-WINDOW = 2 * BLOCK  # the sliding-window group's window, in tokens
-
-
-def hybrid_kv_cache_config(num_blocks=NUM_BLOCKS, window=WINDOW):
-    """A hybrid model: layers 0 and 2 full attention, layer 1 a sliding window."""
-    full = FullAttentionSpec(block_size=BLOCK, num_kv_heads=HEADS, head_size=DIM, dtype=torch.float16)
-    sliding = SlidingWindowSpec(block_size=BLOCK, num_kv_heads=HEADS, head_size=DIM, dtype=torch.float16,
-                                sliding_window=window)
-    return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[
-        KVCacheGroupSpec([LAYER_NAMES[0], LAYER_NAMES[2]], full), KVCacheGroupSpec([LAYER_NAMES[1]], sliding)])
-
-
-
-
-def expected_state(tokens, n, spec, names, by_layer=False):
-    """What the model's Mamba layers hold after the first n tokens: per layer, per state."""
-    h = 0
-    for t in tokens[:n]:
-        h = (h * 131 + t + 3) % 65521
-    layers = []
-    for layer, _ in enumerate(names):
-        states = []
-        for i, (shape, dtype) in enumerate(zip(spec.shapes, spec.dtypes)):
-            base = torch.arange(prod(shape), dtype=torch.float32).reshape(shape)
-            states.append((((base + h + 17 * layer + 5 * i) % 253) / 4).to(dtype))
-        layers.append(states)
-    return layers if by_layer else [s for states in layers for s in states]
-
-
-MAMBA_NAMES = ["model.layers.3.mixer", "model.layers.4.mixer"]
-
-
-def mamba_kv_cache_config(num_blocks=NUM_BLOCKS, mode="align", sliding=False, shapes=((3, 32), (2, 4, 8))):
-    """A hybrid SSM model: full attention (layers 0 and 2), optionally a sliding window
-    (layer 1), and two Mamba layers whose conv state is fp16 and SSM state fp32."""
-    groups = hybrid_kv_cache_config(num_blocks).kv_cache_groups if sliding else [
-        KVCacheGroupSpec(LAYER_NAMES, FullAttentionSpec(block_size=BLOCK, num_kv_heads=HEADS, head_size=DIM,
-                                                        dtype=torch.float16))]
-    mamba = MambaSpec(block_size=BLOCK, shapes=shapes, dtypes=(torch.float16, torch.float32),
-                      mamba_cache_mode=mode)
-    return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
-                         kv_cache_groups=[*groups, KVCacheGroupSpec(MAMBA_NAMES, mamba)])
-
-
-def mamba_config(base):
-    """The engine config of a hybrid SSM model in vLLM's "align" mode (prefix caching on)."""
-    config = copy.deepcopy(base)
-    config.cache_config.mamba_cache_mode = "align"
-    config.cache_config.enable_prefix_caching = True
-    return config
