@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, fields, is_dataclass, replace
 from kvstore.config_auth import AuthConfig, NamespaceAuth  # noqa: F401 (re-exported)
 from kvstore.config_events import EventsConfig
 from kvstore.config_remote import RemoteConfig
+from kvstore.config_testing import TestingConfig
 from kvstore.errors import InvalidArgument
 from kvstore.identity import check_name
 from kvstore.policy import POLICIES
@@ -332,6 +333,7 @@ class ServerConfig:
     auth: AuthConfig = AuthConfig()
     events: EventsConfig = EventsConfig()
     remote: RemoteConfig = RemoteConfig()
+    testing: TestingConfig = TestingConfig()  # race windows widened for tests (kvstore/config_testing.py)
 
     def __post_init__(self) -> None:
         if self.log_level not in ("debug", "info", "warning", "error"):

@@ -21,6 +21,7 @@ from kvstore.server.data_dir import DataDirLock, HeldLock, ensure_dir, hold_data
 from kvstore.server.events import EventStream, NoEvents
 from kvstore.server.socket_path import claim_socket_path
 from kvstore.server.tiering.chain import compose
+from kvstore.server.windows import race_windows
 from kvstore.server.tiering.gpu_reads import GpuReads
 from kvstore.server.host_memory import check_host_tier, host_memory
 from kvstore.server.local.service import SERVER_VERSION, LocalConnection
@@ -62,7 +63,8 @@ class Daemon:
         if config.nvme.enabled:
             from kvstore.server.tiering.nvme_mover import TierMover
             nvme_config = replace(config.nvme, path=config.nvme_path)
-            nvme = lambda host, events: TierMover(host, events, nvme_config)  # noqa: E731
+            windows = race_windows(config.testing)
+            nvme = lambda host, events: TierMover(host, events, nvme_config, windows)  # noqa: E731
         if config.cluster.enabled:
             from kvstore.server.cluster.link import ClusterLink
             remote = lambda local: ClusterLink(local, config.cluster)  # noqa: E731

@@ -27,7 +27,7 @@ ALLOWED = {
 SERVER = {
     "server/peer": {"server.peer", "server.later", "server.logs"},
     "server/events": {"server.events"},
-    "server/tiering": {"server.tiering", "server.later", "server.host_memory", "server.events"},
+    "server/tiering": {"server.tiering", "server.later", "server.host_memory", "server.events", "server.windows"},
     "server/cluster": {"server.cluster", "server.peer", "server.tiering", "server.later", "server.events"},
     "server/pool": {"server.pool", "server.tiering", "server.later", "server.events"},  # a Mooncake pool
     "server/local": {"server.local", "server.tiering", "server.later"},

@@ -22,6 +22,7 @@ under the copy; a reader that arrives meanwhile keeps it resident.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from dataclasses import asdict, dataclass
@@ -43,6 +44,7 @@ from kvstore.server.tiering.objects import ObjectEntry
 from kvstore.tiers.nvme import NvmeTier
 from kvstore.tiers.nvme.index import key_parts, namespace_prefix
 from kvstore.server.tiering.bandwidth import moving_bandwidth
+from kvstore.server.windows import NoWindows
 
 log = logging.getLogger("kvstore.movement")
 # Until promotions have measured it, assume this NVMe read bandwidth for load estimates.
@@ -80,12 +82,14 @@ class TierMover:
 
     listed_as = ("nvme",)  # what the admin API's ?tier= may name
 
-    def __init__(self, host, events, config: NvmeTierConfig):
+    def __init__(self, host, events, config: NvmeTierConfig, windows=NoWindows()):
         """host: the host tier (server/tiering/host.py); events: the KV event stream; `config`
-        is the `[nvme]` table with its path filled in (ServerConfig.nvme_path). `below`, the
-        remote tier (server/tiering/chain.py: Homes), is set once the chain is composed."""
+        is the `[nvme]` table with its path filled in (ServerConfig.nvme_path); windows: the
+        race windows tests widen (server/windows.py). `below`, the remote tier
+        (server/tiering/chain.py: Homes), is set once the chain is composed."""
         self.host = host
         self.events = events
+        self.windows = windows
         self.below = None
         self.config = config
         self.nvme: NvmeTier | None = None
@@ -96,6 +100,12 @@ class TierMover:
         self.admission = FrequencyAdmission(min_hits=self.config.admit_min_hits)
         self.bandwidth_bytes_s = DEFAULT_NVME_BANDWIDTH
         self._promoting: dict[bytes, asyncio.Future] = {}  # by table key
+        self._voided: set[bytes] = set()  # promoting keys that left NVMe meanwhile: not published
+        # Per key, the write or record removal under way: one at a time, so a write never
+        # takes (deduplicates against) a record a removal is about to delete, and a removal
+        # never deletes the copy a write has just recorded.
+        self._turns: dict[bytes, asyncio.Future] = {}
+        self._writes: set[asyncio.Task] = set()  # copies to NVMe under way (each runs to its end)
         self._background: set[asyncio.Task] = set()
         self.counters = MoverCounters()
         self._kept: KeptHoldings | None = None  # with the event stream: what NVMe kept, told to it
@@ -130,6 +140,8 @@ class TierMover:
             await self._kept.stop()
         for task in list(self._background):
             task.cancel()
+        if self._writes:  # each records or removes the copy it made: let them end first
+            await asyncio.gather(*self._writes, return_exceptions=True)
         if self.nvme is not None:
             await asyncio.get_running_loop().run_in_executor(None, self.nvme.close)
             self.nvme = None
@@ -217,53 +229,106 @@ class TierMover:
     # --- host -> NVMe -----------------------------------------------------------------------
 
     async def write(self, entry: ObjectEntry, displace=ANY_VICTIM) -> str | None:
-        """Copy a host entry to NVMe. Returns the durability it got, or None if it failed.
+        """Copy a host entry to NVMe. Returns the durability it got, or None if it failed or
+        the entry left the host index (deleted, expired, dropped) before its copy was recorded.
 
         displace: which NVMe objects may be evicted to make room for it, a predicate on
         their policy keys (TierMover._key); None: none (the copy goes only into free room).
         A copy that finds no room it may take is counted in num_rejected, not as a failure.
+
+        The copy runs to its end even when the caller is cancelled: a record on NVMe that the
+        table does not know of would outlive a delete and come back at the next start.
         """
+        task = asyncio.ensure_future(self._write(entry, displace))
+        self._writes.add(task)
+        task.add_done_callback(self._write_done)
+        return await asyncio.shield(task)
+
+    def _write_done(self, task: asyncio.Task) -> None:
+        self._writes.discard(task)
+        if not task.cancelled():
+            task.exception()  # retrieved: a caller that stopped waiting does not leave it unlogged
+
+    async def _write(self, entry: ObjectEntry, displace) -> str | None:
         key = self._key(entry.namespace, entry.object_id)
-        if key in self.policy:
-            return "sync"
         ns = self.host.namespaces[entry.namespace]
-        self.host.hold(entry)
+        async with self._turn(key):
+            if key in self.policy:
+                return "sync"
+            await self.windows.at("nvme_write")
+            if ns.objects.get(entry.object_id) is not entry:
+                return None  # gone before its copy began: none is made
+            self.host.hold(entry)
+            try:
+                put = await self._put(ns, entry, displace)
+                if put is None:
+                    return None
+                await self.windows.at("nvme_write")
+            finally:  # every way out gives the hold back
+                self.host.release_hold(entry)
+            if ns.objects.get(entry.object_id) is not entry:
+                # Deleted (expired, dropped) while it was written: its copy must not outlive it.
+                if key not in self.policy:
+                    await self._run(self.nvme.delete, entry.namespace, entry.object_id)
+                return None
+            if key not in self.policy:
+                self._remember(key, entry.size)
+                self.events.stored(entry.namespace, entry.object_id, MEDIUM_STORAGE, entry.descriptor, entry.hints)
+                if entry.hints.ttl_s is not None:  # counted from the put, not from this write
+                    self.deadlines.add(key, entry.created_at + entry.hints.ttl_s)
+            entry.on_nvme = True
+            return put.durability
+
+    async def _put(self, ns, entry: ObjectEntry, displace):
+        """The NVMe put of a held entry's bytes (evicting NVMe objects `displace` allows when
+        full): its NvmePut, or None when it failed or found no room it may take."""
+        view = ns.arena.view(entry.extent)[:entry.size]
         try:
-            view = ns.arena.view(entry.extent)[:entry.size]
             for attempt in range(3):
                 try:
-                    put = await self._run(self.nvme.put, entry.namespace, entry.object_id, view, entry.checksum,
-                                          entry.descriptor, entry.hints)
-                    break
+                    return await self._run(self.nvme.put, entry.namespace, entry.object_id, view, entry.checksum,
+                                           entry.descriptor, entry.hints)
                 except CapacityError:
                     if attempt == 2 or displace is None or not await self._evict_nvme(entry.size, displace):
                         if displace is not ANY_VICTIM:  # refused by admission or the flush's rule
                             self.counters.num_rejected += 1
                             return None
                         raise
-            del view
         except ChecksumError:
             # The host bytes no longer match what was put: never let them travel on.
             log.warning("event=host_checksum_mismatch namespace=%s object=%s", entry.namespace, entry.object_id.hex)
             ns.counters.num_checksum_failures += 1
             self.counters.num_demotion_failures += 1
-            if entry.object_id in ns.objects and ns.objects[entry.object_id] is entry:
-                self.host.drop(ns, entry)  # freed when the hold below ends
+            if ns.objects.get(entry.object_id) is entry:
+                self.host.drop(ns, entry)  # freed when the hold ends
             return None
         except (KVStoreError, OSError) as exc:
             log.warning("event=nvme_write_failed namespace=%s object=%s error=%r",
                         entry.namespace, entry.object_id.hex, getattr(exc, "message", exc))
             self.counters.num_demotion_failures += 1
             return None
-        finally:  # every way out, cancellation included, gives the hold back
-            self.host.release_hold(entry)
-        if key not in self.policy:
-            self._remember(key, entry.size)
-            self.events.stored(entry.namespace, entry.object_id, MEDIUM_STORAGE, entry.descriptor, entry.hints)
-            if entry.hints.ttl_s is not None:  # counted from the put, not from this write
-                self.deadlines.add(key, entry.created_at + entry.hints.ttl_s)
-        entry.on_nvme = True
-        return put.durability
+
+    @contextlib.asynccontextmanager
+    async def _turn(self, key: bytes):
+        """Wait for the write or record removal of `key` under way, then be the one."""
+        while (ahead := self._turns.get(key)) is not None:
+            await asyncio.shield(ahead)
+        mine = self._turns[key] = asyncio.get_running_loop().create_future()
+        try:
+            yield
+        finally:
+            del self._turns[key]
+            mine.set_result(None)
+
+    async def _remove_record(self, key: bytes) -> bool:
+        """Delete the NVMe record of a key the table no longer holds (in its turn: a write of
+        the key waits). False if it was not there, or the key was written again meanwhile."""
+        name, digest = key_parts(key)
+        async with self._turn(key):
+            await self.windows.at("nvme_delete")
+            if key in self.policy:
+                return False  # written again: that copy stays
+            return await self._run(self.nvme.delete, name, ObjectId(digest))
 
     async def _evict_nvme(self, size: int, displace=ANY_VICTIM) -> bool:
         victims = self.policy.victims(
@@ -287,12 +352,11 @@ class TierMover:
         except Exception as exc:  # counted there; the eviction goes on
             log.warning("event=remote_demotion_failed error=%r", exc)
         for key in victims:
-            if key in self.policy:
+            if not await self._remove_record(key):
                 continue  # written again while the copies above were sent
-            name, digest = key_parts(key)
-            await self._run(self.nvme.delete, name, ObjectId(digest))
             self.counters.num_nvme_evictions += 1
             if self._host_entry(key) is None:
+                name, digest = key_parts(key)
                 cluster.forget(name, ObjectId(digest))  # gone from this node altogether
         return bool(victims)
 
@@ -327,12 +391,15 @@ class TierMover:
         nodes first (in a cluster). Each ends evicted, or resident if read or pinned meanwhile."""
         writes = []
         cluster = self.below
-        for entry in victims:
-            if entry.on_nvme or self._key(ns.name, entry.object_id) in self.policy:
-                self.host.evict(ns, entry)
-            else:
-                writes.append(entry)
         try:
+            await self.windows.at("victims")
+            for entry in victims:
+                if ns.objects.get(entry.object_id) is not entry:
+                    continue  # deleted (expired, dropped) since it was chosen
+                if entry.on_nvme or self._key(ns.name, entry.object_id) in self.policy:
+                    self.host.evict(ns, entry)
+                else:
+                    writes.append(entry)
             if writes:
                 await asyncio.gather(*(self.write(e, self._displaceable_by(e)) for e in writes))
             # NVMe refused some (full of hotter objects, full disk, EIO): those leave the
@@ -342,7 +409,7 @@ class TierMover:
             if failed:
                 await cluster.demote(failed)
         except BaseException:
-            self.host.retrack_victims(ns, writes)  # cancelled: nothing evicted
+            self.host.retrack_victims(ns, victims)  # cancelled: those not evicted stay (and are tracked)
             raise
         for entry in self.host.settle_victims(ns, writes):
             if entry.on_nvme:
@@ -382,6 +449,7 @@ class TierMover:
             raise
         finally:
             del self._promoting[key]
+            self._voided.discard(key)
 
     async def _promote(self, namespace: str, oid, key) -> ObjectEntry | None:
         if self._expired(key):
@@ -408,6 +476,10 @@ class TierMover:
             ns.arena.free(extent)
             self._forget(key)
             return None
+        await self.windows.at("nvme_read")
+        if key in self._voided or key not in self.policy:  # deleted (expired, evicted) while it was read
+            ns.arena.free(extent)
+            return None
         self.bandwidth_bytes_s = moving_bandwidth(self.bandwidth_bytes_s, meta.size, elapsed)
         entry = self.host.publish(ns, oid, extent, meta.size, meta.checksum, meta.descriptor, meta.hints,
                                   created_at=meta.created_at, on_nvme=True, counted=False)
@@ -428,6 +500,8 @@ class TierMover:
 
     def _forget(self, key) -> None:
         self.deadlines.discard(key)
+        if key in self._promoting:  # its read may have begun: what it brings is not published
+            self._voided.add(key)
         if key in self.policy:
             self.policy.on_remove(key)
             self._left_nvme(key)
@@ -452,8 +526,7 @@ class TierMover:
 
     async def _delete_keys(self, keys: list[bytes]) -> None:
         for key in keys:
-            name, digest = key_parts(key)
-            await self._run(self.nvme.delete, name, ObjectId(digest))
+            await self._remove_record(key)
 
     # --- other paths ------------------------------------------------------------------------------
 
@@ -488,14 +561,14 @@ class TierMover:
         task.add_done_callback(self._background.discard)
 
     async def delete(self, namespace: str, oids) -> int:
-        count = 0
-        for oid in oids:
-            key = self._key(namespace, oid)
-            if key in self.policy:
-                self._forget(key)
-                if await self._run(self.nvme.delete, namespace, oid):
-                    count += 1
-        return count
+        """Delete NVMe copies; how many NVMe held. Each is forgotten at once (reads and
+        promotions under way miss from here on), its record removed after, in its key's turn."""
+        keys = [key for key in (self._key(namespace, oid) for oid in oids) if key in self.policy]
+        for key in keys:
+            self._forget(key)
+        for key in keys:
+            await self._remove_record(key)
+        return len(keys)
 
     def stats(self) -> dict:
         tier = dict(self.nvme.stats()) if self.nvme is not None else {}

@@ -13,7 +13,7 @@ import pytest
 import xxhash
 
 from kvstore.config import NvmeTierConfig
-from kvstore.errors import CapacityError, ChecksumError, InvalidArgument, ServiceError
+from kvstore.errors import CapacityError, ChecksumError, Conflict, InvalidArgument, ServiceError
 from kvstore.hints import Hints
 from kvstore.identity import ObjectId, StateDescriptor
 from kvstore.tiers.nvme import VERIFY_BLOCK_BYTES, NvmeTier
@@ -99,6 +99,17 @@ def test_put_of_a_stored_id_is_deduplicated(tier):
     again, _ = put(tier, 1, 10_000)
     assert again.deduplicated and again.extent == first.extent
     assert tier.stats()["objects"] == 1 and tier.stats()["num_dedup_puts"] == 1
+
+
+def test_put_of_a_stored_id_with_other_bytes_is_a_conflict_not_a_dedup(tier):
+    """A put must never be answered with a record of other bytes (a copy of a deleted object
+    whose removal had not run yet, say): it would be served under the new checksum's name."""
+    put(tier, 1, 10_000)
+    other = np.full(10_000, 7, np.uint8)
+    with pytest.raises(Conflict, match="other bytes"):
+        tier.put(NS, oid(1), other, xxhash.xxh3_128_digest(other), DESC)
+    assert tier.stats()["num_dedup_puts"] == 0
+    tier.check_integrity()
 
 
 def test_put_whose_bytes_do_not_match_the_checksum_stores_nothing(tier):

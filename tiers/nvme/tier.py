@@ -20,7 +20,7 @@ from typing import Iterator
 
 
 from kvstore.config import NvmeTierConfig
-from kvstore.errors import CapacityError, ChecksumError, InvalidArgument, ServiceError
+from kvstore.errors import CapacityError, ChecksumError, Conflict, InvalidArgument, ServiceError
 from kvstore.hints import Hints
 from kvstore.identity import ObjectId, StateDescriptor
 from kvstore.tiers.allocator import Extent
@@ -100,7 +100,7 @@ class NvmeTier:
         hints = Hints() if hints is None else hints
         if not isinstance(hints, Hints):
             raise InvalidArgument(f"hints must be Hints or None, got {type(hints).__name__}")
-        placed = self._reserve(key, len(view))
+        placed = self._reserve(key, len(view), checksum)
         if isinstance(placed, NvmePut):
             return placed
         file, extent = placed
@@ -285,9 +285,10 @@ class NvmeTier:
         if self._index.failed is not None:
             raise type(self._index.failed)(self._index.failed.message)
 
-    def _reserve(self, key: bytes, size: int) -> tuple[int, Extent] | NvmePut:
-        """An extent for a new object, or the NvmePut of the stored one (dedup). Marks key
-        busy, so puts and synced deletes of it wait for this put."""
+    def _reserve(self, key: bytes, size: int, checksum: bytes) -> tuple[int, Extent] | NvmePut:
+        """An extent for a new object, or the NvmePut of the stored one with the same checksum
+        (dedup; Conflict for other bytes). Marks key busy, so puts and synced deletes of it
+        wait for this put."""
         for attempt in range(2):
             with self._cond:
                 self._check_writable()
@@ -295,6 +296,9 @@ class NvmeTier:
                     self._cond.wait()
                 existing = self._journal.find(key)
                 if existing is not None:
+                    if existing.checksum != checksum:  # never take a put for a record of other bytes
+                        raise Conflict(f"nvme put of {split_key(key)[1].hex}: stored already with other bytes "
+                                       "(checksums differ); delete it first to replace it")
                     self._counters.num_dedup_puts += 1
                     return NvmePut(existing.file, existing.extent, existing.size, self._journal.durability(key), True)
                 placed = self._extents.reserve(size)
