@@ -113,8 +113,16 @@ class Client(ClientCalls):
             self.core = self._new_core(self.core)  # flush() on the new connection reports the old one's results
             self._connect()
 
-    def close(self) -> None:
-        with self._lock:
+    def close(self, wait_s: float | None = None) -> None:
+        """Store the deferred puts still held, report hits read from the shared index, and
+        close the connection (its leases end). wait_s: how long to wait for a call another
+        thread is running on this client (None: until it returns); past it nothing is done,
+        with a warning naming the deferred puts left unstored."""
+        if not self._lock.acquire(timeout=-1 if wait_s is None else wait_s):
+            warnings.warn(f"kvstore: a client of {self.socket_path} was busy in another thread: not closed, its "
+                          f"{len(self.core.deferred)} deferred put(s) not stored", RuntimeWarning, stacklevel=2)
+            return
+        try:
             _AT_EXIT.discard(self)
             if self.core.deferred and (self._sock is not None or self._abandoned):
                 with contextlib.suppress(KVStoreError):  # settled: each unstored put's result says why
@@ -127,6 +135,8 @@ class Client(ClientCalls):
                 with contextlib.suppress(DaemonUnavailable):
                     self._send(b"".join(map(self.core.codec.send_request, self.core.shared.reports())))
             self._drop()
+        finally:
+            self._lock.release()
 
     def _drop(self, keep_deferred: bool = False) -> None:
         if self._sock is not None:
@@ -283,16 +293,8 @@ class _ClientsAtExit:
 
     def close_all(self) -> None:
         for client in list(self._clients):
-            # A call still running in another thread holds the lock: never wait on it at exit.
-            if not client._lock.acquire(timeout=AT_EXIT_LOCK_S):
-                warnings.warn(f"kvstore: a client of {client.socket_path} was busy in another thread at exit; "
-                              f"its {len(client.core.deferred)} deferred put(s) were not stored", RuntimeWarning)
-                continue
-            try:
-                with contextlib.suppress(Exception):
-                    client.close()
-            finally:
-                client._lock.release()
+            with contextlib.suppress(Exception):
+                client.close(wait_s=AT_EXIT_LOCK_S)  # a call still running in another thread: not waited for
 
 
 _AT_EXIT = _ClientsAtExit()
