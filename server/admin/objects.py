@@ -204,7 +204,7 @@ async def evict(request: web.Request) -> web.Response:
         raise NotFound(f"no namespace {namespace!r} on this node")
     evicted = []
     for name in [namespace] if namespace is not None else sorted(tiers.host.namespaces):
-        evicted += tiers.index.evict(name, num_bytes, flt.matches)
+        evicted += await resolve(tiers.index.evict(name, num_bytes, flt.matches))  # written down first
     return json_response({
         "tier": tier,
         "requested_bytes": num_bytes,

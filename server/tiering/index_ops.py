@@ -235,12 +235,16 @@ class IndexOps:
             flags.append(True)
         return flags
 
-    def evict(self, namespace: str, num_bytes: int | None, match=None) -> list[ObjectEntry]:
+    def evict(self, namespace: str, num_bytes: int | None, match=None) -> MaybeAwaitable[list[ObjectEntry]]:
         """Operator eviction in one existing namespace, in the policy's victim order.
 
         Evicts until `num_bytes` are freed, or, with num_bytes None, every object `match`
         accepts (`match(entry) -> bool`; None accepts all). Leased and pinned objects are
-        never chosen. Returns the evicted entries. Raises NotFound for an unknown namespace.
+        never chosen. Evicted means out of host memory, not gone: where a tier below keeps
+        the host tier's victims (NVMe, the cluster's homes), they go there first, as under
+        pressure (a victim read or pinned meanwhile stays). Returns the entries that left
+        host memory, or an awaitable of them when they are written down first. Raises
+        NotFound for an unknown namespace.
         """
         ns = self.host.namespaces.get(namespace)
         if ns is None:
@@ -252,9 +256,13 @@ class IndexOps:
 
         if num_bytes is None:
             num_bytes = sum(e.size for oid, e in ns.objects.items() if chosen(oid))
-        evicted = []
-        for oid in ns.policy.victims(num_bytes, chosen):
-            entry = ns.objects[oid]
-            self.host.evict(ns, entry)
-            evicted.append(entry)
-        return evicted
+        victims = [ns.objects[oid] for oid in ns.policy.victims(num_bytes, chosen)]
+        if self.host.sink is None or not victims:
+            for entry in victims:
+                self.host.evict(ns, entry)
+            return victims
+        return self._evicted_below(ns, victims)
+
+    async def _evicted_below(self, ns, victims: list[ObjectEntry]) -> list[ObjectEntry]:
+        await self.host.sink(ns, victims)
+        return [entry for entry in victims if ns.objects.get(entry.object_id) is not entry]

@@ -127,3 +127,24 @@ def test_admin_lookup_after_a_restart_finds_the_nvme_objects_of_a_namespace_not_
     assert (before["hits"], before["tiers"], before["hit_chunks_per_tier"]) == (4, ["nvme"] * 4, {"nvme": 4})
     assert before["hit_bytes"] == 4 * SIZE
     assert api.post("/v1/lookup", asked)["tiers"] == before["tiers"]  # the same once the namespace is open
+
+
+@pytest.mark.parametrize("write_policy", ["write_back", "selective"])
+def test_evict_with_nvme_on_writes_objects_down_instead_of_dropping_them(daemon_factory, write_policy):
+    """Issue 41 item 5: `kvstore evict` on a write_back daemon dropped every object outright
+    although NVMe had room. Evicted means out of host memory, not gone."""
+    d = daemon_factory("16MiB", config={"nvme": {**NVME["nvme"], "write_policy": write_policy}})
+    ids = [ObjectId(bytes([i + 1]) * 32) for i in range(4)]
+    with d.client() as c:
+        for i, oid in enumerate(ids):
+            c.put(oid, np.full(SIZE, i, np.uint8))
+        assert c.lookup(ids).tiers == ("host",) * 4
+    api = AdminClient.from_data_dir(d.data_dir)
+    answer = api.post("/v1/evict", {"namespace": "default", "filter": {}})
+    assert answer["num_evicted"] == 4
+    with d.client() as c:
+        assert c.lookup(ids).tiers == ("nvme",) * 4
+        for i, oid in enumerate(ids):
+            out = np.empty(SIZE, np.uint8)
+            assert c.get_into(oid, out) == SIZE and (out == i).all()
+        c.check_integrity()
