@@ -106,13 +106,17 @@ class ClientCalls:
 
     def get_into(self, key, out, namespace: str | None = None, verify: bool = False,
                  expect: StateDescriptor | None = None) -> int | None:
-        """Copy the object into `out`; returns its size, or None on a miss (as `get`)."""
+        """Copy the object into `out`; returns its size, or None on a miss (as `get`). A miss
+        leaves `out` as it was, with one exception: an object over 1 MiB read from the
+        shared index and removed while it was being copied may leave part of its bytes in
+        `out` (staging such reads would cost a second copy; they are never a hit)."""
         return self._run(self.core.op_get_into(key, out, namespace, verify, expect))
 
     def get_many_into(self, items, namespace: str | None = None,
                       expect: StateDescriptor | None = None) -> list[int | None]:
         """Copy many objects into their buffers: `items` is (key, out) pairs; returns each
-        one's size, or None on a miss. The gets go out as one get_many frame per 1,024 keys,
+        one's size, or None on a miss (its buffer as get_into leaves it). The gets go out as
+        one get_many frame per 1,024 keys,
         so many small objects cost about one round trip, not one each. A buffer too small (or
         a refused get) raises after every other item was copied and every lease released."""
         return self._run(batched.get_many_into(self.core, list(items), namespace, expect))

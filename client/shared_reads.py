@@ -23,8 +23,13 @@ GET_MANY_COPY_MAX_BYTES) copies it into a private buffer and returns a lease ove
 The daemon does not see these hits, so they are queued and reported in one no-reply
 `touch` request (kvstore/messages.py: Touch): every HITS_PER_REPORT hits or once the oldest is
 REPORT_AFTER_S old (checked at the next hit), ahead of any other request the client sends
-(ReportingCodec), and at close. A miss from here may leave the caller's buffer partly
-written when the object was removed while it was being copied.
+(ReportingCodec), and at close.
+
+A read into the caller's buffer (get_into, get_many_into) of an object up to
+WHOLE_COPY_MAX_BYTES lands in a scratch buffer first and is copied out only once it checked:
+a miss leaves the caller's buffer untouched. A bigger object is copied (and hashed) straight
+into it, block by block: staging it would cost a second pass over memory, and a miss (an
+object removed while it was copied) may then leave part of the removed object's bytes there.
 """
 
 from __future__ import annotations
@@ -99,6 +104,7 @@ class SharedReads:
         self._oldest = 0.0  # when the oldest unreported hit was
         self._digests: dict[int, tuple[StateDescriptor, int]] = {}  # id(descriptor) -> (it, its digest)
         self._hangup = None  # select.poll on the daemon socket: anything it reports means the daemon left
+        self._scratch: np.ndarray | None = None  # where reads into caller buffers land before they are checked
 
     def watch(self, sock) -> None:
         """Read from the tables only while `sock`, the connection to the daemon, is up: a
@@ -184,12 +190,14 @@ class SharedReads:
                     or (want is not None and desc != self._digest(want))
                     or expires_at <= now):
                 continue
+            staged = out is not None and size <= WHOLE_COPY_MAX_BYTES  # the caller's buffer: only checked bytes
             if out is None:
                 out = np.empty(size, np.uint8)
             elif out.size < size:
                 continue
             if size <= WHOLE_COPY_MAX_BYTES:
-                copy = memoryview(out)[:size]  # (a memoryview's copy costs ~0.3 us less than np.copyto's)
+                # (a memoryview's copy costs ~0.3 us less than np.copyto's)
+                copy = memoryview(self._scratch_of() if staged else out)[:size]
                 copy[:] = arena[offset:offset + size]
                 landed = checked(copy)
             else:  # block by block, each hashed while in cache (8 MiB: on two threads)
@@ -197,11 +205,18 @@ class SharedReads:
             if landed != checksum or seq_at(table, at)[0] != s1:
                 self.num_refused += 1  # changed while we copied: the daemon answers instead
                 continue
+            if staged:
+                memoryview(out)[:size] = copy
             hits.append(digest)
             found[k] = (size, out, checksum)
         if hits:
             self._hit(namespace, hits)
         return found
+
+    def _scratch_of(self) -> np.ndarray:
+        if self._scratch is None:  # made at the first read into a caller's buffer; reused after
+            self._scratch = np.empty(WHOLE_COPY_MAX_BYTES, np.uint8)
+        return self._scratch
 
     def op_read_into(self, namespace: str, oid, dst: np.ndarray, want):
         """get_into from the index: the size copied into `dst`, or None (ask the daemon)."""
