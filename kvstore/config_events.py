@@ -15,10 +15,12 @@ ServerConfig); the daemon's publisher (server/events/) takes it with its endpoin
     int_block_hashes = true                     # bytes hashes as vLLM's default int form
     ownership = ""                              # "" = left out (as vLLM's engine events)
     heartbeat_s = 1.0                           # an empty batch repeating the last seq; 0 = none
+    socket_mode = 0o600                         # of every ipc:// socket (the client socket's)
 
     [events.namespaces.tenant-a]                # this namespace on endpoints of its own only
     endpoint = "ipc:///run/kvstore/tenant-a.pub"        # "" = ipc://<data_dir>/events-<name>.pub
     replay_endpoint = "ipc:///run/kvstore/tenant-a.replay"
+    socket_mode = 0o660                         # left out: events.socket_mode
 """
 
 from __future__ import annotations
@@ -41,6 +43,14 @@ MAX_BUFFER_BATCHES = 1_000_000
 MAX_HWM = 10_000_000
 # A router that hears nothing for an hour has no use for the heartbeat; past it, a typo.
 MAX_HEARTBEAT_S = 3600.0
+# What a namespace's table of endpoints of its own may say.
+_OWN_KEYS = ("endpoint", "replay_endpoint", "socket_mode")
+
+
+def check_socket_mode(key: str, value) -> None:
+    """Refuse anything but a file mode in 0..0o777; errors name `key`."""
+    if type(value) is not int or not 0 <= value <= 0o777:
+        raise InvalidArgument(f"{key} must be a file mode in 0..0o777 (e.g. 0o600), got {value!r}")
 
 
 def check_endpoint(key: str, value) -> None:
@@ -85,6 +95,10 @@ class EventsConfig:
     # repeating its last sequence number (no number taken, not kept for replay): a router
     # learns the daemon lives and the latest number without waiting for a change. 0: none.
     heartbeat_s: float = 1.0
+    # The mode of every ipc:// socket the stream binds, whatever the daemon's umask (as the
+    # client socket's `socket_mode`): who can connect reads snapshots, and snapshots carry
+    # the routes' token ids (prompts). A namespace's own endpoints may say otherwise.
+    socket_mode: int = 0o600
 
     def __post_init__(self) -> None:
         for name in ("endpoint", "replay_endpoint"):
@@ -99,7 +113,7 @@ class EventsConfig:
             raise InvalidArgument(f"events.ownership must be a string of at most 64 characters, got {self.ownership!r}")
         object.__setattr__(self, "namespaces", _own_endpoints(self.namespaces))
         taken = [e for e in (self.endpoint, self.replay_endpoint) if e]
-        taken += [e for ends in self.namespaces.values() for e in ends.values() if e]
+        taken += [ends[k] for ends in self.namespaces.values() for k in ("endpoint", "replay_endpoint") if ends[k]]
         if len(taken) != len(set(taken)):
             raise InvalidArgument(f"events: every endpoint must differ, got {sorted(taken)}")
         if not isinstance(self.topic, str) or len(self.topic.encode()) > 256:
@@ -113,40 +127,45 @@ class EventsConfig:
                 or not 0 <= self.heartbeat_s <= MAX_HEARTBEAT_S):  # NaN fails the comparison too
             raise InvalidArgument(f"events.heartbeat_s must be a number of seconds in 0..{MAX_HEARTBEAT_S:g} "
                                   f"(0: no heartbeats), got {self.heartbeat_s!r}")
+        check_socket_mode("events.socket_mode", self.socket_mode)
 
     def under(self, data_dir: str) -> EventsConfig:
         """This table with empty endpoints made ipc:// paths in `data_dir` (checked again)."""
         def ipc(name: str) -> str:
             return f"ipc://{os.path.join(data_dir, name)}"
-        own = {ns: {"endpoint": ends["endpoint"] or ipc(f"events-{ns}.pub"),
+        own = {ns: {**ends, "endpoint": ends["endpoint"] or ipc(f"events-{ns}.pub"),
                     "replay_endpoint": ends["replay_endpoint"] or ipc(f"events-{ns}.replay")}
                for ns, ends in self.namespaces.items()}
         return replace(self, endpoint=self.endpoint or ipc("events.pub"),
                        replay_endpoint=self.replay_endpoint or ipc("events.replay"), namespaces=own)
 
     def own_endpoints(self, namespace: str) -> EventsConfig | None:
-        """The table a namespace with endpoints of its own is published under (its endpoints
-        in place of the shared ones), or None for one published on the shared endpoints."""
+        """The table a namespace with endpoints of its own is published under (its endpoints,
+        and socket_mode if it names one, in place of the shared ones), or None for one
+        published on the shared endpoints."""
         ends = self.namespaces.get(namespace)
         return None if ends is None else replace(self, namespaces={}, **ends)
 
 
 def _own_endpoints(value) -> dict:
-    """events.namespaces, checked: name -> {"endpoint", "replay_endpoint"} (both present)."""
+    """events.namespaces, checked: name -> {"endpoint", "replay_endpoint"} (both present),
+    and "socket_mode" where the table names one."""
     if not isinstance(value, dict):
         raise InvalidArgument("events.namespaces must be a table of namespaces")
     out = {}
     for name, ends in value.items():
         check_name("events.namespaces: a namespace", name)  # before it is shown raw in a key below
         key = f"events.namespaces.{name}"
-        if not isinstance(ends, dict) or not set(ends) <= {"endpoint", "replay_endpoint"}:
-            raise InvalidArgument(f"{key} must be a table with endpoint and replay_endpoint")
-        ends = {"endpoint": ends.get("endpoint", ""), "replay_endpoint": ends.get("replay_endpoint", "")}
+        if not isinstance(ends, dict) or not set(ends) <= set(_OWN_KEYS):
+            raise InvalidArgument(f"{key} must be a table of {', '.join(_OWN_KEYS)}")
+        if "socket_mode" in ends:
+            check_socket_mode(f"{key}.socket_mode", ends["socket_mode"])
+        ends = {**ends, "endpoint": ends.get("endpoint", ""), "replay_endpoint": ends.get("replay_endpoint", "")}
         if "" in ends.values() and ("/" in name or name in (".", "..")):
             raise InvalidArgument(f"{key}: a name of its own endpoints' files in the data directory "
                                   "(events-<name>.pub) has no '/': name both endpoints")
-        for k, v in ends.items():
-            if v != "":
-                check_endpoint(f"{key}.{k}", v)
+        for k in ("endpoint", "replay_endpoint"):
+            if ends[k] != "":
+                check_endpoint(f"{key}.{k}", ends[k])
         out[name] = ends
     return out

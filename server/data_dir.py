@@ -102,11 +102,24 @@ def _private_dir(path: str) -> None:
                     "their names)", path, mode)
 
 
+def private_directory(path: str, error: type[Exception], what: str, risk: str, fix: str) -> None:
+    """Make directory `path` (0700, parents as needed), or take an existing one by
+    refuse_unless_ours' rule; `error` naming `what` and `fix` if it cannot be made. Where a
+    socket is bound: whoever could write its directory could serve at its path (the client
+    socket's directory, server/socket_path.py; the event stream's ipc sockets', server/events)."""
+    try:
+        os.makedirs(path, mode=0o700, exist_ok=True)
+        st = os.stat(path)
+    except OSError as exc:
+        raise error(f"cannot make {what} {path}: {exc.strerror or exc}. {fix}") from None
+    refuse_unless_ours(path, st, error, what, risk, fix)
+
+
 def refuse_unless_ours(path: str, st: os.stat_result, error: type[Exception], what: str, risk: str,
                       fix: str) -> int:
     """The mode of directory `path` (stat `st`) if this user owns it and nobody else can write
     it; else `error`, naming the owner or the mode, what whoever controls it could do (`risk`)
-    and `fix`. The data directory and the socket's directory share this rule."""
+    and `fix`. The data directory and every directory a socket is bound in share this rule."""
     mode = stat.S_IMODE(st.st_mode)
     if st.st_uid != os.geteuid():
         raise error(f"{what} {path} belongs to uid {st.st_uid}, not to this user ({os.geteuid()}), "

@@ -18,7 +18,7 @@ import socket
 import stat
 
 from kvstore.errors import ServiceError
-from kvstore.server.data_dir import HeldLock, refuse_unless_ours
+from kvstore.server.data_dir import HeldLock, private_directory
 
 
 class SocketPathError(ServiceError):
@@ -48,16 +48,9 @@ def claim_socket_path(path: str) -> HeldLock:
 
 
 def _private_directory(directory: str) -> None:
-    try:
-        os.makedirs(directory, mode=0o700, exist_ok=True)
-        st = os.stat(directory)
-    except OSError as exc:
-        raise SocketPathError(f"cannot make the socket's directory {directory}: {exc.strerror or exc}; "
-                              "set socket_path in the config or --socket") from None
-    refuse_unless_ours(directory, st, SocketPathError, "the socket's directory",
-                       "could put another server at the socket's path",
-                       "Name a socket in a directory only you can write, or in one that does not exist yet "
-                       "(the daemon makes it 0700): socket_path / --socket, $KVSTORE_SOCKET or $XDG_RUNTIME_DIR")
+    private_directory(directory, SocketPathError, "the socket's directory", "could put another server at the socket's path",
+                      "Name a socket in a directory only you can write, or in one that does not exist yet "
+                      "(the daemon makes it 0700): socket_path / --socket, $KVSTORE_SOCKET or $XDG_RUNTIME_DIR")
 
 
 def _clear_stale(path: str) -> None:

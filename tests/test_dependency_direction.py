@@ -26,7 +26,7 @@ ALLOWED = {
 # The event stream for routers is a leaf the tiers report to; it knows nothing of them.
 SERVER = {
     "server/peer": {"server.peer", "server.later", "server.logs"},
-    "server/events": {"server.events"},
+    "server/events": {"server.events", "server.data_dir"},  # the rule for a directory a socket is bound in
     "server/tiering": {"server.tiering", "server.later", "server.host_memory", "server.events", "server.windows"},
     "server/cluster": {"server.cluster", "server.peer", "server.tiering", "server.later", "server.events"},
     "server/pool": {"server.pool", "server.tiering", "server.later", "server.events"},  # a Mooncake pool

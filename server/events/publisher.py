@@ -32,6 +32,7 @@ the gap in the sequence numbers and replays).
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections import deque
 from collections.abc import Callable
@@ -41,6 +42,7 @@ import zmq
 
 from kvstore.config_events import EventsConfig
 from kvstore.errors import KVStoreError
+from kvstore.server.data_dir import private_directory
 from kvstore.server.events.snapshot import Snapshot
 from kvstore.server.events.wire import END_SEQ, Wire, seq_bytes, topic_of
 
@@ -60,6 +62,7 @@ SNAPSHOT_REQUEST = b"snapshot"
 # Snapshots asked and not yet sent. Past this a request is refused (counted): the router hears
 # no end marker and asks again; what a flood of requests can make the daemon hold is bounded.
 MAX_QUEUED_SNAPSHOTS = 64
+IPC = "ipc://"
 
 
 class Heartbeat(NamedTuple):
@@ -136,15 +139,37 @@ class ZmqPublisher:
         sock.setsockopt(zmq.SNDHWM, hwm)
         sock.setsockopt(zmq.LINGER, CLOSE_LINGER_MS)
         try:
-            sock.bind(endpoint)
-        except zmq.ZMQError as exc:
+            if endpoint.startswith(IPC):
+                self._bind_ipc(sock, endpoint[len(IPC):], key)
+            else:
+                sock.bind(endpoint)
+        except (zmq.ZMQError, OSError, EventsError) as exc:
             sock.close(linger=0)
             if close_first is not None:
                 close_first.close(linger=0)
             self._ctx.term()
+            if isinstance(exc, EventsError):
+                raise
             raise EventsError(f"{key} = {endpoint!r} cannot be bound: {exc}. Name a free address "
                               f"(tcp://127.0.0.1:<port> or ipc://<path>)") from None
         return sock
+
+    def _bind_ipc(self, sock: zmq.Socket, path: str, key: str) -> None:
+        """Bind a Unix socket as the client socket is made (server/socket_path.py): in a
+        directory only this user can write (made 0700 if missing), created under umask 077 so
+        no other user can connect before its mode is set, then given `socket_mode`. Whoever
+        connects reads every snapshot, routes' token ids (prompts) included. libzmq creates
+        the file in the calling thread, within bind()."""
+        private_directory(os.path.dirname(os.path.abspath(path)), EventsError, f"{key}'s directory",
+                          "could put another publisher at its path",
+                          f"Name an ipc:// path in a directory only this user can write, or in one that does not "
+                          f"exist yet (the daemon makes it 0700): {key}")
+        umask = os.umask(0o077)
+        try:
+            sock.bind(f"{IPC}{path}")
+        finally:
+            os.umask(umask)
+        os.chmod(path, self.config.socket_mode)
 
     def offer(self, ring, batch) -> bool:
         """Queue a numbered batch for sending, without blocking: False when the queue is full
