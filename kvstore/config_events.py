@@ -99,6 +99,9 @@ class EventsConfig:
     # client socket's `socket_mode`): who can connect reads snapshots, and snapshots carry
     # the routes' token ids (prompts). A namespace's own endpoints may say otherwise.
     socket_mode: int = 0o600
+    # Filled in by under(), not a key of the file: the data directory, where the stream
+    # keeps which life of it this daemon is (server/events/lives.py); "": none (no daemon).
+    data_dir: str = field(default="", init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         for name in ("endpoint", "replay_endpoint"):
@@ -130,14 +133,17 @@ class EventsConfig:
         check_socket_mode("events.socket_mode", self.socket_mode)
 
     def under(self, data_dir: str) -> EventsConfig:
-        """This table with empty endpoints made ipc:// paths in `data_dir` (checked again)."""
+        """This table with empty endpoints made ipc:// paths in `data_dir` (checked again), and
+        `data_dir` kept for the stream's record of its lives."""
         def ipc(name: str) -> str:
             return f"ipc://{os.path.join(data_dir, name)}"
         own = {ns: {**ends, "endpoint": ends["endpoint"] or ipc(f"events-{ns}.pub"),
                     "replay_endpoint": ends["replay_endpoint"] or ipc(f"events-{ns}.replay")}
                for ns, ends in self.namespaces.items()}
-        return replace(self, endpoint=self.endpoint or ipc("events.pub"),
-                       replay_endpoint=self.replay_endpoint or ipc("events.replay"), namespaces=own)
+        filled = replace(self, endpoint=self.endpoint or ipc("events.pub"),
+                         replay_endpoint=self.replay_endpoint or ipc("events.replay"), namespaces=own)
+        object.__setattr__(filled, "data_dir", data_dir)  # not an argument: no config file sets it
+        return filled
 
     def own_endpoints(self, namespace: str) -> EventsConfig | None:
         """The table a namespace with endpoints of its own is published under (its endpoints,

@@ -34,7 +34,8 @@ def endpoints(daemon) -> tuple[str, str]:
 class EventSubscriber:
     """One namespace's topic on the PUB endpoint, and a DEALER on the replay endpoint.
     received: (seq, payload bytes) of the batches in arrival order; heartbeats: those of the
-    heartbeats (empty batches repeating a number: `[events] heartbeat_s`); frames: both."""
+    heartbeats (empty batches repeating a number: `[events] heartbeat_s`), with the empty
+    batches a subscription seals with (a subscriber cannot tell them apart); frames: both."""
 
     def __init__(self, daemon, namespace: str, prefix: str = "kvstore.", rcvhwm: int | None = None,
                  at: tuple[str, str] | None = None):
@@ -149,9 +150,47 @@ def last_seq(client, namespace: str) -> int:
 
 def wait_subscribed(subscriber: EventSubscriber, poke) -> None:
     """ZMQ subscriptions take effect a moment after connect: poke() (a put in the namespace)
-    until a frame arrives. The frames after it come gapless."""
+    until a batch of events arrives (not a heartbeat, nor the seal of a poke that went before
+    the subscription). The frames after it come gapless."""
     for _ in range(200):
         poke()
-        if subscriber.receive(timeout_ms=100) is not None:
-            return
+        while subscriber.receive(timeout_ms=100) is not None:
+            if events_of(subscriber.frames[-1][1]):
+                return
     raise AssertionError("the subscription never took effect")
+
+
+class VllmRules:
+    """A router that follows vLLM's subscriber rules and knows nothing of kvstore's
+    (vLLM's examples/online_serving/kv_events_subscriber.py): every frame it receives is
+    applied in arrival order, heartbeats too (an empty batch); a number past `last + 1` first
+    asks for a replay from `last + 1` (vLLM's request, which names no topic: the namespace
+    "default") and applies the replayed batches numbered before it. No snapshot, no
+    AllBlocksCleared rule beyond applying it. held: medium -> block hashes."""
+
+    def __init__(self, subscriber: EventSubscriber):
+        self.subscriber = subscriber
+        self.last = -1
+        self.held: dict[str, set] = {}
+
+    def step(self, timeout_ms: int = POLL_MS) -> bool:
+        """Apply the next frame (and the replay it calls for); False when none came."""
+        got = self.subscriber.receive(timeout_ms)
+        if got is None:
+            return False
+        seq, payload = got
+        if self.last >= 0 and seq > self.last + 1:
+            for replayed, body in self.subscriber.replay(self.last + 1):
+                if self.last < replayed < seq:
+                    held_media(events_of(body), self.held)
+        held_media(events_of(payload), self.held)
+        self.last = seq
+        return True
+
+    def follow_until(self, last: int, what: str) -> None:
+        """Apply frames until one numbered `last` or later came (AssertionError naming `what`
+        if the stream dries up: a liveness bound, not a timing)."""
+        while self.last < last:
+            if not self.step():
+                raise AssertionError(f"{what}: no frame within {POLL_MS} ms; last applied {self.last}, "
+                                     f"waiting for {last}")

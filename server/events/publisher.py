@@ -12,6 +12,9 @@ Compatible with vLLM's ZmqEventPublisher (vllm/distributed/kv_events.py):
                     frame's S is the namespace's last batch number (server/events/snapshot.py)
     heartbeat       PUB [topic, S, KVEventBatch(ts, [])] every `heartbeat_s` per namespace that
                     published: an empty batch repeating its last number S, not kept for replay
+    subscription    the PUB socket is an XPUB (the same frames for subscribers): each
+                    subscription that takes effect reaches the thread, which hands it to the
+                    loop (`subscribed`, given at start) to seal the namespaces it matches
 
 Each namespace numbers its own batches, so a replay names the namespace by its topic; vLLM's
 form, which names none, replays namespace VLLM_REPLAY_NAMESPACE. b"snapshot" is never a
@@ -80,7 +83,7 @@ class ZmqPublisher:
     """Made by the daemon with its EventStream; `start()` binds at the daemon's start."""
 
     def __init__(self, config: EventsConfig, rings: dict, namespace: str | None = None):
-        """rings: topic -> server.events.stream.Ring, the batches a replay may send (the
+        """rings: topic -> server.events.ring.Ring, the batches a replay may send (the
         stream adds rings while the thread reads them): those of this publisher's namespaces
         only. namespace: the one namespace of endpoints of its own (`[events.namespaces.<name>]`,
         config.own_endpoints), which vLLM's replay form replays; None: the shared endpoints."""
@@ -97,6 +100,7 @@ class ZmqPublisher:
         self._thread: threading.Thread | None = None
         self._vllm_topic = topic_of(config.topic, namespace or VLLM_REPLAY_NAMESPACE)
         self._ask_snapshot: Callable[[bytes, bytes], None] | None = None
+        self._subscribed: Callable[[bytes], None] | None = None
         self._snapshots_queued = self._snapshots_taken = 0  # written by the loop and the thread, one each
         self.num_sent_batches = 0  # written by the thread only
         self.num_replays = 0
@@ -104,15 +108,21 @@ class ZmqPublisher:
         self.num_snapshot_requests = 0
         self.num_snapshots = 0  # sent whole, end marker included
         self.num_heartbeats = 0
+        self.num_subscriptions = 0
 
-    def start(self, ask_snapshot: Callable[[bytes, bytes], None] | None = None) -> None:
+    def start(self, ask_snapshot: Callable[[bytes, bytes], None] | None = None,
+              subscribed: Callable[[bytes], None] | None = None) -> None:
         """Bind both endpoints (EventsError naming the key if one cannot be bound) and start
         the thread. On the event loop thread, once. ask_snapshot(client, topic): called in
         the thread for each snapshot request, returns at once; the loop answers through
-        offer_snapshot. None: snapshot requests go unanswered."""
+        offer_snapshot. None: snapshot requests go unanswered. subscribed(prefix): called in
+        the thread for each subscription that took effect (a topic, or a prefix of topics:
+        b"" for all), returns at once; frames sent after it reach that subscriber."""
         self._ask_snapshot = ask_snapshot
+        self._subscribed = subscribed
         self._ctx = zmq.Context()
-        pub = self._bind(zmq.PUB, self.config.endpoint, f"{self._key}.endpoint", self.config.hwm)
+        pub = self._bind(zmq.XPUB, self.config.endpoint, f"{self._key}.endpoint", self.config.hwm)
+        pub.setsockopt(zmq.XPUB_VERBOSE, 1)  # every subscription, not only a topic's first
         # A full replay plus its end marker must fit in the ROUTER's queue for a slow reader
         # (vLLM's sizing: ZMQ acknowledges reads only every HWM/2 messages).
         router = self._bind(zmq.ROUTER, self.config.replay_endpoint, f"{self._key}.replay_endpoint",
@@ -223,7 +233,7 @@ class ZmqPublisher:
         return {"num_sent_batches": self.num_sent_batches, "num_replays": self.num_replays,
                 "num_bad_replay_requests": self.num_bad_replay_requests, "queued_batches": len(self._queue),
                 "num_snapshot_requests": self.num_snapshot_requests, "num_snapshots": self.num_snapshots,
-                "num_heartbeats": self.num_heartbeats}
+                "num_heartbeats": self.num_heartbeats, "num_subscriptions": self.num_subscriptions}
 
     # --- the thread -------------------------------------------------------------------
 
@@ -231,10 +241,13 @@ class ZmqPublisher:
         poller = zmq.Poller()
         poller.register(wake_in, zmq.POLLIN)
         poller.register(router, zmq.POLLIN)
+        poller.register(pub, zmq.POLLIN)  # subscriptions
         try:
             running = True
             while running:
                 ready = dict(poller.poll())
+                if pub in ready:
+                    self._take_subscriptions(pub)
                 if router in ready:
                     self._serve_replays(router)
                 if wake_in in ready:
@@ -282,6 +295,19 @@ class ZmqPublisher:
         except zmq.ZMQError:  # its queue is full (the reader is slow, or replaying), or it left
             return  # no end marker: the router asks again
         self.num_snapshots += 1
+
+    def _take_subscriptions(self, pub: zmq.Socket) -> None:
+        """XPUB hands each subscription over as a byte 1 then the prefix (0: an unsubscription),
+        once it applies to what the socket sends next."""
+        while True:
+            try:
+                message = pub.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if message[:1] == b"\x01":
+                self.num_subscriptions += 1
+                if self._subscribed is not None:
+                    self._subscribed(message[1:])
 
     def _serve_replays(self, router: zmq.Socket) -> None:
         while True:

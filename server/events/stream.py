@@ -2,21 +2,30 @@
 
     a tier stores or drops an object -> stored() / removed() append to its namespace's batch
     FLUSH_INTERVAL_S after the first -> each namespace's batch gets its next sequence number,
-                                        joins that namespace's replay ring, and is offered to
-                                        the publisher thread (server/events/publisher.py)
+                                        joins that namespace's replay ring (ring.py), and is
+                                        offered to the publisher thread (publisher.py)
     the thread's queue is full       -> the batch is not sent live (counted in
                                         num_dropped_batches); the subscriber sees a gap in the
                                         sequence numbers at its next batch and replays it
 
-Sequence numbers are per namespace (each namespace is one topic), from 0 at start, gapless:
-every number is in the ring before it is offered. The calls never block and do no I/O; a tier
-calls them on the event loop thread only. `NoEvents` stands in when `[events]` is off.
+Sequence numbers are per namespace (each namespace is one topic), gapless within a daemon's
+life: every number is in the ring before it is offered. A life numbers from its first_seq,
+past every number an earlier life of the data directory used (lives.py), so a restart is a
+gap to any subscriber. The calls never block and do no I/O (a namespace's first batch ever
+has its name written down by a worker thread); a tier calls them on the event loop thread
+only. `NoEvents` stands in when `[events]` is off.
 
+    the daemon starts                -> a life after the first records AllBlocksCleared in each
+                                        namespace an earlier life published, and begins any
+                                        other namespace's first batch with one
     every heartbeat_s                -> each namespace that published offers a heartbeat: its
                                         last number again, no events, not in the ring
+    a subscription takes effect      -> each namespace it matches whose last batch has events
+                                        (and none pending) gets an empty batch, numbered and
+                                        kept: a seal (_seal says why)
     a router asks for a snapshot     -> the publisher thread hands it to the loop; the loop
                                         flushes, copies the namespace's holdings and offers
-                                        the snapshot back (server/events/snapshot.py)
+                                        the snapshot back (snapshot.py)
     at start, with NVMe              -> what NVMe kept joins the holdings unpublished (kept());
                                         snapshots asked meanwhile wait for restored()
 """
@@ -26,12 +35,13 @@ from __future__ import annotations
 import asyncio
 import functools
 import time
-from collections import deque
 from dataclasses import dataclass
 
 from kvstore.config_events import EventsConfig
 from kvstore.identity import Kind
 from kvstore.server.events.holdings import Holdings
+from kvstore.server.events.lives import Lives, OneLife
+from kvstore.server.events.ring import Ring
 from kvstore.server.events.snapshot import Snapshot
 from kvstore.server.events.wire import CLEARED, MEDIUM_PEER, REMOVED, STORED, namespace_of, topic_of
 
@@ -41,10 +51,6 @@ from kvstore.server.events.wire import CLEARED, MEDIUM_PEER, REMOVED, STORED, na
 # 0.82-0.87x with 2 ms, 1.0x with 50 ms, and within that run's noise (0.89-1.04x) with 10 ms,
 # where the lag from a put's reply to its event is ~5 ms at the median.
 FLUSH_INTERVAL_S = 0.01
-# A namespace's replay ring keeps at most this many events (~150 B each: ~150 MB), whatever
-# buffer_batches says: batches of 10 ms under a put_many stream hold hundreds of events, and
-# 10,000 of them would be gigabytes. A replay from further back gets what is kept (as vLLM's).
-MAX_RING_EVENTS = 1_000_000
 
 
 class NoEvents:
@@ -85,46 +91,13 @@ class NoEvents:
 
 
 @dataclass(slots=True)
-class Batch:
-    seq: int
-    ts: float  # wall-clock seconds, like vLLM's
-    events: list[tuple]  # wire.STORED / REMOVED / CLEARED tuples
-
-
-class Ring:
-    """One namespace's last batches, for replays: at most `size` batches and MAX_RING_EVENTS
-    events. Appended (and trimmed) on the event loop only; read by the publisher thread
-    through `since`, which copies the deque in one C call (list() holds the GIL throughout,
-    so no change lands in the middle of it): no lock on the put path."""
-
-    def __init__(self, topic: bytes, size: int):
-        self.topic = topic
-        self.next_seq = 0
-        self.size = size
-        self.num_events = 0
-        self._batches: deque[Batch] = deque()
-
-    def append(self, ts: float, events: list[tuple]) -> Batch:
-        batch = Batch(self.next_seq, ts, events)
-        self._batches.append(batch)
-        self.next_seq += 1
-        self.num_events += len(events)
-        while len(self._batches) > self.size or (self.num_events > MAX_RING_EVENTS and len(self._batches) > 1):
-            self.num_events -= len(self._batches.popleft().events)
-        return batch
-
-    def since(self, seq: int) -> list[Batch]:
-        """The kept batches numbered `seq` and later, oldest first (a copy). Any thread."""
-        return [b for b in list(self._batches) if b.seq >= seq]
-
-
-@dataclass(slots=True)
 class StreamCounters:
     num_batches: int = 0  # batches numbered and kept for replay
     num_events: int = 0
     num_dropped_batches: int = 0  # not sent live: the publisher thread's queue was full
     num_refused_snapshots: int = 0  # too many waiting for the thread: the router asks again
     num_kept_objects: int = 0  # what NVMe kept over the restart, in the holdings unpublished
+    num_seals: int = 0  # empty batches after a subscription (EventStream._seal)
 
 
 class EventStream:
@@ -153,18 +126,30 @@ class EventStream:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._heartbeat_timer: asyncio.TimerHandle | None = None
         self._waiting: list[tuple[bytes, bytes]] | None = None  # snapshots asked while restoring
+        # Which life of the data directory this is (config.data_dir, filled in by EventsConfig.under)
+        self.lives = Lives(config.data_dir) if config.data_dir else OneLife()
 
     def start(self) -> None:
-        """Bind the sockets and start the publisher thread (at the daemon's start, on the event
-        loop: heartbeats and snapshots run there; without a running loop there are none)."""
+        """Begin this life (DataDirError if its record cannot be kept), bind the sockets and
+        start the publisher thread (at the daemon's start, after it holds the data directory,
+        on the event loop: heartbeats and snapshots run there; without a running loop there
+        are none). Then, in a life after the first, each namespace an earlier life published
+        gets AllBlocksCleared as its first batch: a router drops what that life told it."""
+        self.lives.begin()
         try:
             self._loop = asyncio.get_running_loop()
         except RuntimeError:
             self._loop = None
         for publisher in self._publishers():
-            publisher.start(functools.partial(self._snapshot_asked, publisher) if self._loop is not None else None)
+            if self._loop is None:
+                publisher.start()
+            else:
+                publisher.start(functools.partial(self._snapshot_asked, publisher),
+                                functools.partial(self._subscription_took_effect, publisher))
         if self._loop is not None and self.config.heartbeat_s > 0:
             self._heartbeat_timer = self._loop.call_later(self.config.heartbeat_s, self._heartbeat)
+        for namespace in self.lives.previous:
+            self._record(namespace, (CLEARED,))
 
     # --- what the tiers report (event loop thread) -------------------------------------
 
@@ -240,6 +225,33 @@ class EventStream:
         if not publisher.offer_snapshot(snapshot):
             self.counters.num_refused_snapshots += 1
 
+    def _subscription_took_effect(self, publisher, prefix: bytes) -> None:
+        """A subscriber of `publisher` now receives the topics that start with `prefix` (its
+        thread): sealed on the loop."""
+        try:
+            self._loop.call_soon_threadsafe(self._seal, publisher, prefix)
+        except RuntimeError:  # the loop is closed: the daemon is stopping
+            pass
+
+    def _seal(self, publisher, prefix: bytes) -> None:
+        """After a subscription: each of `publisher`'s namespaces whose topic starts with
+        `prefix`, whose last batch has events and that has none pending, gets an empty batch.
+
+        A subscriber that follows vLLM's rules replays only when a frame's number skips, and
+        takes a heartbeat for the batch whose number it repeats. One that subscribes (or
+        reconnects: after a restart, at a moment nobody knows) after batch S went would take
+        the heartbeats repeating S for S itself, and never see S. The seal is numbered S + 1
+        and reaches it, so it replays S; later heartbeats repeat S + 1, which holds nothing.
+        Event loop thread."""
+        for name, ring in self._by_namespace.items():
+            if (ring.topic.startswith(prefix) and name not in self._pending and ring.last_has_events()
+                    and self._publisher_of(name) is publisher):
+                batch = ring.append(time.time(), [])
+                self.counters.num_batches += 1
+                self.counters.num_seals += 1
+                if not publisher.offer(ring, batch):
+                    self.counters.num_dropped_batches += 1
+
     def _publisher_of(self, namespace: str):
         return self._own.get(namespace, self.publisher)
 
@@ -256,8 +268,13 @@ class EventStream:
 
     def _record(self, namespace: str, event: tuple) -> None:
         pending = self._pending.get(namespace)
+        ring = self._by_namespace.get(namespace)
+        if event == (CLEARED,) and (pending[-1:] == [event] if pending else ring is not None and ring.ends_cleared()):
+            return  # nothing since the last AllBlocksCleared: another says nothing
         if pending is None:
             pending = self._pending[namespace] = []
+            if ring is None and self.lives.life > 0 and event != (CLEARED,):
+                pending.append((CLEARED,))  # a new life's first batch: forget the earlier ones
         pending.append(event)
         if not self._flush_scheduled:
             self._flush_scheduled = True
@@ -283,9 +300,10 @@ class EventStream:
     def _ring(self, namespace: str) -> Ring:
         ring = self._by_namespace.get(namespace)
         if ring is None:
-            ring = Ring(topic_of(self.config.topic, namespace), self.config.buffer_batches)
+            ring = Ring(topic_of(self.config.topic, namespace), self.config.buffer_batches, self.lives.first_seq)
             self._by_namespace[namespace] = self.rings[ring.topic] = ring
             self._publisher_of(namespace).rings[ring.topic] = ring
+            self.lives.named(namespace)
         return ring
 
     def namespaces(self) -> list[str]:
@@ -305,7 +323,7 @@ class EventStream:
         doc = {"namespaces": {name: {"topic": ring.topic.decode(errors="replace"), "next_seq": ring.next_seq}
                               for name, ring in self._by_namespace.items()},
                "endpoint": self.config.endpoint, "replay_endpoint": self.config.replay_endpoint,
-               "heartbeat_s": self.config.heartbeat_s, "restoring": self._waiting is not None,
+               "heartbeat_s": self.config.heartbeat_s, "restoring": self._waiting is not None, "life": self.lives.life,
                "pending_events": sum(map(len, self._pending.values())), "held_objects": self.holdings.count()}
         doc.update({k: getattr(self.counters, k) for k in self.counters.__slots__})
         for publisher in self._publishers():  # counts of every endpoint's publisher together

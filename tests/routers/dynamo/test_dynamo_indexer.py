@@ -7,6 +7,8 @@ prompt in its host tier (medium CPU), worker 2 on NVMe only (STORAGE), worker 3 
 prompts only; the ranking is Dynamo's.
 """
 
+import signal
+
 import pytest
 
 from dynamo_indexer import NOTHING, DynamoIndexer, Held
@@ -42,10 +44,11 @@ def prompts():
 class Node:
     """A daemon whose `default` namespace Dynamo reads as worker `worker_id`."""
 
-    def __init__(self, daemon, worker_id: int, prompts, dynamo):
-        self.worker_id, self.prompts, self.dynamo = worker_id, prompts, dynamo
+    def __init__(self, daemon, worker_id: int, prompts, dynamo, replay: bool = False):
+        """replay: register the replay endpoint too (Dynamo then asks it for what it missed)."""
+        self.daemon, self.worker_id, self.prompts, self.dynamo = daemon, worker_id, prompts, dynamo
         self.client = daemon.client()
-        dynamo.register(worker_id, endpoints(daemon)[0])
+        dynamo.register(worker_id, *(endpoints(daemon) if replay else endpoints(daemon)[:1]))
         self.sync()
 
     def put(self, prompt, routes: bool = True) -> None:
@@ -73,6 +76,13 @@ class Node:
                 return
             self.put(self.prompts.new(1))
         raise AssertionError(f"{MAX_FILLERS} objects put did not demote the prompt to NVMe only")
+
+    def restart(self, sig, arena_bytes: str) -> None:
+        """Stop the daemon with `sig` and start it again on its data directory."""
+        self.client.close()
+        assert self.daemon.stop(sig) is not None
+        self.daemon.start(arena_bytes)
+        self.client = self.daemon.client()
 
     def close(self) -> None:
         self.client.close()
@@ -129,3 +139,25 @@ def test_dynamo_indexes_what_was_put_with_a_route_and_nothing_without(nodes, dyn
     assert dynamo.held(bare.tokens).get(node.worker_id, NOTHING) == NOTHING
     n = len(routed.tokens)
     assert dynamo.held(routed.tokens).get(node.worker_id) == Held(longest_matched=n, gpu=0, cpu=n, disk=n)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
+def test_dynamo_drops_a_restarted_daemons_old_blocks_and_indexes_its_new_ones(daemon_factory, dynamo, prompts, sig):
+    """Dynamo stays subscribed while the daemon restarts (issue 41, item 9): the new daemon's
+    numbers skip past the old one's, Dynamo replays (vLLM's request) from its last number and
+    gets the new daemon's first batch, AllBlocksCleared, then the new puts."""
+    node = Node(daemon_factory("32MiB", EVENTS), 1, prompts, dynamo, replay=True)
+    try:
+        old = prompts.new(4)
+        node.put(old)
+        node.sync()
+        n = len(old.tokens)
+        assert dynamo.held(old.tokens).get(node.worker_id) == Held(longest_matched=n, gpu=0, cpu=n, disk=n)
+        node.restart(sig, "32MiB")
+        new = prompts.new(4)
+        node.put(new)
+        node.sync()
+        assert dynamo.held(new.tokens).get(node.worker_id) == Held(longest_matched=n, gpu=0, cpu=n, disk=n)
+        assert dynamo.held(old.tokens).get(node.worker_id, NOTHING) == NOTHING
+    finally:
+        node.close()

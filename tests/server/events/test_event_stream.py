@@ -15,11 +15,12 @@ from kvs_testing import wait_until
 from kvstore.server.events import MEDIUM_CPU, MEDIUM_PEER, MEDIUM_STORAGE, EventStream, topic_of
 from kvstore.server.events import holdings as holdings_module
 from kvstore.server.events.publisher import ZmqPublisher
-from kvstore.server.events import stream as stream_module
+from kvstore.server.events import ring as ring_module
 from kvstore.server.events.stream import FLUSH_INTERVAL_S
 from kvstore.server.events.wire import CLEARED, REMOVED, STORED, Wire, encode_batch
 
 A, B = b"a" * 32, b"b" * 32
+LIVENESS_STEPS = 1000  # of FLUSH_INTERVAL_S each: a bound on the publisher thread answering, not a timing
 DESC = StateDescriptor("default", "m", "r1", kind="kv", dtype="bf16")  # chunk_tokens 256
 SMALL = DESC.with_(chunk_tokens=16)
 
@@ -53,8 +54,8 @@ def test_a_refused_batch_is_counted_and_kept_for_replay():
 
 
 def test_the_ring_keeps_at_most_its_batches_and_max_ring_events(monkeypatch):
-    monkeypatch.setattr(stream_module, "MAX_RING_EVENTS", 5)
-    ring = stream_module.Ring(b"t", size=3)
+    monkeypatch.setattr(ring_module, "MAX_RING_EVENTS", 5)
+    ring = ring_module.Ring(b"t", size=3)
     for n in (1, 1, 1, 1):
         ring.append(0.0, [(CLEARED,)] * n)
     assert [b.seq for b in ring.since(0)] == [1, 2, 3]  # size
@@ -180,3 +181,41 @@ def test_lookahead_tokens_come_last_in_a_stored_event_as_in_vllms_field_order():
     (stored,) = msgpack.unpackb(encode_batch(0.0, [(STORED, A, "CPU", route.pack(), 4, "s")]))[1]
     assert list(stored)[-2:] == ["session_id", "lookahead_token_ids"]
     assert stored["lookahead_token_ids"] == [[6], [7]]
+
+
+def test_a_subscription_after_a_batch_went_gets_an_empty_batch_numbered_next(tmp_path):
+    """A seal: a subscriber that follows vLLM's rules would otherwise take heartbeats repeating
+    batch 0 for batch 0 itself. Only the subscribed namespace, only after a batch with events."""
+    async def scenario():
+        stream = EventStream(EventsConfig(enabled=True, heartbeat_s=0).under(str(tmp_path)), ZmqPublisher)
+        stream.start()
+        stream.stored("default", A, MEDIUM_CPU, DESC, Hints())
+        stream.stored("other", B, MEDIUM_CPU, DESC, Hints())
+        stream.flush()
+        daemon = types.SimpleNamespace(data_dir=str(tmp_path))
+        late, later = EventSubscriber(daemon, "default"), None
+        try:
+            for _ in range(LIVENESS_STEPS):  # the seal comes once the subscription applies
+                if late.receive(timeout_ms=0) is not None:
+                    break
+                await asyncio.sleep(FLUSH_INTERVAL_S)
+            later = EventSubscriber(daemon, "default")  # the last batch is empty now: nothing to seal
+            for _ in range(LIVENESS_STEPS):
+                if stream.stats()["num_subscriptions"] == 2:
+                    break
+                await asyncio.sleep(FLUSH_INTERVAL_S)
+            await asyncio.sleep(FLUSH_INTERVAL_S)  # the loop took the second subscription
+            rings = {name: [(b.seq, b.events) for b in stream.rings[topic_of("kvstore.", name)].since(0)]
+                     for name in ("default", "other")}
+            return late.frames, rings, stream.stats()["num_seals"]
+        finally:
+            late.close()
+            if later is not None:
+                later.close()
+            stream.close()
+
+    frames, rings, num_seals = asyncio.run(scenario())
+    assert [(seq, events_of(body)) for seq, body in frames] == [(1, [])]
+    assert rings == {"default": [(0, [(STORED, A, MEDIUM_CPU, None, 256, None)]), (1, [])],
+                     "other": [(0, [(STORED, B, MEDIUM_CPU, None, 256, None)])]}
+    assert num_seals == 1

@@ -112,14 +112,16 @@ def test_a_replay_returns_the_batches_a_subscriber_missed(daemon_factory):
         finally:
             late.close()
         early.close()
-    assert [seq for seq, _ in missed] == list(range(len(missed))) and missed[-1][0] == early.received[-1][0]
+    # Everything early received, and the seal of late's subscription if it came before the replay
+    assert [seq for seq, _ in missed] == list(range(len(missed))) and missed[-1][0] >= early.received[-1][0]
     live = dict(early.received)
     assert all(live[seq] == body for seq, body in missed if seq in live)
-    assert by_topic == missed[3:]
+    # the same batches, and late's seal if it came between the two replays
+    assert by_topic[:len(missed) - 3] == missed[3:] and all(not events_of(b) for _, b in by_topic[len(missed) - 3:])
     metrics = AdminClient.from_data_dir(d.data_dir).request("GET", "/metrics", raw=True)
     samples = {s.name: s.value for f in text_string_to_metric_families(metrics) for s in f.samples}
     assert samples["kvstore_events_replays_total"] == 2
-    assert samples["kvstore_events_batches_total"] == len(missed)
+    assert samples["kvstore_events_batches_total"] - len(missed) in (0, 1)  # late's seal may follow its replay
     assert samples["kvstore_events_dropped_batches_total"] == 0
 
 
