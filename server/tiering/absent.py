@@ -76,8 +76,8 @@ class NoNvme:
     def on_commit(self, entry: ObjectEntry) -> MaybeAwaitable[CommitReply]:
         return IN_MEMORY
 
-    async def delete(self, namespace: str, oids) -> int:
-        return 0
+    def delete(self, namespace: str, oids) -> list[bool]:
+        return [False] * len(oids)
 
     async def open(self) -> dict:
         return {}

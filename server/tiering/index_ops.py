@@ -161,16 +161,10 @@ class IndexOps:
             if entry is not None:
                 self.host.delete(ns, entry)
                 deleted.add(oid)
-        found = [oid in deleted for oid in ids]
-        on_nvme = [oid for oid, size in zip(ids, self.nvme.sizes_of(namespace, list(ids))) if size is not None]
-        if not on_nvme:
-            return found
-        return self._delete_on_nvme(namespace, on_nvme, found, ids)
-
-    async def _delete_on_nvme(self, namespace: str, on_nvme, found: list, ids) -> list[bool]:
-        await self.nvme.delete(namespace, on_nvme)
-        gone = set(on_nvme)
-        return [f or oid in gone for f, oid in zip(found, ids)]
+        # NVMe forgets its copies in this same step (a promotion under way publishes nothing),
+        # and answers once their records are removed.
+        on_nvme = self.nvme.delete(namespace, list(ids))
+        return then(on_nvme, lambda held: [oid in deleted or h for oid, h in zip(ids, held)])
 
     def prefetch(self, namespace: str, ids, tier: str, policy: str,
                  timeout_s: float | None) -> MaybeAwaitable[PrefetchReply]:

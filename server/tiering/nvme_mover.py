@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from kvstore.config import NvmeTierConfig
-from kvstore.errors import CapacityError, ChecksumError, KVStoreError
+from kvstore.errors import CapacityError, ChecksumError, KVStoreError, ServiceError
 from kvstore.identity import ID_BYTES, ObjectId
 from kvstore.peer_messages import RemoteMeta
 from kvstore.policy.admission import FrequencyAdmission
@@ -106,6 +106,7 @@ class TierMover:
         # never deletes the copy a write has just recorded.
         self._turns: dict[bytes, asyncio.Future] = {}
         self._writes: set[asyncio.Task] = set()  # copies to NVMe under way (each runs to its end)
+        self._closing = False
         self._background: set[asyncio.Task] = set()
         self.counters = MoverCounters()
         self._kept: KeptHoldings | None = None  # with the event stream: what NVMe kept, told to it
@@ -142,11 +143,14 @@ class TierMover:
             task.cancel()
         if self._writes:  # each records or removes the copy it made: let them end first
             await asyncio.gather(*self._writes, return_exceptions=True)
+        self._closing = True  # requests still being served get a ServiceError, not the pool's refusal
         if self.nvme is not None:
             await asyncio.get_running_loop().run_in_executor(None, self.nvme.close)
             self.nvme = None
 
     def _run(self, fn, *args):
+        if self._closing:
+            raise ServiceError("the daemon is stopping: its NVMe tier is closed; try again once it is back")
         return asyncio.get_running_loop().run_in_executor(self.nvme.executor, fn, *args)
 
     # --- what NVMe holds ------------------------------------------------------------------
@@ -254,7 +258,12 @@ class TierMover:
         ns = self.host.namespaces[entry.namespace]
         async with self._turn(key):
             if key in self.policy:
-                return "sync"
+                if await self._holds_copy_of(entry, key):
+                    return "sync"
+                # Past its TTL (housekeeping deletes it within a second) or, never expected,
+                # other bytes: it must not pass for this entry's copy. Gone before this one lands.
+                self._forget(key)
+                await self._run(self.nvme.delete, entry.namespace, entry.object_id)
             await self.windows.at("nvme_write")
             if ns.objects.get(entry.object_id) is not entry:
                 return None  # gone before its copy began: none is made
@@ -279,6 +288,20 @@ class TierMover:
             entry.on_nvme = True
             return put.durability
 
+    async def _holds_copy_of(self, entry: ObjectEntry, key: bytes) -> bool:
+        """NVMe's copy of the key is live and of `entry`'s bytes. (A host entry is published
+        only while no live copy is held, so a live one is a copy of it; the checksum is
+        compared all the same: a write must never claim another object's copy.)"""
+        if self._expired(key):
+            return False
+        meta = await self._run(self.nvme.meta, entry.namespace, entry.object_id)
+        if meta is not None and meta.checksum == entry.checksum:
+            return True
+        if meta is not None:
+            log.error("event=nvme_copy_of_other_bytes namespace=%s object=%s action=replaced",
+                      entry.namespace, entry.object_id.hex)
+        return False
+
     async def _put(self, ns, entry: ObjectEntry, displace):
         """The NVMe put of a held entry's bytes (evicting NVMe objects `displace` allows when
         full): its NvmePut, or None when it failed or found no room it may take."""
@@ -287,7 +310,7 @@ class TierMover:
             for attempt in range(3):
                 try:
                     return await self._run(self.nvme.put, entry.namespace, entry.object_id, view, entry.checksum,
-                                           entry.descriptor, entry.hints)
+                                           entry.descriptor, entry.hints, entry.created_at)
                 except CapacityError:
                     if attempt == 2 or displace is None or not await self._evict_nvme(entry.size, displace):
                         if displace is not ANY_VICTIM:  # refused by admission or the flush's rule
@@ -396,7 +419,7 @@ class TierMover:
             for entry in victims:
                 if ns.objects.get(entry.object_id) is not entry:
                     continue  # deleted (expired, dropped) since it was chosen
-                if entry.on_nvme or self._key(ns.name, entry.object_id) in self.policy:
+                if entry.on_nvme or self.holds(ns.name, entry.object_id):  # (a live copy is this entry's)
                     self.host.evict(ns, entry)
                 else:
                     writes.append(entry)
@@ -560,15 +583,25 @@ class TierMover:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    async def delete(self, namespace: str, oids) -> int:
-        """Delete NVMe copies; how many NVMe held. Each is forgotten at once (reads and
-        promotions under way miss from here on), its record removed after, in its key's turn."""
-        keys = [key for key in (self._key(namespace, oid) for oid in oids) if key in self.policy]
-        for key in keys:
-            self._forget(key)
-        for key in keys:
+    def delete(self, namespace: str, oids) -> MaybeAwaitable[list[bool]]:
+        """Delete NVMe copies: per id whether NVMe held it (live). Each is forgotten now, in
+        the caller's step of the event loop (with the host tier's delete: a promotion under
+        way then publishes nothing, a read misses), and its record removed after, in its
+        key's turn. The awaitable, when any is held or being written or removed by another
+        call, ends once none is: what a delete acknowledges stays deleted across a SIGKILL."""
+        keys = [self._key(namespace, oid) for oid in oids]
+        held = [key in self.policy for key in keys]  # past their TTL too: they go now as well
+        live = [h and not self._expired(key) for key, h in zip(keys, held)]
+        for key, h in zip(keys, held):
+            if h:
+                self._forget(key)
+        pending = [key for key, h in zip(keys, held) if h or key in self._turns]
+        return self._removed(pending, live) if pending else live
+
+    async def _removed(self, keys: list[bytes], live: list[bool]) -> list[bool]:
+        for key in keys:  # (a write of the key under way undoes itself: its entry was deleted)
             await self._remove_record(key)
-        return len(keys)
+        return live
 
     def stats(self) -> dict:
         tier = dict(self.nvme.stats()) if self.nvme is not None else {}

@@ -82,13 +82,15 @@ class NvmeTier:
 
     def put(
         self, namespace: str, object_id: ObjectId, data, checksum: bytes,
-        descriptor: StateDescriptor, hints: Hints | None = None,
+        descriptor: StateDescriptor, hints: Hints | None = None, created_at: float | None = None,
     ) -> NvmePut:
         """Store an object. `data` (bytes-like or uint8 ndarray, C-contiguous) is only read,
         and only during the call. The bytes written must hash to `checksum` (xxh3-128) or
         ChecksumError is raised and nothing is stored. An id already stored is not written
-        again (`deduplicated`). No room: CapacityError; a disk error: ServiceError; either
-        way the index is unchanged."""
+        again (`deduplicated`), but an id stored with other bytes raises Conflict. No room:
+        CapacityError; a disk error: ServiceError; either way the index is unchanged.
+        created_at: when the object was put (wall clock; default now), which its TTL counts
+        from: a copy written down later keeps its put's time."""
         key = object_key(namespace, object_id)
         view = byte_view(data, writable=False, what="put data")
         if not len(view):
@@ -108,7 +110,8 @@ class NvmeTier:
         try:
             blocks = self._write(file, extent, view, checksum, namespace, object_id)
             record = NvmeRecord(
-                file, extent.offset, len(view), checksum, blocks, descriptor.to_wire(), hints.to_wire(), time.time()
+                file, extent.offset, len(view), checksum, blocks, descriptor.to_wire(), hints.to_wire(),
+                time.time() if created_at is None else created_at,
             )
             value = record.encode()
             if not self._group:
