@@ -18,6 +18,7 @@ Runs on the daemon's event loop thread, like the tier manager it composes.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 import xxhash
@@ -99,24 +100,41 @@ class GroupOps:
                 desc = old.descriptor
             first = first or group_descriptor(desc)
         listing = manifest_bytes(ids, sums)
+        held = mgr.held_copy(ns, gid)
         if msg.manifest:
             manifest = puts[msg.manifest]
             if manifest.object_id != gid:
                 raise InvalidArgument("commit_group: the manifest's id is not the group id of these members "
                                       "(kvstore.groups.group_id)")
             descriptor = manifest.descriptor
-            written = bytes(ns.arena.view(manifest.extent)[:manifest.size])
+            if bytes(ns.arena.view(manifest.extent)[:manifest.size]) != listing:
+                raise InvalidArgument("commit_group: the manifest's bytes do not list these members and checksums "
+                                      "(kvstore.groups.manifest_bytes)")
+        elif held is None:
+            raise NotFound("commit_group: the group's manifest is not stored any more; put the group again")
         else:
-            held = mgr.held_copy(ns, gid)
-            if held is None:
-                raise NotFound("commit_group: the group's manifest is not stored any more; put the group again")
-            descriptor, written = held.descriptor, listing if held.checksum == xxhash.xxh3_128_digest(listing) else b""
+            descriptor = held.descriptor
+        if held is not None and held.checksum != xxhash.xxh3_128_digest(listing):
+            # A stored manifest lists other bytes, while every member is held, or being put,
+            # with these (checked above): the group it lists is broken (members deleted,
+            # expired or evicted, then put again with other bytes), and would block this one
+            # for good, or take the place of its manifest. It goes, and the client, told
+            # NotFound, puts the group again (client/groups.py: PUT_ATTEMPTS).
+            self._drop(ns.name, gid)
+            raise NotFound("commit_group: a stored manifest of this group listed other bytes of its members "
+                           "(they were put again since); it was dropped: put the group again")
         if descriptor != first:
             raise InvalidArgument("commit_group: the manifest's descriptor is not kvstore.groups.group_descriptor "
                                   f"of the first member's ({descriptor_differences(descriptor, first)})")
-        if written != listing:
-            raise InvalidArgument("commit_group: the manifest's bytes do not list these members and checksums "
-                                  "(kvstore.groups.manifest_bytes)")
+
+    def _drop(self, namespace: str, gid: ObjectId) -> None:
+        """Delete a stale manifest from this node's tiers (the host copy now, NVMe's in the
+        background: its copy is forgotten before the next request is read)."""
+        deleting = self.manager.index.delete_here(namespace, [gid])
+        if not is_ready(deleting):
+            task = asyncio.ensure_future(deleting)
+            task.add_done_callback(lambda t: t.cancelled() or t.exception() is None
+                                   or log.warning("event=stale_manifest_delete_failed error=%r", t.exception()))
 
     def _abandon(self, owner: int, leases: list[int]) -> None:
         """End the request's write leases that this owner holds (their extents freed)."""
@@ -181,7 +199,13 @@ def _all(replies: list) -> MaybeAwaitable[list]:
         return replies
 
     async def gathered() -> list:
-        return [await resolve(reply) for reply in replies]
+        # Every one is awaited, even after one failed: each is a member's copy to NVMe under
+        # way, which must not be left unawaited (never written) because another failed.
+        done = await asyncio.gather(*(resolve(reply) for reply in replies), return_exceptions=True)
+        for reply in done:
+            if isinstance(reply, BaseException):
+                raise reply
+        return done
     return gathered()
 
 

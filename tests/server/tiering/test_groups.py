@@ -345,3 +345,23 @@ def test_many_groups_put_and_read_in_batches_each_whole_or_not(daemon):
         assert c.put_groups(groups[:3]) and all(r.existed for r in c.put_groups(groups[:3]))
         assert c.stats()["leases"] == 0
         c.check_integrity()
+
+
+@pytest.mark.parametrize("config", [{}, nvme(write_policy="write_through")], ids=["host", "nvme"])
+def test_a_group_put_again_with_other_bytes_after_its_members_were_deleted_is_stored(daemon_factory, config):
+    """The group id names its members, not their bytes: the manifest of a group whose members
+    were deleted (or evicted, or expired) stayed and, listing the old checksums, refused every
+    later put of the group with other bytes (InvalidArgument, for as long as it was held).
+    Found by the history checker (tests/checker/)."""
+    d = daemon_factory("16MiB", config=config)
+    tokens = list(range(1024))
+    first = chunk_group(tokens, 0)
+    again = [(key, payload(data.size, 1000 + i)) for i, (key, data) in enumerate(first)]
+    with d.client() as c:
+        c.put_group(first)
+        assert c.delete([key for key, _ in first]) == 2  # the members go; the manifest stays
+        result = c.put_group(again)
+        assert not result.existed
+        with c.get_group([key for key, _ in again]) as got:
+            assert same_bytes(got, again)
+        c.check_integrity()
