@@ -145,20 +145,22 @@ class LocalConnection(asyncio.Protocol):
     async def _finish(self, request: Request, pending) -> None:
         fd = None
         try:
-            result = await pending
-            if isinstance(result, _Retry):  # the arena is made: the open answers now
-                result, fd = self._dispatch(result.msg)
-        except Exception as exc:
-            self._reply(request, None, None, exc)
-        else:
-            self._reply(request, result, fd, None)
-        self._busy = False
-        if self.transport.is_closing():
-            # The client left while this request waited on I/O: whatever it was granted
-            # (a lease from a promotion or a reservation) has no owner any more.
-            self.manager.drop_owner(self.conn_id)
-        else:
-            self._drain()
+            try:
+                result = await pending
+                if isinstance(result, _Retry):  # the arena is made: the open answers now
+                    result, fd = self._dispatch(result.msg)
+            except Exception as exc:
+                self._reply(request, None, None, exc)
+            else:
+                self._reply(request, result, fd, None)
+        finally:  # whatever the reply did, the connection goes on (or lets go of what it was granted)
+            self._busy = False
+            if self.transport.is_closing():
+                # The client left while this request waited on I/O: whatever it was granted
+                # (a lease from a promotion or a reservation) has no owner any more.
+                self.manager.drop_owner(self.conn_id)
+            else:
+                self._drain()
 
     def _reply(self, request: Request, result, fd, error: Exception | None) -> None:
         try:
@@ -271,7 +273,10 @@ class LocalConnection(asyncio.Protocol):
             self.transport.write(frame)
 
     def _write_with_fd(self, frame: bytes, fd: int | tuple) -> None:
-        """Send `frame` with `fd` attached, never interleaved with other buffered bytes."""
+        """Send `frame` with `fd` attached, never interleaved with other buffered bytes.
+        Nothing is sent once the client has gone (an open that waited for its arena)."""
+        if self._fd_sock is None or self.transport.is_closing():
+            return
         if self._held is None and self.transport.get_write_buffer_size() == 0:
             if self._try_sendmsg(frame, fd):
                 return
