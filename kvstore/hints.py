@@ -101,6 +101,19 @@ class Hints:
             raise InvalidArgument(f"unknown hint(s) {sorted(map(str, unknown))}")
         return cls(**data)
 
+    @classmethod
+    def from_record(cls, data) -> Hints:
+        """Hints as a daemon stored them with an object (an NVMe record): as from_wire, but a
+        duration past today's limit, stored before the limit existed, reads as the limit
+        (a century, "never" in effect) instead of an error that would leave the object
+        unreadable after an upgrade."""
+        if isinstance(data, dict):
+            limits = {"ttl_s": MAX_DURATION_S, "next_access_s": MAX_DURATION_S,
+                      "recompute_cost_ms": MAX_DURATION_S * 1000}
+            data = {k: min(v, limits[k]) if k in limits and isinstance(v, (int, float)) and not isinstance(v, bool)
+                    and v == v else v for k, v in data.items()}
+        return cls.from_wire(data)
+
 
 _DEFAULT = Hints()
 _FIELD_NAMES = tuple(f.name for f in fields(Hints))

@@ -38,3 +38,16 @@ def test_of_takes_hints_or_none_and_refuses_anything_else():
     assert Hints.of(None) == Hints() and Hints.of(Hints(ttl_s=5)) == Hints(ttl_s=5)
     with pytest.raises(InvalidArgument, match="hints must be a kvstore.hints.Hints or None, got dict"):
         Hints.of({"ttl_s": 5})
+
+
+def test_hints_stored_before_the_range_existed_read_as_its_limit_not_an_error():
+    """An NVMe record written before TTLs were capped (ttl_s = 1e12 was accepted) must stay
+    readable after an upgrade: its duration reads as the limit, a century."""
+    stored = {"ttl_s": 1e12, "next_access_s": 2 ** 70, "recompute_cost_ms": 1e300, "priority": 3}
+    hints = Hints.from_record(stored)
+    assert (hints.ttl_s, hints.next_access_s) == (MAX_DURATION_S, MAX_DURATION_S)
+    assert hints.recompute_cost_ms == MAX_DURATION_S * 1000 and hints.priority == 3
+    with pytest.raises(InvalidArgument, match="ttl_s"):
+        Hints.from_wire(stored)  # from a client or a peer: refused as before
+    with pytest.raises(InvalidArgument, match="unknown hint"):
+        Hints.from_record({"bogus": 1})

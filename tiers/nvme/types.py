@@ -44,7 +44,7 @@ class NvmeMeta:
     def of(cls, namespace: str, object_id: ObjectId, record: NvmeRecord, durability: str) -> NvmeMeta:
         return cls(
             namespace, object_id, record.size, record.checksum, StateDescriptor.from_wire(record.descriptor),
-            Hints.from_wire(record.hints), record.created_at, record.file, record.extent, durability,
+            Hints.from_record(record.hints), record.created_at, record.file, record.extent, durability,
         )
 
 
