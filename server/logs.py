@@ -4,17 +4,35 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import sys
 import time
+
+# A string value that needs no quotes: nothing that could end the value or start another
+# key=value (whitespace, "=", a quote, a backslash) and no control character.
+_PLAIN = re.compile(r'[^\s="\\\x00-\x1f\x7f]*\Z')
+# One key=value of a message: the value plain, or a JSON string (what message() quotes).
+_PAIR = re.compile(r'([A-Za-z_][\w.]*)=("(?:[^"\\]|\\.)*"|\S*)')
+
+
+def message(record: logging.LogRecord) -> str:
+    """The record's message with every string argument that is not plain quoted as a JSON
+    string: messages carry client-chosen strings (names, namespaces), and one such as
+    'y level=error' or one with a newline must not forge a field or a line."""
+    args = record.args
+    if isinstance(args, tuple) and args:
+        args = tuple(json.dumps(a) if isinstance(a, str) and not _PLAIN.match(a) else a for a in args)
+        text = record.msg % args if isinstance(record.msg, str) else record.getMessage()
+    else:
+        text = record.getMessage()
+    return text.replace("\r", "\\r").replace("\n", "\\n")
 
 
 class _KeyValueFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         ts = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
-        # Messages carry client-chosen strings (names, namespaces): a newline in one must not
-        # start a forged log line.
-        message = record.getMessage().replace("\r", "\\r").replace("\n", "\\n")
-        line = f"ts={ts}.{int(record.msecs):03d}Z level={record.levelname.lower()} logger={record.name} {message}"
+        message_ = message(record)
+        line = f"ts={ts}.{int(record.msecs):03d}Z level={record.levelname.lower()} logger={record.name} {message_}"
         if record.exc_info:
             line += " exc=" + json.dumps(self.formatException(record.exc_info))
         return line
@@ -23,13 +41,15 @@ class _KeyValueFormatter(logging.Formatter):
 class _JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         doc = {"ts": record.created, "level": record.levelname.lower(), "logger": record.name}
-        for part in record.getMessage().split(" "):
-            key, sep, value = part.partition("=")
-            if sep:
-                doc[key] = value
-            else:
-                doc.setdefault("msg", "")
-                doc["msg"] = (doc["msg"] + " " + part).strip()
+        text = message(record)
+        pairs = list(_PAIR.finditer(text))
+        for match in pairs:
+            key, value = match.group(1), match.group(2)
+            if key not in ("ts", "level", "logger"):  # the record's own fields are not the message's to set
+                doc[key] = json.loads(value) if value.startswith('"') else value
+        rest = _PAIR.sub("", text).split()
+        if rest:
+            doc["msg"] = " ".join(rest)
         if record.exc_info:
             doc["exc"] = self.formatException(record.exc_info)
         return json.dumps(doc)

@@ -12,6 +12,7 @@ check_integrity passes, no lease is left and the daemon still serves.
 
 from __future__ import annotations
 
+import json
 import logging
 import random
 import socket
@@ -20,6 +21,7 @@ import threading
 
 import msgpack
 import numpy as np
+import pytest
 import xxhash
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -205,12 +207,21 @@ def test_hostile_connections_change_nothing(make_daemon):
     owner.close()
 
 
-def test_client_chosen_strings_cannot_forge_log_lines():
+@pytest.mark.parametrize("forged", [
+    "t\nts=2026-01-01T00:00:00.000Z level=error logger=kvstore.daemon event=forged\r",
+    "y level=error event=forged",  # no line break: a second field on the same line (issue 41)
+])
+def test_client_chosen_strings_cannot_forge_log_lines_or_fields(forged):
     """Regression: a namespace or client name with a newline started a forged line in the
-    key=value log (an open_denied warning logs the namespace a client asked for)."""
-    from kvstore.server.logs import _KeyValueFormatter
-    forged = "t\nts=2026-01-01T00:00:00.000Z level=error logger=kvstore.daemon event=forged\r"
+    key=value log (an open_denied warning logs the namespace a client asked for); one with a
+    space added a field such as level=error to the line, in both log formats."""
+    from kvstore.server.logs import _PAIR, _JsonFormatter, _KeyValueFormatter
     record = logging.LogRecord("kvstore.daemon", logging.WARNING, __file__, 1, "event=open_denied namespace=%s",
                                (forged,), None)
     line = _KeyValueFormatter().format(record)
-    assert "\n" not in line and "\r" not in line and line.count(" level=") == 2
+    assert "\n" not in line and "\r" not in line
+    fields = [(m.group(1), m.group(2)) for m in _PAIR.finditer(line)]
+    assert [key for key, _ in fields] == ["ts", "level", "logger", "event", "namespace"]
+    assert dict(fields)["level"] == "warning" and json.loads(dict(fields)["namespace"]) == forged
+    doc = json.loads(_JsonFormatter().format(record))
+    assert doc["level"] == "warning" and doc["namespace"] == forged and doc["event"] == "open_denied"
