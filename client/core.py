@@ -26,7 +26,7 @@ import xxhash
 from kvstore import messages as m
 from kvstore import replies as r
 from kvstore.errors import ChecksumError, DaemonUnavailable, InvalidArgument, ProtocolError, from_wire
-from kvstore.identity import ChunkKey, ObjectId, StateDescriptor, check_object_size, descriptor_differences
+from kvstore.identity import ChunkKey, ObjectId, StateDescriptor, check_name, check_object_size, descriptor_differences
 from kvstore.protocol import MAX_BATCH, Reply, Request
 from kvstore.ranges import normalize as normalize_ranges
 from kvstore.client import copies
@@ -112,7 +112,7 @@ class ClientCore:
     """State of one connection: request ids, the codec, mapped arenas, received fds."""
 
     def __init__(self, namespace: str, token: str | None, release, shared_index: bool = True):
-        self.namespace = namespace
+        self.namespace = check_name("namespace", namespace)  # refused at connect, not at the first call
         self.token = token
         self.shared = SharedReads(self, shared_index, _opaque)  # hits read without a round trip
         self.codec = ReportingCodec(self.shared)

@@ -89,3 +89,16 @@ def test_a_namespace_with_a_control_character_is_refused_on_the_wire_and_never_m
         with pytest.raises(InvalidArgument, match=r"namespace must be .* control character"):
             c.lookup([key], namespace="tenant\u2028b")
         assert not any(any(ch in name for ch in "\n\u2028") for name in arenas(c))
+
+
+def test_a_client_with_a_bad_default_namespace_is_refused_at_connect(daemon):
+    """Not at its first call: Client.connect(namespace=...) names the rule at once."""
+    from kvstore.client import AsyncClient, Client
+    import asyncio
+    with pytest.raises(InvalidArgument, match="namespace must be .* control character"):
+        Client.connect(daemon.socket, namespace="a\nb")
+
+    async def connect():
+        await AsyncClient.connect(daemon.socket, namespace="a\tb")
+    with pytest.raises(InvalidArgument, match="namespace must be"):
+        asyncio.run(connect())
