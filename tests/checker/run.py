@@ -99,8 +99,9 @@ class Daemon:
         self.config_path = os.path.join(root, "kvstore.toml")
         self.log = os.path.join(root, "daemon.log")
         _, store_config = STORES[plan.store]
-        config = {"data_dir": self.data_dir, "admin": {"port": 0}, **store_config,
-                  "testing": {"delay_points": ["all"], "delay_max_ms": plan.delay_max_ms, "delay_seed": plan.seed}}
+        config = {"data_dir": self.data_dir, "admin": {"port": 0}, **store_config}
+        if plan.delay_max_ms:  # 0: no [testing] table (a daemon from before it existed, say)
+            config["testing"] = {"delay_points": ["all"], "delay_max_ms": plan.delay_max_ms, "delay_seed": plan.seed}
         with open(self.config_path, "w") as f:
             f.write(_toml(config))
         self.proc = None
@@ -306,9 +307,11 @@ def main(argv=None) -> int:
     parser.add_argument("--seconds", type=float, default=60.0)
     parser.add_argument("--seed", type=int, default=None, help="default: random (printed)")
     parser.add_argument("--keep", help="copy the recorded histories here")
+    parser.add_argument("--delay-max-ms", type=float, default=Plan.delay_max_ms,
+                        help="the widest delay at the daemon's race windows; 0 leaves them as they are")
     args = parser.parse_args(argv)
     seed = args.seed if args.seed is not None else random.randrange(1 << 31)
-    outcome = run(Plan(args.store, seed, args.seconds), keep=args.keep)
+    outcome = run(Plan(args.store, seed, args.seconds, delay_max_ms=args.delay_max_ms), keep=args.keep)
     print(outcome.summary())
     for anomaly in outcome.anomalies[:50]:
         print("  ", anomaly)
