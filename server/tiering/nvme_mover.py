@@ -182,6 +182,13 @@ class TierMover:
                      for size, oid in zip(sizes, oids)]
         return sizes
 
+    def _in_table(self, namespace: str, oids: list, keys: list[bytes]) -> list[bool]:
+        """Per id whether the table holds it, past its TTL or not (probed together when many)."""
+        if len(oids) < 16:
+            return [key in self.policy for key in keys]
+        ids = np.frombuffer(b"".join(oids), np.uint8).reshape(-1, ID_BYTES)
+        return (self.policy.sizes_of(namespace_prefix(namespace), ids) > 0).tolist()
+
     def remote_meta(self, namespace: str, oid):
         """What a peer lookup needs to know of an NVMe-only object (None if it went away)."""
         meta = self.nvme.meta(namespace, oid)
@@ -590,7 +597,7 @@ class TierMover:
         key's turn. The awaitable, when any is held or being written or removed by another
         call, ends once none is: what a delete acknowledges stays deleted across a SIGKILL."""
         keys = [self._key(namespace, oid) for oid in oids]
-        held = [key in self.policy for key in keys]  # past their TTL too: they go now as well
+        held = self._in_table(namespace, oids, keys)  # past their TTL too: they go now as well
         live = [h and not self._expired(key) for key, h in zip(keys, held)]
         for key, h in zip(keys, held):
             if h:

@@ -207,3 +207,18 @@ def test_a_copy_written_down_later_keeps_the_ttl_of_its_put(tmp_path):
         assert not (await resolve(manager.get(OWNER, Get(NS, oid)))).hit, "read past its TTL"
         await mover.close()
     asyncio.run(run())
+
+
+@pytest.mark.parametrize("count", [3, 40])  # one by one, and probed together (16 and more)
+def test_a_delete_reports_and_removes_exactly_what_nvme_held(tmp_path, count):
+    async def run():
+        manager = await chain(tmp_path, Gates())
+        held = [ObjectId(bytes([i, 7]) * 16) for i in range(count)]
+        for oid in held[::2]:
+            await put_on_nvme_only(manager, oid, np.full(4096, 3, np.uint8))
+        found = await resolve(manager.index.delete_here(NS, held))
+        assert found == [i % 2 == 0 for i in range(count)]
+        assert not any(manager.nvme.holds(NS, oid) or manager.nvme.nvme.meta(NS, oid) for oid in held)
+        manager.check_integrity()
+        await manager.nvme.close()
+    asyncio.run(run())
