@@ -25,6 +25,7 @@ acknowledged likewise may have been applied (it excuses misses) but kills nothin
 
 from __future__ import annotations
 
+import bisect
 import json
 import math
 from collections import defaultdict
@@ -157,6 +158,7 @@ class History:
     # --- the rules ---------------------------------------------------------------------
 
     def check(self) -> list[Anomaly]:
+        self._index()
         anomalies: list[Anomaly] = []
         for worker, op, ns, key, t0, t1, got in self.reads:
             anomalies += self._check_read(f"{worker} {op}", ns, key, t0, t1, got)
@@ -171,28 +173,63 @@ class History:
                 anomalies.append(Anomaly("torn group", f"{worker} ns {ns} read members of puts {sorted(map(str, versions))}"))
         return anomalies
 
+    def _index(self) -> None:
+        """Per key, what the rules search, sorted so that each read costs a few bisections
+        (a soak records millions of calls): puts by version and by start; acknowledged
+        deletes by start, with the least end from each on; every delete by start, with the
+        greatest end up to each; the puts a miss could break a promise of, by end."""
+        self._by_version: dict = defaultdict(list)
+        self._by_start: dict = {}
+        self._kills: dict = {}
+        self._excuses: dict = {}
+        self._promised: dict = {}
+        for k, puts in self.puts.items():
+            for put in puts:
+                self._by_version[(*k, put.version)].append(put)
+            self._by_start[k] = sorted(puts, key=lambda p: p.t0)
+            promised = sorted((p for p in puts if self._promises(p)), key=lambda p: p.t1)
+            self._promised[k] = ([p.t1 for p in promised], promised)
+        for k, deletes in self.deletes.items():
+            acked = sorted((d for d in deletes if d.acknowledged), key=lambda d: d.t0)
+            least_end, m = [], math.inf
+            for d in reversed(acked):
+                m = min(m, d.t1)
+                least_end.append(m)
+            self._kills[k] = ([d.t0 for d in acked], least_end[::-1])
+            every = sorted(deletes, key=lambda d: d.t0)
+            most_end, m = [], -math.inf
+            for d in every:
+                m = max(m, d.t1)
+                most_end.append(m)
+            self._excuses[k] = ([d.t0 for d in every], most_end)
+
+    def _promises(self, put: Put) -> bool:
+        """A put whose later miss the store's promise forbids (until a delete)."""
+        if self.promise == "none" or put.outcome not in STORED or put.ttl_s is not None:
+            return False
+        return self.promise != "write_through" or put.durability in ("sync", "group")
+
     def _check_read(self, who: str, ns: int, key: int, t0: float, t1: float, got) -> list[Anomaly]:
         where = f"{who} ns {ns} key {key} [{t0:.4f}, {t1:.4f}]"
         if isinstance(got, str) and got.startswith("bad"):
             return [Anomaly("foreign", f"{where}: {got}")]
-        puts = self.puts.get((ns, key), [])
         if got is None or got == "miss":  # a miss, or a lookup's None
             lost = self._lost(ns, key, t0, t1)
             return [] if lost is None else [Anomaly("lost", f"{where}: missed {lost}")]
         if got == "held":  # a lookup's hit: some version is explained
-            if any(self._alive(p, t0, t1) for p in puts):
+            if self._any_alive(ns, key, t0, t1):
                 return []
             return [Anomaly("resurrected", f"{where}: a lookup found it; no put of it explains that")]
-        candidates = [p for p in puts if p.version == got and p.t0 < t1 and p.may_be_stored()]
+        candidates = [p for p in self._by_version.get((ns, key, got), ()) if p.t0 < t1 and p.may_be_stored()]
         if not candidates:
             return [Anomaly("phantom", f"{where}: version {got:#x} was never put before this read ended")]
         if any(self._alive(p, t0, t1) for p in candidates):
             return []
         if any(p.ttl_s is not None and t0 > p.t1 + p.ttl_s + TTL_MARGIN_S for p in candidates):
             return [Anomaly("expired", f"{where}: version {got:#x} read past its TTL")]
-        deletes = [d for d in self.deletes.get((ns, key), []) if d.acknowledged]
+        deletes = [(d.t0, d.t1) for d in self.deletes.get((ns, key), []) if d.acknowledged]
         return [Anomaly("resurrected", f"{where}: version {got:#x} (put {[(p.t0, p.t1) for p in candidates]}) "
-                                       f"read after the deletes {[(d.t0, d.t1) for d in deletes]}")]
+                                       f"read after the deletes {deletes[:20]}")]
 
     def _alive(self, put: Put, t0: float, t1: float) -> bool:
         """Could `put`'s version still be stored when a read [t0, t1] ran?"""
@@ -200,24 +237,39 @@ class History:
             return False
         if put.ttl_s is not None and t0 > put.t1 + put.ttl_s + TTL_MARGIN_S:
             return False
-        return not any(d.acknowledged and d.t0 > put.t1 and d.t1 < t0 for d in self.deletes.get((put.ns, put.key), []))
+        # killed: an acknowledged delete began after the put ended and ended before the read began
+        starts, least_end = self._kills.get((put.ns, put.key), ((), ()))
+        i = bisect.bisect_right(starts, put.t1)
+        return not (i < len(starts) and least_end[i] < t0)
+
+    def _any_alive(self, ns: int, key: int, t0: float, t1: float) -> bool:
+        puts = self._by_start.get((ns, key), [])
+        for put in reversed(puts[:bisect.bisect_left(puts, t1, key=lambda p: p.t0)]):  # latest first
+            if self._alive(put, t0, t1):
+                return True
+        return False
 
     def _lost(self, ns: int, key: int, t0: float, t1: float) -> Put | None:
-        """An acknowledged put this miss breaks the store's promise for, or None."""
-        if self.promise == "none":
+        """An acknowledged put this miss breaks the store's promise for, or None: of the
+        promised puts ended before the miss began (after the last SIGKILL, for write_back),
+        the one that began last, unless a delete (acknowledged or not) overlaps it up to the
+        miss's end (one that excuses it excuses every earlier one too)."""
+        ends, promised = self._promised.get((ns, key), ((), ()))
+        after = self._last_dirty_stop_before(t0) if self.promise == "write_back" else -math.inf
+        best = None
+        for i in range(bisect.bisect_left(ends, t0) - 1, bisect.bisect_right(ends, after) - 1, -1):
+            put = promised[i]
+            if best is not None and put.t1 < best.t0:
+                break  # every earlier put began before this one ended, so before `best` began
+            if best is None or put.t0 > best.t0:
+                best = put
+        if best is None:
             return None
-        deletes = self.deletes.get((ns, key), [])
-        for put in self.puts.get((ns, key), []):
-            if put.outcome not in STORED or put.t1 >= t0 or put.ttl_s is not None:
-                continue
-            if self.promise == "write_through" and put.durability not in ("sync", "group"):
-                continue
-            if self.promise == "write_back" and self._dirty_stop_between(put.t1, t0):
-                continue  # only in memory when the daemon was SIGKILLed
-            if any(d.t0 < t1 and d.t1 > put.t0 for d in deletes):
-                continue  # a delete (acknowledged or not) may have removed it
-            return put
-        return None
+        starts, most_end = self._excuses.get((ns, key), ((), ()))
+        i = bisect.bisect_left(starts, t1)  # the deletes that began before the miss ended
+        if i and most_end[i - 1] > best.t0:
+            return None  # one of them may have removed it
+        return best
 
-    def _dirty_stop_between(self, a: float, b: float) -> bool:
-        return any(not life.clean and a <= life.end <= b for life in self.lives)
+    def _last_dirty_stop_before(self, t: float) -> float:
+        return max((life.end for life in self.lives if not life.clean and life.end <= t), default=-math.inf)

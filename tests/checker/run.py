@@ -218,10 +218,41 @@ def _wait_no_leases(daemon: Daemon, timeout_s: float = 15.0) -> int:
 
 
 def run(plan: Plan, keep: str | None = None) -> Outcome:
-    """Run `plan` and judge it. keep: a directory to leave the records in (else removed)."""
+    """Run `plan` and judge it. keep: a directory to leave the records and logs in. Whatever
+    happens, the daemon and the worker processes are killed and the run's files removed."""
     root = tempfile.mkdtemp(prefix="kvs-check-")
-    rng = random.Random(plan.seed)
     daemon = Daemon(root, plan)
+    chaos = None
+    try:
+        chaos, leases = _exercise(plan, root, daemon)
+        history = History(promise=STORES[plan.store][0], lives=daemon.lives)
+        records = os.path.join(root, "records")
+        for name in sorted(os.listdir(records)):
+            with open(os.path.join(records, name)) as f:
+                history.load(f)
+        anomalies = history.check()
+        anomalies += [f"daemon log: {line}" for line in daemon.errors()]
+        if leases:
+            anomalies.append(f"leases: the daemon held {leases} leases after every client had gone")
+        return Outcome(plan, anomalies, history.num_ops, len(history.reads), dict(chaos.faults, **history.faults),
+                       leases)
+    finally:
+        if chaos is not None:
+            chaos.stop.set()
+            for p in chaos.procs:
+                p.kill()
+        daemon.stop(signal.SIGKILL)
+        if keep:
+            shutil.copytree(root, keep, dirs_exist_ok=True, ignore=shutil.ignore_patterns("data", "*.sock*"))
+            with open(os.path.join(keep, "lives.json"), "w") as f:
+                json.dump([(life.start, life.end, life.clean) for life in daemon.lives], f)
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def _exercise(plan: Plan, root: str, daemon: Daemon) -> tuple[Chaos, int]:
+    """The run itself: workers and faults for plan.seconds, then the checks made with every
+    client gone. Returns (the chaos, with its fault counts; leases the daemon still held)."""
+    rng = random.Random(plan.seed)
     daemon.start()
     records = os.path.join(root, "records")
     os.makedirs(records)
@@ -267,38 +298,18 @@ def run(plan: Plan, keep: str | None = None) -> Outcome:
         raise chaos.error
     for p in chaos.procs:
         p.wait(60)
-    try:
-        leases = _wait_no_leases(daemon)
-        with daemon.client() as c:
-            c.check_integrity()
-        _read_everything(daemon, path("final-1"))
-        # The promise once more across a stop: SIGKILL for write_through (durable puts stay),
-        # a clean stop otherwise (write_back's flush keeps what memory held).
-        daemon.stop(signal.SIGKILL if plan.store == "write_through" else signal.SIGTERM)
-        daemon.start()
-        _read_everything(daemon, path("final-2"))
-        with daemon.client() as c:
-            c.check_integrity()
-    finally:
-        daemon.stop(signal.SIGKILL)
-    history = History(promise=STORES[plan.store][0], lives=daemon.lives)
-    for name in sorted(os.listdir(records)):
-        with open(os.path.join(records, name)) as f:
-            history.load(f)
-    anomalies = history.check()
-    anomalies += [f"daemon log: {line}" for line in daemon.errors()]
-    if leases:
-        anomalies.append(f"leases: the daemon held {leases} leases after every client had gone")
-    faults = dict(chaos.faults, **history.faults)
-    if keep:
-        shutil.copytree(records, keep, dirs_exist_ok=True)
-        for name in os.listdir(root):
-            if name.endswith((".err", ".log")):
-                shutil.copy(os.path.join(root, name), keep)
-        with open(os.path.join(keep, "lives.json"), "w") as f:
-            json.dump([(life.start, life.end, life.clean) for life in daemon.lives], f)
-    shutil.rmtree(root, ignore_errors=True)
-    return Outcome(plan, anomalies, history.num_ops, len(history.reads), faults, leases)
+    leases = _wait_no_leases(daemon)
+    with daemon.client() as c:
+        c.check_integrity()
+    _read_everything(daemon, path("final-1"))
+    # The promise once more across a stop: SIGKILL for write_through (durable puts stay),
+    # a clean stop otherwise (write_back's flush keeps what memory held).
+    daemon.stop(signal.SIGKILL if plan.store == "write_through" else signal.SIGTERM)
+    daemon.start()
+    _read_everything(daemon, path("final-2"))
+    with daemon.client() as c:
+        c.check_integrity()
+    return chaos, leases
 
 
 def main(argv=None) -> int:

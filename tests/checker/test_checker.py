@@ -23,7 +23,7 @@ BOUNDED_S = 25.0
 
 def judged(plan: Plan):
     outcome = run(plan)
-    print(outcome.summary())
+    print(outcome.summary(), flush=True)
     assert outcome.num_reads > 1000, f"too few reads judged to mean anything: {outcome.summary()}"
     assert not outcome.anomalies, (
         f"{outcome.summary()}\nrun again: python tests/checker/run.py --store {plan.store} --seed {plan.seed} "
