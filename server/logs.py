@@ -15,14 +15,22 @@ _PLAIN = re.compile(r'[^\s="\\\x00-\x1f\x7f]*\Z')
 _PAIR = re.compile(r'([A-Za-z_][\w.]*)=("(?:[^"\\]|\\.)*"|\S*)')
 
 
+# The conversions of a %-format string, in order (%% converts nothing).
+_CONVERSION = re.compile(r"%(?:\([^)]*\))?[#0 +-]*(?:\*|\d+)?(?:\.(?:\*|\d+))?[hlL]?([diouxXeEfFgGcrsa%])")
+
+
 def message(record: logging.LogRecord) -> str:
-    """The record's message with every string argument that is not plain quoted as a JSON
-    string: messages carry client-chosen strings (names, namespaces), and one such as
-    'y level=error' or one with a newline must not forge a field or a line."""
+    """The record's message with every string argument shown by %s that is not plain quoted
+    as a JSON string (%r already quotes): messages carry client-chosen strings (names,
+    namespaces), and one such as 'y level=error' or one with a newline must not forge a
+    field or a line."""
     args = record.args
-    if isinstance(args, tuple) and args:
-        args = tuple(json.dumps(a) if isinstance(a, str) and not _PLAIN.match(a) else a for a in args)
-        text = record.msg % args if isinstance(record.msg, str) else record.getMessage()
+    if isinstance(args, tuple) and args and isinstance(record.msg, str):
+        shown = [c for c in _CONVERSION.findall(record.msg) if c != "%"]
+        if len(shown) == len(args):
+            args = tuple(json.dumps(a) if c == "s" and isinstance(a, str) and not _PLAIN.match(a) else a
+                         for c, a in zip(shown, args))
+        text = record.msg % args
     else:
         text = record.getMessage()
     return text.replace("\r", "\\r").replace("\n", "\\n")
