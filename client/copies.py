@@ -15,7 +15,7 @@ had made it makes its own (a forked child has no copy of the parent's threads).
 from __future__ import annotations
 
 import os
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 import xxhash
@@ -56,6 +56,22 @@ def _split(size: int) -> int:
     return max(HASH_BLOCK_BYTES, (size // 2) // HASH_BLOCK_BYTES * HASH_BLOCK_BYTES)
 
 
+def join(second: Future) -> None:
+    """Wait for the helper's half, through a KeyboardInterrupt too (raised again once it has
+    landed): the helper reads or writes memory the caller gives back when this returns (an
+    arena extent whose lease or reservation then ends and which may hold another object
+    next), so it must not be left running."""
+    interrupted = None
+    while True:
+        try:
+            second.result()
+            break
+        except KeyboardInterrupt as exc:
+            interrupted = exc
+    if interrupted is not None:
+        raise interrupted
+
+
 def copy(dst: np.ndarray, src: np.ndarray) -> None:
     """dst[:] = src (uint8 arrays of one size)."""
     if src.size < PARALLEL_BYTES or THREADS == 1:
@@ -66,7 +82,7 @@ def copy(dst: np.ndarray, src: np.ndarray) -> None:
     try:
         np.copyto(dst[:half], src[:half])
     finally:
-        second.result()
+        join(second)
 
 
 def copy_and_hash(dst: np.ndarray, src: np.ndarray) -> bytes:
@@ -93,6 +109,6 @@ def copy_and_hash_in_halves(dst: np.ndarray, src: np.ndarray) -> bytes:
             np.copyto(block, src[start:start + HASH_BLOCK_BYTES])
             hasher.update(block)
     finally:
-        second.result()
+        join(second)
     hasher.update(dst[half:])
     return hasher.digest()

@@ -84,3 +84,26 @@ print(copies.THREADS, copies._helper)
     done = _run("import kvstore.client", KVSTORE_COPY_THREADS="4")
     assert done.returncode != 0
     assert "KVSTORE_COPY_THREADS must be 1 or 2, got '4'" in done.stderr
+
+
+def test_an_interrupted_copy_returns_only_once_the_helpers_half_has_landed():
+    """A KeyboardInterrupt while a two-thread copy waited for its helper left the helper
+    copying into memory the caller then gave back (an arena extent, which may hold another
+    object next). The wait now goes on, and the interrupt is raised once the half landed."""
+    import signal
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            half = pool.submit(time.sleep, 0.3)  # the helper's half, still under way
+            signal.setitimer(signal.ITIMER_REAL, 0.05)
+            with pytest.raises(KeyboardInterrupt):
+                copies.join(half)
+            assert half.done(), "the call returned while its helper was still copying"
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
