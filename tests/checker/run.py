@@ -217,12 +217,14 @@ def _wait_no_leases(daemon: Daemon, timeout_s: float = 15.0) -> int:
             time.sleep(0.05)
 
 
-def run(plan: Plan, keep: str | None = None) -> Outcome:
-    """Run `plan` and judge it. keep: a directory to leave the records and logs in. Whatever
-    happens, the daemon and the worker processes are killed and the run's files removed."""
+def run(plan: Plan, keep: str | None = None, keep_if_anomalous: str | None = None) -> Outcome:
+    """Run `plan` and judge it. keep: a directory to leave the records and logs in;
+    keep_if_anomalous: the same, only when an anomaly was found. Whatever happens, the daemon
+    and the worker processes are killed and the run's files removed."""
     root = tempfile.mkdtemp(prefix="kvs-check-")
     daemon = Daemon(root, plan)
     chaos = None
+    outcome = None
     try:
         chaos, leases = _exercise(plan, root, daemon)
         history = History(promise=STORES[plan.store][0], lives=daemon.lives)
@@ -234,9 +236,12 @@ def run(plan: Plan, keep: str | None = None) -> Outcome:
         anomalies += [f"daemon log: {line}" for line in daemon.errors()]
         if leases:
             anomalies.append(f"leases: the daemon held {leases} leases after every client had gone")
-        return Outcome(plan, anomalies, history.num_ops, len(history.reads), dict(chaos.faults, **history.faults),
-                       leases)
+        outcome = Outcome(plan, anomalies, history.num_ops, len(history.reads),
+                          dict(chaos.faults, **history.faults), leases)
+        return outcome
     finally:
+        if keep is None and outcome is not None and outcome.anomalies:
+            keep = keep_if_anomalous
         if chaos is not None:
             chaos.stop.set()
             for p in chaos.procs:
