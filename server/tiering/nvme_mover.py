@@ -100,7 +100,7 @@ class TierMover:
         self.admission = FrequencyAdmission(min_hits=self.config.admit_min_hits)
         self.bandwidth_bytes_s = DEFAULT_NVME_BANDWIDTH
         self._promoting: dict[bytes, asyncio.Future] = {}  # by table key
-        self._voided: set[bytes] = set()  # promoting keys that left NVMe meanwhile: not published
+        self._voided: set[asyncio.Future] = set()  # promotions whose key left NVMe meanwhile: not published
         # Per key, the write or record removal under way: one at a time, so a write never
         # takes (deduplicates against) a record a removal is about to delete, and a removal
         # never deletes the copy a write has just recorded.
@@ -465,12 +465,12 @@ class TierMover:
         """Bring an NVMe object into the host arena (verified). None if it is gone or corrupt."""
         key = self._key(namespace, oid)
         pending = self._promoting.get(key)
-        if pending is not None:
-            return await asyncio.shield(pending)
+        if pending is not None and pending not in self._voided:
+            return await asyncio.shield(pending)  # (a voided one brings nothing: the key's copy now is another)
         future = asyncio.get_running_loop().create_future()
         self._promoting[key] = future
         try:
-            entry = await self._promote(namespace, oid, key)
+            entry = await self._promote(namespace, oid, key, future)
             future.set_result(entry)
             return entry
         except BaseException as exc:
@@ -478,10 +478,11 @@ class TierMover:
             future.exception()  # retrieved: waiters get it, nobody else logs it
             raise
         finally:
-            del self._promoting[key]
-            self._voided.discard(key)
+            if self._promoting.get(key) is future:  # (a newer promotion of the key may have taken its place)
+                del self._promoting[key]
+            self._voided.discard(future)
 
-    async def _promote(self, namespace: str, oid, key) -> ObjectEntry | None:
+    async def _promote(self, namespace: str, oid, key, future: asyncio.Future) -> ObjectEntry | None:
         if self._expired(key):
             return None  # housekeeping deletes it
         meta = await self._run(self.nvme.meta, namespace, oid)
@@ -507,7 +508,7 @@ class TierMover:
             self._forget(key)
             return None
         await self.windows.at("nvme_read")
-        if key in self._voided or key not in self.policy:  # deleted (expired, evicted) while it was read
+        if future in self._voided or key not in self.policy:  # deleted (expired, evicted) while it was read
             ns.arena.free(extent)
             return None
         self.bandwidth_bytes_s = moving_bandwidth(self.bandwidth_bytes_s, meta.size, elapsed)
@@ -531,7 +532,7 @@ class TierMover:
     def _forget(self, key) -> None:
         self.deadlines.discard(key)
         if key in self._promoting:  # its read may have begun: what it brings is not published
-            self._voided.add(key)
+            self._voided.add(self._promoting[key])
         if key in self.policy:
             self.policy.on_remove(key)
             self._left_nvme(key)
