@@ -227,12 +227,19 @@ class AsyncClient(ClientCalls):
             op = after_deferred(self.core, op)
         later: list[tuple[int, asyncio.Future]] = []  # (request id, reply) sent with Later
         exchanging = False
+        core = self.core
         try:
             requests = next(op)
             while True:
                 exchanging = True
                 replies = await self._exchange(requests, later)
                 exchanging = False
+                if core.closed:
+                    # The connection was lost after these replies came (the reader saw the
+                    # close before this call ran on): the leases and reservations they name
+                    # ended with it, and the mapped arenas are forgotten.
+                    raise DaemonUnavailable(f"lost the daemon at {self.socket_path} during this call; "
+                                            "call reconnect() once it is back")
                 requests = op.send(replies)
         except StopIteration as done:
             return done.value

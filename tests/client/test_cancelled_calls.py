@@ -8,8 +8,10 @@ import numpy as np
 import pytest
 
 from kvstore.client import AsyncClient, Client
-from kvstore.errors import LeaseEnded
+from kvstore.errors import DaemonUnavailable, LeaseEnded
+from kvstore.client.core import Later
 from kvstore.identity import ObjectId
+from kvstore.messages import ReserveMany
 from kvs_testing import payload, read_back, wait_until
 
 SIZE = 64 << 10
@@ -146,3 +148,38 @@ def test_deferred_puts_survive_a_cancelled_call(daemon_factory):
         assert np.array_equal(read_back(c, KEY_Y, SIZE), payload(SIZE, 2))
         if results[0].error is None:
             assert np.array_equal(read_back(c, KEY_X, SIZE), payload(SIZE, 1))
+
+
+def test_a_put_whose_connection_closes_after_its_reservation_came_says_daemon_unavailable(daemon_factory):
+    """The reader may see the close after the reserve reply but before the put runs on (the
+    checker's async workers did, with the daemon restarted under them): the reservation ended
+    with the connection and the arena was forgotten. The put went on and failed with a
+    KeyError (a crash, not an error of the store); it says DaemonUnavailable, and a reconnected
+    client stores the object."""
+    d = daemon_factory("8MiB")
+    BIG = 1 << 20  # larger than an inline put: reserved, copied, committed
+
+    async def run():
+        c = await AsyncClient.connect(d.socket, namespace="x")
+        exchange = c._exchange
+
+        reserving = []
+
+        async def lost_after_reserve(requests, later):
+            replies = await exchange(requests, later)
+            if isinstance(requests, Later) and any(r.op == ReserveMany.op for r in requests):
+                reserving.extend(replies)  # the futures of the reserve replies
+            elif any(fut is not None and any(fut is f for f in reserving) for fut in requests):
+                c._lost("connection closed")  # what the reader does on the close that follows
+            return replies
+        c._exchange = lost_after_reserve
+        with pytest.raises(DaemonUnavailable, match="during this call"):
+            await c.put(KEY_X, payload(BIG, 1))
+        c._exchange = exchange
+        await c.reconnect()
+        await c.put(KEY_X, payload(BIG, 1))
+        await c.close()
+    asyncio.run(run())
+    with Client.connect(d.socket, namespace="x") as c:
+        assert np.array_equal(read_back(c, KEY_X, BIG), payload(BIG, 1))
+        wait_until(lambda: c.stats()["leases"] == 0, 10, "the lost connection's reservation given back")
