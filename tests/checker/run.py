@@ -27,6 +27,7 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 from dataclasses import dataclass, field
 
 _TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -226,7 +227,7 @@ def run(plan: Plan, keep: str | None = None, keep_if_anomalous: str | None = Non
     chaos = None
     outcome = None
     try:
-        chaos, leases = _exercise(plan, root, daemon)
+        chaos, leases, crashes = _exercise(plan, root, daemon)
         history = History(promise=STORES[plan.store][0], lives=daemon.lives)
         records = os.path.join(root, "records")
         for name in sorted(os.listdir(records)):
@@ -234,6 +235,7 @@ def run(plan: Plan, keep: str | None = None, keep_if_anomalous: str | None = Non
                 history.load(f)
         anomalies = history.check()
         anomalies += [f"daemon log: {line}" for line in daemon.errors()]
+        anomalies += crashes + _worker_tracebacks(root)
         if leases:
             anomalies.append(f"leases: the daemon held {leases} leases after every client had gone")
         outcome = Outcome(plan, anomalies, history.num_ops, len(history.reads),
@@ -254,9 +256,37 @@ def run(plan: Plan, keep: str | None = None, keep_if_anomalous: str | None = Non
         shutil.rmtree(root, ignore_errors=True)
 
 
-def _exercise(plan: Plan, root: str, daemon: Daemon) -> tuple[Chaos, int]:
+def _worker_tracebacks(root: str) -> list[str]:
+    """A process worker that printed a traceback (a call raised something that is no error of
+    the store, or a destructor failed): its stderr's last lines. SIGKILL prints nothing, and
+    its SIGINT lands inside calls only, where the worker catches it."""
+    found = []
+    for name in sorted(os.listdir(root)):
+        if name.endswith(".err"):
+            with open(os.path.join(root, name), errors="replace") as f:
+                text = f.read()
+            if re.search(r"^Traceback|^Exception ignored", text, re.M):
+                tail = " | ".join(line.strip() for line in text.strip().splitlines()[-3:])
+                found.append(f"worker {name[:-4]} crashed: {tail}")
+    return found
+
+
+def _crash_recorded(crashes: list, name: str, target):
+    """`target` for a worker thread: what it raises is a crash of that worker (an anomaly)."""
+    def run(*args):
+        try:
+            target(*args)
+        except BaseException as exc:  # noqa: BLE001 (judged with the history)
+            where = traceback.extract_tb(exc.__traceback__)[-1]
+            crashes.append(f"worker {name} crashed: {exc!r} at {where.filename}:{where.lineno} ({where.name})")
+            raise
+    return run
+
+
+def _exercise(plan: Plan, root: str, daemon: Daemon) -> tuple[Chaos, int, list]:
     """The run itself: workers and faults for plan.seconds, then the checks made with every
-    client gone. Returns (the chaos, with its fault counts; leases the daemon still held)."""
+    client gone. Returns (the chaos, with its fault counts; leases the daemon still held;
+    the worker threads that crashed)."""
     rng = random.Random(plan.seed)
     daemon.start()
     records = os.path.join(root, "records")
@@ -281,17 +311,17 @@ def _exercise(plan: Plan, root: str, daemon: Daemon) -> tuple[Chaos, int]:
 
     chaos = Chaos(plan, daemon, rng, spawn)
     chaos.procs = [spawn() for _ in range(plan.processes)]
-    threads = []
+    threads, crashes = [], []
     for i in range(plan.threads):
         number = next(numbers)
-        threads.append(threading.Thread(target=sync_worker, args=(
+        threads.append(threading.Thread(target=_crash_recorded(crashes, f"t{number}", sync_worker), args=(
             daemon.socket, daemon.data_dir, f"t{number}", number, rng.randrange(1 << 30), plan.seconds,
             path(f"t{number}"), i % 2 == 0)))
     for _ in range(plan.asyncs):
         number = next(numbers)
-        threads.append(threading.Thread(target=asyncio.run, args=(async_worker(
-            daemon.socket, daemon.data_dir, f"a{number}", number, rng.randrange(1 << 30), plan.seconds,
-            path(f"a{number}")),)))
+        threads.append(threading.Thread(target=_crash_recorded(crashes, f"a{number}", asyncio.run), args=(
+            async_worker(daemon.socket, daemon.data_dir, f"a{number}", number, rng.randrange(1 << 30),
+                         plan.seconds, path(f"a{number}")),)))
     chaos_thread = threading.Thread(target=chaos.run)
     for t in threads + [chaos_thread]:
         t.start()
@@ -314,7 +344,7 @@ def _exercise(plan: Plan, root: str, daemon: Daemon) -> tuple[Chaos, int]:
     _read_everything(daemon, path("final-2"))
     with daemon.client() as c:
         c.check_integrity()
-    return chaos, leases
+    return chaos, leases, crashes
 
 
 def main(argv=None) -> int:

@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from checker.run import STORES, Plan, run
+from checker.run import STORES, Plan, _crash_recorded, _worker_tracebacks, run
 
 SEED = int(os.environ.get("KVSTORE_CHECKER_SEED", "20261206"))
 BOUNDED_S = 25.0
@@ -37,6 +37,24 @@ def failure(outcome, kept: str) -> str:
     return (f"{outcome.summary()}\nthe run's records and the daemon's log: {kept}\nrun again: python "
             f"tests/checker/run.py --store {plan.store} --seed {plan.seed} --seconds {plan.seconds:g} --keep DIR\n"
             + "\n".join(map(str, outcome.anomalies[:40])))
+
+
+def test_a_worker_that_crashed_is_an_anomaly(tmp_path):
+    """A worker stopped by something that is no error of the store (a client's KeyError once)
+    is a finding: its thread's exception, or a traceback its process printed. A warning is not."""
+    (tmp_path / "p1.err").write_text("Traceback (most recent call last):\n  File ...\nKeyError: 'y'\n")
+    (tmp_path / "p2.err").write_text("workers.py:9: RuntimeWarning: 1 deferred put(s) never stored\n")
+    (tmp_path / "p3.err").write_text("")
+    assert _worker_tracebacks(str(tmp_path)) == ["worker p1 crashed: Traceback (most recent call last): | "
+                                                 "File ... | KeyError: 'y'"]
+    crashes = []
+
+    def worker():
+        {}["y"]
+    with pytest.raises(KeyError):
+        _crash_recorded(crashes, "a3", worker)()
+    assert len(crashes) == 1 and crashes[0].startswith("worker a3 crashed: KeyError('y') at ")
+    assert crashes[0].endswith("(worker)")
 
 
 @pytest.mark.parametrize("store", sorted(STORES))
