@@ -14,7 +14,7 @@ from kvstore import messages as m
 from kvstore.fields import pin_ttl
 from kvstore.client import batched
 from kvstore.client import groups as group_ops
-from kvstore.client.core import ClientCore
+from kvstore.client.core import ClientCore, key_list
 from kvstore.client.gpu import op_get_into_device
 from kvstore.client.lease import ReadLease
 from kvstore.client.results import LookupResult, PutResult
@@ -129,7 +129,7 @@ class ClientCalls:
         batch shares its round trip); the others are zero-copy leases. End them together
         with `release_many(leases)`, which sends one frame, or each with `release()`. A
         refused get raises after every lease was released."""
-        return self._run(batched.get_many(self.core, list(keys), namespace, expect))
+        return self._run(batched.get_many(self.core, key_list(keys), namespace, expect))
 
     def release_many(self, leases) -> None:
         """Release many leases in one frame; None entries and released leases are skipped."""
@@ -139,12 +139,13 @@ class ClientCalls:
         """How many leading keys hit, each key's tier, and the estimated load time (one round trip per 4096 keys).
         expect: the descriptor every key must be stored under (ChunkKeys expect their own);
         a key stored under another is a miss."""
-        return self._run(self.core.op_lookup(list(keys), namespace, expect))
+        return self._run(self.core.op_lookup(key_list(keys), namespace, expect))
 
     def delete(self, keys, namespace: str | None = None, scope: str = "cluster") -> int:
         """Drop objects from every tier; returns how many ids were found. In a cluster,
-        scope="cluster" drops every member's copies, scope="node" only this node's."""
-        return self._run(self.core.op_batch(m.Delete, list(keys), namespace, scope=scope))
+        scope="cluster" drops every member's copies, scope="node" only this node's. `keys`
+        here and in every call that takes many: an iterable of keys, or one key alone."""
+        return self._run(self.core.op_batch(m.Delete, key_list(keys), namespace, scope=scope))
 
     def pin(self, keys, ttl_s: float | None = None, namespace: str | None = None, scope: str = "cluster") -> int:
         """Keep objects resident (never evicted) until unpinned or `ttl_s` passes; returns how
@@ -153,19 +154,19 @@ class ClientCalls:
         only by its homes stays there), "node" only this node's. `ttl_s` is seconds in
         (0, a century] (kvstore.units.MAX_DURATION_S), else InvalidArgument before anything is sent."""
         ttl_s = pin_ttl(ttl_s)
-        return self._run(self.core.op_batch(m.Pin, list(keys), namespace, ttl_s=ttl_s, scope=scope))
+        return self._run(self.core.op_batch(m.Pin, key_list(keys), namespace, ttl_s=ttl_s, scope=scope))
 
     def unpin(self, keys, namespace: str | None = None, scope: str = "cluster") -> int:
         """Undo pins; returns how many ids were still pinned somewhere. In a cluster,
         scope="cluster" reaches every live member (a pin made from any node may hold a
         copy there), "node" only this node's copies."""
-        return self._run(self.core.op_batch(m.Unpin, list(keys), namespace, scope=scope))
+        return self._run(self.core.op_batch(m.Unpin, key_list(keys), namespace, scope=scope))
 
     def prefetch(self, keys, tier: str = "host", policy: str = "best_effort",
                  timeout_s: float | None = None, namespace: str | None = None) -> int:
         """Bring objects to `tier`; returns how many are resident there. With the host tier
         as the only tier this moves nothing and reports what is resident."""
-        return self._run(self.core.op_batch(m.Prefetch, list(keys), namespace,
+        return self._run(self.core.op_batch(m.Prefetch, key_list(keys), namespace,
                                             tier=tier, policy=policy, timeout_s=timeout_s))
 
     def put_group(self, items, hints: Hints | None = None, routes=None) -> group_ops.GroupPutResult:

@@ -73,6 +73,12 @@ def to_object_id(key) -> ObjectId:
     raise InvalidArgument(f"a key is an ObjectId, ChunkKey, 32 bytes or 64 hex chars, not {type(key).__name__}")
 
 
+def key_list(keys) -> list:
+    """The keys of a call that takes many: an iterable of keys, or one key alone (delete(oid)
+    iterated an ObjectId's bytes and refused an int)."""
+    return [keys] if isinstance(keys, (ObjectId, ChunkKey, bytes, str)) else list(keys)
+
+
 def expectation(key, expect: StateDescriptor | None) -> StateDescriptor | None:
     """What a read of `key` expects: `expect`, else the descriptor a ChunkKey carries."""
     if expect is not None and not isinstance(expect, StateDescriptor):

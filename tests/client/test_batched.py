@@ -369,3 +369,21 @@ def test_a_commit_many_of_an_id_committed_meanwhile_answers_existed_for_it(daemo
         assert list(done.codes) == [0, 1, 0]
         assert c.stats()["leases"] == 0
         c.check_integrity()
+
+
+def test_calls_that_take_many_keys_take_one_key_alone(daemon):
+    """delete(oid) iterated the id's bytes and refused an int; one key, in each form a key
+    takes (ObjectId, 32 bytes, 64 hex characters), is one key."""
+    a, b, c_ = ids(3, 7)
+    with daemon.client() as c:
+        for k in (a, b, c_):
+            c.put(k, payload(4096, 1))
+        assert c.lookup(a).hits == 1
+        assert c.pin(bytes(b)) == 1 and c.unpin(bytes(b)) == 1
+        assert c.prefetch(c_.hex) == 1
+        (lease,) = c.get_many(a)
+        assert np.array_equal(lease.numpy(), payload(4096, 1))
+        lease.release()
+        assert c.delete(a) == 1 and c.delete(bytes(b)) == 1 and c.delete(c_.hex) == 1
+        assert c.lookup([a, b, c_]).hits == 0
+        assert c.delete(a) == 0
