@@ -21,7 +21,7 @@ import time
 from typing import Awaitable, Callable
 
 from kvstore.config import HostTierConfig
-from kvstore.errors import CapacityError, NotFound
+from kvstore.errors import CapacityError, NotFound, ServiceError
 from kvstore.identity import Kind, ObjectId
 from kvstore.policy import make_policy
 from kvstore.server.events import MEDIUM_CPU, NoEvents
@@ -86,6 +86,8 @@ class HostTier:
             return ns
         creating = self._creating.get(name)
         if creating is None:
+            if self.stopping.is_set():  # a request still served while the daemon stops: its pool is going
+                raise ServiceError("the daemon is stopping: no new namespace opens; try again once it is back")
             config = self.config
             if len(self.namespaces) + len(self._creating) >= config.max_namespaces:
                 raise CapacityError(f"namespace limit reached ({config.max_namespaces}); raise host.max_namespaces")

@@ -105,7 +105,8 @@ class TierMover:
         # takes (deduplicates against) a record a removal is about to delete, and a removal
         # never deletes the copy a write has just recorded.
         self._turns: dict[bytes, asyncio.Future] = {}
-        self._writes: set[asyncio.Task] = set()  # copies to NVMe under way (each runs to its end)
+        self._writes: set[asyncio.Task] = set()  # copies to NVMe and record removals under way (each runs to its end)
+        self._removing: dict[bytes, int] = {}  # key -> removals of its record begun and not ended
         self._closing = False
         self._background: set[asyncio.Task] = set()
         self.counters = MoverCounters()
@@ -141,7 +142,7 @@ class TierMover:
             await self._kept.stop()
         for task in list(self._background):
             task.cancel()
-        if self._writes:  # each records or removes the copy it made: let them end first
+        while self._writes:  # each records or removes a copy: let them end first (new ones too)
             await asyncio.gather(*self._writes, return_exceptions=True)
         self._closing = True  # requests still being served get a ServiceError, not the pool's refusal
         if self.nvme is not None:
@@ -149,9 +150,12 @@ class TierMover:
             self.nvme = None
 
     def _run(self, fn, *args):
+        """fn(*args) in the NVMe pool; fn a callable, or the name of an NVMe tier method
+        (looked up once the tier is known to be open)."""
         if self._closing:
             raise ServiceError("the daemon is stopping: its NVMe tier is closed; try again once it is back")
-        return asyncio.get_running_loop().run_in_executor(self.nvme.executor, fn, *args)
+        return asyncio.get_running_loop().run_in_executor(
+            self.nvme.executor, getattr(self.nvme, fn) if isinstance(fn, str) else fn, *args)
 
     # --- what NVMe holds ------------------------------------------------------------------
 
@@ -198,11 +202,11 @@ class TierMover:
         """(RemoteMeta, bytes verified against it) of an NVMe object, read into fresh memory
         without touching the host arena (what re-homing and demotion to peers send); None if
         NVMe no longer has it or it failed its check (the tier dropped and counted it)."""
-        meta = await self._run(self.nvme.meta, namespace, oid)
+        meta = await self._run("meta", namespace, oid)
         if meta is None:
             return None
         out = np.empty(meta.size, dtype=np.uint8)
-        if await self._run(self.nvme.get_into, namespace, oid, out) is None:
+        if await self._run("get_into", namespace, oid, out) is None:
             self._forget(self._key(namespace, oid))
             return None
         return RemoteMeta(meta.size, meta.checksum, meta.descriptor, meta.hints, meta.created_at), out
@@ -250,10 +254,14 @@ class TierMover:
         The copy runs to its end even when the caller is cancelled: a record on NVMe that the
         table does not know of would outlive a delete and come back at the next start.
         """
-        task = asyncio.ensure_future(self._write(entry, displace))
+        return await asyncio.shield(self._to_end(self._write(entry, displace)))
+
+    def _to_end(self, coro) -> asyncio.Task:
+        """A task for `coro` that runs to its end whoever waits for it (close() waits for it)."""
+        task = asyncio.ensure_future(coro)
         self._writes.add(task)
         task.add_done_callback(self._write_done)
-        return await asyncio.shield(task)
+        return task
 
     def _write_done(self, task: asyncio.Task) -> None:
         self._writes.discard(task)
@@ -270,7 +278,7 @@ class TierMover:
                 # Past its TTL (housekeeping deletes it within a second) or, never expected,
                 # other bytes: it must not pass for this entry's copy. Gone before this one lands.
                 self._forget(key)
-                await self._run(self.nvme.delete, entry.namespace, entry.object_id)
+                await self._run("delete", entry.namespace, entry.object_id)
             await self.windows.at("nvme_write")
             if ns.objects.get(entry.object_id) is not entry:
                 return None  # gone before its copy began: none is made
@@ -285,7 +293,7 @@ class TierMover:
             if ns.objects.get(entry.object_id) is not entry:
                 # Deleted (expired, dropped) while it was written: its copy must not outlive it.
                 if key not in self.policy:
-                    await self._run(self.nvme.delete, entry.namespace, entry.object_id)
+                    await self._run("delete", entry.namespace, entry.object_id)
                 return None
             if key not in self.policy:
                 self._remember(key, entry.size)
@@ -301,7 +309,7 @@ class TierMover:
         compared all the same: a write must never claim another object's copy.)"""
         if self._expired(key):
             return False
-        meta = await self._run(self.nvme.meta, entry.namespace, entry.object_id)
+        meta = await self._run("meta", entry.namespace, entry.object_id)
         if meta is not None and meta.checksum == entry.checksum:
             return True
         if meta is not None:
@@ -316,7 +324,7 @@ class TierMover:
         try:
             for attempt in range(3):
                 try:
-                    return await self._run(self.nvme.put, entry.namespace, entry.object_id, view, entry.checksum,
+                    return await self._run("put", entry.namespace, entry.object_id, view, entry.checksum,
                                            entry.descriptor, entry.hints, entry.created_at)
                 except CapacityError:
                     if attempt == 2 or displace is None or not await self._evict_nvme(entry.size, displace):
@@ -358,7 +366,7 @@ class TierMover:
             await self.windows.at("nvme_delete")
             if key in self.policy:
                 return False  # written again: that copy stays
-            return await self._run(self.nvme.delete, name, ObjectId(digest))
+            return await self._run("delete", name, ObjectId(digest))
 
     async def _evict_nvme(self, size: int, displace=ANY_VICTIM) -> bool:
         victims = self.policy.victims(
@@ -485,7 +493,7 @@ class TierMover:
     async def _promote(self, namespace: str, oid, key, future: asyncio.Future) -> ObjectEntry | None:
         if self._expired(key):
             return None  # housekeeping deletes it
-        meta = await self._run(self.nvme.meta, namespace, oid)
+        meta = await self._run("meta", namespace, oid)
         if meta is None:
             self._forget(key)
             return None
@@ -495,7 +503,7 @@ class TierMover:
         try:
             start = time.perf_counter()
             view = ns.arena.view(extent)[:meta.size]
-            got = await self._run(self.nvme.get_into, namespace, oid, view)
+            got = await self._run("get_into", namespace, oid, view)
             del view
             elapsed = time.perf_counter() - start
         except Exception:  # the read failed (EIO) and is over: the extent is ours to give back
@@ -603,12 +611,29 @@ class TierMover:
         for key, h in zip(keys, held):
             if h:
                 self._forget(key)
-        pending = [key for key, h in zip(keys, held) if h or key in self._turns]
-        return self._removed(pending, live) if pending else live
+        # A key another delete forgot whose removal has not ended gets a removal of its own:
+        # acknowledged before that one ran, a SIGKILL brought the record back.
+        pending = [key for key, h in zip(keys, held) if h or key in self._turns or key in self._removing]
+        if not pending:
+            return live
+        for key in pending:
+            self._removing[key] = self._removing.get(key, 0) + 1
+        # Begun now, not when the caller awaits it (after a cluster's round trips perhaps).
+        return self._acknowledged(self._to_end(self._removed(pending)), live)
 
-    async def _removed(self, keys: list[bytes], live: list[bool]) -> list[bool]:
-        for key in keys:  # (a write of the key under way undoes itself: its entry was deleted)
-            await self._remove_record(key)
+    async def _removed(self, keys: list[bytes]) -> None:
+        try:
+            for key in keys:  # (a write of the key under way undoes itself: its entry was deleted)
+                await self._remove_record(key)
+        finally:
+            for key in keys:
+                left = self._removing.pop(key) - 1
+                if left:
+                    self._removing[key] = left
+
+    @staticmethod
+    async def _acknowledged(removal: asyncio.Task, live: list[bool]) -> list[bool]:
+        await asyncio.shield(removal)
         return live
 
     def stats(self) -> dict:

@@ -1,13 +1,16 @@
 """Reads create nothing: only a put makes a namespace's arena (a get or lookup in an unknown
 namespace used to make and prefault a whole arena for it)."""
 
+import asyncio
 import signal
 
 import numpy as np
 import pytest
 
-from kvstore.errors import InvalidArgument
+from kvstore.config import HostTierConfig
+from kvstore.errors import InvalidArgument, ServiceError
 from kvstore.identity import ObjectId
+from kvstore.server.tiering.chain import compose
 
 MiB = 1 << 20
 
@@ -102,3 +105,17 @@ def test_a_client_with_a_bad_default_namespace_is_refused_at_connect(daemon):
         await AsyncClient.connect(daemon.socket, namespace="a\tb")
     with pytest.raises(InvalidArgument, match="namespace must be"):
         asyncio.run(connect())
+
+
+def test_a_namespace_opened_while_the_daemon_stops_is_refused_with_a_service_error():
+    """A request still served during a stop (SIGTERM) opened a new arena in the executor that
+    was shutting down: RuntimeError ("Executor shutdown has been called") as an internal
+    error in the log. It says the daemon is stopping."""
+    async def run():
+        tiers = compose(HostTierConfig(arena_bytes=4 * MiB, prefault=False))
+        await tiers.host.open_namespace("before")
+        tiers.host.stopping.set()
+        with pytest.raises(ServiceError, match="stopping"):
+            await tiers.host.open_namespace("during")
+        assert (await tiers.host.open_namespace("before")).name == "before"  # open ones still serve
+    asyncio.run(run())

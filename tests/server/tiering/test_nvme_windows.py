@@ -150,6 +150,41 @@ def test_a_delete_acknowledged_while_another_delete_removes_the_record_waits_for
     asyncio.run(run())
 
 
+def test_a_delete_acknowledged_before_another_deletes_removal_began_removes_the_record(tmp_path):
+    """The first delete's record removal began only once its caller awaited it (a cluster's
+    delete awaits its peers first): a second delete found nothing left to forget and nothing
+    in its turn, answered at once, and a SIGKILL then brought the object back (the checker's
+    write_through run, six reads)."""
+    async def run():
+        manager = await chain(tmp_path, Gates())
+        oid, data = ObjectId(b"s" * 32), np.arange(MiB, dtype=np.uint8)
+        await put_on_nvme_only(manager, oid, data)
+        first = manager.index.delete_here(NS, [oid])  # forgotten; not awaited yet
+        second = manager.index.delete_here(NS, [oid])
+        assert not is_ready(second), "the second delete answered while the record was still there"
+        assert await resolve(second) == [False]
+        assert manager.nvme.nvme.meta(NS, oid) is None, "acknowledged, and the record is still there"
+        assert await resolve(first) == [True]
+        await manager.nvme.close()
+    asyncio.run(run())
+
+
+def test_a_delete_under_way_when_the_tier_closes_removes_its_record_first(tmp_path):
+    """A SIGTERM while a delete waits: the tier closed under the removal (an AttributeError
+    in the daemon's log, the record left for the next start to bring back)."""
+    async def run():
+        manager = await chain(tmp_path, Gates())
+        oid, data = ObjectId(b"c" * 32), np.arange(MiB, dtype=np.uint8)
+        await put_on_nvme_only(manager, oid, data)
+        deleting = manager.index.delete_here(NS, [oid])
+        await manager.nvme.close()
+        assert await resolve(deleting) == [True]
+        again = await chain(tmp_path, Gates())
+        assert not again.nvme.holds(NS, oid)
+        await again.nvme.close()
+    asyncio.run(run())
+
+
 def test_a_write_never_takes_an_expired_copy_for_its_own(tmp_path):
     """A copy past its TTL stays in NVMe's table until housekeeping deletes it (each second).
     Before the fix a new put of the id in that time was answered durable without a write
