@@ -52,6 +52,9 @@ class Put:
     outcome: str = UNKNOWN  # ok, existed, conflict, error:<code>, unknown
     durability: str | None = None  # the put's reply: sync, group, memory
     ttl_s: float | None = None
+    # put(wait=False): stored at some point of [t0, t1] (before any later call of its worker),
+    # t1 being the flush that reported it; not the moment it was stored
+    deferred: bool = False
 
     def may_be_stored(self) -> bool:
         return self.outcome in STORED or self.outcome == UNKNOWN
@@ -122,7 +125,8 @@ class History:
     def _begin(self, rec: dict) -> None:
         if rec["op"] in ("put", "put_group"):
             for key in rec["keys"]:
-                put = Put(rec["w"], rec["ns"], key, rec["v"], rec["t"], ttl_s=rec.get("ttl"))
+                put = Put(rec["w"], rec["ns"], key, rec["v"], rec["t"], ttl_s=rec.get("ttl"),
+                          deferred=bool(rec.get("deferred")))
                 self.puts[(rec["ns"], key)].append(put)
                 rec.setdefault("_puts", []).append(put)
         elif rec["op"] == "delete":
@@ -253,7 +257,8 @@ class History:
         """An acknowledged put this miss breaks the store's promise for, or None: of the
         promised puts ended before the miss began (after the last SIGKILL, for write_back),
         the one that began last, unless a delete (acknowledged or not) overlaps it up to the
-        miss's end (one that excuses it excuses every earlier one too)."""
+        miss's end (one that excuses it excuses every earlier one too). A deferred put
+        promises only if it began after that SIGKILL: it was stored before its flush reported it."""
         ends, promised = self._promised.get((ns, key), ((), ()))
         after = self._last_dirty_stop_before(t0) if self.promise == "write_back" else -math.inf
         best = None
@@ -261,6 +266,8 @@ class History:
             put = promised[i]
             if best is not None and put.t1 < best.t0:
                 break  # every earlier put began before this one ended, so before `best` began
+            if put.deferred and put.t0 <= after:
+                continue  # perhaps stored before that SIGKILL and lost with it, reported after
             if best is None or put.t0 > best.t0:
                 best = put
         if best is None:

@@ -137,6 +137,20 @@ def test_a_miss_of_a_durable_put_breaks_only_the_promise_made():
     assert judge(history("memory"), promise="write_back", lives=clean) == ["lost"]
 
 
+def test_a_deferred_put_promises_only_if_it_began_after_the_last_sigkill():
+    # put(wait=False) is stored at the worker's next call and reported by a later flush: one
+    # stored before a SIGKILL and reported after it was lost with that daemon, rightly.
+    dirty = [Life(0.0, 1.5, clean=False), Life(1.6)]
+    def history(t0):
+        w = Writer()
+        w.put(7, t0, 1.8, dur="memory", deferred=True)
+        w.read("miss", 2.0, 2.1)
+        return w
+    assert judge(history(1.4), promise="write_back", lives=dirty) == []
+    assert judge(history(1.7), promise="write_back", lives=dirty) == ["lost"]
+    assert judge(history(1.4), promise="write_back", lives=[Life(0.0)]) == ["lost"]
+
+
 def test_a_miss_after_a_delete_or_of_a_ttl_put_is_no_loss():
     w = Writer()
     w.put(7, 1.0, 1.1, dur="sync")
