@@ -126,14 +126,23 @@ class SafeStore:
         got = self.link.call(lambda client: client.get_into(oid, out, verify=False) or 0, 0)
         return bool(got)
 
-    def get_many_into(self, pairs: list[tuple[ObjectId, object]]) -> list[bool]:
+    def get_many_into(self, pairs: list[tuple[ObjectId, object]], expect: StateDescriptor | None = None,
+                      exact: bool = False) -> list[bool]:
         """Copy each (id, out) object into its buffer, pipelined (about one round trip per
         1,024); which ones were copied. A miss or any failure is False for that item (a
-        store failure: for all of them); a False item's buffer may be partly written."""
+        store failure: for all of them); a False item's buffer may be partly written.
+        expect: the descriptor every object must be stored under (another is a miss);
+        exact: an object smaller than its buffer is a miss too."""
         if not pairs:
             return []
-        return self.link.call(lambda client: [size is not None for size in client.get_many_into(pairs)],
-                          [False] * len(pairs))
+
+        def op(client):
+            sizes = client.get_many_into(pairs, expect=expect)
+            if not exact:
+                return [size is not None for size in sizes]
+            return [size is not None and size == as_writable_u8(out).size for size, (_, out) in zip(sizes, pairs)]
+
+        return self.link.call(op, [False] * len(pairs))
 
     def put_many(self, items: list[tuple[ObjectId, object]], desc: StateDescriptor, routes=None) -> list[bool]:
         """Store (id, bytes-like / numpy / CPU tensor) pairs; which ones the store now holds.
@@ -214,6 +223,14 @@ class SafeStore:
 
     def delete(self, ids: list[ObjectId]) -> int:
         return self.link.call(lambda client: client.delete(ids), 0) if ids else 0
+
+    def pin(self, ids: list[ObjectId], ttl_s: float) -> int:
+        """Keep objects resident for `ttl_s` (or until unpinned); how many were pinned (0 on
+        any failure: a pin is a wish, a load that then misses recomputes)."""
+        return self.link.call(lambda client: client.pin(ids, ttl_s=ttl_s), 0) if ids else 0
+
+    def unpin(self, ids: list[ObjectId]) -> int:
+        return self.link.call(lambda client: client.unpin(ids), 0) if ids else 0
 
     def stats(self) -> dict:
         return {"num_hits": self.num_hits, "num_misses": self.num_misses, "num_stored": self.num_stored,

@@ -23,6 +23,9 @@ class DType(str, enum.Enum):
     FP8_E4M3 = "fp8_e4m3"
     FP8_E5M2 = "fp8_e5m2"
     MXFP8 = "mxfp8"
+    # bytes whose element type the engine does not hand over (LMCache's multiprocess mode gives
+    # its L2 adapters uint8 buffers and vLLM's raw int8 Mamba pages); a label, never a conversion
+    U8 = "u8"
 
     @classmethod
     def parse(cls, value: str | DType) -> DType:
@@ -65,6 +68,7 @@ _ELEMENT_BYTES = {
     DType.FP8_E4M3: 1,
     DType.FP8_E5M2: 1,
     DType.MXFP8: 1,
+    DType.U8: 1,
 }
 
 _TORCH_NAME = {
@@ -74,4 +78,5 @@ _TORCH_NAME = {
     DType.FP8_E4M3: "float8_e4m3fn",
     DType.FP8_E5M2: "float8_e5m2",
     DType.MXFP8: "float8_e4m3fn",
+    DType.U8: "uint8",
 }
