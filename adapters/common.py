@@ -21,7 +21,8 @@ import os
 from dataclasses import dataclass
 
 from kvstore.errors import InvalidArgument
-from kvstore.identity import ObjectId, StateDescriptor, chain_hash, namespace_salt, object_id, root_hash
+from kvstore.identity import (ObjectId, StateDescriptor, chain_hash, namespace_salt, object_id, root_hash,
+                              tokenless_ids)
 from kvstore.client import copies
 from kvstore.client.buffers import as_writable_u8
 from kvstore.client.fail_soft import FailSoftLink
@@ -52,6 +53,13 @@ def engine_object_id(desc: StateDescriptor, engine: str, key: bytes | str | int)
     salt = namespace_salt(desc.namespace)
     logical = chain_hash(salt, root_hash(salt, desc.model, desc.model_revision), (), (f"engine:{engine}", key))
     return object_id(salt, logical, desc)
+
+
+def engine_ids(desc: StateDescriptor, engine: str):
+    """f(key bytes) = engine_object_id(desc, engine, key), the parts that do not change with
+    the key hashed once (for adapters that compute an id per key on the hot path)."""
+    salt = namespace_salt(desc.namespace)
+    return tokenless_ids(salt, root_hash(salt, desc.model, desc.model_revision), (f"engine:{engine}",), desc)
 
 
 @dataclass(frozen=True, slots=True)

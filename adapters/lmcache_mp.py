@@ -53,7 +53,7 @@ import struct
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
-from kvstore.adapters.common import SafeStore, StoreConfig, engine_object_id, lazy_classes
+from kvstore.adapters.common import SafeStore, StoreConfig, engine_ids, lazy_classes
 from kvstore.dtypes import DType
 from kvstore.errors import InvalidArgument
 from kvstore.identity import Kind, ObjectId, StateDescriptor
@@ -160,7 +160,7 @@ class _Adapter:
         self._lock = threading.Lock()
         self._done: dict[str, dict] = {"store": {}, "lookup": {}, "load": {}}
         self._locked: dict[ObjectId, int] = {}  # id -> lookups holding it (pinned while > 0)
-        self._id_descriptors: dict[str, StateDescriptor | None] = {}
+        self._ids: dict[str, object] = {}  # model -> its id function (None: a refused name)
         self._descriptors: dict[tuple, StateDescriptor] = {}
         self._logged: set[str] = set()
         self._closed = False
@@ -368,17 +368,20 @@ class _Adapter:
     # --- identity -----------------------------------------------------------------------------
 
     def _object_id(self, key) -> ObjectId | None:
-        base = self._id_descriptors.get(key.model_name, False)
-        if base is False:
-            base = self._id_descriptors[key.model_name] = self._base_descriptor(key.model_name)
-        return None if base is None else engine_object_id(base, ENGINE, _key_bytes(key))
+        ids = self._ids.get(key.model_name, False)
+        if ids is False:
+            ids = self._ids[key.model_name] = self._model_ids(key.model_name)
+        return None if ids is None else ids(_key_bytes(key))
 
-    def _base_descriptor(self, model: str) -> StateDescriptor | None:
+    def _model_ids(self, model: str):
+        """engine_object_id under the model's id descriptor, its constant parts hashed once;
+        None for a model name kvstore refuses."""
         try:
-            return StateDescriptor(self.params["namespace"], model, self.params["model_revision"], Kind.KV, DType.U8)
+            desc = StateDescriptor(self.params["namespace"], model, self.params["model_revision"], Kind.KV, DType.U8)
         except InvalidArgument as exc:
             self._refuse(f"model {model!r}: {exc}")
             return None
+        return engine_ids(desc, ENGINE)
 
     def _descriptor(self, key, obj) -> StateDescriptor | None:
         """The descriptor `obj` (a MemoryObj) describes for `key`'s group."""

@@ -4,7 +4,7 @@ import signal
 
 import numpy as np
 
-from kvstore.adapters.common import SafeStore, StoreConfig, engine_object_id
+from kvstore.adapters.common import SafeStore, StoreConfig, engine_ids, engine_object_id
 from kvstore import StateDescriptor
 from kvs_testing import wait_for
 
@@ -27,6 +27,22 @@ def test_engine_ids_depend_on_every_identity_field_and_the_engine():
     assert len({base, *others}) == len(others) + 1
     assert engine_object_id(DESC, "vllm", 12345) == engine_object_id(DESC, "vllm", 12345)
     assert engine_object_id(DESC, "vllm", "abc") != engine_object_id(DESC, "vllm", "abd")
+
+
+def test_engine_ids_give_engine_object_ids():
+    """The hot path's id function (constant parts hashed once) is engine_object_id, for any
+    key and descriptor."""
+    import random
+    rng = random.Random(3)
+    for desc in (StateDescriptor("ns", "m", "main", dtype="u8"),
+                 StateDescriptor("n2", "org/model", "r2", kind="recurrent", dtype="fp32", shard="1/4",
+                                 layout="paged(order=layer_first,layers=2,block=16,kv_heads=2,head_dim=8)")):
+        for engine in ("lmcache-mp", "vllm"):
+            ids = engine_ids(desc, engine)
+            for size in (0, 1, 16, 40, 300):
+                key = rng.randbytes(size)
+                assert ids(key) == engine_object_id(desc, engine, key)
+    assert engine_ids(StateDescriptor("ns", "m", "main"), "a")(b"k") != engine_ids(StateDescriptor("ns", "m", "main"), "b")(b"k")
 
 
 def test_safe_store_round_trip_then_a_dead_daemon_is_a_counted_miss(daemon):
