@@ -105,15 +105,17 @@ class SafeStore:
         """Calls the store refused as invalid (answered as a miss; the link stayed up)."""
         return self.link.num_refused
 
-    def contains(self, ids: list[ObjectId]) -> list[bool]:
-        """Which of `ids` the store holds (any tier), in one round trip per 4,096 ids."""
+    def contains(self, ids: list[ObjectId], pin_ttl_s: float | None = None) -> list[bool]:
+        """Which of `ids` the store holds (any tier), in one round trip per 4,096 ids.
+        pin_ttl_s: pin them too, in the same round trip (Client.lookup's pin_ttl_s)."""
         if not ids:
             return []
 
         def op(client):
             found = []
             for start in range(0, len(ids), LOOKUP_BATCH):
-                found += [t is not None for t in client.lookup(ids[start:start + LOOKUP_BATCH]).tiers]
+                batch = ids[start:start + LOOKUP_BATCH]
+                found += [t is not None for t in client.lookup(batch, pin_ttl_s=pin_ttl_s).tiers]
             return found
 
         found = self.link.call(op, [False] * len(ids))

@@ -33,10 +33,11 @@ stays server-side; a lookup's `group_layout_descs` carry shapes and dtypes only)
 descriptor says `kv` unless `group_kinds` names the group. Whether a prefix hit needs every
 group is the server's rule (its prefetch asks for all groups and takes the common prefix).
 
-Locks. A lookup pins the objects it found for at most lock_ttl_s, so the daemon does not evict
-them before LMCache loads them; an unlock unpins an object once no lookup of this adapter holds
-it. A lock is a wish, not a promise: LMCache's contract lets a load miss, and a missed load is
-recomputed.
+Locks. A lookup pins the objects it found for at most lock_ttl_s, in the lookup's own round
+trip, so the daemon does not evict them before LMCache loads them; an unlock unpins an object
+once no lookup of this adapter holds it. A lock is a wish, not a promise (an object evicted
+between the lookup and its pin, or a lookup racing another's unlock): LMCache's contract lets
+a load miss, and a missed load is recomputed.
 
 Never raises on the data path: a daemon that is down, restarted or slow (past timeout_s) is a
 miss, a store that fails is a failed task (`L2StoreResult` -1), all counted in
@@ -309,27 +310,18 @@ class _Adapter:
     def _lookup_batch(self, keys):
         bitmap = self._bitmap(len(keys))
         wanted = [(i, oid) for i, oid in enumerate(map(self._object_id, keys)) if oid is not None]
-        found = self._store().contains([oid for _, oid in wanted]) if wanted else []
+        ttl = self.params["lock_ttl_s"] or None  # the pins go in the lookup's round trip
+        found = self._store().contains([oid for _, oid in wanted], pin_ttl_s=ttl) if wanted else []
         hits = [(i, oid) for (i, oid), ok in zip(wanted, found) if ok]
         for i, _ in hits:
             bitmap.set(i)
-        if hits and self.params["lock_ttl_s"] > 0:
-            self._lock_ids([oid for _, oid in hits])
         with self._lock:
+            if ttl:
+                for _, oid in hits:
+                    self._locked[oid] = self._locked.get(oid, 0) + 1
             self.counters["lookups"] += len(keys)
             self.counters["found"] += len(hits)
         return bitmap
-
-    def _lock_ids(self, ids: list[ObjectId]) -> None:
-        with self._lock:
-            first = []
-            for oid in ids:
-                count = self._locked.get(oid, 0)
-                self._locked[oid] = count + 1
-                if not count:
-                    first.append(oid)
-        if first:
-            self._store().pin(first, self.params["lock_ttl_s"])
 
     def _unlock(self, keys) -> None:
         released = []

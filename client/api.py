@@ -135,11 +135,16 @@ class ClientCalls:
         """Release many leases in one frame; None entries and released leases are skipped."""
         return self._run(_done(batched.release_many(self.core, list(leases))))
 
-    def lookup(self, keys, namespace: str | None = None, expect: StateDescriptor | None = None) -> LookupResult:
+    def lookup(self, keys, namespace: str | None = None, expect: StateDescriptor | None = None,
+               pin_ttl_s: float | None = None) -> LookupResult:
         """How many leading keys hit, each key's tier, and the estimated load time (one round trip per 4096 keys).
         expect: the descriptor every key must be stored under (ChunkKeys expect their own);
-        a key stored under another is a miss."""
-        return self._run(self.core.op_lookup(key_list(keys), namespace, expect))
+        a key stored under another is a miss. pin_ttl_s: also pin the keys, in the same
+        round trip, right after the lookup (as `pin`: those held stay resident until
+        unpinned or pin_ttl_s passes), so what was found is still there to load."""
+        if pin_ttl_s is not None:
+            pin_ttl_s = pin_ttl(pin_ttl_s)
+        return self._run(self.core.op_lookup(key_list(keys), namespace, expect, pin_ttl_s))
 
     def delete(self, keys, namespace: str | None = None, scope: str = "cluster") -> int:
         """Drop objects from every tier; returns how many ids were found. In a cluster,

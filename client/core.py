@@ -300,7 +300,8 @@ class ClientCore:
                 raise ChecksumError(f"object {lease.object_id.hex}: copied bytes fail their checksum")
         return lease.size
 
-    def op_lookup(self, keys, namespace: str | None, expect: StateDescriptor | None = None):
+    def op_lookup(self, keys, namespace: str | None, expect: StateDescriptor | None = None,
+                  pin_ttl_s: float | None = None):
         if expect is None:
             wanted = [k.descriptor if type(k) is ChunkKey else None for k in keys]
         else:
@@ -314,7 +315,13 @@ class ClientCore:
         for start in range(0, len(ids), MAX_BATCH):
             batch = tuple(ids[start:start + MAX_BATCH])
             requests.append(self.request(m.Lookup(namespace, batch, *_expect_fields(wanted[start:start + MAX_BATCH]))))
+        lookups = len(requests)
+        if pin_ttl_s is not None:  # after the lookups, in the same round trip
+            requests += [self.request(m.Pin(namespace, b, ttl_s=pin_ttl_s)) for b in _batches(ids)]
         replies = yield requests
+        for reply in replies[lookups:]:
+            self.result(reply, r.PinReply)
+        replies = replies[:lookups]
         tiers, hit_bytes, est, leading = [], 0, 0.0, True
         for reply in replies:
             found = self.result(reply, r.LookupReply)

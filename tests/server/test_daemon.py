@@ -106,6 +106,24 @@ def test_pins_are_never_evicted_and_unpin_releases(daemon_factory):
         assert c.lookup(pinned[:1]).hits == 0
 
 
+def test_a_lookup_that_pins_keeps_what_it_found_through_eviction(daemon_factory):
+    """lookup(pin_ttl_s=...) pins in the lookup's round trip: what it found survives a flood
+    that evicts everything else; a key it did not find is not pinned; a bad ttl is refused."""
+    d = daemon_factory("8MiB")
+    with d.client() as c:
+        found, missing = ids(2, seed=4), ids(1, seed=5)
+        for i, key in enumerate(found):
+            c.put(key, payload(MiB, i))
+        assert c.lookup(found + missing, pin_ttl_s=60).tiers == ("host", "host", None)
+        for i, key in enumerate(ids(30, seed=6)):
+            c.put(key, payload(MiB, 100 + i))
+        assert c.lookup(found).hits == 2
+        assert c.unpin(found + missing) == 2
+        for bad in (0, -1, float("inf"), 10 ** 12):
+            with pytest.raises(InvalidArgument):
+                c.lookup(found, pin_ttl_s=bad)
+
+
 def test_capacity_exhaustion_is_a_clear_error_and_nothing_is_lost(daemon_factory):
     d = daemon_factory("4MiB")
     with d.client() as c:
