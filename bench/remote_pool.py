@@ -15,6 +15,11 @@ against kvstore's own peer tier, all in the same run, reps interleaved.
               after B dropped its copies, so each is fetched from A and verified.
     mooncake  Mooncake's own client (MooncakeDistributedStore, TCP): put_from a registered
               buffer under fresh keys, get_into a registered buffer, one call per object.
+    real      Mooncake's real client: a `mooncake_client` process per node that owns the
+              pool link (as LMCache's MP server or llm-d's DaemonSet run it), and the
+              engine's process as its dummy client (`setup_dummy`), its buffers in shared
+              memory it registered with the real client: the same process boundary as
+              kvstore's client -> daemon -> pool. Same calls as `mooncake`.
     get_many  as get_into, but BATCH objects a call, as an engine loads a prefix's chunks:
               `get_many_into` on the daemons (the pool reader reads a batch's misses ahead
               together), `batch_get_into` into registered buffers on Mooncake's client.
@@ -58,6 +63,10 @@ POOL_QUICK = PoolPlan(reps=5, rep_bytes=32 * MiB)
 
 TARGETS = [Target(f"pool {op} {size_label(s)}", "throughput", f"mooncake {base}", ">=", 0.9)
            for s in SIZES for op, base in (("get_into", "get_into"), ("put", "put_from"))]
+# issue 42: the same process boundary as Mooncake's real client (engine -> node's store process -> pool)
+TARGETS += [Target(f"pool {op} {size_label(s)}", "throughput", f"mooncake-real {base}", ">=", 1.0)
+            for s in SIZES for op, base in (("get_into", "get_into"), ("put", "put_from"),
+                                            ("get_many_into", "batch_get_into"))]
 
 
 class DaemonPairSide:
@@ -228,6 +237,64 @@ class MooncakeSide:
         self.store.close()
 
 
+class MooncakeRealSide(MooncakeSide):
+    """Mooncake's dummy client, in the engine's process, of a real client on this node."""
+
+    def __init__(self, real_port: int, log_path: str):
+        fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        os.dup2(fd, 2)
+        os.close(fd)
+        from mooncake.store import MooncakeDistributedStore
+        self.store = MooncakeDistributedStore()
+        if self.store.setup_dummy(0, 16 * MiB, f"127.0.0.1:{real_port}") != 0:
+            raise BaselineUnavailable(f"setup_dummy to the real client at 127.0.0.1:{real_port} failed (log: {log_path})")
+        self.registered: list[int] = []
+
+    def _shared(self, nbytes: int, seed: int):
+        """A buffer in shared memory the real client maps (the only kind a dummy client's
+        calls take), filled as `touched` fills one."""
+        import ctypes
+        import numpy as np
+        address = self.store.alloc_from_mem_pool(nbytes)
+        if not address or self.store.register_buffer(address, nbytes) != 0:
+            raise BaselineUnavailable("mooncake dummy client: alloc_from_mem_pool / register_buffer failed")
+        array = np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(address))
+        array[:] = touched(nbytes, seed=seed)
+        return array
+
+    def prepare(self, size: int, count: int) -> None:
+        for address in self.registered:
+            self.store.unregister_buffer(address)
+        self.size, self.count = size, count
+        self.batch = min(BATCH, count)
+        self.src, self.out, self.outs = self._shared(size, 0), self._shared(size, 1), self._shared(size * self.batch, 2)
+        self.registered = [self.src.ctypes.data, self.out.ctypes.data, self.outs.ctypes.data]
+        self.get_keys = [f"real-get/{size}/{i}" for i in range(count)]
+        for key in self.get_keys:
+            if self.store.put_from(key, self.src.ctypes.data, size) != 0:
+                raise BaselineUnavailable("mooncake dummy client put_from failed")
+
+    def _put_keys(self, rep: int) -> list[str]:
+        return [f"real-put/{self.size}/{rep}/{i}" for i in range(self.count)]
+
+
+def real_client(stack: ExitStack, workdir: str, rpc: int, meta: int, segment_bytes: int) -> int:
+    """Start Mooncake's real client (`mooncake_client`, from the same wheel) lending
+    `segment_bytes` to the pool (0: none); returns its service port."""
+    import shutil
+    import sys
+    from bench.baselines import _serving
+    exe = shutil.which("mooncake_client", path=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
+    if exe is None:
+        raise BaselineUnavailable("mooncake_client (the real client) is not in this mooncake wheel")
+    port = free_port()
+    stack.enter_context(_serving("mooncake_client", [
+        exe, f"--master_server_address=127.0.0.1:{rpc}", f"--metadata_server=http://127.0.0.1:{meta}/metadata",
+        "--host=127.0.0.1", f"--port={port}", f"--global_segment_size={segment_bytes}", "--local_buffer_size=16MB",
+        "--protocol=tcp", "--threads=4"], workdir, [port]))
+    return port
+
+
 def _pool_toml(rpc: int, meta: int) -> str:
     return (f'[remote]\nbackend = "mooncake"\n[remote.mooncake]\nmaster = "127.0.0.1:{rpc}"\n'
             f'metadata_server = "http://127.0.0.1:{meta}/metadata"\nlocal_buffer_bytes = "16MiB"\n'
@@ -256,6 +323,11 @@ def start_sides(plan: PoolPlan, workdir: str, skipped: dict[str, str], stack: Ex
     except BaselineUnavailable as exc:
         skipped["pool"] = str(exc)
         return sides
+    try:  # a client only, like the daemons here: every object lives in the holder's segment
+        port = real_client(stack, workdir, rpc, meta, 0)
+        sides["real"] = stack.enter_context(Worker("mooncake-dummy", MooncakeRealSide, port, log_path))
+    except BaselineUnavailable as exc:
+        skipped["mooncake-real"] = str(exc)
     os.environ.setdefault("GLOG_minloglevel", "2")  # the daemons' Mooncake clients: errors only on the console
     pool = [daemon(f"pool-{n}", _pool_toml(rpc, meta)) for n in ("w", "r")]
     sides["pool"] = stack.enter_context(Worker("pool-client", DaemonPairSide, *pool, plan.reps))
@@ -303,9 +375,11 @@ def run(plan: PoolPlan, workdir: str, skipped: dict[str, str]) -> list[Row]:
             label = size_label(size)
             for op, ours, mooncake in (("put", "put", "put_from"), ("get", "get_into", "get_into"),
                                        ("get_many", "get_many_into", "batch_get_into")):
-                for base, name in (("mooncake", f"mooncake {mooncake}"), ("peers", f"peers {ours}")):
-                    rows.append(Row(SUITE, f"pool {ours} {label}", "throughput", "GB/s", speed[op]["pool"],
-                                    name, speed[op][base]))
+                for base, name in (("mooncake", f"mooncake {mooncake}"), ("real", f"mooncake-real {mooncake}"),
+                                   ("peers", f"peers {ours}")):
+                    if base in speed[op]:
+                        rows.append(Row(SUITE, f"pool {ours} {label}", "throughput", "GB/s", speed[op]["pool"],
+                                        name, speed[op][base]))
         checks = sides["pool"].call("counters")
         if checks["num_checksum_failures"] or checks["num_header_failures"]:
             raise RuntimeError(f"the pool reader counted failed checks: {checks}")
