@@ -177,23 +177,28 @@ class MooncakeSide:
         self.store = mooncake_store(rpc_port, meta_port, 0, 16 * MiB, log_path)
         self.registered: list[int] = []
 
+    PREFIX = ""  # of its keys
+
+    def _buffer(self, nbytes: int, seed: int):
+        array = touched(nbytes, seed=seed)
+        if self.store.register_buffer(array.ctypes.data, nbytes) != 0:
+            raise BaselineUnavailable("mooncake register_buffer failed")
+        return array
+
     def prepare(self, size: int, count: int) -> None:
         for address in self.registered:
             self.store.unregister_buffer(address)
-        self.size, self.count, self.src, self.out = size, count, touched(size), touched(size, seed=1)
+        self.size, self.count = size, count
         self.batch = min(BATCH, count)
-        self.outs = touched(size * self.batch, seed=2)
+        self.src, self.out, self.outs = self._buffer(size, 0), self._buffer(size, 1), self._buffer(size * self.batch, 2)
         self.registered = [self.src.ctypes.data, self.out.ctypes.data, self.outs.ctypes.data]
-        for address, nbytes in zip(self.registered, (size, size, self.outs.nbytes)):
-            if self.store.register_buffer(address, nbytes) != 0:
-                raise BaselineUnavailable("mooncake register_buffer failed")
-        self.get_keys = [f"get/{size}/{i}" for i in range(count)]
+        self.get_keys = [f"{self.PREFIX}get/{size}/{i}" for i in range(count)]
         for key in self.get_keys:
             if self.store.put_from(key, self.src.ctypes.data, size) != 0:
                 raise BaselineUnavailable("mooncake put_from failed")
 
     def _put_keys(self, rep: int) -> list[str]:
-        return [f"put/{self.size}/{rep}/{i}" for i in range(self.count)]
+        return [f"{self.PREFIX}put/{self.size}/{rep}/{i}" for i in range(self.count)]
 
     def put(self, rep: int) -> float:
         put_from, address, size, codes = self.store.put_from, self.src.ctypes.data, self.size, []
@@ -240,6 +245,8 @@ class MooncakeSide:
 class MooncakeRealSide(MooncakeSide):
     """Mooncake's dummy client, in the engine's process, of a real client on this node."""
 
+    PREFIX = "real-"
+
     def __init__(self, real_port: int, log_path: str):
         fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         os.dup2(fd, 2)
@@ -250,7 +257,7 @@ class MooncakeRealSide(MooncakeSide):
             raise BaselineUnavailable(f"setup_dummy to the real client at 127.0.0.1:{real_port} failed (log: {log_path})")
         self.registered: list[int] = []
 
-    def _shared(self, nbytes: int, seed: int):
+    def _buffer(self, nbytes: int, seed: int):
         """A buffer in shared memory the real client maps (the only kind a dummy client's
         calls take), filled as `touched` fills one."""
         import ctypes
@@ -261,21 +268,6 @@ class MooncakeRealSide(MooncakeSide):
         array = np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(address))
         array[:] = touched(nbytes, seed=seed)
         return array
-
-    def prepare(self, size: int, count: int) -> None:
-        for address in self.registered:
-            self.store.unregister_buffer(address)
-        self.size, self.count = size, count
-        self.batch = min(BATCH, count)
-        self.src, self.out, self.outs = self._shared(size, 0), self._shared(size, 1), self._shared(size * self.batch, 2)
-        self.registered = [self.src.ctypes.data, self.out.ctypes.data, self.outs.ctypes.data]
-        self.get_keys = [f"real-get/{size}/{i}" for i in range(count)]
-        for key in self.get_keys:
-            if self.store.put_from(key, self.src.ctypes.data, size) != 0:
-                raise BaselineUnavailable("mooncake dummy client put_from failed")
-
-    def _put_keys(self, rep: int) -> list[str]:
-        return [f"real-put/{self.size}/{rep}/{i}" for i in range(self.count)]
 
 
 def real_client(stack: ExitStack, workdir: str, rpc: int, meta: int, segment_bytes: int) -> int:
