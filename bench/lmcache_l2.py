@@ -2,8 +2,13 @@
 environment), run with the same parameters against each store in one run, reps interleaved:
 
     kvstore        kvstore's L2 adapter (adapters/lmcache_mp.py) on a daemon, host tier only
-    kvstore+nvme   the same daemon with NVMe on, write_through (every store is on NVMe before
-                   it answers, group commit every 5 ms): the durable comparison with fs
+    kvstore+nvme   the same daemon with NVMe on, as configured by default (write_back: objects
+                   go to NVMe as the host tier evicts them, and at a clean stop)
+    kvstore+nvme-wt  NVMe write_through: every store is on NVMe before it answers (group
+                   commit every 5 ms), the durable comparison with fs
+    kvstore+pool   a daemon whose remote tier is a Mooncake Store pool (its master and a
+                   holder lending the pool its memory, started for each run): stores go to
+                   the pool as well as the host tier
     fs             LMCache's fs adapter, files under the same scratch directory (same disk)
     resp           LMCache's resp adapter (its C++ Redis client) on a real redis-server over
                    loopback, no persistence
@@ -44,8 +49,8 @@ from kvstore.commands.smoke import start_daemon  # noqa: E402
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KiB, MiB = 1 << 10, 1 << 20
 OPS = ("Store", "Lookup", "Load")
-STORES = ("kvstore", "kvstore+nvme", "fs", "resp", "mooncake_store")
-OURS = ("kvstore", "kvstore+nvme")
+OURS = ("kvstore", "kvstore+nvme", "kvstore+nvme-wt", "kvstore+pool")
+STORES = (*OURS, "fs", "resp", "mooncake_store")
 
 
 def lmcache_cli() -> str:
@@ -111,11 +116,26 @@ def stores(stack: ExitStack, workdir: str, args, skipped: dict[str, str]) -> dic
 
     if "kvstore" in args.stores:
         out["kvstore"] = lambda size_kb, rep: ours("host")
+    capacity = max(2 * total, 1 << 30) // (64 * MiB) * (64 * MiB)
+    nvme = f'[nvme]\nenabled = true\npath = "@DIR@/nvme"\ncapacity_bytes = {capacity}\nfile_bytes = {64 * MiB}\n'
     if "kvstore+nvme" in args.stores:
-        capacity = max(2 * total, 1 << 30) // (64 * MiB) * (64 * MiB)
-        nvme = (f'[nvme]\nenabled = true\npath = "@DIR@/nvme"\ncapacity_bytes = {capacity}\n'
-                f'file_bytes = {64 * MiB}\nwrite_policy = "write_through"\ndurability = "group"\n')
         out["kvstore+nvme"] = lambda size_kb, rep: ours("nvme", nvme)
+    if "kvstore+nvme-wt" in args.stores:
+        out["kvstore+nvme-wt"] = lambda size_kb, rep: ours("nvme-wt", nvme + 'write_policy = "write_through"\n'
+                                                                     'durability = "group"\n')
+    if "kvstore+pool" in args.stores:
+        @contextlib.contextmanager
+        def pool(size_kb, rep):
+            from bench.baselines import mooncake_master
+            from bench.common import Worker
+            from bench.remote_pool import MooncakeHolder, _pool_toml
+            with ExitStack() as run:  # a fresh pool each run: LMCache's bench writes the same keys
+                run_dir = tempfile.mkdtemp(prefix="pool-", dir=workdir)
+                rpc, meta = run.enter_context(mooncake_master(run_dir))
+                run.enter_context(Worker("l2-pool-holder", MooncakeHolder, rpc, meta, total + 256 * MiB,
+                                         os.path.join(run_dir, "mooncake.log")))
+                yield run.enter_context(ours("pool", _pool_toml(rpc, meta)))
+        out["kvstore+pool"] = pool
     if "fs" in args.stores:
         @contextlib.contextmanager
         def fs(size_kb, rep):
