@@ -217,3 +217,48 @@ def test_lmcache_storage_manager_stores_a_hybrid_chunk_and_a_fresh_one_loads_it(
             reader.finish_read_prefetched(keys)
     finally:
         reader.close()
+
+
+def test_lmcache_mp_server_runs_the_adapter_from_its_command_line(daemon, tmp_path):
+    """`lmcache server` (the MP mode's own server, on CPU) builds the adapter from
+    --l2-adapter, reports it in /status, and its DELETE /cache/objects reaches the daemon
+    through it. (Storing and loading need an engine's registered KV layout, a GPU engine.)"""
+    import os
+    import shutil
+    import subprocess
+    import sys
+    import urllib.request
+    from kvs_testing import free_port
+    h = Harness(daemon.socket, keys=1)
+    key = keys_of(1)[0]
+    assert h.store([key], h.objects(0)).is_successful() and h.lookup([key]) == [0]
+    port, http = free_port(), free_port()
+    cli = shutil.which("lmcache", path=os.path.dirname(sys.executable))
+    env = {**os.environ, "LMCACHE_DISABLE_BANNER": "1", "PYTHONWARNINGS": "ignore"}
+    log = open(tmp_path / "server.log", "w")
+    server = subprocess.Popen([cli, "server", "--port", str(port), "--http-port", str(http), "--l1-size-gb", "1",
+                               "--eviction-policy", "LRU", "--l2-adapter", spec(socket_path=daemon.socket)],
+                              stdout=log, stderr=subprocess.STDOUT, env=env)
+    url = f"http://127.0.0.1:{http}"
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            assert server.poll() is None, (tmp_path / "server.log").read_text()[-2000:]
+            try:
+                status = json.load(urllib.request.urlopen(url + "/status", timeout=5))
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "lmcache server did not answer on its HTTP port"
+                time.sleep(0.5)
+        (ours,) = status["storage_manager"]["l2_adapters"]
+        assert ours["type"] == "kvstore" and ours["is_healthy"] and ours["socket_path"] == daemon.socket
+        body = json.dumps({"keys": [{"chunk_hash_hex": key.chunk_hash.hex(), "model_name": MODEL, "kv_rank": 0}],
+                           "tier": "l2"}).encode()
+        request = urllib.request.Request(url + "/cache/objects", data=body, method="DELETE",
+                                         headers={"Content-Type": "application/json"})
+        assert urllib.request.urlopen(request, timeout=30).status == 200
+        assert h.lookup([key]) == [], "the server's adapter deleted the object from the daemon"
+    finally:
+        server.terminate()
+        server.wait(60)
+        h.adapter.close()
