@@ -6,10 +6,12 @@ This is one, loaded through LMCache's `plugin` adapter type:
 
     lmcache server ... --l2-adapter '{"type": "plugin",
         "module_path": "kvstore.adapters.lmcache_mp", "class_name": "KVStoreL2Adapter",
-        "adapter_params": {"socket_path": "/run/kvstore/kvstore.sock", "namespace": "lmcache"}}'
+        "adapter_params": {"socket_path": "/run/kvstore/kvstore.sock"}}'
 
 adapter_params (all optional): socket_path (else $KVSTORE_SOCKET, then the daemon's default),
-namespace ("lmcache"), model_revision ("main"), timeout_s (5), retry_after_s (2), io_threads
+namespace ("default": the daemon makes and prefaults its arena at start, as it does for every
+namespace in [host] namespaces; another namespace's first store waits for its arena, seconds for
+a large one, and may time out once), model_revision ("main"), timeout_s (5), retry_after_s (2), io_threads
 (4: connections to the daemon, one per worker thread), lock_ttl_s (60: how long a lookup's lock
 holds at most), group_kinds ({}: object group id -> kind, e.g. {"1": "recurrent"}).
 `KVStoreL2AdapterConfig.help()` says the same. Importing this module needs neither LMCache nor
@@ -67,11 +69,12 @@ ENGINE = "lmcache-mp"
 # torch dtypes that are kvstore dtypes; any other (uint8, int8) or a mix is stored as u8
 _DTYPES = {"torch.bfloat16": DType.BF16, "torch.float16": DType.FP16, "torch.float32": DType.FP32,
            "torch.float8_e4m3fn": DType.FP8_E4M3, "torch.float8_e5m2": DType.FP8_E5M2}
-_DEFAULTS = {"socket_path": None, "namespace": "lmcache", "model_revision": "main", "timeout_s": 5.0,
+_DEFAULTS = {"socket_path": None, "namespace": "default", "model_revision": "main", "timeout_s": 5.0,
              "retry_after_s": 2.0, "io_threads": 4, "lock_ttl_s": 60.0, "group_kinds": {}}
 _HELP = """kvstore L2 adapter config fields (adapter_params), all optional:
 - socket_path (str): the kvstore daemon's socket (default $KVSTORE_SOCKET, then the daemon's default)
-- namespace (str): kvstore namespace of LMCache's objects (default "lmcache")
+- namespace (str): kvstore namespace of LMCache's objects (default "default"; list another in
+  the daemon's [host] namespaces so its arena is made at start)
 - model_revision (str): model revision in every object's identity (default "main")
 - timeout_s (float > 0): a daemon slower than this is a miss (default 5)
 - retry_after_s (float > 0): after a failure, skip the daemon this long (default 2)

@@ -78,7 +78,7 @@ def test_lmcache_builds_the_adapter_and_its_config_from_the_cli_json(daemon):
     try:
         assert type(adapter).__name__ == l2.CLASS_NAME and isinstance(adapter, L2AdapterInterface)
         assert adapter.params["group_kinds"] == {1: l2.Kind.RECURRENT} and adapter.params["io_threads"] == 2
-        assert adapter.params["namespace"] == "lmcache" and adapter.params["lock_ttl_s"] == 60
+        assert adapter.params["namespace"] == "default" and adapter.params["lock_ttl_s"] == 60
         fds = {adapter.get_store_event_fd(), adapter.get_lookup_and_lock_event_fd(), adapter.get_load_event_fd()}
         assert len(fds) == 3, "LMCache's controllers need a distinct fd per operation"
         assert "group_kinds" in l2.KVStoreL2AdapterConfig.help()
@@ -200,10 +200,10 @@ def test_lmcache_storage_manager_stores_a_hybrid_chunk_and_a_fresh_one_loads_it(
         oid = adapter._object_id(kstate[3])
     finally:
         writer.close()
-    with daemon.client(namespace="lmcache") as client:
-        recurrent = StateDescriptor("lmcache", MODEL, "main", kind="recurrent", dtype="u8")
+    with daemon.client(namespace="default") as client:
+        recurrent = StateDescriptor("default", MODEL, "main", kind="recurrent", dtype="u8")
         assert client.lookup([oid], expect=recurrent).hits == 1
-        assert client.lookup([oid], expect=StateDescriptor("lmcache", MODEL, "main", dtype="u8")).hits == 0
+        assert client.lookup([oid], expect=StateDescriptor("default", MODEL, "main", dtype="u8")).hits == 0
     reader = manager(config)
     try:
         handle = reader.submit_prefetch_task(PrefetchTaskSpec([GroupedObjectKeys(kattn, 0, attn),
