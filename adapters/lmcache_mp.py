@@ -268,7 +268,8 @@ class _Adapter:
     def _finish(self, what: str, task_id: int, result) -> None:
         with self._lock:
             self._done[what][task_id] = result
-        self._efds[what].notify()
+        if not self._closed:  # after close() its fds are gone (and nobody waits on them)
+            self._efds[what].notify()
 
     def _failed_result(self, what: str, keys):
         return self._store_result(False, 0) if what == "store" else self._bitmap(len(keys))

@@ -262,3 +262,15 @@ def test_lmcache_mp_server_runs_the_adapter_from_its_command_line(daemon, tmp_pa
         server.terminate()
         server.wait(60)
         h.adapter.close()
+
+
+def test_calls_after_close_fail_their_task_without_raising(daemon):
+    h = Harness(daemon.socket, keys=1)
+    h.adapter.close()
+    h.adapter.close()  # twice is harmless
+    task = h.adapter.submit_store_task(keys_of(1), h.objects(0))
+    assert not h.adapter.pop_completed_store_tasks()[task].is_successful()
+    task = h.adapter.submit_load_task(keys_of(1), h.objects(1))
+    assert h.adapter.query_load_result(task).get_indices_list() == []
+    h.adapter.submit_unlock(keys_of(1))
+    assert not h.adapter.report_status()["is_healthy"]
