@@ -210,13 +210,20 @@ def unpack_mxfp8(raw: torch.Tensor) -> MxTensor:
     return MxTensor(raw[..., :n].view(torch.float8_e4m3fn), raw[..., n:])
 
 
+def _convertible(dtype: DType | str) -> DType:
+    dtype = DType.parse(dtype)
+    if dtype is DType.U8:
+        raise InvalidArgument("u8 objects are bytes with no element type: they convert to and from no values")
+    return dtype
+
+
 def encode_segments(x: torch.Tensor, dtype: DType | str) -> torch.Tensor:
     """Values [..., segment_elements] -> the store's bytes for `dtype`, uint8 [..., segment_bytes].
 
     FP8 objects carry no scales in their layout, so they are a saturating cast (scale 1);
     MXFP8 carries its own. A writer that wants scaled FP8 keeps the scale in its metadata.
     """
-    dtype = DType.parse(dtype)
+    dtype = _convertible(dtype)
     if dtype is DType.MXFP8:
         return pack_mxfp8(quantize_mxfp8(x))
     target = getattr(torch, dtype.torch_name)
@@ -230,7 +237,7 @@ def decode_segments(
 ) -> torch.Tensor:
     """The reader-side conversion behind get(accept=[...]): store bytes uint8 [..., segment_bytes]
     of a `dtype` object -> values [..., segment_elements] in `out_dtype` (a new tensor)."""
-    dtype = DType.parse(dtype)
+    dtype = _convertible(dtype)
     if dtype is DType.MXFP8:
         return dequantize_mxfp8(unpack_mxfp8(raw), out_dtype)
     if raw.dtype != torch.uint8 or raw.dim() == 0 or raw.shape[-1] % dtype.element_bytes:

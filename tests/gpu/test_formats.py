@@ -228,7 +228,14 @@ def test_triton_formats_at_real_shape_on_gpu():
         assert torch.equal(ref.dequantize_fp8(qa), tri.dequantize_fp8(qa))  # hardware bf16 stores round
 
 
-@pytest.mark.parametrize("dtype", list(DType), ids=lambda d: d.value)
+def test_u8_bytes_convert_to_no_values():
+    with pytest.raises(InvalidArgument, match="u8"):
+        ref.encode_segments(torch.randn(3, 64), DType.U8)
+    with pytest.raises(InvalidArgument, match="u8"):
+        ref.decode_segments(torch.zeros(3, 64, dtype=torch.uint8), DType.U8, torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [d for d in DType if d is not DType.U8], ids=lambda d: d.value)
 def test_segments_round_trip_within_their_format(dtype):
     x = torch.randn(3, 64) * 4
     raw = ref.encode_segments(x, dtype)
