@@ -234,11 +234,6 @@ class SafeStore:
     def delete(self, ids: list[ObjectId]) -> int:
         return self.link.call(lambda client: client.delete(ids), 0) if ids else 0
 
-    def pin(self, ids: list[ObjectId], ttl_s: float) -> int:
-        """Keep objects resident for `ttl_s` (or until unpinned); how many were pinned (0 on
-        any failure: a pin is a wish, a load that then misses recomputes)."""
-        return self.link.call(lambda client: client.pin(ids, ttl_s=ttl_s), 0) if ids else 0
-
     def unpin(self, ids: list[ObjectId]) -> int:
         return self.link.call(lambda client: client.unpin(ids), 0) if ids else 0
 

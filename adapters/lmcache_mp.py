@@ -166,7 +166,6 @@ class _Adapter:
         self._locked: dict[ObjectId, int] = {}  # id -> lookups holding it (pinned while > 0)
         self._ids: dict[str, object] = {}  # model -> its id function (None: a refused name)
         self._descriptors: dict[tuple, StateDescriptor] = {}
-        self._logged: set[str] = set()
         self._closed = False
         self.counters = {"stored": 0, "store_failed": 0, "stored_bytes": 0, "lookups": 0, "found": 0,
                          "loaded": 0, "load_missed": 0, "loaded_bytes": 0, "refused_keys": 0}
@@ -290,14 +289,11 @@ class _Adapter:
 
     def _store_batch(self, keys, objects):
         batches: dict[StateDescriptor, list] = {}
-        refused = 0
         for key, obj in zip(keys, objects, strict=True):
-            oid, desc = self._object_id(key), self._descriptor(key, obj)
-            if oid is None or desc is None:
-                refused += 1
-                continue
-            data = obj.byte_array
-            batches.setdefault(desc, []).append((oid, data, len(data)))
+            if (named := self._named(key, obj)) is not None:
+                oid, desc = named
+                data = obj.byte_array
+                batches.setdefault(desc, []).append((oid, data, len(data)))
         stored_bytes = stored = 0
         for desc, items in batches.items():
             results = self._store().put_many([(oid, data) for oid, data, _ in items], desc)
@@ -344,8 +340,8 @@ class _Adapter:
         bitmap = self._bitmap(len(keys))
         batches: dict[StateDescriptor, list] = {}
         for i, (key, obj) in enumerate(zip(keys, objects, strict=True)):
-            oid, desc = self._object_id(key), self._descriptor(key, obj)
-            if oid is not None and desc is not None:
+            if (named := self._named(key, obj)) is not None:
+                oid, desc = named
                 batches.setdefault(desc, []).append((i, oid, obj.byte_array))
         loaded = loaded_bytes = 0
         for desc, items in batches.items():
@@ -364,10 +360,20 @@ class _Adapter:
     # --- identity -----------------------------------------------------------------------------
 
     def _object_id(self, key) -> ObjectId | None:
+        """The key's id; None (a miss, counted) for a model name kvstore refuses."""
         ids = self._ids.get(key.model_name, False)
         if ids is False:
             ids = self._ids[key.model_name] = self._model_ids(key.model_name)
-        return None if ids is None else ids(_key_bytes(key))
+        if ids is None:
+            with self._lock:
+                self.counters["refused_keys"] += 1
+            return None
+        return ids(_key_bytes(key))
+
+    def _named(self, key, obj) -> tuple[ObjectId, StateDescriptor] | None:
+        """(id, descriptor) of a key and the MemoryObj it stores from or loads into."""
+        oid = self._object_id(key)
+        return None if oid is None else (oid, self._descriptor(key, obj))
 
     def _model_ids(self, model: str):
         """engine_object_id under the model's id descriptor, its constant parts hashed once;
@@ -375,12 +381,14 @@ class _Adapter:
         try:
             desc = StateDescriptor(self.params["namespace"], model, self.params["model_revision"], Kind.KV, DType.U8)
         except InvalidArgument as exc:
-            self._refuse(f"model {model!r}: {exc}")
+            # once per model name (the answer is kept); its keys are counted in refused_keys
+            _log.error("kvstore L2 adapter: objects not stored (a miss each): model %r: %s", model, exc)
             return None
         return engine_ids(desc, ENGINE)
 
-    def _descriptor(self, key, obj) -> StateDescriptor | None:
-        """The descriptor `obj` (a MemoryObj) describes for `key`'s group."""
+    def _descriptor(self, key, obj) -> StateDescriptor:
+        """The descriptor `obj` (a MemoryObj) describes for `key`'s group (its model name
+        is one kvstore takes: the caller got the key's id)."""
         meta = obj.metadata
         dtypes = meta.dtypes or [meta.dtype]
         names = {_DTYPES.get(str(d)) for d in dtypes}
@@ -389,19 +397,9 @@ class _Adapter:
         cache_key = (key.model_name, kind, dtype)
         desc = self._descriptors.get(cache_key)
         if desc is None:
-            if self._object_id(key) is None:
-                return None
             desc = self._descriptors[cache_key] = StateDescriptor(
                 self.params["namespace"], key.model_name, self.params["model_revision"], kind, dtype)
         return desc
-
-    def _refuse(self, why: str) -> None:
-        with self._lock:
-            self.counters["refused_keys"] += 1
-            first = why not in self._logged
-            self._logged.add(why)
-        if first:
-            _log.error("kvstore L2 adapter: objects not stored (a miss each): %s", why)
 
 
 def _build_classes(name: str) -> dict | None:

@@ -265,9 +265,16 @@ def chain_hash(salt: bytes, parent: bytes, tokens: Sequence[int], extra_keys: It
     except struct.error:
         raise InvalidArgument(f"token ids must be integers in 0..{MAX_TOKEN_ID}") from None
     extras = [_as_bytes(e) for e in extra_keys]
-    h = hashlib.blake2b(digest_size=ID_BYTES, key=salt)
-    h.update(parent + _field(token_bytes) + struct.pack("<I", len(extras)) + b"".join(map(_field, extras)))
-    return h.digest()
+    return _chain_digest(salt, _chain_head(parent, token_bytes, len(extras)) + b"".join(map(_field, extras)))
+
+
+def _chain_head(parent: bytes, token_bytes: bytes, num_extras: int) -> bytes:
+    """What chain_hash hashes before its extra keys."""
+    return parent + _field(token_bytes) + struct.pack("<I", num_extras)
+
+
+def _chain_digest(salt: bytes, data: bytes) -> bytes:
+    return hashlib.blake2b(data, digest_size=ID_BYTES, key=salt).digest()
 
 
 def tokenless_ids(salt: bytes, parent: bytes, extra_keys: Sequence[str | bytes], desc: StateDescriptor):
@@ -275,13 +282,11 @@ def tokenless_ids(salt: bytes, parent: bytes, extra_keys: Sequence[str | bytes],
     many keys: the constant parts are packed once (an adapter computes an id per engine key on
     its hot path: ~3 us instead of ~10)."""
     extras = [_as_bytes(e) for e in extra_keys]
-    head = parent + _field(b"") + struct.pack("<I", len(extras) + 1) + b"".join(map(_field, extras))
+    head = _chain_head(parent, b"", len(extras) + 1) + b"".join(map(_field, extras))
     suffix = _object_suffix(desc)
-    blake2b, pack = hashlib.blake2b, struct.pack
 
     def ids(key: bytes) -> ObjectId:
-        logical = blake2b(head + pack("<I", len(key)) + key, digest_size=ID_BYTES, key=salt).digest()
-        return ObjectId(blake2b(logical + suffix, digest_size=ID_BYTES, key=salt, person=b"kvstore-obj-v1").digest())
+        return _object_digest(salt, _chain_digest(salt, head + _field(key)) + suffix)
 
     return ids
 
@@ -321,9 +326,11 @@ def read_refusal(stored: StateDescriptor, accept=None, expect: StateDescriptor |
 
 
 def object_id(salt: bytes, logical: bytes, desc: StateDescriptor) -> ObjectId:
-    h = hashlib.blake2b(digest_size=ID_BYTES, key=salt, person=b"kvstore-obj-v1")
-    h.update(logical + _object_suffix(desc))
-    return ObjectId(h.digest())
+    return _object_digest(salt, logical + _object_suffix(desc))
+
+
+def _object_digest(salt: bytes, data: bytes) -> ObjectId:
+    return ObjectId(hashlib.blake2b(data, digest_size=ID_BYTES, key=salt, person=b"kvstore-obj-v1").digest())
 
 
 def _object_suffix(desc: StateDescriptor) -> bytes:

@@ -4,7 +4,6 @@ driven with LMCache's own MemoryObjs and by LMCache's StorageManager, against a 
 
 import argparse
 import json
-import time
 
 import pytest
 import torch
@@ -21,6 +20,7 @@ from lmcache.v1.memory_management import MemoryFormat, MemoryObjMetadata, Tensor
 
 import kvstore.adapters.lmcache_mp as l2
 from kvstore import StateDescriptor
+from kvs_testing import free_port, wait_until
 
 pytestmark = pytest.mark.engines
 
@@ -111,10 +111,7 @@ def test_store_lookup_load_round_trip_is_bit_exact(daemon):
         assert h.load(keys + unknown, got + h.objects(2)[:2]) == list(range(h.keys))
         assert all(torch.equal(a.raw_data, b.raw_data) for a, b in zip(sent, got))
         h.adapter.submit_unlock(keys)
-        deadline = time.monotonic() + 10
-        while h.adapter.report_status()["locked_objects"] and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert h.adapter.report_status()["locked_objects"] == 0
+        wait_until(lambda: h.adapter.report_status()["locked_objects"] == 0, 10, "the unlock released every lock")
         assert h.store(keys, sent).is_successful(), "storing what the store holds again is a success"
     finally:
         h.adapter.close()
@@ -144,6 +141,18 @@ def test_every_field_of_the_key_and_the_buffers_type_are_identity(daemon):
         h.adapter.close()
 
 
+def test_a_model_name_kvstore_refuses_is_a_counted_miss_per_key(daemon):
+    h = Harness(daemon.socket, keys=2)
+    try:
+        bad = keys_of(2, model_name="bad\tname")
+        assert not h.store(bad, h.objects(0)).is_successful()
+        assert h.lookup(bad) == [] and h.load(bad, h.objects(1)) == []
+        assert h.adapter.report_status()["refused_keys"] == 6  # two keys, three calls
+        assert h.store(keys_of(2), h.objects(0)).is_successful(), "other models are stored as before"
+    finally:
+        h.adapter.close()
+
+
 def test_a_daemon_down_is_a_miss_and_a_failed_store_and_both_recover(daemon):
     h = Harness(daemon.socket, keys=2)
     try:
@@ -155,9 +164,7 @@ def test_a_daemon_down_is_a_miss_and_a_failed_store_and_both_recover(daemon):
         status = h.adapter.report_status()
         assert status["num_failures"] >= 1 and status["last_error"]
         daemon.start()  # host memory only: what it held is gone, the adapter reconnects
-        deadline = time.monotonic() + 20
-        while not h.store(keys, h.objects(0)).is_successful() and time.monotonic() < deadline:
-            time.sleep(0.1)
+        wait_until(lambda: h.store(keys, h.objects(0)).is_successful(), 20, "a store through the restarted daemon")
         assert h.lookup(keys) == [0, 1]
     finally:
         h.adapter.close()
@@ -193,9 +200,7 @@ def test_lmcache_storage_manager_stores_a_hybrid_chunk_and_a_fresh_one_loads_it(
                 sent[key] = bytes(objs[key].byte_array)
             writer.finish_write(keys)
         adapter = writer.l2_adapters()[0][1]
-        deadline = time.monotonic() + 30
-        while adapter.report_status()["stored"] < 8 and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_until(lambda: adapter.report_status()["stored"] >= 8, 30, "LMCache's store controller stored 8 objects")
         assert adapter.report_status()["stored"] == 8
         oid = adapter._object_id(kstate[3])
     finally:
@@ -228,7 +233,6 @@ def test_lmcache_mp_server_runs_the_adapter_from_its_command_line(daemon, tmp_pa
     import subprocess
     import sys
     import urllib.request
-    from kvs_testing import free_port
     h = Harness(daemon.socket, keys=1)
     key = keys_of(1)[0]
     assert h.store([key], h.objects(0)).is_successful() and h.lookup([key]) == [0]
@@ -241,16 +245,14 @@ def test_lmcache_mp_server_runs_the_adapter_from_its_command_line(daemon, tmp_pa
                               stdout=log, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{http}"
     try:
-        deadline = time.monotonic() + 180
-        while True:
+        def status():
             assert server.poll() is None, (tmp_path / "server.log").read_text()[-2000:]
             try:
-                status = json.load(urllib.request.urlopen(url + "/status", timeout=5))
-                break
+                return json.load(urllib.request.urlopen(url + "/status", timeout=5))
             except OSError:
-                assert time.monotonic() < deadline, "lmcache server did not answer on its HTTP port"
-                time.sleep(0.5)
-        (ours,) = status["storage_manager"]["l2_adapters"]
+                return None  # not listening yet
+        wait_until(lambda: status() is not None, 180, "lmcache server answering on its HTTP port")
+        (ours,) = status()["storage_manager"]["l2_adapters"]
         assert ours["type"] == "kvstore" and ours["is_healthy"] and ours["socket_path"] == daemon.socket
         body = json.dumps({"keys": [{"chunk_hash_hex": key.chunk_hash.hex(), "model_name": MODEL, "kv_rank": 0}],
                            "tier": "l2"}).encode()
