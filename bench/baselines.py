@@ -134,12 +134,17 @@ def mooncake_master(workdir: str) -> Iterator[tuple[int, int]]:
         yield rpc_port, meta_port
 
 
-def mooncake_store(rpc_port: int, meta_port: int, segment_bytes: int, buffer_bytes: int, log_path: str):
-    """A set-up `MooncakeDistributedStore` over TCP. Its native log goes to `log_path`
-    (this process's stderr is redirected there for good)."""
+def native_log_to(log_path: str) -> None:
+    """Send this process's stderr (where Mooncake's native code logs) to `log_path`, for good."""
     fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     os.dup2(fd, 2)
     os.close(fd)
+
+
+def mooncake_store(rpc_port: int, meta_port: int, segment_bytes: int, buffer_bytes: int, log_path: str):
+    """A set-up `MooncakeDistributedStore` over TCP. Its native log goes to `log_path`
+    (this process's stderr is redirected there for good)."""
+    native_log_to(log_path)
     try:
         from mooncake.store import MooncakeDistributedStore
     except ImportError as exc:

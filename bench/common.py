@@ -227,15 +227,16 @@ def scratch_dir(prefix: str) -> tempfile.TemporaryDirectory:
     return tempfile.TemporaryDirectory(prefix=prefix)
 
 
-def host_only_daemon(workdir: str, name: str, arena_bytes: int, extra_toml: str = ""):
-    """A `kvstore serve` child (host tier only, no admin API, arena not prefaulted) with its
-    socket at <workdir>/<name>.sock; returns (process, socket path). The caller terminates it.
-    extra_toml: more tables for its config (a remote tier: `[remote]`, `[cluster]`)."""
+def host_only_daemon(workdir: str, name: str, arena_bytes: int, extra_toml: str = "", prefault: bool = False):
+    """A `kvstore serve` child (host tier only, no admin API, its arena prefaulted only with
+    `prefault`, the default a user gets) with its socket at <workdir>/<name>.sock; returns
+    (process, socket path). The caller terminates it. extra_toml: more tables for its config
+    (a remote tier: `[remote]`, `[cluster]`; NVMe: `[nvme]`)."""
     from kvstore.commands.smoke import start_daemon
     socket_path = os.path.join(workdir, f"{name}.sock")
     config_path = os.path.join(workdir, f"{name}.toml")
     with open(config_path, "w") as f:
-        f.write("[admin]\nenabled = false\n[host]\nprefault = false\n" + extra_toml)
+        f.write("[admin]\nenabled = false\n" + ("" if prefault else "[host]\nprefault = false\n") + extra_toml)
     daemon = start_daemon(socket_path, str(arena_bytes), extra=("--config", config_path,
                                                                 "--data-dir", os.path.join(workdir, f"data-{name}")))
     return daemon, socket_path

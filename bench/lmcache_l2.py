@@ -43,8 +43,8 @@ from contextlib import ExitStack
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.baselines import redis_server  # noqa: E402
-from bench.common import RESULTS_DIR, BaselineUnavailable, machine_info, median, scratch_dir  # noqa: E402
-from kvstore.commands.smoke import start_daemon  # noqa: E402
+from bench.common import (RESULTS_DIR, BaselineUnavailable, host_only_daemon, machine_info, median,  # noqa: E402
+                          scratch_dir)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KiB, MiB = 1 << 10, 1 << 20
@@ -101,11 +101,9 @@ def stores(stack: ExitStack, workdir: str, args, skipped: dict[str, str]) -> dic
     @contextlib.contextmanager
     def ours(name: str, toml: str = ""):
         run_dir = tempfile.mkdtemp(prefix=f"{name}-", dir=workdir)
-        config, socket_path = os.path.join(run_dir, "kvstore.toml"), os.path.join(run_dir, "kvstore.sock")
-        with open(config, "w") as f:  # the defaults a user gets (the arena prefaulted), no admin API
-            f.write("[admin]\nenabled = false\n" + toml.replace("@DIR@", run_dir))
-        proc = start_daemon(socket_path, str(total + 256 * MiB),
-                            extra=("--config", config, "--data-dir", os.path.join(run_dir, "data")))
+        # the defaults a user gets (the arena prefaulted)
+        proc, socket_path = host_only_daemon(run_dir, name, total + 256 * MiB, toml.replace("@DIR@", run_dir),
+                                             prefault=True)
         try:
             yield {"type": "plugin", "module_path": "kvstore.adapters.lmcache_mp", "class_name": "KVStoreL2Adapter",
                    "adapter_params": {"socket_path": socket_path}}

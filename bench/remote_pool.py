@@ -35,7 +35,7 @@ import time
 from contextlib import ExitStack
 from dataclasses import dataclass
 
-from bench.baselines import free_port, mooncake_master, mooncake_store
+from bench.baselines import free_port, mooncake_master, mooncake_store, native_log_to
 from bench.common import (
     KiB, MiB, BaselineUnavailable, Row, Target, Worker, gb_per_s, host_only_daemon, median, size_label, touched,
 )
@@ -248,9 +248,7 @@ class MooncakeRealSide(MooncakeSide):
     PREFIX = "real-"
 
     def __init__(self, real_port: int, log_path: str):
-        fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-        os.dup2(fd, 2)
-        os.close(fd)
+        native_log_to(log_path)
         from mooncake.store import MooncakeDistributedStore
         self.store = MooncakeDistributedStore()
         if self.store.setup_dummy(0, 16 * MiB, f"127.0.0.1:{real_port}") != 0:

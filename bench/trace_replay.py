@@ -360,14 +360,10 @@ def main() -> int:
             print(f"{name}: replaying", flush=True)
             try:
                 if name == "kvstore":
-                    from kvstore.commands.smoke import start_daemon
-                    config = os.path.join(workdir, "kvstore.toml")
-                    with open(config, "w") as f:
-                        f.write("[admin]\nenabled = false\n")
-                    proc = start_daemon(os.path.join(workdir, "kvstore.sock"), str(args.capacity_mb * MiB),
-                                        extra=("--config", config, "--data-dir", os.path.join(workdir, "data")))
+                    from bench.common import host_only_daemon
+                    proc, socket_path = host_only_daemon(workdir, "kvstore", args.capacity_mb * MiB, prefault=True)
                     stack.callback(lambda p=proc: (p.terminate(), p.wait(60)))
-                    side = KVStoreSide(os.path.join(workdir, "kvstore.sock"), block_size)
+                    side = KVStoreSide(socket_path, block_size)
                 elif name == "mooncake":
                     from bench.baselines import BaselineUnavailable, mooncake_master
                     from bench.common import Worker
