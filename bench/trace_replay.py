@@ -342,7 +342,7 @@ def main() -> int:
     trace = load_trace(args.trace, args.requests) if args.trace else agent_trace(args.requests, args.seed)
     distinct = len({b for r in trace for b in r["hash_ids"]})
     if not args.capacity_mb:
-        args.capacity_mb = max(8, distinct * block_size // 4 // MiB)
+        args.capacity_mb = max(16, distinct * block_size // 4 // MiB)  # Mooncake sets up no smaller segment
     stores = [s.strip() for s in args.stores.split(",")]
     if set(stores) - set(STORES):
         parser.error(f"--stores takes {', '.join(STORES)}")
@@ -368,13 +368,15 @@ def main() -> int:
                     from bench.baselines import BaselineUnavailable, mooncake_master
                     from bench.common import Worker
                     from bench.remote_pool import MooncakeHolder
+                    log_path = os.path.join(workdir, "mooncake.log")
                     try:
                         rpc, meta = stack.enter_context(mooncake_master(workdir))
-                    except BaselineUnavailable as exc:
+                        stack.enter_context(Worker("trace-holder", MooncakeHolder, rpc, meta, args.capacity_mb * MiB,
+                                                   log_path))
+                    except BaselineUnavailable as exc:  # (a holder of under 16 MiB does not set up)
                         skipped[name] = str(exc)
+                        print(f"  {name}: skipped: {exc}", flush=True)
                         continue
-                    log_path = os.path.join(workdir, "mooncake.log")
-                    stack.enter_context(Worker("trace-holder", MooncakeHolder, rpc, meta, args.capacity_mb * MiB, log_path))
                     side = MooncakeStoreSide(rpc, meta, block_size, log_path,
                                              max(len(r["hash_ids"]) for r in trace))
                 else:
