@@ -57,6 +57,9 @@ class LocalConnection(asyncio.Protocol):
         self.peer = (0, -1, -1)  # pid, uid, gid from SO_PEERCRED
         self._fd_sock: socket.socket | None = None
         self._held: list[tuple[bytes, int | None]] | None = None  # frames queued behind an fd send
+        # Replies made while one read's requests are served go out in one write (a lookup and
+        # its pin answered in one send, not two: each send to a waiting client costs a wakeup).
+        self._corked: list[bytes] | None = None
         # Requests run in arrival order. One that must wait for I/O (a demotion, an NVMe
         # read) runs as a task, and the requests behind it wait in the inbox.
         self._inbox: collections.deque[Request] = collections.deque()
@@ -82,6 +85,14 @@ class LocalConnection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self.codec.receive_data(data)
+        corked = self._cork()
+        try:
+            self._serve_events()
+        finally:
+            if corked:
+                self._uncork()
+
+    def _serve_events(self) -> None:
         while True:
             event = self.codec.next_event()
             if event is NEED_DATA:
@@ -90,6 +101,7 @@ class LocalConnection(asyncio.Protocol):
                 log.warning("event=protocol_fatal conn=%d error=%r", self.conn_id, event.error.message)
                 err = ProtocolError(f"{event.error.message} (limits.max_frame_bytes); closing the connection")
                 self._write(self.codec.send_reply(Reply(0, error=err.to_wire())))
+                self._uncork()
                 self.transport.close()
                 return
             if isinstance(event, BadFrame):
@@ -144,6 +156,7 @@ class LocalConnection(asyncio.Protocol):
 
     async def _finish(self, request: Request, pending) -> None:
         fd = None
+        corked = self._cork()
         try:
             try:
                 result = await pending
@@ -161,6 +174,8 @@ class LocalConnection(asyncio.Protocol):
                 self.manager.drop_owner(self.conn_id)
             else:
                 self._drain()
+            if corked:
+                self._uncork()
 
     def _reply(self, request: Request, result, fd, error: Exception | None) -> None:
         try:
@@ -266,9 +281,23 @@ class LocalConnection(asyncio.Protocol):
 
     # --- output -----------------------------------------------------------------------
 
+    def _cork(self) -> bool:
+        """Hold this turn's reply frames for one write; False where a caller holds them already."""
+        if self._corked is not None:
+            return False
+        self._corked = []
+        return True
+
+    def _uncork(self) -> None:
+        frames, self._corked = self._corked, None
+        if frames and not self.transport.is_closing():
+            self.transport.write(frames[0] if len(frames) == 1 else b"".join(frames))
+
     def _write(self, frame: bytes) -> None:
         if self._held is not None:
             self._held.append((frame, None))
+        elif self._corked is not None:
+            self._corked.append(frame)
         elif not self.transport.is_closing():
             self.transport.write(frame)
 
@@ -277,6 +306,9 @@ class LocalConnection(asyncio.Protocol):
         Nothing is sent once the client has gone (an open that waited for its arena)."""
         if self._fd_sock is None or self.transport.is_closing():
             return
+        if self._corked:  # the frames before this one go first
+            frames, self._corked = self._corked, []
+            self.transport.write(b"".join(frames))
         if self._held is None and self.transport.get_write_buffer_size() == 0:
             if self._try_sendmsg(frame, fd):
                 return
