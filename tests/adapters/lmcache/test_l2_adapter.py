@@ -117,6 +117,33 @@ def test_store_lookup_load_round_trip_is_bit_exact(daemon):
         h.adapter.close()
 
 
+def test_lookups_submitted_together_each_get_their_own_answer(daemon):
+    """Lookups queued while one is answered share the next round trip; each task still gets
+    the bitmap of its own keys, and each found key is locked once per lookup that found it."""
+    h = Harness(daemon.socket)
+    try:
+        keys = keys_of(h.keys)
+        assert h.store(keys, h.objects(0)).is_successful()
+        asked = [keys[j:j + 3] + keys_of(2, offset=1000 + 10 * j) + keys[:1] for j in range(6)]
+        tasks = [h.adapter.submit_lookup_and_lock_task(ks, {0: MemoryLayoutDesc([], [])}) for ks in asked]
+        results = {}
+
+        def all_answered():
+            for task in tasks:
+                if task not in results and (found := h.adapter.query_lookup_and_lock_result(task)) is not None:
+                    results[task] = found.get_indices_list()
+            return len(results) == len(tasks)
+        wait_until(all_answered, 30, "every lookup answered")
+        for task, ks in zip(tasks, asked):
+            assert results[task] == [i for i, k in enumerate(ks) if k in keys], ks
+        assert h.adapter.report_status()["locked_objects"] == h.keys
+        for ks in asked:
+            h.adapter.submit_unlock(ks)
+        wait_until(lambda: h.adapter.report_status()["locked_objects"] == 0, 10, "every lock released")
+    finally:
+        h.adapter.close()
+
+
 def test_every_field_of_the_key_and_the_buffers_type_are_identity(daemon):
     """Another salt (tenant), model, rank or object group is another object; a buffer that
     describes another dtype gets a miss and keeps its bytes."""
