@@ -155,14 +155,15 @@ class LocalConnection(asyncio.Protocol):
             self._reply(request, result, fd, None)
 
     async def _finish(self, request: Request, pending) -> None:
-        fd = None
-        corked = self._cork()
+        fd, corked = None, False
         try:
             try:
                 result = await pending
+                corked = self._cork()  # after the await: never held while other callbacks write
                 if isinstance(result, _Retry):  # the arena is made: the open answers now
                     result, fd = self._dispatch(result.msg)
             except Exception as exc:
+                corked = corked or self._cork()
                 self._reply(request, None, None, exc)
             else:
                 self._reply(request, result, fd, None)
