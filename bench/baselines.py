@@ -128,9 +128,11 @@ def mooncake_master(workdir: str) -> Iterator[tuple[int, int]]:
     if exe is None:
         raise BaselineUnavailable("mooncake_master not found (pip install mooncake-transfer-engine-non-cuda)")
     rpc_port, meta_port = free_port(), free_port()
+    # its metrics server too on a port of its own (its default, 9003, is one port per machine)
     with _serving("mooncake_master", [exe, "--rpc_address=127.0.0.1", f"--rpc_port={rpc_port}",
                                       "--enable_http_metadata_server=true", "--http_metadata_server_host=127.0.0.1",
-                                      f"--http_metadata_server_port={meta_port}"], workdir, [rpc_port, meta_port]):
+                                      f"--http_metadata_server_port={meta_port}", "--metrics_host=127.0.0.1",
+                                      f"--metrics_port={free_port()}"], workdir, [rpc_port, meta_port]):
         yield rpc_port, meta_port
 
 
