@@ -41,6 +41,11 @@ once no lookup of this adapter holds it. A lock is a wish, not a promise (an obj
 between the lookup and its pin, or a lookup racing another's unlock): LMCache's contract lets
 a load miss, and a missed load is recomputed.
 
+Lookups queued while one is answered go to the daemon together in the next round trip (LMCache
+submits a prefetch's or a round's lookups at once); stores and loads run on the io_threads, one
+daemon connection each. The id of each ObjectKey is kept (up to ID_CACHE_KEYS keys): LMCache
+stores, looks up and loads the same keys.
+
 Never raises on the data path: a daemon that is down, restarted or slow (past timeout_s) is a
 miss, a store that fails is a failed task (`L2StoreResult` -1), all counted in
 `report_status()`. Capacity and eviction are the daemon's (its host tier, NVMe, peers), so the
