@@ -30,7 +30,8 @@ def _positive_int(text: str) -> int:
     return int(text)
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """Every command and flag (tests/kubernetes parses the manifests' daemon args with it)."""
     parser = argparse.ArgumentParser(prog="kvstore", description="tiered KV/state store for LLM inference")
     sub = parser.add_subparsers(dest="cmd", required=True)
 
@@ -44,6 +45,12 @@ def main(argv=None) -> int:
     serve.add_argument("--log-format", choices=["kv", "json"])
     serve.add_argument("--admin-host", help="admin API address (default 127.0.0.1)")
     serve.add_argument("--admin-port", type=int, help="admin API port (0: any free port, see <data-dir>/admin.addr)")
+    # Per-node values a shared config file cannot hold (one ConfigMap for every pod of a
+    # Kubernetes DaemonSet: the pod's node name and IP come in as $(NODE_NAME), $(POD_IP)).
+    serve.add_argument("--node-id", help="cluster.node_id: this node's name among its peers")
+    serve.add_argument("--advertise", help="cluster.advertise: the host:port peers dial")
+    serve.add_argument("--mooncake-local-hostname",
+                       help="remote.mooncake.local_hostname: this node's address as the Mooncake pool reaches it")
     serve.set_defaults(func=cmd_serve)
 
     admin_cli.register(sub)  # status, objects, evict: through the admin API
@@ -54,7 +61,11 @@ def main(argv=None) -> int:
     smoke.set_defaults(func=cmd_smoke)
 
     demo.register(sub)  # the agent-like workload on the real model
+    return parser
 
+
+def main(argv=None) -> int:
+    parser = build_parser()
     try:
         args = parser.parse_args(argv)
         status = args.func(args)

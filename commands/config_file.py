@@ -28,6 +28,12 @@ def load_config(args) -> ServerConfig:
     if getattr(args, "admin_host", None) or getattr(args, "admin_port", None) is not None:
         admin = replace(admin, host=args.admin_host or admin.host,
                         port=admin.port if args.admin_port is None else args.admin_port)
+    cluster, remote = config.cluster, config.remote
+    if getattr(args, "node_id", None) or getattr(args, "advertise", None):
+        cluster = replace(cluster, node_id=args.node_id or cluster.node_id,
+                          advertise=args.advertise or cluster.advertise)
+    if getattr(args, "mooncake_local_hostname", None):
+        remote = replace(remote, mooncake=replace(remote.mooncake, local_hostname=args.mooncake_local_hostname))
     return config.with_overrides(
         socket_path=getattr(args, "socket", None),
         data_dir=getattr(args, "data_dir", None),
@@ -35,4 +41,6 @@ def load_config(args) -> ServerConfig:
         log_format=getattr(args, "log_format", None),
         host=host,
         admin=admin,
+        cluster=cluster,
+        remote=remote,
     )

@@ -3,6 +3,8 @@
 import subprocess
 import sys
 
+import pytest
+
 KVSTORE = [sys.executable, "-m", "kvstore.commands.cli"]
 
 
@@ -47,3 +49,27 @@ def test_serve_refuses_an_nvme_io_threads_out_of_range_in_one_line(tmp_path):
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert result.stderr.strip() == "kvstore: nvme.io_threads must be an integer in 1..256, got 1000"
     assert not (tmp_path / "data").exists()  # refused before anything was made
+
+
+def test_per_node_flags_override_the_shared_config_file(tmp_path):
+    """A DaemonSet's pods share one config file; each gives its node name and pod IP as flags."""
+    from kvstore.commands.cli import build_parser
+    from kvstore.commands.config_file import load_config
+    from kvstore.errors import InvalidArgument
+
+    config = tmp_path / "kvstore.toml"
+    config.write_text('[cluster]\nenabled = true\nsecret = "0123456789abcdef"\nlisten = "0.0.0.0:8471"\n'
+                      'node_id = "from-file"\n')
+    args = build_parser().parse_args(["serve", "--config", str(config), "--node-id", "gpu-node-7",
+                                      "--advertise", "10.1.2.3:8471"])
+    cluster = load_config(args).cluster
+    assert (cluster.node_id, cluster.advertise, cluster.listen) == ("gpu-node-7", "10.1.2.3:8471", "0.0.0.0:8471")
+
+    mooncake = tmp_path / "mooncake.toml"
+    mooncake.write_text('[remote]\nbackend = "mooncake"\n[remote.mooncake]\nmaster = "master:50051"\n')
+    args = build_parser().parse_args(["serve", "--config", str(mooncake), "--mooncake-local-hostname", "10.1.2.4"])
+    assert load_config(args).remote.mooncake.local_hostname == "10.1.2.4"
+
+    bad = build_parser().parse_args(["serve", "--config", str(config), "--node-id", "no spaces"])
+    with pytest.raises(InvalidArgument, match="cluster.node_id"):
+        load_config(bad)
