@@ -4,8 +4,11 @@
 #
 #   scripts/docker_cluster.sh build   base image, wheelhouse, images (cached: reruns are quick)
 #   scripts/docker_cluster.sh up      build, then start the cluster and wait until it is healthy
-#   scripts/docker_cluster.sh test    pytest tests/docker (which runs up and down itself), then
-#                                     down again whatever happened (a test killed midway)
+#   scripts/docker_cluster.sh test    pytest tests/docker (which runs up and down itself) and the
+#                                     Kubernetes manifests' wiring run (tests/kubernetes/
+#                                     test_kubernetes_wiring.py: the DaemonSet's and engines' pods
+#                                     on this engine), then down again and those pods' containers
+#                                     removed, whatever happened (a test killed midway)
 #   scripts/docker_cluster.sh down    remove the cluster's containers, network and volumes
 #   scripts/docker_cluster.sh engine  start dockerd (as root, when none answers) and return
 #   scripts/docker_cluster.sh stop-engine   stop the dockerd that `engine` started, if it runs
@@ -38,13 +41,13 @@ if [ $MOONCAKE = 1 ]; then
     PROJECT="${KVSTORE_COMPOSE_PROJECT:-kvstoremc}"
     COMPOSE_FILE="$ROOT/docker/docker-compose.mooncake.yml"
     SERVICES="mooncake-master pool-memory node-a node-b node-c"
-    TESTS="$ROOT/tests/docker/test_docker_mooncake.py"
+    TESTS=("$ROOT/tests/docker/test_docker_mooncake.py")
     TEST_PROJECT=kvstoremctest  # test_docker_mooncake.py's
 else
     PROJECT="${KVSTORE_COMPOSE_PROJECT:-kvstore}"
     COMPOSE_FILE="$ROOT/docker/docker-compose.yml"
     SERVICES="etcd node-a node-b node-c engine"
-    TESTS="$ROOT/tests/docker/test_docker_cluster.py"
+    TESTS=("$ROOT/tests/docker/test_docker_cluster.py" "$ROOT/tests/kubernetes/test_kubernetes_wiring.py")
     TEST_PROJECT=kvstoretest  # test_docker_cluster.py's
 fi
 BASE_IMAGE="${KVSTORE_BASE_IMAGE:-kvstore-base:bookworm}"
@@ -259,6 +262,15 @@ leftovers() {  # what of the project exists (none, or no engine: nothing)
     docker ps -aq --filter "$filter"; docker network ls -q --filter "$filter"; docker volume ls -q --filter "$filter"
 }
 
+# The containers of the Kubernetes wiring run (tests/kubernetes/pod_to_docker.py labels them).
+WIRING_LABEL=org.kvstore.test=kubernetes-wiring
+remove_wiring() {
+    docker info >/dev/null 2>&1 || return 0
+    local ids
+    ids="$(docker ps -aq --filter "label=$WIRING_LABEL")"
+    [ -z "$ids" ] || { log "removing the Kubernetes wiring run's containers"; docker rm -f -v $ids >/dev/null; }
+}
+
 down() {
     docker info >/dev/null 2>&1 || { log "no Docker engine answers: nothing runs"; return 0; }
     compose down --volumes --remove-orphans --timeout 30 >"$WORK/down.log" 2>&1 \
@@ -281,9 +293,9 @@ case "${1:-}" in
         PROJECT=$TEST_PROJECT
         # The tests' fixture takes the cluster down; this covers a run cut short (SIGTERM,
         # Ctrl-C) before the fixture could.
-        trap 'if [ -n "$(leftovers)" ]; then log "taking down what the test run left of $PROJECT"; down; fi' EXIT
+        trap 'remove_wiring; if [ -n "$(leftovers)" ]; then log "taking down what the test run left of $PROJECT"; down; fi' EXIT
         trap 'exit 143' TERM
         trap 'exit 130' INT
-        "$PY" -m pytest -q -m docker "$TESTS" "$@" ;;
+        "$PY" -m pytest -q -m docker "${TESTS[@]}" "$@" ;;
     *) die "usage: $0 [--mooncake] up|test|down|build|engine|stop-engine|id SERVICE" ;;
 esac

@@ -6,7 +6,9 @@
 # and router tests (and says so).
 #
 # Last, the Docker cluster tests (tests/docker, marker docker; scripts/docker_cluster.sh
-# test, then `--mooncake test` for three nodes over a Mooncake pool): a step of their own,
+# test, which also runs the Kubernetes manifests' pods on the engine (tests/kubernetes/
+# test_kubernetes_wiring.py, about 3 minutes more), then `--mooncake test` for three nodes
+# over a Mooncake pool): a step of their own,
 # not in the main run, because they build images and run containers (the cluster's: 7
 # minutes with nothing cached, 3 warm; the Mooncake one's 2.5 more warm; on 2 shared cores),
 # print their skip reason on their own, and take the cluster down even when the run is cut

@@ -90,8 +90,9 @@ def test_engines_find_the_daemons_socket_through_the_same_node_directory(tree, n
 def test_engines_trust_the_daemons_uid_and_may_open_its_socket(name, monkeypatch):
     uid = image_uid()
     spec, ctr = engine(name)
-    monkeypatch.setenv("KVSTORE_DAEMON_UID", container_env(render(ENGINE_TREE), ctr)["KVSTORE_DAEMON_UID"])
-    assert uid in trusted_uids()  # the client's SO_PEERCRED check lets this daemon through
+    named = container_env(render(ENGINE_TREE), ctr)["KVSTORE_DAEMON_UID"]
+    monkeypatch.setenv("KVSTORE_DAEMON_UID", named)
+    assert named == str(uid) and uid in trusted_uids()  # the client's SO_PEERCRED check lets it through
     for tree in DAEMON_TREES:
         daemon_spec = daemon_pod(tree)
         ctr_d = daemon_container(render(tree))
