@@ -253,13 +253,14 @@ def test_one_hit_wonder_scan_keeps_reused_objects(cls):
 
 @pytest.mark.parametrize("cls", FIFO_POLICIES)
 def test_ghost_hit_goes_to_main(cls):
-    policy = cls(1000)  # S's share is 100 bytes
+    policy = cls(1000)
+    share = policy.small_target_bytes  # S's share of the 1000 bytes
     admit(policy, "a", 10)
     assert policy.victims(1, always) == ["a"]  # a one-hit wonder, remembered in the ghost
     admit(policy, "a", 10)
-    for key in range(20):
+    for key in range(2 * share // 10):
         admit(policy, f"new{key}", 10)
-    # S holds 200 bytes, twice its share: these 100 come from S, and `a` is not there.
+    # S holds twice its share: these 100 bytes come from S, and `a` is not there.
     assert "a" not in policy.victims(100, always)
     assert "a" in policy
     assert "a" in policy._main
