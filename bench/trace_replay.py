@@ -19,7 +19,9 @@ blocks (the leading hits count), read the hits, write the misses. Block bytes ar
 `--block-kb` (a scaled-down KV block); each carries its id, and every block read is checked.
 Stores, each holding at most `--capacity-mb` of blocks:
 
-    kvstore   a daemon, host tier only, arena of the capacity: lookup, get_many_into, put_many
+    kvstore   a daemon, host tier only, arena of the capacity: lookup, get_many_into, put_many;
+              its default eviction policy, and with `--policies lru,s3fifo` also once per
+              policy named (`[host] policy`), reported as kvstore/<policy>
     mooncake  Mooncake Store: its master and one holder lending a segment of the capacity,
               the embedded client (batch_is_exist, batch_get_into, batch_put_from); the master
               evicts at its high watermark
@@ -322,6 +324,8 @@ def main() -> int:
                         help="bytes each store may hold, MiB (default: a quarter of the trace's distinct blocks)")
     parser.add_argument("--block-kb", type=int, default=64, help="bytes per 512-token block, KiB (default 64)")
     parser.add_argument("--stores", default=",".join(STORES))
+    parser.add_argument("--policies", default="",
+                        help="more kvstore runs, one per eviction policy named (comma-separated: cost_aware, lru, s3fifo)")
     parser.add_argument("--results", help="where the results go (default bench/results/trace_replay.json)")
     parser.add_argument("--side", choices=["lmcache"], help=argparse.SUPPRESS)
     parser.add_argument("--json", help=argparse.SUPPRESS)
@@ -346,6 +350,11 @@ def main() -> int:
     stores = [s.strip() for s in args.stores.split(",")]
     if set(stores) - set(STORES):
         parser.error(f"--stores takes {', '.join(STORES)}")
+    from kvstore.policy import POLICIES
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    if set(policies) - set(POLICIES):
+        parser.error(f"--policies takes {', '.join(sorted(POLICIES))}")
+    stores[stores.index("kvstore") + 1 if "kvstore" in stores else 0:0] = [f"kvstore/{p}" for p in policies]
     print(f"trace: {len(trace)} requests, {sum(len(r['hash_ids']) for r in trace)} blocks, {distinct} distinct "
           f"({distinct * block_size / MiB:.0f} MiB at {args.block_kb} KiB a block); capacity {args.capacity_mb} MiB "
           "per store", flush=True)
@@ -359,9 +368,12 @@ def main() -> int:
         for name in stores:
             print(f"{name}: replaying", flush=True)
             try:
-                if name == "kvstore":
+                if name.startswith("kvstore"):
                     from bench.common import host_only_daemon
-                    proc, socket_path = host_only_daemon(workdir, "kvstore", args.capacity_mb * MiB, prefault=True)
+                    policy = name.partition("/")[2]
+                    proc, socket_path = host_only_daemon(workdir, name.replace("/", "-"), args.capacity_mb * MiB,
+                                                         f'[host]\npolicy = "{policy}"\n' if policy else "",
+                                                         prefault=True)
                     stack.callback(lambda p=proc: (p.terminate(), p.wait(60)))
                     side = KVStoreSide(socket_path, block_size)
                 elif name == "mooncake":
@@ -408,14 +420,16 @@ def print_results(results: dict, skipped: dict) -> None:
               "read_us_per_block_p50", "read_us_per_block_p99", "write_ms_p50", "write_ms_p99", "effective_gb_s",
               "failed_writes", "wrong_blocks")
     print()
-    print(f"{'':<26}" + "".join(f"{name:>12}" for name in results))
+    widths = [max(12, len(name) + 2) for name in results]
+    print(f"{'':<26}" + "".join(f"{name:>{w}}" for name, w in zip(results, widths)))
     for field in fields:
-        print(f"{field:<26}" + "".join(f"{str(r[field]):>12}" for r in results.values()))
-    best = {n: r["block_hit_rate"] for n, r in results.items() if n != "kvstore"}
-    if "kvstore" in results and best:
+        print(f"{field:<26}" + "".join(f"{str(r[field]):>{w}}" for r, w in zip(results.values(), widths)))
+    best = {n: r["block_hit_rate"] for n, r in results.items() if not n.startswith("kvstore")}
+    if best:
         other = max(best, key=best.get)
-        print(f"kvstore's block hit rate / the best other ({other}): "
-              f"{results['kvstore']['block_hit_rate'] / max(best[other], 1e-9):.3f}x")
+        for name in (n for n in results if n.startswith("kvstore")):
+            print(f"{name}'s block hit rate / the best other ({other}): "
+                  f"{results[name]['block_hit_rate'] / max(best[other], 1e-9):.3f}x")
     for name, why in skipped.items():
         print(f"skipped {name}: {why}")
 
