@@ -8,7 +8,10 @@ environment), run with the same parameters against each store in one run, reps i
                    commit every 5 ms), the durable comparison with fs
     kvstore+pool   a daemon whose remote tier is a Mooncake Store pool (its master and a
                    holder lending the pool its memory, started for each run): stores go to
-                   the pool as well as the host tier
+                   the pool as well as the host tier (remote_write = "write_through", the
+                   default: the daemon copies them in the background, while the bench goes on)
+    kvstore+pool-wb  the same with remote_write = "write_back": only objects leaving the node
+                   go to the pool
     fs             LMCache's fs adapter, files under the same scratch directory (same disk)
     resp           LMCache's resp adapter (its C++ Redis client) on a real redis-server over
                    loopback, no persistence
@@ -49,7 +52,7 @@ from bench.common import (RESULTS_DIR, BaselineUnavailable, host_only_daemon, ma
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KiB, MiB = 1 << 10, 1 << 20
 OPS = ("Store", "Lookup", "Load")
-OURS = ("kvstore", "kvstore+nvme", "kvstore+nvme-wt", "kvstore+pool")
+OURS = ("kvstore", "kvstore+nvme", "kvstore+nvme-wt", "kvstore+pool", "kvstore+pool-wb")
 STORES = (*OURS, "fs", "resp", "mooncake_store")
 
 
@@ -121,19 +124,22 @@ def stores(stack: ExitStack, workdir: str, args, skipped: dict[str, str]) -> dic
     if "kvstore+nvme-wt" in args.stores:
         out["kvstore+nvme-wt"] = lambda size_kb, rep: ours("nvme-wt", nvme + 'write_policy = "write_through"\n'
                                                                      'durability = "group"\n')
+    @contextlib.contextmanager
+    def pool(remote_write: str):
+        from bench.baselines import mooncake_master
+        from bench.common import Worker
+        from bench.remote_pool import MooncakeHolder, _pool_toml
+        with ExitStack() as run:  # a fresh pool each run: LMCache's bench writes the same keys
+            run_dir = tempfile.mkdtemp(prefix="pool-", dir=workdir)
+            rpc, meta = run.enter_context(mooncake_master(run_dir))
+            run.enter_context(Worker("l2-pool-holder", MooncakeHolder, rpc, meta, total + 256 * MiB,
+                                     os.path.join(run_dir, "mooncake.log")))
+            yield run.enter_context(ours("pool", _pool_toml(rpc, meta) + f'remote_write = "{remote_write}"\n'))
+
     if "kvstore+pool" in args.stores:
-        @contextlib.contextmanager
-        def pool(size_kb, rep):
-            from bench.baselines import mooncake_master
-            from bench.common import Worker
-            from bench.remote_pool import MooncakeHolder, _pool_toml
-            with ExitStack() as run:  # a fresh pool each run: LMCache's bench writes the same keys
-                run_dir = tempfile.mkdtemp(prefix="pool-", dir=workdir)
-                rpc, meta = run.enter_context(mooncake_master(run_dir))
-                run.enter_context(Worker("l2-pool-holder", MooncakeHolder, rpc, meta, total + 256 * MiB,
-                                         os.path.join(run_dir, "mooncake.log")))
-                yield run.enter_context(ours("pool", _pool_toml(rpc, meta)))
-        out["kvstore+pool"] = pool
+        out["kvstore+pool"] = lambda size_kb, rep: pool("write_through")
+    if "kvstore+pool-wb" in args.stores:
+        out["kvstore+pool-wb"] = lambda size_kb, rep: pool("write_back")
     if "fs" in args.stores:
         @contextlib.contextmanager
         def fs(size_kb, rep):
