@@ -48,13 +48,18 @@ def test_a_replay_through_a_daemon_hits_shared_prefixes_and_reads_back_every_blo
 def test_the_command_replays_a_generated_trace_and_writes_its_results(tmp_path):
     saved = tmp_path / "agent.jsonl"
     done = subprocess.run([sys.executable, "bench/trace_replay.py", "--generate", "agent", "--requests", "80",
-                           "--stores", "kvstore", "--block-kb", "4", "--capacity-mb", "8", "--write-trace", str(saved),
+                           "--stores", "kvstore", "--policies", "lru", "--block-kb", "4", "--capacity-mb", "8",
+                           "--write-trace", str(saved),
                            "--results", str(tmp_path / "r.json")],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "block_hit_rate" in done.stdout and len(saved.read_text().splitlines()) == 80
     results = json.load(open(tmp_path / "r.json"))
     assert results["results"]["kvstore"]["requests"] == 80
+    assert results["results"]["kvstore/lru"]["requests"] == 80 and results["results"]["kvstore/lru"]["wrong_blocks"] == 0
     bad = subprocess.run([sys.executable, "bench/trace_replay.py", "--generate", "agent", "--block-kb", "0"],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "--block-kb" in bad.stderr
+    bad = subprocess.run([sys.executable, "bench/trace_replay.py", "--generate", "agent", "--policies", "lfu"],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--policies takes cost_aware, lru, s3fifo" in bad.stderr
