@@ -408,9 +408,16 @@ class _Adapter:
 
     def _object_id(self, key) -> ObjectId | None:
         """The key's id; None (a miss, counted) for a model name kvstore refuses."""
-        oid = self._id_cache.get(key)
+        try:
+            oid = self._id_cache.get(key)
+        except TypeError:  # a key that does not hash (a chunk hash LMCache handed as a bytearray)
+            return self._id_of(key, cache=False)
         if oid is not None:
             return oid
+        return self._id_of(key)
+
+    def _id_of(self, key, cache: bool = True) -> ObjectId | None:
+        """The key's id computed (and kept, with `cache`); None for a refused model name."""
         ids = self._ids.get(key.model_name, False)
         if ids is False:
             ids = self._ids[key.model_name] = self._model_ids(key.model_name)
@@ -419,9 +426,10 @@ class _Adapter:
                 self.counters["refused_keys"] += 1
             return None
         oid = ids(_key_bytes(key))
-        if len(self._id_cache) >= ID_CACHE_KEYS:
-            self._id_cache = {}
-        self._id_cache[key] = oid
+        if cache:
+            if len(self._id_cache) >= ID_CACHE_KEYS:
+                self._id_cache = {}
+            self._id_cache[key] = oid
         return oid
 
     def _named(self, key, obj) -> tuple[ObjectId, StateDescriptor] | None:

@@ -144,6 +144,20 @@ def test_lookups_submitted_together_each_get_their_own_answer(daemon):
         h.adapter.close()
 
 
+def test_a_chunk_hash_that_does_not_hash_is_the_same_object(daemon):
+    """Ids are kept per ObjectKey; a key whose chunk hash is a bytearray cannot be kept, and is
+    still the object its bytes name."""
+    h = Harness(daemon.socket, keys=2)
+    try:
+        keys = keys_of(2)
+        odd = [ObjectKey(chunk_hash=bytearray(k.chunk_hash), model_name=MODEL, kv_rank=0) for k in keys]
+        assert h.store(odd, h.objects(0)).is_successful()
+        assert h.lookup(keys) == [0, 1] and h.lookup(odd) == [0, 1]
+        assert h.load(odd, h.objects(1, fill=7)) == [0, 1]
+    finally:
+        h.adapter.close()
+
+
 def test_every_field_of_the_key_and_the_buffers_type_are_identity(daemon):
     """Another salt (tenant), model, rank or object group is another object; a buffer that
     describes another dtype gets a miss and keeps its bytes."""
