@@ -289,8 +289,9 @@ class LocalConnection(asyncio.Protocol):
         self._corked = []
         return True
 
-    def _uncork(self) -> None:
-        frames, self._corked = self._corked, None
+    def _uncork(self, keep: bool = False) -> None:
+        """Write the held frames; with `keep`, go on holding the ones that follow."""
+        frames, self._corked = self._corked, ([] if keep else None)
         if frames and not self.transport.is_closing():
             self.transport.write(frames[0] if len(frames) == 1 else b"".join(frames))
 
@@ -308,8 +309,7 @@ class LocalConnection(asyncio.Protocol):
         if self._fd_sock is None or self.transport.is_closing():
             return
         if self._corked:  # the frames before this one go first
-            frames, self._corked = self._corked, []
-            self.transport.write(b"".join(frames))
+            self._uncork(keep=True)
         if self._held is None and self.transport.get_write_buffer_size() == 0:
             if self._try_sendmsg(frame, fd):
                 return
