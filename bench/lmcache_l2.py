@@ -45,9 +45,9 @@ from contextlib import ExitStack
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.baselines import redis_server  # noqa: E402
-from bench.common import (RESULTS_DIR, BaselineUnavailable, host_only_daemon, machine_info, median,  # noqa: E402
-                          scratch_dir)
+from bench.baselines import mooncake_master, redis_server  # noqa: E402
+from bench.common import (RESULTS_DIR, BaselineUnavailable, Worker, host_only_daemon, machine_info,  # noqa: E402
+                          median, scratch_dir)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KiB, MiB = 1 << 10, 1 << 20
@@ -126,8 +126,6 @@ def stores(stack: ExitStack, workdir: str, args, skipped: dict[str, str]) -> dic
                                                                      'durability = "group"\n')
     @contextlib.contextmanager
     def pool(remote_write: str):
-        from bench.baselines import mooncake_master
-        from bench.common import Worker
         from bench.remote_pool import MooncakeHolder, _pool_toml
         with ExitStack() as run:  # a fresh pool each run: LMCache's bench writes the same keys
             run_dir = tempfile.mkdtemp(prefix="pool-", dir=workdir)
