@@ -15,9 +15,12 @@ field the translation ignores fails the wiring test instead of passing it untest
 from __future__ import annotations
 
 import os
-import subprocess
+import sys
 
-from manifests import SAMPLE_FIELDS, config_map, container, container_env, expand, quantity_bytes, security
+from manifests import ROOT, SAMPLE_FIELDS, config_map, container, container_env, expand, quantity_bytes, security
+
+sys.path.insert(0, str(ROOT / "tests" / "docker"))
+from test_docker_cluster import _run as run_with  # noqa: E402 (the Docker tests' way to run a command)
 
 LABEL = "org.kvstore.test=kubernetes-wiring"  # every container started here; removed by label
 CALL_TIMEOUT_S = 300
@@ -26,11 +29,8 @@ DEFAULT_FILE_MODE = 0o644
 EMPTY_DIR_MODE = 0o777
 
 
-def docker(*args: str, timeout: float = CALL_TIMEOUT_S, check: bool = True, **kwargs) -> subprocess.CompletedProcess:
-    out = subprocess.run(["docker", *args], capture_output=True, text=True, timeout=timeout, **kwargs)
-    if check and out.returncode != 0:
-        raise AssertionError(f"docker {' '.join(args[:3])} ... exited {out.returncode}:\n{out.stdout[-3000:]}{out.stderr[-3000:]}")
-    return out
+def docker(*args: str, timeout: float = CALL_TIMEOUT_S, check: bool = True, **kwargs):
+    return run_with(["docker", *args], timeout=timeout, check=check, **kwargs)
 
 
 def remove_all() -> None:

@@ -27,7 +27,6 @@ import os
 import shutil
 import stat
 import subprocess
-import sys
 import tempfile
 import urllib.error
 import urllib.request
@@ -35,10 +34,8 @@ import urllib.request
 import pytest
 from kvs_testing import wait_until
 from manifests import ENGINE_TREE, ENGINES, ROOT, container, daemon_container, daemon_set, find, one, pod_spec, render
-from pod_to_docker import Node, Pod, docker, pod_ip, probe, remove_all
-
-sys.path.insert(0, str(ROOT / "tests" / "docker"))
-from test_docker_cluster import SCRIPT, cannot_run_containers, unavailable_reason  # noqa: E402 (one way to the image)
+from pod_to_docker import LABEL, Node, Pod, docker, pod_ip, probe, remove_all
+from test_docker_cluster import SCRIPT, cannot_run_containers, unavailable_reason  # (one way to the image)
 
 pytestmark = pytest.mark.docker
 
@@ -152,12 +149,12 @@ def cluster():
     finally:
         logs = ROOT / "build" / "docker" / "kubernetes"
         os.makedirs(logs, exist_ok=True)
-        for cid in docker("ps", "-aq", "--filter", "label=org.kvstore.test=kubernetes-wiring", check=False).stdout.split():
+        for cid in docker("ps", "-aq", "--filter", f"label={LABEL}", check=False).stdout.split():
             out = docker("logs", cid, check=False)
             (logs / f"{cid[:12]}.log").write_text(out.stdout + out.stderr)
         remove_all()
         shutil.rmtree(root, ignore_errors=True)
-        assert docker("ps", "-aq", "--filter", "label=org.kvstore.test=kubernetes-wiring").stdout.split() == []
+        assert docker("ps", "-aq", "--filter", f"label={LABEL}").stdout.split() == []
 
 
 def test_the_init_steps_hand_the_node_directories_and_the_token_to_the_daemon(cluster):
