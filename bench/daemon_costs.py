@@ -38,20 +38,23 @@ from kvstore.fields import unpack_uints  # noqa: E402
 from kvstore.identity import ObjectId, StateDescriptor  # noqa: E402
 from kvstore.server.local import batches  # noqa: E402
 from kvstore.server.tiering.chain import compose  # noqa: E402
+from kvstore.server.tiering.index_ops import IndexOps  # noqa: E402
 from kvstore.server.tiering.manager import TierManager  # noqa: E402
 
 SUITE = "daemon_costs"
 N, SIZE = 1000, 4096
 
 
-def manager(shared_index: bool) -> TierManager:
-    mgr = TierManager(compose(HostTierConfig(arena_bytes=64 << 20, prefault=True, shared_index=shared_index,
-                                             huge_pages="off", namespaces=())))
-    asyncio.run(mgr.host.open_namespace("t"))
-    return mgr
+def manager(shared_index: bool) -> tuple[TierManager, IndexOps]:
+    """The tier manager over a host tier with namespace "t" open, and the chain's index ops."""
+    chain = compose(HostTierConfig(arena_bytes=64 << 20, prefault=True, shared_index=shared_index,
+                                   huge_pages="off", namespaces=()))
+    host = chain.host
+    asyncio.run(host.open_namespace("t"))
+    return TierManager(chain), chain.index
 
 
-def one_batch(mgr: TierManager, rep: int, checksum: bytes, desc: StateDescriptor) -> tuple[float, float, float]:
+def one_batch(mgr: TierManager, index: IndexOps, rep: int, checksum: bytes, desc: StateDescriptor) -> tuple[float, float, float]:
     """Seconds per object of reserve_many, commit_many and get_many (+ release_many)."""
     ids = [ObjectId(rep.to_bytes(4, "little") + i.to_bytes(28, "little")) for i in range(N)]
     reserve = m.ReserveMany.of("t", ids, [SIZE] * N, desc)
@@ -71,7 +74,7 @@ def one_batch(mgr: TierManager, rep: int, checksum: bytes, desc: StateDescriptor
     got_s = time.perf_counter() - start
     if sum(got.hits) != N:
         raise RuntimeError(f"get_many: {sum(got.hits)} of {N} hits")
-    mgr.index.delete("t", ids, scope="node")
+    index.delete("t", ids, scope="node")
     return reserved_s / N, committed_s / N, got_s / N
 
 

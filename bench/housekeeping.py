@@ -37,24 +37,27 @@ from kvstore.config import HostTierConfig  # noqa: E402
 from kvstore.hints import Hints  # noqa: E402
 from kvstore.identity import ObjectId, StateDescriptor  # noqa: E402
 from kvstore.server.tiering.chain import compose  # noqa: E402
+from kvstore.server.tiering.host import HostTier  # noqa: E402
 from kvstore.server.tiering.manager import TierManager  # noqa: E402
 
 SUITE = "housekeeping"
 SIZE = 64  # bytes per object; each takes one 4 KiB unit of the (lazily touched) arena
 
 
-def indexed(count: int, ttl_share: float) -> TierManager:
-    manager = TierManager(compose(HostTierConfig(arena_bytes=count * 4096 + (1 << 20), prefault=False)))
+def indexed(count: int, ttl_share: float) -> tuple[TierManager, HostTier]:
+    """The tier manager over `count` objects in namespace "bench", and its host tier."""
+    chain = compose(HostTierConfig(arena_bytes=count * 4096 + (1 << 20), prefault=False))
     every = max(1, round(1 / ttl_share)) if ttl_share > 0 else 0
     desc, plain, timed = StateDescriptor("bench", "m", "r"), Hints(), Hints(ttl_s=3600.0)
+    host = chain.host
 
     async def fill():
-        ns = await manager.host.open_namespace("bench")
+        ns = await host.open_namespace("bench")
         for i in range(count):
-            manager.host.publish(ns, ObjectId(i.to_bytes(32, "little")), ns.arena.alloc(SIZE), SIZE, b"\0" * 16, desc,
-                            timed if every and i % every == 0 else plain)
+            host.publish(ns, ObjectId(i.to_bytes(32, "little")), ns.arena.alloc(SIZE), SIZE, b"\0" * 16, desc,
+                         timed if every and i % every == 0 else plain)
     asyncio.run(fill())
-    return manager
+    return TierManager(chain), host
 
 
 def median_ms(fn, reps: int = 7) -> float:
@@ -74,12 +77,12 @@ def main() -> None:
     rows = []
     for count in [int(c) for c in args.counts.split(",")]:
         start = time.perf_counter()
-        manager = indexed(count, args.ttl_share)
+        manager, host = indexed(count, args.ttl_share)
         print(f"[{time.strftime('%H:%M:%S')}] {count} objects indexed in {time.perf_counter() - start:.1f} s", flush=True)
-        entries = manager.host.namespaces["bench"].objects
+        entries = host.namespaces["bench"].objects
 
         def scan():
-            now = manager.clock()
+            now = host.clock()
             return [e for e in entries.values() if not e.is_live(now)]
         ours, base = median_ms(manager.expire), median_ms(scan)
         rows.append(Row(SUITE, f"expire() at {count:,} objects", "median", "ms", ours, "scan of every entry", base,

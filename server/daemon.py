@@ -16,7 +16,7 @@ from kvstore.config import ServerConfig
 from kvstore.errors import KVStoreError, PermissionDenied
 from kvstore.fields import INLINE_PUT_MAX_BYTES
 from kvstore.protocol import MAX_BATCH
-from kvstore.replies import ClientLimits
+from kvstore.replies import ClientLimits, GpuHandleReply
 from kvstore.server.data_dir import DataDirLock, HeldLock, ensure_dir, hold_data_dir
 from kvstore.server.events import EventStream, NoEvents
 from kvstore.server.socket_path import claim_socket_path
@@ -24,7 +24,8 @@ from kvstore.server.tiering.chain import compose
 from kvstore.server.windows import race_windows
 from kvstore.server.tiering.gpu_reads import GpuReads
 from kvstore.server.host_memory import check_host_tier, host_memory
-from kvstore.server.local.service import SERVER_VERSION, LocalConnection
+from kvstore.server.local.service import SERVER_VERSION, LocalConnection, LocalServices
+from kvstore.server.tiering.groups import GroupOps
 from kvstore.server.tiering.manager import TierManager
 from kvstore.tiers.gpu import Availability, GpuTier
 
@@ -77,7 +78,11 @@ class Daemon:
             self.events = EventStream(config.events.under(config.data_dir), ZmqPublisher)
         self.tiers = compose(config.host, events=self.events, make_nvme=nvme, make_remote=remote)
         self.manager = TierManager(self.tiers, config.limits, verify_puts=config.verify_puts)
-        self.connections: dict[int, LocalConnection] = {}
+        self.ledger = self.manager.ledger  # leases and quotas: what a client's stats say it holds
+        self.groups = GroupOps(self.manager, self.ledger, self.tiers.host, self.tiers.index)
+        # What the local socket's connections use, each handed to them (server/local/service.py).
+        self.local = LocalServices(self.manager, self.tiers.index, self.groups, self.tiers.host, config.limits, self)
+        self.connections: dict[int, LocalConnection] = self.local.connections
         self.started_at = time.time()
         self._server: asyncio.AbstractServer | None = None
         self._tasks: list[asyncio.Task] = []
@@ -113,7 +118,10 @@ class Daemon:
         self._socket_lock = claim_socket_path(path)  # before anything is made that a twin would orphan
         if self.config.admin.enabled:  # first, so /readyz can say "recovering"
             from kvstore.server.admin.server import AdminServer
-            self.admin = AdminServer(self)
+            from kvstore.server.admin.parts import AdminParts
+            tiers = self.tiers
+            self.admin = AdminServer(AdminParts(self.config.admin, self.config.data_dir, self, tiers.host, tiers.nvme,
+                                                tiers.index, self.groups, tiers.remote, self.events))
             await self.admin.start()
         self.tiers.host.bandwidth_bytes_s = measure_copy_bandwidth()
         self._check_not_stopping()
@@ -128,7 +136,7 @@ class Daemon:
         umask = os.umask(0o077)  # no window in which other users may connect to the new socket
         try:
             self._server = await asyncio.get_running_loop().create_unix_server(
-                lambda: LocalConnection(self), path
+                lambda: LocalConnection(self.local), path
             )
         finally:
             os.umask(umask)
@@ -270,8 +278,12 @@ class Daemon:
         if not self.config.auth.enabled:
             return stats
         return {"version": stats["version"], "uptime_s": stats["uptime_s"], "scoped": True,
-                "leases": self.manager.leases.count(owner),
+                "leases": self.ledger.count(owner),
                 "namespaces": {k: v for k, v in stats["namespaces"].items() if k in opened}}
+
+    def gpu_handle(self) -> GpuHandleReply:
+        """The GPU tier's buffer exported for one engine process (InvalidArgument without one)."""
+        return self.tiers.gpu.handle()
 
     def limits_for_clients(self) -> ClientLimits:
         limits = self.config.limits

@@ -18,31 +18,29 @@ import math
 from kvstore.errors import InvalidArgument, NotFound
 from kvstore.identity import ObjectId
 from kvstore.server.admin.http import Conflict
+from kvstore.server.admin.parts import NvmeCopies
+from kvstore.server.tiering.host import HostTier
 from kvstore.server.tiering.objects import ObjectEntry, live_in
 
 
-def tiers_of(tiers) -> tuple[str, ...]:
+def tiers_of(nvme: NvmeCopies) -> tuple[str, ...]:
     """The tiers this node keeps objects in (what ?tier= may name)."""
-    return ("host", *tiers.nvme.listed_as)
+    return ("host", *nvme.listed_as)
 
 
-def check_tier(tiers, tier: str | None) -> None:
-    if tier is not None and tier not in tiers_of(tiers):
-        raise InvalidArgument(f"unknown tier {tier!r}; this node has: {', '.join(tiers_of(tiers))}")
+def check_tier(nvme: NvmeCopies, tier: str | None) -> None:
+    if tier is not None and tier not in tiers_of(nvme):
+        raise InvalidArgument(f"unknown tier {tier!r}; this node has: {', '.join(tiers_of(nvme))}")
 
 
-def _on_nvme(tiers, namespace: str, oid: ObjectId) -> bool:
-    return tiers.nvme.holds(namespace, oid)
-
-
-def object_doc(tiers, entry, now: float) -> dict:
+def object_doc(nvme: NvmeCopies, entry, now: float) -> dict:
     """A host entry (also on NVMe when a verified copy is there)."""
     pinned = entry.is_pinned(now)
     return {
         "object_id": entry.object_id.hex,
         "namespace": entry.namespace,
         "tier": "host",
-        "tiers": ["host", "nvme"] if _on_nvme(tiers, entry.namespace, entry.object_id) else ["host"],
+        "tiers": ["host", "nvme"] if nvme.holds(entry.namespace, entry.object_id) else ["host"],
         "size": entry.size,
         "checksum": entry.checksum.hex(),
         "descriptor": entry.descriptor.to_wire(),
@@ -77,9 +75,9 @@ def nvme_doc(meta) -> dict:
     }
 
 
-def doc(tiers, view, now: float) -> dict:
+def doc(nvme: NvmeCopies, view, now: float) -> dict:
     """The document of a view find_object or list_page returned."""
-    return object_doc(tiers, view, now) if isinstance(view, ObjectEntry) else nvme_doc(view)
+    return object_doc(nvme, view, now) if isinstance(view, ObjectEntry) else nvme_doc(view)
 
 
 def _in_order(items: list):
@@ -89,11 +87,11 @@ def _in_order(items: list):
         yield heapq.heappop(items)
 
 
-async def list_page(tiers, namespace: str | None, flt, after, limit: int, tier: str | None = None):
+async def list_page(host: HostTier, nvme: NvmeCopies, namespace: str | None, flt, after, limit: int,
+                    tier: str | None = None):
     """Up to `limit` live objects after key `after` (views: host entries or NVMe metas), and
     the key to continue from (None: done). tier: only objects with a copy in that tier."""
-    now = tiers.host.clock()
-    mover = tiers.nvme
+    now = host.clock()
 
     def wanted(name: str) -> bool:
         return (namespace is None or name == namespace) and (after is None or name >= after[0])
@@ -101,29 +99,29 @@ async def list_page(tiers, namespace: str | None, flt, after, limit: int, tier: 
     def host_candidates():
         if tier not in (None, "host", "nvme"):
             return
-        for name, ns in tiers.host.namespaces.items():
+        for name, ns in host.namespaces.items():
             if not wanted(name):
                 continue
             for oid, entry in ns.objects.items():
                 key = (name, oid.digest)
                 if ((after is None or key > after) and entry.is_live(now) and flt.matches(entry)
-                        and (tier != "nvme" or _on_nvme(tiers, name, oid))):
+                        and (tier != "nvme" or nvme.holds(name, oid))):
                     yield key, entry
 
     # Host entries win (they know hits and pins); at most limit + 1 of them can be on a page.
-    host = heapq.nsmallest(limit + 1, host_candidates(), key=lambda item: item[0])
+    in_host = heapq.nsmallest(limit + 1, host_candidates(), key=lambda item: item[0])
     nvme_only = []
     if tier in (None, "nvme"):
-        nvme_only = [(key, None) for key in mover.keys()
+        nvme_only = [(key, None) for key in nvme.keys()
                      if wanted(key[0]) and (after is None or key > after)
-                     and live_in(tiers.host.namespaces.get(key[0]), ObjectId(key[1]), now) is None]
-    merged = heapq.merge(host, _in_order(nvme_only), key=lambda item: item[0])
+                     and live_in(host.namespaces.get(key[0]), ObjectId(key[1]), now) is None]
+    merged = heapq.merge(in_host, _in_order(nvme_only), key=lambda item: item[0])
     page: list = []
     while len(page) <= limit:
         batch = list(itertools.islice(merged, limit + 1 - len(page)))
         if not batch:
             break
-        metas = iter(await tiers.nvme.metas([key for key, view in batch if view is None]))
+        metas = iter(await nvme.metas([key for key, view in batch if view is None]))
         for key, view in batch:
             if view is None:
                 view = next(metas)
@@ -135,30 +133,29 @@ async def list_page(tiers, namespace: str | None, flt, after, limit: int, tier: 
     return [view for _, view in page], (page[-1][0] if more else None)
 
 
-async def find_object(tiers, oid: ObjectId, namespace: str | None):
+async def find_object(host: HostTier, nvme: NvmeCopies, oid: ObjectId, namespace: str | None):
     """The one object with this id on this node (in `namespace`, or in whichever namespace
     holds it): its live host entry, else its NVMe meta. NotFound, or Conflict when several
     namespaces hold the id and none was named."""
-    now = tiers.host.clock()
-    mover = tiers.nvme
+    now = host.clock()
     if namespace is not None:
-        on_nvme = mover.holds(namespace, oid)
-        if namespace not in tiers.host.namespaces and not on_nvme:
+        on_nvme = nvme.holds(namespace, oid)
+        if namespace not in host.namespaces and not on_nvme:
             raise NotFound(f"no object {oid.hex} in namespace {namespace!r} on this node")
         names = [namespace]
     else:
-        names = {name for name, ns in tiers.host.namespaces.items() if oid in ns.objects}
-        names |= {name for name, digest in mover.keys() if digest == oid.digest}
+        names = {name for name, ns in host.namespaces.items() if oid in ns.objects}
+        names |= {name for name, digest in nvme.keys() if digest == oid.digest}
         names = sorted(names)
     found = []
     nvme_keys = []
     for name in names:
-        entry = live_in(tiers.host.namespaces.get(name), oid, now)
+        entry = live_in(host.namespaces.get(name), oid, now)
         if entry is not None:
             found.append(entry)
-        elif mover.holds(name, oid):
+        elif nvme.holds(name, oid):
             nvme_keys.append((name, oid.digest))
-    found += [meta for meta in await tiers.nvme.metas(nvme_keys) if meta is not None]
+    found += [meta for meta in await nvme.metas(nvme_keys) if meta is not None]
     if not found:
         where = f"namespace {namespace!r}" if namespace is not None else "any namespace"
         raise NotFound(f"no object {oid.hex} in {where} on this node (host or NVMe)")

@@ -13,7 +13,8 @@ from aiohttp import web
 from kvstore.errors import InvalidArgument
 from kvstore.identity import StateDescriptor, chunk_keys
 from kvstore.replies import LookupReply
-from kvstore.server.admin.http import ADMIN, json_body, json_response
+from kvstore.server.admin.http import json_body, json_response
+from kvstore.server.admin.parts import INDEX
 from kvstore.server.later import resolve
 
 # Router calls per lookup stay bounded: 1M tokens is 4096 chunks of 256.
@@ -59,10 +60,9 @@ async def lookup(request: web.Request) -> web.Response:
         raise InvalidArgument("lookup needs tokens and descriptor")
     desc = descriptor(body["descriptor"])
     keys = chunk_keys(tokens(body["tokens"]), desc, extra_keys=extra_keys(body.get("extra_keys")))
-    tiers = request.app[ADMIN].daemon.tiers
     if keys:  # opens no namespace: one not opened since a restart still has its objects on NVMe
         # desc's only; misses are asked of peers
-        found = await resolve(tiers.index.lookup(desc.namespace, [k.object_id for k in keys], [desc] * len(keys)))
+        found = await resolve(request.app[INDEX].lookup(desc.namespace, [k.object_id for k in keys], [desc] * len(keys)))
     else:
         found = LookupReply.nothing(0)
     per_tier: dict[str, int] = {}

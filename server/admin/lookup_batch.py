@@ -40,7 +40,8 @@ from aiohttp import web
 from kvstore.errors import InvalidArgument
 from kvstore.identity import ID_BYTES, StateDescriptor, check_name, chunk_keys
 from kvstore.route import MAX_HASH_BYTES, MAX_INT_HASH, MIN_INT_HASH, route_fields
-from kvstore.server.admin.http import ADMIN, NotEnabled, json_body, json_response
+from kvstore.server.admin.http import NotEnabled, json_body, json_response
+from kvstore.server.admin.parts import EVENTS, INDEX
 from kvstore.server.admin.lookup import MAX_LOOKUP_TOKENS, descriptor, extra_keys, tokens
 from kvstore.server.later import resolve
 
@@ -112,19 +113,19 @@ async def lookup_batch(request: web.Request) -> web.Response:
     body = await json_body(request, {"namespace", "prefixes"})
     namespace = check_name("namespace", body.get("namespace"))
     prefixes = await _prefixes(body.get("prefixes"), namespace)
-    daemon = request.app[ADMIN].daemon
-    if any(isinstance(p, ByHashes) for p in prefixes) and not daemon.events.enabled:
+    events = request.app[EVENTS]
+    if any(isinstance(p, ByHashes) for p in prefixes) and not events.enabled:
         raise NotEnabled("lookup by block_hashes needs [events] enabled = true: the daemon indexes the "
                          "engine's block hashes only then (the tokens form works without)")
     objects = Objects()
     resolved = []
     for prefix in prefixes:
         if isinstance(prefix, ByHashes):
-            resolved.append(await _by_hashes(prefix, namespace, daemon.events.holdings, objects))
+            resolved.append(await _by_hashes(prefix, namespace, events.holdings, objects))
         else:
             resolved.append(_by_tokens(prefix, objects))
             await asyncio.sleep(0)  # chunk_keys over up to 1M tokens: ~50 ms
-    index = daemon.tiers.index
+    index = request.app[INDEX]
     tiers, sizes = await _place(index, namespace, objects)
     ranks = rank_of(tiers)
     results = []

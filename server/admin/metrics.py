@@ -106,14 +106,14 @@ class OpsMeter:
 
 
 class StatsCollector:
-    """A prometheus-client collector over one daemon (and its admin server's error counts)."""
+    """A prometheus-client collector over one daemon's stats (and its admin server's error counts)."""
 
-    def __init__(self, daemon, admin):
-        self.daemon = daemon
+    def __init__(self, node, admin):
+        self.node = node
         self.admin = admin
 
     def collect(self):
-        stats = self.daemon.stats()
+        stats = self.node.stats()
         labels = ["namespace", "tier"]
         families = {}
         for key, (name, doc) in COUNTERS.items():
@@ -180,9 +180,9 @@ def _cluster_families(cluster: dict):
                                 value=rehome.get("pending_retries", 0))
 
 
-def make_registry(daemon, admin) -> CollectorRegistry:
+def make_registry(node, admin) -> CollectorRegistry:
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(StatsCollector(daemon, admin))
+    registry.register(StatsCollector(node, admin))
     return registry
 
 

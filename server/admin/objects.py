@@ -21,7 +21,6 @@ from kvstore.fields import pin_ttl
 from kvstore.hints import MAX_LABEL_CHARS
 from kvstore.identity import Kind, check_name
 from kvstore.server.admin.http import (
-    ADMIN,
     check_number,
     check_str,
     json_body,
@@ -32,6 +31,7 @@ from kvstore.server.admin.http import (
     query_str,
 )
 from kvstore.server.admin.listing import check_tier, doc, find_object, list_page
+from kvstore.server.admin.parts import GROUPS, HOST, INDEX, NVME
 from kvstore.server.later import resolve
 from kvstore.server.tiering.objects import ObjectEntry
 
@@ -40,10 +40,6 @@ MAX_PAGE = 1000
 # An eviction answer lists at most this many objects (its counts are always complete).
 MAX_EVICT_REPORT = 10_000
 FILTER_FIELDS = ("model", "model_revision", "kind", "dtype", "session_id", "branch_id")
-
-
-def _tiers(request: web.Request):
-    return request.app[ADMIN].daemon.tiers
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,37 +95,40 @@ def decode_cursor(text: str) -> tuple[str, bytes]:
 
 
 async def list_objects(request: web.Request) -> web.Response:
-    tiers = _tiers(request)
+    host, nvme = request.app[HOST], request.app[NVME]
     tier = query_str(request, "tier")
-    check_tier(tiers, tier)
+    check_tier(nvme, tier)
     flt = ObjectFilter.parse({"model": query_str(request, "model"), "kind": query_str(request, "kind")})
     limit = query_int(request, "limit", DEFAULT_PAGE, 1, MAX_PAGE)
     cursor = query_str(request, "cursor")
-    views, last = await list_page(tiers, query_namespace(request), flt,
+    views, last = await list_page(host, nvme, query_namespace(request), flt,
                                   decode_cursor(cursor) if cursor is not None else None, limit, tier)
-    now = tiers.host.clock()
-    return json_response({"objects": [doc(tiers, v, now) for v in views],
+    now = host.clock()
+    return json_response({"objects": [doc(nvme, v, now) for v in views],
                           "next_cursor": encode_cursor(last) if last is not None else None})
 
 
 async def _target(request: web.Request):
-    tiers = _tiers(request)
+    """The object the path names: its host entry, else its NVMe meta (find_object)."""
     oid = parse_object_id(request.match_info["id"])
-    return tiers, await find_object(tiers, oid, query_namespace(request))
+    return await find_object(request.app[HOST], request.app[NVME], oid, query_namespace(request))
+
+
+def _doc(request: web.Request, view) -> dict:
+    return doc(request.app[NVME], view, request.app[HOST].clock())
 
 
 async def show_object(request: web.Request) -> web.Response:
-    tiers, view = await _target(request)
-    document = doc(tiers, view, tiers.host.clock())
-    groups = request.app[ADMIN].daemon.manager.groups
-    document.update(await _groups_doc(tiers, groups, view.namespace, view.object_id))
+    view = await _target(request)
+    document = _doc(request, view)
+    document.update(await _groups_doc(request.app[HOST], request.app[GROUPS], view.namespace, view.object_id))
     return json_response(document)
 
 
-async def _groups_doc(tiers, groups, namespace: str, oid) -> dict:
+async def _groups_doc(host, groups, namespace: str, oid) -> dict:
     """The store groups naming the object (those whose manifest is in host memory here), each
     complete or not; for a manifest, its members too."""
-    ns = tiers.host.namespaces.get(namespace)
+    ns = host.namespaces.get(namespace)
     index = ns.groups if ns is not None else None
     gids = index.groups(oid) if index is not None else []
     out: dict = {}
@@ -148,9 +147,9 @@ async def _groups_doc(tiers, groups, namespace: str, oid) -> dict:
 
 
 async def delete_object(request: web.Request) -> web.Response:
-    tiers, view = await _target(request)
+    view = await _target(request)
     # this node's admin: its copies (NVMe ones are deleted in the I/O pool)
-    await resolve(tiers.index.delete(view.namespace, [view.object_id], scope="node"))
+    await resolve(request.app[INDEX].delete(view.namespace, [view.object_id], scope="node"))
     return json_response({"deleted": True, "namespace": view.namespace, "object_id": view.object_id.hex})
 
 
@@ -159,20 +158,20 @@ async def pin_object(request: web.Request) -> web.Response:
     (a pin keeps an object resident, and only host copies are ever evicted)."""
     body = await json_body(request, {"ttl_s"}, optional=True, nullable=frozenset({"ttl_s"}))
     ttl_s = pin_ttl(body.get("ttl_s"))  # the wire's rule: (0, a century], or null
-    tiers, view = await _target(request)
+    view = await _target(request)
     if not isinstance(view, ObjectEntry):
-        view = await tiers.nvme.promote(view.namespace, view.object_id)
+        view = await request.app[NVME].promote(view.namespace, view.object_id)
         if view is None:  # deleted meanwhile, or its NVMe copy failed its checksum (dropped, counted)
             raise NotFound(f"object {request.match_info['id']} left NVMe before it could be pinned")
-    tiers.index.pin(view.namespace, [view.object_id], ttl_s, scope="node")  # like delete: this node's copy
-    return json_response(doc(tiers, view, tiers.host.clock()))
+    request.app[INDEX].pin(view.namespace, [view.object_id], ttl_s, scope="node")  # like delete: this node's copy
+    return json_response(_doc(request, view))
 
 
 async def unpin_object(request: web.Request) -> web.Response:
-    tiers, view = await _target(request)
+    view = await _target(request)
     if isinstance(view, ObjectEntry):  # an NVMe-only copy is never pinned: nothing to undo
-        tiers.index.unpin(view.namespace, [view.object_id], scope="node")
-    return json_response(doc(tiers, view, tiers.host.clock()))
+        request.app[INDEX].unpin(view.namespace, [view.object_id], scope="node")
+    return json_response(_doc(request, view))
 
 
 async def evict(request: web.Request) -> web.Response:
@@ -180,7 +179,7 @@ async def evict(request: web.Request) -> web.Response:
 
     Leased and pinned objects are never evicted; the answer lists what was."""
     body = await json_body(request, {"namespace", "tier", "bytes", "filter"})
-    tiers = _tiers(request)
+    host, index = request.app[HOST], request.app[INDEX]
     namespace = body.get("namespace")
     if namespace is not None:
         check_name("namespace", namespace)
@@ -188,7 +187,7 @@ async def evict(request: web.Request) -> web.Response:
     if tier == "nvme":
         raise InvalidArgument("evict frees host memory only; NVMe makes its own room (delete an NVMe copy "
                               "with DELETE /v1/objects/{id}, `kvstore objects rm`)")
-    check_tier(tiers, tier)
+    check_tier(request.app[NVME], tier)
     num_bytes = check_number(body, "bytes", integer=True, minimum=1)
     raw_filter = body.get("filter")
     if num_bytes is None and raw_filter is None:
@@ -200,11 +199,11 @@ async def evict(request: web.Request) -> web.Response:
     flt = ObjectFilter.parse(raw_filter or {})
     if num_bytes is not None and namespace is None:
         raise InvalidArgument("bytes frees room in one namespace's arena; give namespace too")
-    if namespace is not None and namespace not in tiers.host.namespaces:
+    if namespace is not None and namespace not in host.namespaces:
         raise NotFound(f"no namespace {namespace!r} on this node")
     evicted = []
-    for name in [namespace] if namespace is not None else sorted(tiers.host.namespaces):
-        evicted += await resolve(tiers.index.evict(name, num_bytes, flt.matches))  # written down first
+    for name in [namespace] if namespace is not None else sorted(host.namespaces):
+        evicted += await resolve(index.evict(name, num_bytes, flt.matches))  # written down first
     return json_response({
         "tier": tier,
         "requested_bytes": num_bytes,

@@ -15,6 +15,7 @@ from aiohttp import web
 from kvstore.server.admin import lookup, lookup_batch, objects
 from kvstore.server.admin.http import ADMIN, json_response
 from kvstore.server.admin.openapi import TIER_KEYS, openapi_document
+from kvstore.server.admin.parts import REMOTE
 from kvstore.tiers.nvme import ALIGN as NVME_ALIGN
 from kvstore.tiers.slabs import SIZE_CLASSES
 
@@ -38,7 +39,7 @@ def _tier_stats(ns: dict) -> dict:
 
 
 def stats_document(admin) -> dict:
-    stats = admin.daemon.stats()
+    stats = admin.node_stats()
     per_ns = {name: {"tiers": {"host": _tier_stats(ns)}, "pages": ns["pages"]}
               for name, ns in sorted(stats["namespaces"].items())}
     total = dict.fromkeys(TIER_KEYS, 0)
@@ -99,7 +100,7 @@ async def cluster(request: web.Request) -> web.Response:
                   for name, tier in doc["tiers"].items()},
         "host_bandwidth_bytes_s": doc["host_bandwidth_bytes_s"],
     }
-    link = admin.daemon.tiers.remote
+    link = request.app[REMOTE]
     if link.remote is None:  # one node; its remote tier may be a shared pool (else "pool" is left out)
         pool = await link.pool_status()
         return json_response({"self": node["node_id"], "nodes": [node], **({"pool": pool} if pool else {})})

@@ -34,6 +34,7 @@ from kvstore.server.admin.http import (
     http_status,
 )
 from kvstore.server.admin.client import ADDR_FILE, TOKEN_FILE
+from kvstore.server.admin.parts import AdminParts, hand_parts
 from kvstore.server.admin.routes import ROUTES
 from kvstore.server.admin.metrics import OpsMeter, make_registry, total_ops
 
@@ -89,25 +90,30 @@ def _reachable_host(host: str) -> str:
 
 
 class AdminServer:
-    """One per daemon, constructed as AdminServer(daemon) and driven by start() / stop()."""
+    """One per daemon, constructed as AdminServer(parts) (the parts of the daemon its handlers
+    use, server/admin/parts.py) and driven by start() / stop()."""
 
-    def __init__(self, daemon):
-        self.daemon = daemon
-        self.config = daemon.config.admin
-        self.token_path = os.path.join(daemon.config.data_dir, TOKEN_FILE)
-        self.addr_path = os.path.join(daemon.config.data_dir, ADDR_FILE)
+    def __init__(self, parts: AdminParts):
+        self.parts = parts
+        self.node, self.host, self.config = parts.node, parts.host, parts.config
+        self.token_path = os.path.join(parts.data_dir, TOKEN_FILE)
+        self.addr_path = os.path.join(parts.data_dir, ADDR_FILE)
         self.url: str | None = None
         self.ops = OpsMeter()
         self.num_errors: Counter[str] = Counter()  # error code -> count, for /metrics
-        self.registry = make_registry(daemon, self)
+        self.registry = make_registry(parts.node, self)
         self._token = b""
         self._runner: web.AppRunner | None = None
         self._listener: asyncio.AbstractServer | None = None
         self._sampler: asyncio.Task | None = None
 
     def ready(self) -> bool:
-        """Ready to serve: the daemon sets `ready` False while recovery runs (none yet)."""
-        return bool(getattr(self.daemon, "ready", True))
+        """Ready to serve: the daemon sets `ready` False while recovery runs."""
+        return bool(self.node.ready)
+
+    def node_stats(self) -> dict:
+        """The daemon's stats (its tiers, namespaces, clients): what /v1/stats reshapes."""
+        return self.node.stats()
 
     async def start(self) -> None:
         self._token = load_or_create_token(self.token_path).encode()
@@ -154,11 +160,11 @@ class AdminServer:
 
     async def _sample_ops(self) -> None:
         while True:
-            self.ops.sample(time.monotonic(), total_ops(self.daemon.tiers.host))
+            self.ops.sample(time.monotonic(), total_ops(self.host))
             await asyncio.sleep(OPS_SAMPLE_INTERVAL_S)
 
     def ops_per_s(self) -> float:
-        return self.ops.rate(time.monotonic(), total_ops(self.daemon.tiers.host))
+        return self.ops.rate(time.monotonic(), total_ops(self.host))
 
     def check_token(self, request: web.Request) -> None:
         scheme, _, given = request.headers.get("Authorization", "").partition(" ")
@@ -230,6 +236,7 @@ async def _guard(request: web.Request, handler):
 def make_app(admin: AdminServer) -> web.Application:
     app = web.Application(middlewares=[_guard], client_max_size=MAX_BODY_BYTES)
     app[ADMIN] = admin
+    hand_parts(app, admin.parts)
     for method, path, handler in ROUTES:
         app.router.add_route(method, path, handler)
     return app

@@ -21,6 +21,7 @@ from kvstore.errors import NotFound
 from kvstore.fields import pack_uints
 from kvstore.server.later import MaybeAwaitable, each, resolve, then
 from kvstore.server.local.errors import error_wire
+from kvstore.server.tiering.manager import TierManager
 
 log = logging.getLogger("kvstore.local")
 _NO_CHECKSUM = bytes(16)
@@ -41,7 +42,7 @@ class _Errors:
         return tuple(self.items)
 
 
-def reserve_many(mgr, owner: int, msg: m.ReserveMany) -> MaybeAwaitable[r.ReserveManyReply]:
+def reserve_many(mgr: TierManager, owner: int, msg: m.ReserveMany) -> MaybeAwaitable[r.ReserveManyReply]:
     ids, sizes = msg.columns()
     n = len(ids)
     leases, offsets, exists = [0] * n, [0] * n, bytearray(n)
@@ -66,7 +67,7 @@ def reserve_many(mgr, owner: int, msg: m.ReserveMany) -> MaybeAwaitable[r.Reserv
                 lambda _: r.ReserveManyReply(pack_uints(leases), pack_uints(offsets), bytes(exists), errors.logged(n)))
 
 
-def commit_many(mgr, owner: int, msg: m.CommitMany) -> MaybeAwaitable[r.CommitManyReply]:
+def commit_many(mgr: TierManager, owner: int, msg: m.CommitMany) -> MaybeAwaitable[r.CommitManyReply]:
     items = msg.items()
     n = len(items)
     codes, others = bytearray(n), []
@@ -106,9 +107,9 @@ def commit_many(mgr, owner: int, msg: m.CommitMany) -> MaybeAwaitable[r.CommitMa
                 lambda _: r.CommitManyReply(bytes(codes), tuple(others), errors.logged(n)))
 
 
-def get_many(mgr, owner: int, msg: m.GetMany) -> MaybeAwaitable[r.GetManyReply]:
+def get_many(mgr: TierManager, owner: int, msg: m.GetMany) -> MaybeAwaitable[r.GetManyReply]:
     ids = msg.object_ids()
-    if msg.namespace not in mgr.host.namespaces:
+    if not mgr.has_arena(msg.namespace):
         return _get_many_without_arena(mgr, owner, msg, ids) if mgr.tiered else _misses(len(ids))
     n = len(ids)
     hits, leases, offsets, sizes = bytearray(n), [0] * n, [0] * n, [0] * n
@@ -165,14 +166,14 @@ def _misses(n: int) -> r.GetManyReply:
     return r.GetManyReply(bytes(n), zeros, zeros, zeros, bytes(16 * n), (), bytes(2 * n))
 
 
-async def _get_many_without_arena(mgr, owner: int, msg: m.GetMany, ids) -> r.GetManyReply:
+async def _get_many_without_arena(mgr: TierManager, owner: int, msg: m.GetMany, ids) -> r.GetManyReply:
     """A namespace with no arena here: served once one is made for what is held elsewhere."""
     if not await mgr.arena_if_held(msg.namespace, tuple(oid.digest for oid in ids)):
         return _misses(len(ids))
     return await resolve(get_many(mgr, owner, msg))
 
 
-def release_many(mgr, owner: int, msg: m.ReleaseMany) -> None:
+def release_many(mgr: TierManager, owner: int, msg: m.ReleaseMany) -> None:
     """End every lease held; then a NotFound naming those that were not."""
     missing = []
     for lease in msg.items():

@@ -16,16 +16,15 @@ from kvstore import messages as m
 from kvstore import replies as r
 from kvstore.checksums import copy_and_hash
 from kvstore.server.later import MaybeAwaitable, then
+from kvstore.server.tiering.manager import TierManager
 
 
-def put_inline(mgr, owner: int, msg: m.PutInline) -> MaybeAwaitable[r.CommitReply]:
+def put_inline(mgr: TierManager, owner: int, msg: m.PutInline) -> MaybeAwaitable[r.CommitReply]:
     def write(reserved: r.ReserveReply) -> MaybeAwaitable[r.CommitReply]:
         if reserved.exists:  # the same state is held already: nothing to copy
             return r.CommitReply(True)
         try:
-            put = mgr.pending_put(reserved.lease)
-            arena = mgr.host.namespaces[put.namespace].arena
-            checksum = copy_and_hash(arena.view(put.extent)[:put.size], msg.data)
+            checksum = copy_and_hash(mgr.reserved_view(reserved.lease), msg.data)
         except BaseException:
             mgr.abort(owner, reserved.lease)
             raise

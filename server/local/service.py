@@ -1,7 +1,8 @@
 """The local service: one asyncio Protocol per client connection on the Unix socket.
 
 It only moves bytes between the socket and the sans-I/O codec, dispatches typed
-requests to the tier manager, and passes arena fds with SCM_RIGHTS. A bad frame gets
+requests to the parts the daemon hands it (`LocalServices`: the tier manager, the index
+ops, group ops, the host tier's namespaces), and passes arena fds with SCM_RIGHTS. A bad frame gets
 an error reply (or, if the stream cannot be resynchronised, the connection is closed);
 no request can crash the daemon or change stored state by failing.
 """
@@ -16,14 +17,21 @@ import logging
 import os
 import socket
 import struct
+from dataclasses import dataclass, field
+from typing import Protocol
 
 from kvstore import messages as m
 from kvstore import replies as r
+from kvstore.config import LimitsConfig
 from kvstore.errors import LimitExceeded, PermissionDenied, ProtocolError
 from kvstore.protocol import NEED_DATA, BadFrame, Fatal, FrameCodec, Reply, Request
 from kvstore.server.later import is_ready, then
 from kvstore.server.local import batches, inline
 from kvstore.server.local.errors import error_wire
+from kvstore.server.tiering.groups import GroupOps
+from kvstore.server.tiering.host import HostTier
+from kvstore.server.tiering.index_ops import IndexOps
+from kvstore.server.tiering.manager import TierManager
 
 log = logging.getLogger("kvstore.local")
 _conn_ids = itertools.count(1)
@@ -33,6 +41,30 @@ SERVER_VERSION = "0.1.0"
 # daemon buffer replies without bound. Far above what the clients keep in flight (the sync
 # client sends in groups of 64 KiB of requests and reads their replies before the next).
 REPLY_BUFFER_HIGH_BYTES = 4 * 1024 * 1024
+
+
+class Door(Protocol):
+    """What a connection asks of the daemon itself (server/daemon.py: Daemon)."""
+
+    def authorize(self, namespace: str, token: str | None, peer) -> None: ...
+    def limits_for_clients(self) -> r.ClientLimits: ...
+    def client_stats(self, owner, opened) -> dict: ...
+    def gpu_handle(self) -> r.GpuHandleReply: ...
+
+
+@dataclass(frozen=True, slots=True)
+class LocalServices:
+    """What the local socket's connections use, each part handed in by the daemon: gets,
+    puts and leases (the tier manager), lookups, deletes, pins and prefetches (the index
+    ops), store groups, the host tier's namespaces (opened, and their arenas' fds), the
+    `[limits]` table, and the daemon itself for what only it knows (`Door`)."""
+    manager: TierManager
+    index: IndexOps
+    groups: GroupOps
+    host: HostTier
+    limits: LimitsConfig
+    door: Door
+    connections: dict[int, "LocalConnection"] = field(default_factory=dict)  # conn id -> connection
 
 
 class _Retry:
@@ -46,11 +78,11 @@ class _Retry:
 
 
 class LocalConnection(asyncio.Protocol):
-    def __init__(self, daemon):
-        self.daemon = daemon
-        self.manager = daemon.manager
+    def __init__(self, services: LocalServices):
+        self.manager, self.index, self.groups, self.host = services.manager, services.index, services.groups, services.host
+        self.door, self.limits, self.connections = services.door, services.limits, services.connections
         self.conn_id = next(_conn_ids)
-        self.codec = FrameCodec(daemon.config.limits.max_frame_bytes)
+        self.codec = FrameCodec(self.limits.max_frame_bytes)
         self.transport: asyncio.Transport | None = None
         self.opened: set[str] = set()  # namespaces this connection may use
         self.client_name = "?"
@@ -73,15 +105,15 @@ class LocalConnection(asyncio.Protocol):
         sock = transport.get_extra_info("socket")
         creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
         self.peer = struct.unpack("3i", creds)
-        if len(self.daemon.connections) >= self.daemon.config.limits.max_clients:
-            err = LimitExceeded(f"daemon serves at most {self.daemon.config.limits.max_clients} clients (limits.max_clients)")
+        if len(self.connections) >= self.limits.max_clients:
+            err = LimitExceeded(f"daemon serves at most {self.limits.max_clients} clients (limits.max_clients)")
             transport.write(self.codec.send_reply(Reply(0, error=err.to_wire())))
             transport.close()
             return
         transport.set_write_buffer_limits(high=REPLY_BUFFER_HIGH_BYTES)
         # asyncio's transport socket has no sendmsg; a dup of the fd does.
         self._fd_sock = socket.socket(fileno=os.dup(sock.fileno()))
-        self.daemon.connections[self.conn_id] = self
+        self.connections[self.conn_id] = self
 
     def data_received(self, data: bytes) -> None:
         self.codec.receive_data(data)
@@ -128,7 +160,7 @@ class LocalConnection(asyncio.Protocol):
                 self._drain()
 
     def connection_lost(self, exc) -> None:
-        self.daemon.connections.pop(self.conn_id, None)
+        self.connections.pop(self.conn_id, None)
         dropped = self.manager.drop_owner(self.conn_id)
         if dropped:
             log.info("event=client_gone conn=%d client=%s pid=%d leases_released=%d",
@@ -221,18 +253,18 @@ class LocalConnection(asyncio.Protocol):
                 mgr.abort(owner, msg.lease)
                 return None, None
             case m.Lookup():
-                return mgr.index.lookup(self._ns(msg.namespace), msg.ids, msg.expectations()), None
+                return self.index.lookup(self._ns(msg.namespace), msg.ids, msg.expectations()), None
             case m.Delete():
-                return then(mgr.index.delete(self._ns(msg.namespace), msg.ids, msg.scope), r.DeleteReply), None
+                return then(self.index.delete(self._ns(msg.namespace), msg.ids, msg.scope), r.DeleteReply), None
             case m.Pin():
-                return then(mgr.index.pin(self._ns(msg.namespace), msg.ids, msg.ttl_s, msg.scope), r.PinReply), None
+                return then(self.index.pin(self._ns(msg.namespace), msg.ids, msg.ttl_s, msg.scope), r.PinReply), None
             case m.Unpin():
-                return then(mgr.index.unpin(self._ns(msg.namespace), msg.ids, msg.scope), r.UnpinReply), None
+                return then(self.index.unpin(self._ns(msg.namespace), msg.ids, msg.scope), r.UnpinReply), None
             case m.Prefetch():
-                return mgr.index.prefetch(self._ns(msg.namespace), msg.ids, msg.tier, msg.policy, msg.timeout_s), None
+                return self.index.prefetch(self._ns(msg.namespace), msg.ids, msg.tier, msg.policy, msg.timeout_s), None
             case m.OpenNamespace():
-                self.daemon.authorize(msg.namespace, msg.token, self.peer)
-                ns = mgr.host.namespaces.get(msg.namespace)
+                self.door.authorize(msg.namespace, msg.token, self.peer)
+                ns = self.host.namespaces.get(msg.namespace)
                 if ns is None and not msg.create:  # a reader: nothing to map, and nothing is made
                     self.opened.add(msg.namespace)
                     return r.OpenReply(msg.namespace, 0), None
@@ -245,18 +277,18 @@ class LocalConnection(asyncio.Protocol):
                 return r.OpenReply(msg.namespace, ns.arena.capacity_bytes, 0, ns.arena.prefaulted), ns.arena.fd
             case m.Hello():
                 self.client_name = msg.client
-                return r.HelloReply(SERVER_VERSION, 1, self.conn_id, self.daemon.limits_for_clients(),
-                                    mgr.host.config.shared_index), None
+                return r.HelloReply(SERVER_VERSION, 1, self.conn_id, self.door.limits_for_clients(),
+                                    self.host.config.shared_index), None
             case m.Touch():
                 mgr.touch(self._ns(msg.namespace), msg.ids)
                 return None, None
             case m.Stats():
-                return r.StatsReply(self.daemon.client_stats(owner, self.opened)), None
+                return r.StatsReply(self.door.client_stats(owner, self.opened)), None
             case m.Check():
                 self.manager.check_integrity()
                 return r.CheckReply(True), None
             case m.GpuHandle():
-                return self.daemon.tiers.gpu.handle(), None
+                return self.door.gpu_handle(), None
             case m.ReserveMany():
                 self._ns(msg.namespace)
                 return batches.reserve_many(mgr, owner, msg), None
@@ -269,15 +301,15 @@ class LocalConnection(asyncio.Protocol):
                 batches.release_many(mgr, owner, msg)
                 return None, None
             case m.CommitGroup():
-                return mgr.groups.commit_group(owner, msg), None
+                return self.groups.commit_group(owner, msg), None
             case m.LookupGroups():
-                return mgr.groups.lookup_groups(self._ns(msg.namespace), msg.groups(), msg.expectations()), None
+                return self.groups.lookup_groups(self._ns(msg.namespace), msg.groups(), msg.expectations()), None
             case m.GetGroup():
-                return mgr.groups.get_group(owner, self._ns(msg.namespace), msg.member_ids(), msg.expectations()), None
+                return self.groups.get_group(owner, self._ns(msg.namespace), msg.member_ids(), msg.expectations()), None
         raise ProtocolError(f"op {msg.op} not served on the local socket")
 
     async def _open_later(self, msg: m.OpenNamespace):
-        await self.manager.host.open_namespace(msg.namespace)
+        await self.host.open_namespace(msg.namespace)
         return _Retry(msg)
 
     # --- output -----------------------------------------------------------------------

@@ -13,13 +13,16 @@ move, expire and survive restarts on every tier as any object does. What this mo
 - `get_group` leases the manifest and every member, or none, and checks the members'
   checksums against the manifest's.
 
-Runs on the daemon's event loop thread, like the tier manager it composes.
+Built on the tier manager's object ops (`ObjectOps`: the same reserve, commit and get a
+client's single ops take), the Ledger's write leases, the host tier's namespaces and the
+node's index ops, each handed in by the daemon. Runs on the daemon's event loop thread.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from typing import Protocol
 
 import xxhash
 
@@ -31,21 +34,38 @@ from kvstore.group_messages import CommitGroup
 from kvstore.messages import Get
 from kvstore.replies import CommitGroupReply, GetGroupReply, GetReply, LookupGroupsReply
 from kvstore.server.later import MaybeAwaitable, is_ready, resolve, then
-from kvstore.server.tiering.objects import check_same_object
+from kvstore.server.tiering.host import HostTier, Namespace
+from kvstore.server.tiering.index_ops import IndexOps
+from kvstore.server.tiering.ledger import Ledger
+from kvstore.server.tiering.objects import PendingPut, check_same_object
 from kvstore.tiers.allocator import Extent
+from kvstore.tiers.leases import Owner
 
 log = logging.getLogger("kvstore.tiers")
 _SLOWER = {None: 0, "gpu": 1, "host": 1, "nvme": 2, "remote": 3}
 
 
+class ObjectOps(Protocol):
+    """What a group's commit and read use of the tier manager (server/tiering/manager.py)."""
+
+    def held_copy(self, ns: Namespace, oid: ObjectId): ...
+    def bytes_match(self, ns: Namespace, put: PendingPut, checksum: bytes) -> bool: ...
+    def checksum_of(self, ns: Namespace, put: PendingPut) -> bytes: ...
+    def publish_put(self, ns: Namespace, put: PendingPut, checksum: bytes) -> MaybeAwaitable: ...
+    def abort(self, owner: Owner, lease_id: int) -> None: ...
+    async def arena_if_held(self, namespace: str, digests: tuple) -> bool: ...
+    def get(self, owner: Owner, msg: Get) -> MaybeAwaitable[GetReply]: ...
+    def release(self, owner: Owner, lease_id: int) -> None: ...
+
+
 class GroupOps:
-    def __init__(self, manager):
-        self.manager = manager
+    def __init__(self, ops: ObjectOps, ledger: Ledger, host: HostTier, index: IndexOps):
+        self.ops, self.ledger, self.host, self.index = ops, ledger, host, index
 
     # --- commit -------------------------------------------------------------------
 
     def commit_group(self, owner: int, msg: CommitGroup) -> MaybeAwaitable[CommitGroupReply]:
-        mgr = self.manager
+        ops, ledger = self.ops, self.ledger
         items = msg.items()
         leases = ([msg.manifest] if msg.manifest else []) + [lease for _, lease, _ in items if lease]
         if not leases:
@@ -54,37 +74,37 @@ class GroupOps:
             raise InvalidArgument("commit_group: a write lease is named twice")
         try:
             for lease in leases:
-                mgr.own_lease(owner, lease, "write")
-            puts = {lease: mgr.pending_put(lease) for lease in leases}
-            ns = mgr.host.namespaces[puts[leases[0]].namespace]
+                ledger.own_lease(owner, lease, "write")
+            puts = {lease: ledger.pending_put(lease) for lease in leases}
+            ns = self.host.namespace(puts[leases[0]].namespace)
             gid = group_id(msg.member_ids())
             self._check(ns, msg, puts, gid)
         except Exception:
             self._abandon(owner, leases)
             raise
         # Everything checked: from here to the end of this call nothing awaits.
-        published = [mgr.publish_put(ns, mgr.take_put(owner, lease), checksum) for _, lease, checksum in items if lease]
+        published = [ops.publish_put(ns, ledger.take_put(owner, lease), checksum) for _, lease, checksum in items if lease]
         if msg.manifest:
-            manifest = mgr.take_put(owner, msg.manifest)
-            published.append(mgr.publish_put(ns, manifest, mgr.checksum_of(ns, manifest)))
+            manifest = ledger.take_put(owner, msg.manifest)
+            published.append(ops.publish_put(ns, manifest, ops.checksum_of(ns, manifest)))
         ns.counters.num_group_puts += 1
         return then(_all(published), lambda replies: _committed(gid, replies))
 
     def _check(self, ns, msg: CommitGroup, puts: dict, gid: ObjectId) -> None:
         """Raise (naming the member) unless the whole group `gid` can be published now."""
-        mgr = self.manager
+        ops = self.ops
         ids = msg.member_ids()
         if any(put.tier != "host" or put.namespace != ns.name for put in puts.values()):
             raise InvalidArgument('commit_group: a group is put on tier "host" of one namespace')
         sums, first = [], None
         for i, (oid, lease, checksum) in enumerate(msg.items()):
             sums.append(checksum)
-            old = mgr.held_copy(ns, oid)
+            old = ops.held_copy(ns, oid)
             if lease:
                 put = puts[lease]
                 if put.object_id != oid:
                     raise InvalidArgument(f"commit_group: member {i}'s lease is for another object")
-                if not mgr.bytes_match(ns, put, checksum):
+                if not ops.bytes_match(ns, put, checksum):
                     raise ChecksumError(f"commit_group: member {i} ({oid.hex}): its bytes do not match its "
                                         "checksum; nothing of the group was stored")
                 if old is not None:
@@ -100,7 +120,7 @@ class GroupOps:
                 desc = old.descriptor
             first = first or group_descriptor(desc)
         listing = manifest_bytes(ids, sums)
-        held = mgr.held_copy(ns, gid)
+        held = ops.held_copy(ns, gid)
         if msg.manifest:
             manifest = puts[msg.manifest]
             if manifest.object_id != gid:
@@ -130,7 +150,7 @@ class GroupOps:
     def _drop(self, namespace: str, gid: ObjectId) -> None:
         """Delete a stale manifest from this node's tiers (the host copy now, NVMe's in the
         background: its copy is forgotten before the next request is read)."""
-        deleting = self.manager.index.delete_here(namespace, [gid])
+        deleting = self.index.delete_here(namespace, [gid])
         if not is_ready(deleting):
             task = asyncio.ensure_future(deleting)
             task.add_done_callback(lambda t: t.cancelled() or t.exception() is None
@@ -140,7 +160,7 @@ class GroupOps:
         """End the request's write leases that this owner holds (their extents freed)."""
         for lease in leases:
             try:
-                self.manager.abort(owner, lease)
+                self.ops.abort(owner, lease)
             except NotFound:
                 pass
 
@@ -154,30 +174,30 @@ class GroupOps:
             start += len(members)
             ids += [group_id(members), *members]
             wanted += [None if mine[0] is None else group_descriptor(mine[0]), *mine]
-        found = self.manager.index.lookup(namespace, tuple(ids), wanted if expect is not None else None)
+        found = self.index.lookup(namespace, tuple(ids), wanted if expect is not None else None)
         return then(found, lambda reply: _complete(groups, reply.tiers))
 
     # --- get ----------------------------------------------------------------------
 
     async def get_group(self, owner: int, namespace: str, ids: list[ObjectId], expect: list | None) -> GetGroupReply:
-        mgr = self.manager
+        ops = self.ops
         gid = group_id(ids)
-        if namespace not in mgr.host.namespaces and not await mgr.arena_if_held(namespace, (gid,)):
+        if namespace not in self.host.namespaces and not await ops.arena_if_held(namespace, (gid,)):
             return GetGroupReply(False, "the group's manifest is not stored", -1)
         wanted = expect if expect is not None else [None] * len(ids)
         first = None if wanted[0] is None else group_descriptor(wanted[0])
         leased: list[GetReply] = []
         try:
-            manifest = await resolve(mgr.get(owner, Get(namespace, gid, expect=first)))
+            manifest = await resolve(ops.get(owner, Get(namespace, gid, expect=first)))
             if not manifest.hit:
                 return GetGroupReply(False, f"the group's manifest: {manifest.reason or 'not stored'}", -1)
             leased.append(manifest)
             for i, oid in enumerate(ids):
-                got = await resolve(mgr.get(owner, Get(namespace, oid, expect=wanted[i])))
+                got = await resolve(ops.get(owner, Get(namespace, oid, expect=wanted[i])))
                 if not got.hit:
                     return GetGroupReply(False, f"member {i} ({oid.hex}): {got.reason or 'not stored'}", i)
                 leased.append(got)
-            arena = mgr.host.namespaces[namespace].arena
+            arena = self.host.namespace(namespace).arena
             listed, sums = parse_manifest(arena.view(Extent(manifest.offset, manifest.size)))
             if listed != ids:
                 return GetGroupReply(False, "the manifest lists other members", -1)
@@ -190,7 +210,7 @@ class GroupOps:
             return _hit(members)
         finally:
             for got in leased:
-                mgr.release(owner, got.lease)
+                ops.release(owner, got.lease)
 
 
 def _all(replies: list) -> MaybeAwaitable[list]:

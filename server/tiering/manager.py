@@ -4,9 +4,10 @@ It serves clients from a composed chain of tiers (server/tiering/chain.py: the h
 NVMe, the remote tier, and device copies for local engines once the GPU probe found CUDA).
 Puts are two-phase (reserve -> write in shared memory -> commit), gets hand out read leases
 and walk the chain once (host, then NVMe, then the remote tier), and an extent is never freed
-or reused while a lease covers it. Leases, pending puts and client quotas are the manager's
-own; lookups, deletes, pins and prefetches are the chain's IndexOps
-(server/tiering/index_ops.py), groups GroupOps (server/tiering/groups.py).
+or reused while a lease covers it. Leases, pending puts and client quotas are the Ledger's
+(server/tiering/ledger.py): the manager decides what to lease, the Ledger keeps the books.
+Lookups, deletes, pins and prefetches are the chain's IndexOps (server/tiering/index_ops.py),
+groups GroupOps (server/tiering/groups.py): the daemon hands each to whom uses it.
 
 Runs on the daemon's event loop thread only; nothing here blocks on I/O. A call that needs
 NVMe or peer I/O answers with an awaitable instead of its reply (server/later.py).
@@ -14,26 +15,26 @@ NVMe or peer I/O answers with an awaitable instead of its reply (server/later.py
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Callable
 
 import xxhash
 
 from kvstore.config import LimitsConfig
-from kvstore.errors import ChecksumError, InvalidArgument, NotFound, RangeError
+from kvstore.errors import ChecksumError, InvalidArgument, RangeError
 from kvstore.identity import ObjectId, check_object_size, read_refusal
 from kvstore.messages import Get, GetMany, Reserve, ReserveMany
 from kvstore.ranges import check_within, total as ranges_total
 from kvstore.replies import IN_MEMORY, MISS, STORED, CommitReply, GetReply, ReserveReply
 from kvstore.server.tiering.chain import Chain
 from kvstore.server.tiering.host import Namespace, give_back_heap
-from kvstore.server.tiering.groups import GroupOps
+from kvstore.server.tiering.ledger import Ledger
 from kvstore.server.tiering.shared_index import count_shared_hits
 from kvstore.server.later import MaybeAwaitable, is_ready, resolve, then
 from kvstore.server.tiering.objects import ObjectEntry, PendingPut, check_same_object
-from kvstore.server.tiering.quotas import ClientQuotas
 from kvstore.tiers.allocator import Extent
-from kvstore.tiers.leases import Lease, LeaseTable, Owner
+from kvstore.tiers.leases import Owner
 
 log = logging.getLogger("kvstore.tiers")
 
@@ -44,21 +45,18 @@ class TierManager:
         and ServerConfig.verify_puts."""
         self.chain = chain
         self.host, self.nvme, self.remote, self.index = chain.host, chain.nvme, chain.remote, chain.index
-        self.limits_config = limits
         self.verify_puts = verify_puts
-        self.clock = chain.host.clock
-        self.leases = LeaseTable()
-        self.quotas = ClientQuotas(limits, self.leases)
-        self._pending: dict[int, PendingPut] = {}  # write lease id -> reserved put
-        self._reading: dict[int, ObjectEntry] = {}  # read lease id -> entry it covers
-        self._ranged: dict[int, tuple[Namespace, Extent]] = {}  # read lease id -> transient extent of fetched ranges
-        self._on_gpu: dict[int, tuple[str, bytes]] = {}  # read lease id -> (namespace, digest) of a device copy
-        self.groups = GroupOps(self)
+        self.clock = self.host.clock
+        self.ledger = Ledger(chain.host, limits)
 
     @property
     def tiered(self) -> bool:
         """Objects may live below the host arena (a namespace with no arena may hold some)."""
         return self.chain.tiered
+
+    def has_arena(self, namespace: str) -> bool:
+        """The namespace is open here (its host arena made)."""
+        return namespace in self.host.namespaces
 
     async def arena_if_held(self, namespace: str, digests: tuple) -> bool:
         """A read in a namespace with no arena here: its objects may still be on NVMe or at a
@@ -94,18 +92,14 @@ class TierManager:
             held = self.nvme.remote_meta(msg.namespace, msg.object_id)
             if held is not None:
                 check_same_object(msg.object_id, held.size, held.descriptor, msg.size, msg.descriptor)
-        self.quotas.check_lease(owner)
-        self.quotas.check_reserve(owner, msg.size)
+        self.ledger.check_lease(owner)
+        self.ledger.check_reserve(owner, msg.size)
         room = self.host.make_room(ns, msg.size, self.host.sink)  # the extent now, unless victims must go first
         return then(room, lambda extent: self._grant_write(owner, ns, msg, extent))
 
     def _grant_write(self, owner: Owner, ns: Namespace, msg: Reserve, extent: Extent) -> ReserveReply:
-        lease = self.leases.grant(owner, None, extent, "write", self.limits_config.lease_ttl_s, self.clock())
-        self._pending[lease.lease_id] = PendingPut(
-            msg.namespace, msg.object_id, msg.size, msg.descriptor, msg.hints, extent, msg.tier
-        )
-        self.quotas.reserved(owner, msg.size)
-        return ReserveReply(lease=lease.lease_id, offset=extent.offset)
+        put = PendingPut(msg.namespace, msg.object_id, msg.size, msg.descriptor, msg.hints, extent, msg.tier)
+        return ReserveReply(lease=self.ledger.grant_write(owner, put), offset=extent.offset)
 
     def reserve_run(self, owner: Owner, msg: ReserveMany, ids: list, sizes: list, start: int,
                     leases: list, offsets: list, exists: bytearray) -> int:
@@ -119,9 +113,9 @@ class TierManager:
         if ns is None or desc.namespace != msg.namespace or (msg.tier == "remote" and not self.remote.takes_remote_puts):
             return start
         expected, objects, now = desc.object_bytes, ns.objects, self.clock()
-        leases_left, bytes_left = self.quotas.room(owner)
-        capacity, ttl_s, holds = ns.arena.capacity_bytes, self.limits_config.lease_ttl_s, self.nvme.holds
-        i, n, reserved = start, len(ids), 0
+        leases_left, bytes_left = self.ledger.room(owner)
+        capacity, holds, grant = ns.arena.capacity_bytes, self.nvme.holds, self.ledger.grant_write
+        i, n = start, len(ids)
         while i < n:
             oid, size = ids[i], sizes[i]
             if expected and size != expected:
@@ -139,13 +133,10 @@ class TierManager:
             extent = ns.arena.alloc(size)
             if extent is None:
                 break
-            lease = self.leases.grant(owner, None, extent, "write", ttl_s, now)
-            self._pending[lease.lease_id] = PendingPut(ns.name, oid, size, desc, msg.hints_of(i), extent, msg.tier)
-            leases[i], offsets[i] = lease.lease_id, extent.offset
-            leases_left, bytes_left, reserved = leases_left - 1, bytes_left - size, reserved + size
+            leases[i] = grant(owner, PendingPut(ns.name, oid, size, desc, msg.hints_of(i), extent, msg.tier), now)
+            offsets[i] = extent.offset
+            leases_left, bytes_left = leases_left - 1, bytes_left - size
             i += 1
-        if reserved:
-            self.quotas.reserved(owner, reserved)
         return i
 
     def commit_run(self, owner: Owner, items: list, start: int, codes: bytearray) -> tuple[int, MaybeAwaitable | None]:
@@ -156,13 +147,10 @@ class TierManager:
         and its reply is something else (an NVMe write-through to await, say), or the
         exception its commit raised."""
         i, n = start, len(items)
-        get_lease, pending, holds = self.leases.get, self._pending, self.nvme.holds
+        own_put, holds = self.ledger.own_put, self.nvme.holds
         while i < n:
             lease_id, checksum = items[i]
-            lease = get_lease(lease_id)
-            if lease is None or lease.owner != owner or lease.mode != "write":
-                break
-            put = pending.get(lease_id)
+            put = own_put(owner, lease_id)
             if put is None:
                 break
             ns = self.host.namespaces[put.namespace]
@@ -171,7 +159,7 @@ class TierManager:
             if self.verify_puts and self.checksum_of(ns, put) != checksum:
                 break
             try:
-                self.take_put(owner, lease_id)
+                self.ledger.take_put(owner, lease_id)
                 entry = self.host.publish(ns, put.object_id, put.extent, put.size, checksum, put.descriptor,
                                           put.hints, pin_hint=True)
                 self.remote.on_commit(entry)
@@ -185,8 +173,8 @@ class TierManager:
         return i, None
 
     def commit(self, owner: Owner, lease_id: int, checksum: bytes) -> MaybeAwaitable[CommitReply]:
-        self.own_lease(owner, lease_id, "write")
-        put = self.take_put(owner, lease_id)
+        self.ledger.own_lease(owner, lease_id, "write")
+        put = self.ledger.take_put(owner, lease_id)
         ns = self.host.namespaces[put.namespace]
         if not self.bytes_match(ns, put, checksum):
             ns.arena.free(put.extent)
@@ -196,20 +184,14 @@ class TierManager:
             )
         return self.publish_put(ns, put, checksum)
 
-    def pending_put(self, lease_id: int) -> PendingPut:
-        """The put a write lease reserved (check the lease with own_lease first)."""
-        return self._pending[lease_id]
+    def reserved_view(self, lease_id: int) -> memoryview:
+        """The arena bytes a write lease reserved, for the daemon to fill (a put_inline)."""
+        put = self.ledger.pending_put(lease_id)
+        return self.host.namespace(put.namespace).arena.view(put.extent)[:put.size]
 
     def checksum_of(self, ns: Namespace, put: PendingPut) -> bytes:
         """The xxh3-128 of a put's bytes as they are in the arena now."""
         return xxhash.xxh3_128_digest(ns.arena.view(put.extent)[:put.size])
-
-    def take_put(self, owner: Owner, lease_id: int) -> PendingPut:
-        """End a write lease whose bytes are written: its put, extent still allocated."""
-        put = self._pending.pop(lease_id)
-        self.quotas.settled(owner, put.size)
-        self.leases.release(lease_id)
-        return put
 
     def bytes_match(self, ns: Namespace, put: PendingPut, checksum: bytes) -> bool:
         """The put's bytes against the checksum sent (only under verify_puts; else True).
@@ -247,8 +229,7 @@ class TierManager:
         return self.nvme.on_commit(entry)
 
     def abort(self, owner: Owner, lease_id: int) -> None:
-        self.own_lease(owner, lease_id, "write")
-        self._end_lease(self.leases.release(lease_id))
+        self.ledger.end(owner, lease_id, "write")
 
     # --- get --------------------------------------------------------------------
 
@@ -314,7 +295,7 @@ class TierManager:
             ns.counters.num_misses += 1
             return GetReply(False, refused)
         self._check_ranges(ns, msg.ranges, entry.size)  # leased whole, but the same error wherever it is
-        self.quotas.check_lease(owner)
+        self.ledger.check_lease(owner)
         if msg.gpu and msg.ranges is None:
             copy = self.chain.gpu.lease_copy(ns, entry)
             if not is_ready(copy):  # being copied to the device now
@@ -337,7 +318,7 @@ class TierManager:
     async def _get_ranges_below(self, owner: Owner, ns: Namespace, msg: Get, oid: ObjectId) -> GetReply:
         """A sparse reader's local miss: only its ranges fetched from a home, into an extent
         leased to this reader alone (never published; freed when the lease ends)."""
-        self.quotas.check_lease(owner)  # before any byte crosses the network
+        self.ledger.check_lease(owner)  # before any byte crosses the network
         try:
             got = await resolve(self.remote.fetch_ranges(ns.name, oid, msg.accept, msg.ranges, msg.expect))
         except BaseException:
@@ -347,7 +328,7 @@ class TierManager:
             ns.counters.num_misses += 1
             return MISS if got is None else GetReply(False, got)
         try:
-            lease_id = self.grant_ranged(owner, ns, oid, got.extent)
+            lease_id = self.ledger.grant_ranged(owner, ns, oid, got.extent)
         except BaseException:
             ns.counters.num_misses += 1
             self.host.track_transient(ns, got.extent, add=False)
@@ -382,19 +363,14 @@ class TierManager:
         """A read's lease and what a hit counts (the entry's hits, the policy, NVMe admission,
         the reader that keeps the extent); its id."""
         oid = entry.object_id
-        extent = entry.extent if on_gpu is None else on_gpu
-        lease = self.leases.grant(owner, oid, extent, "read", self.limits_config.lease_ttl_s, self.clock())
+        release_gpu = None if on_gpu is None else functools.partial(self.chain.gpu.release, ns.name, oid.digest)
+        lease_id = self.ledger.grant_read(owner, entry, on_gpu, release_gpu)
         entry.num_hits += 1
         ns.policy.on_access(oid)
         ns.counters.num_hits += 1
         ns.counters.bytes_out += entry.size
         self.nvme.on_hit(entry)
-        if on_gpu is not None:
-            self._on_gpu[lease.lease_id] = (ns.name, oid.digest)
-        else:
-            self._reading[lease.lease_id] = entry
-            entry.readers += 1
-        return lease.lease_id
+        return lease_id
 
     def get_run(self, owner: Owner, msg: GetMany, ids: list, start: int, hit: Callable) -> int:
         """Serve a get_many's items from `start` while each is the plain case, exactly as get()
@@ -407,7 +383,7 @@ class TierManager:
         if ns is None:
             return start
         expect, objects, now = msg.expect, ns.objects, self.clock()
-        leases_left = self.quotas.room(owner)[0]
+        leases_left = self.ledger.room(owner)[0]
         i, n = start, len(ids)
         while i < n and leases_left > 0:
             entry = objects.get(ids[i])
@@ -429,59 +405,18 @@ class TierManager:
                 ns.counters.num_misses += 1
                 raise
 
-    def grant_ranged(self, owner: Owner, ns: Namespace, oid: ObjectId, extent: Extent) -> int:
-        """A read lease on an extent holding some ranges of `oid` (transient, never indexed);
-        it is freed when the lease ends."""
-        self.quotas.check_lease(owner)
-        lease = self.leases.grant(owner, oid, extent, "read", self.limits_config.lease_ttl_s, self.clock())
-        self._ranged[lease.lease_id] = (ns, extent)
-        return lease.lease_id
-
     def release(self, owner: Owner, lease_id: int) -> None:
-        self.own_lease(owner, lease_id, "read")
-        self._end_lease(self.leases.release(lease_id))
-
-    def own_lease(self, owner: Owner, lease_id: int, mode: str) -> Lease:
-        try:
-            lease = self.leases.get(lease_id)
-        except NotFound:
-            lease = None
-        if lease is None or lease.owner != owner or lease.mode != mode:
-            raise NotFound(f"no {mode} lease {lease_id} held by this client (expired or already released)")
-        return lease
-
-    def _end_lease(self, lease: Lease) -> None:
-        """Undo what a lease holds: a write lease frees its extent, a read lease drops a reader."""
-        if lease.mode == "write":
-            put = self._pending.pop(lease.lease_id)
-            self.quotas.settled(lease.owner, put.size)
-            self.host.namespaces[put.namespace].arena.free(put.extent)
-            return
-        on_gpu = self._on_gpu.pop(lease.lease_id, None)
-        if on_gpu is not None:
-            self.chain.gpu.release(*on_gpu)
-            return
-        ranged = self._ranged.pop(lease.lease_id, None)
-        if ranged is not None:
-            self.host.track_transient(ranged[0], ranged[1], add=False)
-            ranged[0].arena.free(ranged[1])
-            return
-        self.host.drop_reader(self._reading.pop(lease.lease_id))
+        self.ledger.end(owner, lease_id, "read")
 
     # --- housekeeping -----------------------------------------------------------
 
     def drop_owner(self, owner: Owner) -> int:
         """A client went away: end every lease it held. Returns how many."""
-        leases = self.leases.release_owner(owner)
-        for lease in leases:
-            self._end_lease(lease)
-        return len(leases)
+        return self.ledger.drop_owner(owner)
 
     def expire(self) -> None:
         """Take back expired leases and drop objects past their ttl."""
-        for lease in self.leases.expired(self.clock()):
-            log.warning("event=lease_expired lease=%d owner=%s mode=%s", lease.lease_id, lease.owner, lease.mode)
-            self._end_lease(lease)
+        self.ledger.expire()
         self.host.expire_objects()
         self.nvme.expire_due()
         if self.nvme.compact():
@@ -493,26 +428,7 @@ class TierManager:
 
     def check_integrity(self) -> None:
         """Raise RuntimeError if the index, leases, policy and arenas disagree."""
-        self.leases.check_integrity()
-        reserved: dict = {}
-        for lease_id, put in self._pending.items():
-            lease = self.leases.get(lease_id)
-            owner = None if lease is None else lease.owner  # None: a reservation without its lease
-            reserved[owner] = reserved.get(owner, 0) + put.size
-        self.quotas.check_integrity(reserved)
-        self.host.check_integrity([(p.namespace, p.extent) for p in self._pending.values()])
-        if set(self._reading) & set(self._ranged):
-            raise RuntimeError("a read lease is both a whole-object lease and a ranged one")
-        for lease_id, (ns, extent) in self._ranged.items():
-            lease = self.leases.get(lease_id)
-            if lease is None or lease.mode != "read" or not self.host.holds_transient(ns, extent):
-                raise RuntimeError(f"ranged lease {lease_id}: no read lease, or its extent is not accounted for")
-        if sum(1 for lease in self.leases if lease.mode == "read") != len(self._reading) + len(self._ranged) + len(self._on_gpu):
-            raise RuntimeError("read leases and the leases the tier manager tracks disagree")
-        readers = self.host.readers()
-        if readers != len(self._reading) + self.host.num_holds:
-            raise RuntimeError(f"{readers} readers counted on entries, {len(self._reading)} read leases "
-                               f"and {self.host.num_holds} daemon holds")
+        self.ledger.check_integrity()
         self.nvme.check_integrity()
         self.chain.gpu.check_integrity()
 
@@ -524,7 +440,7 @@ class TierManager:
             doc = tier.stats()
             if doc is not None:
                 tiers[name] = doc
-        return {"leases": len(self.leases), "namespaces": namespaces, "tiers": tiers}
+        return {"leases": len(self.ledger), "namespaces": namespaces, "tiers": tiers}
 
     def close(self) -> None:
         self.host.close()

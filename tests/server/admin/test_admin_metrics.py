@@ -11,6 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvstore import ObjectId
 from kvstore.config import ServerConfig
 from kvstore.server.admin.server import AdminServer, make_app
+from kvstore.server.admin.parts import AdminParts
 from kvstore.server.admin.client import AdminRequestFailed
 from kvstore.server.admin.openapi import openapi_document
 from test_admin_support import PAYLOAD, admin_daemon, put_objects
@@ -80,8 +81,8 @@ def _documented() -> set[tuple[str, str]]:
 
 
 def test_every_route_is_documented_and_nothing_else(tmp_path):
-    fake_daemon = types.SimpleNamespace(config=ServerConfig(data_dir=str(tmp_path)))
-    app = make_app(AdminServer(fake_daemon))
+    config = ServerConfig(data_dir=str(tmp_path))  # the routes only: no part is called
+    app = make_app(AdminServer(AdminParts(config.admin, config.data_dir, *[types.SimpleNamespace()] * 7)))
     registered = {(route.method, route.resource.canonical) for route in app.router.routes()}
     assert registered == _documented()
 
