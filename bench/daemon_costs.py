@@ -102,8 +102,8 @@ def main(argv=None) -> int:
     desc, checksum = StateDescriptor("t", "m", "r"), xxhash.xxh3_128_digest(bytes(SIZE))
     best = {}
     for shared_index in (True, False):  # alternated batches would share one arena's state: one manager each
-        mgr = manager(shared_index)
-        runs = [one_batch(mgr, rep, checksum, desc) for rep in range(args.reps)]
+        mgr, index = manager(shared_index)
+        runs = [one_batch(mgr, index, rep, checksum, desc) for rep in range(args.reps)]
         best[shared_index] = [min(r[k] for r in runs) for k in range(3)]
         mgr.close()
     put_floor, get_floor = dict_floor(args.reps)
