@@ -105,6 +105,11 @@ class ObjectEntry:
         """Not past its TTL at `now` (monotonic): the one liveness rule every reader applies."""
         return self.expires_at > now
 
+    def placement(self) -> tuple[int, int, bytes]:
+        """(arena offset, size, checksum), read at once."""
+        at, _, size, _, _, checksum = _RECORD.unpack(self._record)
+        return at, size, checksum
+
     def read_fields(self) -> tuple[int, int, bytes, dict]:
         """What a get hit sends of the object: (arena offset, size, checksum, descriptor wire)."""
         if self.descriptor_wire is None:
