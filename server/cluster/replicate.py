@@ -96,17 +96,17 @@ class Replicator:
         """Send a host entry to every remote home: (the remote homes that hold it now, whether
         all of them do). raising: a home's Conflict is raised (tiers.remote.RemoteTier.put)."""
         ns = self.host.namespaces[entry.namespace]
-        if ns.objects.get(entry.object_id) is not entry:
+        if not ns.objects.holds(entry):
             return [], False  # deleted or evicted before its turn: its extent may be reused
         homes = self.remote.remote_homes(entry.object_id)
         async with self.sending(entry.namespace, entry.object_id):
-            if ns.objects.get(entry.object_id) is not entry:
+            if not ns.objects.holds(entry):
                 return [], False
             with self.host.held_view(entry) as view:
                 held = await self.remote.put(entry.namespace, entry.object_id, self.serving.meta(entry), view,
                                              raising)
         if held and set(held) >= set(homes):
-            if ns.objects.get(entry.object_id) is entry:
+            if ns.objects.holds(entry):
                 self.held.add((entry.namespace, entry.object_id.digest))
             self.events.stored(entry.namespace, entry.object_id, MEDIUM_PEER, entry.descriptor, entry.hints)
             return held, True
@@ -168,7 +168,7 @@ class Replicator:
             try:
                 held, sent = await self._send_to_homes(entry, raising=True)
             except Conflict:  # a home holds this id as another state: the put is refused here too
-                if ns.objects.get(entry.object_id) is entry:
+                if ns.objects.holds(entry):
                     self.host.drop(ns, entry)
                 raise
         if not sent:
@@ -177,7 +177,7 @@ class Replicator:
                         ",".join(homes))
             # Every home that holds it: this node (it keeps its copy) and those the send reached.
             return CommitReply(False, "host", "memory", tuple(n for n in homes if n == self.node.node_id or n in held))
-        if self.node.node_id not in homes and ns.objects.get(entry.object_id) is entry:
+        if self.node.node_id not in homes and ns.objects.holds(entry):
             self.host.drop(ns, entry)  # forgets it here too
             return CommitReply(False, "remote", "memory", tuple(homes))
         return CommitReply(False, "host" if self.node.node_id in homes else "remote", "memory", tuple(homes))

@@ -446,9 +446,13 @@ class PoolLink:
         by_ns: dict[str, list[int]] = {}
         for i, entry in enumerate(entries):
             ns = self.host.namespaces.get(entry.namespace)
-            if ns is not None and ns.objects.get(entry.object_id) is entry:  # not deleted or evicted
+            if ns is not None and ns.objects.holds(entry):  # not deleted or evicted
                 by_ns.setdefault(entry.namespace, []).append(i)
         for name, indices in by_ns.items():
+            ns = self.host.namespaces.get(name)  # still held after the awaits of the namespaces before?
+            indices = [i for i in indices if ns is not None and ns.objects.holds(entries[i])]
+            if not indices:
+                continue
             with contextlib.ExitStack() as stack:
                 items = []
                 for i in indices:
@@ -555,7 +559,7 @@ class PoolLink:
             log.warning("event=remote_put_fallback namespace=%s id=%s pool_up=%s", entry.namespace, entry.object_id,
                         self.pool.up)
             return CommitReply(False, "host", "memory", ())
-        if ns.objects.get(entry.object_id) is entry:
+        if ns.objects.holds(entry):
             self.host.drop(ns, entry)  # forgets it here too
         return CommitReply(False, "remote", "memory", ())
 

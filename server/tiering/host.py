@@ -61,7 +61,7 @@ class HostTier:
         self.num_holds = 0  # readers the daemon itself holds (copies to NVMe or peers in flight)
         self.stopping = threading.Event()  # set by the daemon's stop: an arena's prefault gives up
         self._creating: dict[str, asyncio.Future] = {}  # namespaces whose arena is being made
-        self._zombies: dict[int, ObjectEntry] = {}  # id(entry) -> deleted entry still read
+        self._zombies: dict[int, ObjectEntry] = {}  # serial -> deleted entry still read
         self._transient: dict[int, tuple[str, Extent]] = {}  # id(extent) -> (namespace, extent) being filled
         self.expiry = ExpiryQueue()  # objects with a TTL, by expiry time
         self._pages_logged = ""  # the kind of arena pages last logged (tiers/huge_pages.py)
@@ -189,7 +189,7 @@ class HostTier:
         evicted = []
         now = self.clock()
         for entry in entries:
-            if ns.objects.get(entry.object_id) is not entry:
+            if not ns.objects.holds(entry):
                 continue  # deleted or dropped meanwhile
             if entry.readers or entry.is_pinned(now):
                 self.retrack_victims(ns, [entry])
@@ -214,7 +214,7 @@ class HostTier:
     def retrack_victims(self, ns: Namespace, entries: list[ObjectEntry]) -> None:
         """Victims that stay after all: the policy (which dropped them) tracks them again."""
         for entry in entries:
-            if ns.objects.get(entry.object_id) is entry:
+            if ns.objects.holds(entry):
                 ns.policy.on_insert(entry.object_id, entry.size, entry.hints.recompute_cost_ms, entry.hints.priority)
 
     # --- the index ----------------------------------------------------------------
@@ -227,10 +227,9 @@ class HostTier:
             return None
         return entry
 
-    def insert(self, ns: Namespace, entry: ObjectEntry) -> None:
-        ns.objects[entry.object_id] = entry
-        if len(ns.objects) > ns.peak_objects:
-            ns.peak_objects = len(ns.objects)
+    def _indexed(self, ns: Namespace, entry: ObjectEntry) -> None:
+        """An entry just added to the index: the policy, the expiry queue, the shared index,
+        the group index and the event stream learn of it."""
         ns.policy.on_insert(entry.object_id, entry.size, entry.hints.recompute_cost_ms, entry.hints.priority)
         self.expiry.add(entry)
         ns.shared.publish(entry)
@@ -253,9 +252,9 @@ class HostTier:
                 ns.arena.free(extent)
                 return existing
             self.expire(ns, existing)
-        entry = ObjectEntry.create(oid, ns.name, extent, size, checksum, descriptor, hints, now,
-                                   created_at=created_at, pin=pin_hint and hints.pin, on_nvme=on_nvme)
-        self.insert(ns, entry)
+        entry = ns.objects.add(oid, extent, size, checksum, descriptor, hints, now,
+                               created_at=created_at, pin=pin_hint and hints.pin, on_nvme=on_nvme)
+        self._indexed(ns, entry)
         if counted:
             ns.counters.num_puts += 1
             ns.counters.bytes_in += size
@@ -283,8 +282,10 @@ class HostTier:
         """A reader (lease or hold) is done; a deleted entry's extent goes with its last one."""
         entry.readers -= 1
         if entry.deleted and entry.readers == 0:
-            self._zombies.pop(id(entry))
-            self.namespaces[entry.namespace].arena.free(entry.extent)
+            self._zombies.pop(entry.serial)
+            ns = self.namespaces[entry.namespace]
+            ns.arena.free(entry.extent)
+            ns.objects.release(entry)
 
     def track_transient(self, ns: Namespace, extent: Extent, add: bool) -> None:
         """An extent being filled (a promotion, a fetch) or leased as ranges: not indexed, but
@@ -318,17 +319,20 @@ class HostTier:
     def _remove(self, ns: Namespace, entry: ObjectEntry, tracked: bool = True) -> None:
         """Drop an entry from the index; its extent is freed now or when its last reader leaves."""
         ns.shared.remove(entry)  # first: clients must stop reading the extent before it can be reused
-        del ns.objects[entry.object_id]
+        ns.objects.remove(entry)
         ns.groups.remove(entry)
         if tracked:  # victims() already stopped tracking evicted keys
             ns.policy.on_remove(entry.object_id)
-        if entry.readers:
+        read = entry.readers
+        if read:
             entry.deleted = True
-            self._zombies[id(entry)] = entry
+            self._zombies[entry.serial] = entry
         else:
             ns.arena.free(entry.extent)
         self.events.removed(ns.name, entry.object_id, MEDIUM_CPU)
         self.on_leave(ns, entry)
+        if not read:
+            ns.objects.release(entry)  # last: its fields stay readable until the row is reused
 
     # --- housekeeping -----------------------------------------------------------
 
@@ -351,14 +355,14 @@ class HostTier:
 
     def readers(self) -> int:
         """Readers counted on entries, deleted ones still read included."""
-        return (sum(e.readers for ns in self.namespaces.values() for e in ns.objects.values())
-                + sum(z.readers for z in self._zombies.values()))
+        return sum(ns.objects.total_readers() for ns in self.namespaces.values())
 
     def check_integrity(self, pending: list[tuple[str, Extent]]) -> None:
         """Raise RuntimeError if an index, its policy and its arena disagree. pending:
         (namespace, extent) reserved for puts not committed yet (the tier manager's)."""
         for ns in self.namespaces.values():
             ns.arena.check_integrity()
+            ns.objects.check_integrity()
             ns.policy.check_integrity()
             ns.shared.check_integrity(ns.objects)
             ns.groups.check_integrity(ns.objects)
@@ -391,7 +395,7 @@ class HostTier:
                 "used_bytes": ns.arena.allocator.used_bytes,
                 "slab_free_bytes": ns.arena.allocator.slab_free_bytes,
                 "pages": ns.arena.pages,  # what backs the arena (tiers/huge_pages.py)
-                "pinned": sum(1 for e in ns.objects.values() if e.is_pinned(now)),
+                "pinned": ns.objects.num_pinned(now),
                 **{k: getattr(c, k) for k in c.__slots__},
             }
         totals = {key: sum(n[key] for n in namespaces.values()) for key in ("capacity_bytes", "used_bytes", "objects")}

@@ -37,6 +37,14 @@ def _log_failure(task: asyncio.Task) -> None:
         log.warning("event=promotion_failed error=%r", task.exception())
 
 
+class Evicted(NamedTuple):
+    """An object that left host memory by an explicit evict (what the admin API reports)."""
+
+    namespace: str
+    object_id: ObjectId
+    size: int
+
+
 class IndexOps:
     def __init__(self, host, nvme):
         """host: the host tier; nvme: the NVMe tier (or NoNvme). `below`, the remote tier
@@ -229,15 +237,15 @@ class IndexOps:
             flags.append(True)
         return flags
 
-    def evict(self, namespace: str, num_bytes: int | None, match=None) -> MaybeAwaitable[list[ObjectEntry]]:
+    def evict(self, namespace: str, num_bytes: int | None, match=None) -> MaybeAwaitable[list[Evicted]]:
         """Operator eviction in one existing namespace, in the policy's victim order.
 
         Evicts until `num_bytes` are freed, or, with num_bytes None, every object `match`
         accepts (`match(entry) -> bool`; None accepts all). Leased and pinned objects are
         never chosen. Evicted means out of host memory, not gone: where a tier below keeps
         the host tier's victims (NVMe, the cluster's homes), they go there first, as under
-        pressure (a victim read or pinned meanwhile stays). Returns the entries that left
-        host memory, or an awaitable of them when they are written down first. Raises
+        pressure (a victim read or pinned meanwhile stays). Returns what left host memory
+        (Evicted each), or an awaitable of it when the victims are written down first. Raises
         NotFound for an unknown namespace.
         """
         ns = self.host.namespaces.get(namespace)
@@ -254,9 +262,11 @@ class IndexOps:
         if self.host.sink is None or not victims:
             for entry in victims:
                 self.host.evict(ns, entry)
-            return victims
+            return [Evicted(e.namespace, e.object_id, e.size) for e in victims]
         return self._evicted_below(ns, victims)
 
-    async def _evicted_below(self, ns, victims: list[ObjectEntry]) -> list[ObjectEntry]:
+    async def _evicted_below(self, ns, victims: list[ObjectEntry]) -> list[Evicted]:
+        # What each victim is, read now: an entry's row may hold another object after the await.
+        told = [Evicted(e.namespace, e.object_id, e.size) for e in victims]
         await self.host.sink(ns, victims)
-        return [entry for entry in victims if ns.objects.get(entry.object_id) is not entry]
+        return [what for what, entry in zip(told, victims) if not ns.objects.holds(entry)]

@@ -308,7 +308,7 @@ class TierManager:
         """Leased on the device copy once made (its extent, acquired), or on the host entry
         when none could be made; a miss if the object left meanwhile."""
         on_gpu = await copy
-        if self.host.live_entry(ns, entry.object_id) is not entry:
+        if self.host.live_entry(ns, entry.object_id) != entry:
             if on_gpu is not None:
                 self.chain.gpu.release(ns.name, entry.object_id.digest)  # forgotten with its last reader
             ns.counters.num_misses += 1

@@ -9,10 +9,9 @@ from __future__ import annotations
 import ctypes
 from dataclasses import dataclass, field
 
-from kvstore.identity import ObjectId
-from kvstore.policy.base import EvictionPolicy, sparse
+from kvstore.policy.base import EvictionPolicy
 from kvstore.server.tiering.group_index import GroupIndex
-from kvstore.server.tiering.objects import ObjectEntry
+from kvstore.server.tiering.object_table import ObjectTable
 from kvstore.server.tiering.shared_index import NO_SHARED_INDEX, NoSharedIndex, SharedIndex
 from kvstore.tiers.arena import HostArena
 
@@ -47,17 +46,15 @@ class Namespace:
     name: str
     arena: HostArena
     policy: EvictionPolicy
-    objects: dict[ObjectId, ObjectEntry] = field(default_factory=dict)
+    objects: ObjectTable = field(init=False)  # the index: id -> entry, as columns
     counters: TierCounters = field(default_factory=TierCounters)
-    peak_objects: int = 0  # the most objects indexed since the index was last compacted
     shared: SharedIndex | NoSharedIndex = NO_SHARED_INDEX  # what clients read without asking
     groups: GroupIndex = field(default_factory=GroupIndex)  # the store groups whose manifest is held here
 
+    def __post_init__(self) -> None:
+        self.objects = ObjectTable(self.name)
+
     def compact(self) -> bool:
-        """Rebuild the index's and the policy's tables once removals left them sparse (Python
-        dicts never shrink). True if anything was rebuilt."""
-        rebuilt = sparse(len(self.objects), self.peak_objects)
-        if rebuilt:
-            self.objects = dict(self.objects)  # nobody keeps a reference across an await
-            self.peak_objects = len(self.objects)
-        return self.policy.compact() or rebuilt
+        """Rebuild the index's columns and the policy's tables once removals left them sparse
+        (neither shrinks by itself). True if anything was rebuilt."""
+        return self.objects.compact() | self.policy.compact()

@@ -272,6 +272,8 @@ class TierMover:
         key = self._key(entry.namespace, entry.object_id)
         ns = self.host.namespaces[entry.namespace]
         async with self._turn(key):
+            if not ns.objects.holds(entry):
+                return None  # gone before its turn (its row may be another object's by now): none is made
             if key in self.policy:
                 if await self._holds_copy_of(entry, key):
                     return "sync"
@@ -280,7 +282,7 @@ class TierMover:
                 self._forget(key)
                 await self._run("delete", entry.namespace, entry.object_id)
             await self.windows.at("nvme_write")
-            if ns.objects.get(entry.object_id) is not entry:
+            if not ns.objects.holds(entry):
                 return None  # gone before its copy began: none is made
             self.host.hold(entry)
             try:
@@ -290,7 +292,7 @@ class TierMover:
                 await self.windows.at("nvme_write")
             finally:  # every way out gives the hold back
                 self.host.release_hold(entry)
-            if ns.objects.get(entry.object_id) is not entry:
+            if not ns.objects.holds(entry):
                 # Deleted (expired, dropped) while it was written: its copy must not outlive it.
                 if key not in self.policy:
                     await self._run("delete", entry.namespace, entry.object_id)
@@ -309,8 +311,9 @@ class TierMover:
         compared all the same: a write must never claim another object's copy.)"""
         if self._expired(key):
             return False
+        checksum = entry.checksum  # read before the await: the entry's row may be another's after it
         meta = await self._run("meta", entry.namespace, entry.object_id)
-        if meta is not None and meta.checksum == entry.checksum:
+        if meta is not None and meta.checksum == checksum:
             return True
         if meta is not None:
             log.error("event=nvme_copy_of_other_bytes namespace=%s object=%s action=replaced",
@@ -337,7 +340,7 @@ class TierMover:
             log.warning("event=host_checksum_mismatch namespace=%s object=%s", entry.namespace, entry.object_id.hex)
             ns.counters.num_checksum_failures += 1
             self.counters.num_demotion_failures += 1
-            if ns.objects.get(entry.object_id) is entry:
+            if ns.objects.holds(entry):
                 self.host.drop(ns, entry)  # freed when the hold ends
             return None
         except (KVStoreError, OSError) as exc:
@@ -432,7 +435,7 @@ class TierMover:
         try:
             await self.windows.at("victims")
             for entry in victims:
-                if ns.objects.get(entry.object_id) is not entry:
+                if not ns.objects.holds(entry):
                     continue  # deleted (expired, dropped) since it was chosen
                 if entry.on_nvme or self.holds(ns.name, entry.object_id):  # (a live copy is this entry's)
                     self.host.evict(ns, entry)
@@ -442,7 +445,7 @@ class TierMover:
                 await asyncio.gather(*(self.write(e, self._displaceable_by(e)) for e in writes))
             # NVMe refused some (full of hotter objects, full disk, EIO): those leave the
             # node, homes first.
-            failed = [e for e in writes if not e.on_nvme and ns.objects.get(e.object_id) is e
+            failed = [e for e in writes if ns.objects.holds(e) and not e.on_nvme
                       and cluster.must_send(ns.name, e.object_id)]
             if failed:
                 await cluster.demote(failed)
@@ -586,12 +589,13 @@ class TierMover:
             async with gate:
                 return await self.write(entry, displace=None)
 
+        sizes = [e.size for e in planned]  # read now: an entry's row may be reused once it left
         results = await asyncio.gather(*(one(e) for e in planned))
         written = sum(r is not None for r in results)
         log.log(logging.WARNING if written < len(entries) else logging.INFO,
                 "event=flush_done written=%d not_written=%d no_room=%d bytes_written=%d",
                 written, len(entries) - written, no_room,
-                sum(e.size for e, r in zip(planned, results) if r is not None))
+                sum(size for size, r in zip(sizes, results) if r is not None))
         return written
 
     def write_in_background(self, entry: ObjectEntry) -> None:

@@ -140,7 +140,10 @@ class Daemon:
         self.proc.send_signal(sig)
         self.proc.wait(60)
         if sig == signal.SIGTERM and self.proc.returncode != 0:
-            raise AssertionError(f"the daemon's clean stop exited {self.proc.returncode}")
+            with open(self.log) as f:
+                tail = f.readlines()[-40:]
+            raise AssertionError(f"the daemon's clean stop exited {self.proc.returncode}; its log ends:\n"
+                                 + "".join(line[:4000] for line in tail))
         self.lives[-1].end, self.lives[-1].clean = time.monotonic(), sig == signal.SIGTERM
 
     def client(self) -> Client:

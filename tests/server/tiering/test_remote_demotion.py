@@ -110,6 +110,6 @@ def test_a_victim_read_during_the_send_stays():
             pass  # the read victim holds one MiB: the whole arena cannot be freed
         return ns
     ns = asyncio.run(scenario())
-    assert ns.objects.get(manager.remote.read.object_id) is manager.remote.read
+    assert ns.objects.get(manager.remote.read.object_id) == manager.remote.read
     manager.host.release_hold(manager.remote.read)
     manager.check_integrity()

@@ -1,0 +1,472 @@
+"""A namespace's host index as columns: a row per object, no Python object per entry.
+
+Kept as a dict of Python objects (the id's bytes, an entry, its packed record, the dict's
+slot) an indexed object cost ~400 B at 10 M objects. Here an entry is a row of numpy columns
+and a slot of an open-addressing table, and an ObjectEntry is a small view (table, row,
+serial, id) made when code asks for an entry and dropped with it:
+
+    ids[row]        32 B     the id; hash[row] int64: Python's hash of it (SipHash, keyed per
+                             process: ids are chosen by clients, and cannot be crafted to share
+                             a probe chain), compared before the id
+    offset, length  uint64   the extent in the namespace's arena (length 0: none)
+    size            uint64   the object's bytes
+    serial          uint64   this copy of the object, never reused: a view of a row since
+                             given to another object sees another serial and raises StaleEntry
+    created_at      float64  wall clock; expires_at, pinned_until: monotonic (math.inf: never)
+    checksum[row]   16 B     xxh3-128 of the bytes
+    hits uint32, readers int32, flags uint8 (INDEXED, DELETED, ON_NVME; USED till released)
+    descriptors, hints       Python lists of references to the (shared, immutable) objects
+    slots           int32    linear probing: a row, EMPTY, or GONE (a tombstone); at most
+                             LOAD full, then rebuilt (vectorised) without tombstones
+
+A row leaves the index (`remove`) and is given back (`release`) once its last reader left:
+until then a deleted entry keeps its row, its extent and its fields (host.py's zombies).
+A released row keeps its fields until it is reused (last released first), so code that reads
+a just-removed entry on the same call reads what it read before. Once nothing is left (no
+indexed or read row) housekeeping starts the columns again small, and once they are mostly
+unused it moves the indexed rows into columns sized for them: memory goes back with the
+objects.
+
+The event loop's thread only, like the rest of the host tier.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import math
+import time
+from array import array
+
+import numpy as np
+
+from kvstore.identity import ID_BYTES, ObjectId, StateDescriptor
+from kvstore.policy.base import sparse
+from kvstore.replies import GetReply
+from kvstore.tiers.allocator import Extent
+
+CHECKSUM_BYTES = 16  # xxh3-128
+EMPTY, GONE = -1, -2  # a slot's marks
+INDEXED, DELETED, ON_NVME, USED = 1, 2, 4, 8  # flags; USED: indexed or still read
+LOAD = 0.7  # the most of the slots rows and tombstones take before a rebuild
+MIN_ROWS = 64
+MAX_HITS = (1 << 32) - 1
+_SERIALS = itertools.count(1)
+
+# (name, dtype, width per row: 0 for a scalar column)
+_COLUMNS = (("ids", np.uint8, ID_BYTES), ("hash", np.int64, 0), ("offset", np.uint64, 0),
+            ("length", np.uint64, 0), ("size", np.uint64, 0), ("serial", np.uint64, 0),
+            ("created_at", np.float64, 0), ("expires_at", np.float64, 0), ("pinned_until", np.float64, 0),
+            ("checksum", np.uint8, CHECKSUM_BYTES), ("hits", np.uint32, 0), ("readers", np.int32, 0),
+            ("flags", np.uint8, 0))
+
+
+class StaleEntry(RuntimeError):
+    """An entry read after its row went to another object: a bug in the reader."""
+
+
+class ObjectTable:
+    """One namespace's committed objects (see above); a mapping id -> ObjectEntry to read."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self._reset()
+
+    def _reset(self) -> None:
+        self.end = 0  # rows below it have been used (entries read it: their row is below it)
+        self._in_use = 0  # rows indexed or still read
+        self._live = self._gone = 0  # rows in the slots; tombstones in the slots
+        self._free = array("i")
+        self.descriptors: list[StateDescriptor | None] = []
+        self.hints: list = []
+        self._columns(MIN_ROWS, 0)
+        self._new_slots(MIN_ROWS)
+
+    def _columns(self, rows: int, keep: int) -> None:
+        """Columns of `rows` rows, the first `keep` copied over; a memoryview of each, whose
+        items read and write as Python ints and floats (a numpy scalar costs ~3x)."""
+        for name, dtype, width in _COLUMNS:
+            column = np.zeros((rows, width) if width else rows, dtype)
+            if keep:
+                column[:keep] = getattr(self, "c_" + name)[:keep]
+            setattr(self, "c_" + name, column)
+            setattr(self, "m_" + name, memoryview(column).cast("B") if width else memoryview(column))
+
+    def _new_slots(self, count: int) -> None:
+        self.c_slots = np.full(count, EMPTY, np.int32)
+        self.m_slots = memoryview(self.c_slots)
+        self._mask = count - 1
+        self._gone = 0
+
+    # --- the mapping ---------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return self._live
+
+    def __contains__(self, oid) -> bool:
+        return self._find(oid, hash(oid))[0] >= 0
+
+    def get(self, oid, default=None) -> ObjectEntry | None:
+        row = self._find(oid, hash(oid))[0]
+        if row < 0:
+            return default
+        return ObjectEntry(self, row, self.m_serial[row], oid if type(oid) is ObjectId else ObjectId(oid))
+
+    def __getitem__(self, oid) -> ObjectEntry:
+        entry = self.get(oid)
+        if entry is None:
+            raise KeyError(oid)
+        return entry
+
+    def _indexed_rows(self) -> tuple[np.ndarray, np.ndarray]:
+        rows = np.nonzero(self.c_flags[:self.end] & INDEXED)[0]
+        return rows, self.c_serial[rows]
+
+    def items(self):
+        """(id, entry) of each indexed object; one removed meanwhile is skipped."""
+        rows, serials = self._indexed_rows()
+        for row, serial in zip(rows.tolist(), serials.tolist()):
+            if row < self.end and self.m_serial[row] == serial and self.m_flags[row] & INDEXED:
+                oid = ObjectId(bytes(self.m_ids[row * ID_BYTES:(row + 1) * ID_BYTES]))
+                yield oid, ObjectEntry(self, row, serial, oid)
+
+    def values(self):
+        return (entry for _, entry in self.items())
+
+    def __iter__(self):
+        return (oid for oid, _ in self.items())
+
+    keys = __iter__
+
+    def holds(self, entry: ObjectEntry | None) -> bool:
+        """Is `entry` this table's indexed copy of its id (not removed, not replaced)?"""
+        if entry is None or entry.table is not self:
+            return False
+        row = entry.row
+        if not (row < self.end and self.m_serial[row] == entry.serial):
+            row = self.moved_row(entry)
+        return row >= 0 and bool(self.m_flags[row] & INDEXED)
+
+    def moved_row(self, entry: ObjectEntry) -> int:
+        """The row an indexed entry moved to when the table was compacted (-1: it left)."""
+        row = self._find(entry.object_id, hash(entry.object_id))[0]
+        if row < 0 or self.m_serial[row] != entry.serial:
+            return -1
+        entry.row = row
+        return row
+
+    def _find(self, oid, h: int) -> tuple[int, int]:
+        """(row, its slot) of an indexed id, or (-1, the slot an insert takes)."""
+        slots, hashes, ids, mask = self.m_slots, self.m_hash, self.m_ids, self._mask
+        at, free = h & mask, -1
+        while True:
+            row = slots[at]
+            if row == EMPTY:
+                return -1, (at if free < 0 else free)
+            if row == GONE:
+                if free < 0:
+                    free = at
+            elif hashes[row] == h and ids[row * ID_BYTES:(row + 1) * ID_BYTES] == oid:
+                return row, at
+            at = (at + 1) & mask
+
+    # --- changes ------------------------------------------------------------------------
+
+    def add(self, oid: ObjectId, extent: Extent | None, size: int, checksum: bytes, descriptor, hints,
+            now: float, created_at: float | None = None, pin: bool = False, on_nvme: bool = False) -> ObjectEntry:
+        """Index a new copy of `oid` (not indexed here: the host tier replaces a copy by removing
+        it first). It expires hints.ttl_s after its put (`now`, monotonic, for a new one; for a
+        copy of an older object, `created_at` on the wall clock: a TTL counts from the put on
+        every tier), and is pinned until unpinned when `pin`."""
+        if len(checksum) != CHECKSUM_BYTES:
+            raise ValueError(f"an entry's checksum is {CHECKSUM_BYTES} bytes, got {len(checksum)}")
+        oid = ObjectId(oid)
+        h = hash(oid)
+        row, at = self._find(oid, h)
+        if row >= 0:
+            raise RuntimeError(f"object {oid.hex} is indexed already in namespace {self.name}")
+        wall = time.time()
+        if hints.ttl_s is None:
+            expires_at = math.inf
+        else:
+            expires_at = now + hints.ttl_s - (0.0 if created_at is None else max(0.0, wall - created_at))
+        row = self._new_row()
+        serial = next(_SERIALS)
+        self.m_ids[row * ID_BYTES:(row + 1) * ID_BYTES] = oid
+        self.m_checksum[row * CHECKSUM_BYTES:(row + 1) * CHECKSUM_BYTES] = checksum
+        self.m_hash[row], self.m_serial[row], self.m_size[row] = h, serial, size
+        self.m_offset[row], self.m_length[row] = (0, 0) if extent is None else (extent.offset, extent.length)
+        self.m_created_at[row] = wall if created_at is None else created_at
+        self.m_expires_at[row], self.m_pinned_until[row] = expires_at, (math.inf if pin else 0.0)
+        self.m_hits[row] = self.m_readers[row] = 0
+        self.m_flags[row] = USED | INDEXED | (ON_NVME if on_nvme else 0)
+        self.descriptors[row], self.hints[row] = descriptor, hints
+        if self.m_slots[at] == GONE:
+            self._gone -= 1
+        self.m_slots[at] = row
+        self._live += 1
+        if self._live + self._gone > LOAD * len(self.c_slots):
+            self._rebuild_slots()
+        return ObjectEntry(self, row, serial, oid)
+
+    def _new_row(self) -> int:
+        self._in_use += 1
+        if self._free:
+            return self._free.pop()
+        if self.end == len(self.c_flags):
+            self._columns(2 * self.end, self.end)
+        self.descriptors.append(None)
+        self.hints.append(None)
+        self.end += 1
+        return self.end - 1
+
+    def remove(self, entry: ObjectEntry) -> None:
+        """Take an indexed entry out of the index; its row stays until `release`."""
+        if not self.holds(entry):
+            raise RuntimeError(f"{entry!r} is not indexed in namespace {self.name}")
+        row, at = self._find(entry.object_id, self.m_hash[entry.row])
+        self.m_slots[at] = GONE
+        self._gone += 1
+        self._live -= 1
+        self.m_flags[row] &= ~INDEXED
+
+    def release(self, entry: ObjectEntry) -> None:
+        """Give back a removed entry's row (its last reader left). Its fields stay readable
+        until another object takes the row."""
+        row = entry.locate()
+        if self.m_flags[row] & INDEXED or self.m_readers[row]:
+            raise RuntimeError(f"{entry!r} is still indexed or read: its row cannot be released")
+        self.m_flags[row] &= ~USED
+        self._in_use -= 1
+        self._free.append(row)
+
+    def _rebuild_slots(self) -> None:
+        """Fresh slots without tombstones, at most half full; every indexed row placed."""
+        rows = np.nonzero(self.c_flags[:self.end] & INDEXED)[0].astype(np.int32)
+        count = MIN_ROWS
+        while count < 2 * len(rows):
+            count *= 2
+        self._new_slots(count)
+        at = self.c_hash[rows] & self._mask
+        slots, mask = self.c_slots, self._mask
+        while len(rows):  # in rounds: of rows that try one empty slot, one wins; the rest probe on
+            empty = slots[at] == EMPTY
+            slots[at[empty]] = rows[empty]
+            lost = slots[at] != rows
+            rows, at = rows[lost], (at[lost] + 1) & mask
+
+    def compact(self) -> bool:
+        """Housekeeping: once removals left the columns mostly unused, move the indexed rows
+        to new columns sized for them (an entry's view finds its new row by its id: moved_row);
+        rows still read after their entry left (zombies) are never moved, so the columns wait
+        for their readers. Else rebuild the slots once tombstones are most of them. True if
+        anything was rebuilt."""
+        if not self._in_use:
+            if self.end <= MIN_ROWS:
+                return False
+            self._reset()
+            return True
+        if self._in_use == self._live and sparse(self._live, len(self.c_flags)):
+            keep = np.nonzero(self.c_flags[:self.end] & INDEXED)[0]
+            old = {name: getattr(self, "c_" + name) for name, _, _ in _COLUMNS}
+            descriptors, hints = self.descriptors, self.hints
+            self._columns(max(MIN_ROWS, 2 * len(keep)), 0)
+            for name, column in old.items():
+                getattr(self, "c_" + name)[:len(keep)] = column[keep]
+            self.descriptors = [descriptors[r] for r in keep.tolist()]
+            self.hints = [hints[r] for r in keep.tolist()]
+            self.end, self._free = len(keep), array("i")
+            self._rebuild_slots()
+            return True
+        if self._gone <= max(MIN_ROWS, self._live):
+            return False
+        self._rebuild_slots()
+        return True
+
+    # --- whole-table reads ------------------------------------------------------------------
+
+    @property
+    def nbytes(self) -> int:
+        """What the columns and slots take (allocated; pages never written are not resident)."""
+        return sum(getattr(self, "c_" + name).nbytes for name, _, _ in _COLUMNS) + self.c_slots.nbytes
+
+    def total_readers(self) -> int:
+        """Readers counted on every row, deleted ones still read included."""
+        return int(self.c_readers[:self.end].sum())
+
+    def num_pinned(self, now: float) -> int:
+        rows = self.c_flags[:self.end] & INDEXED != 0
+        return int((self.c_pinned_until[:self.end][rows] > now).sum())
+
+    def check_integrity(self) -> None:
+        """Raise RuntimeError if the slots, the flags and the counts disagree."""
+        flags = self.c_flags[:self.end]
+        indexed = np.nonzero(flags & INDEXED)[0]
+        used = flags & USED != 0
+        if len(indexed) != self._live or int(used.sum()) != self._in_use:
+            raise RuntimeError(f"object table {self.name}: {len(indexed)} rows indexed / {int(used.sum())} "
+                               f"in use, counted {self._live} / {self._in_use}")
+        held = self.c_slots[self.c_slots >= 0]
+        if len(held) != self._live or set(held.tolist()) != set(indexed.tolist()):
+            raise RuntimeError(f"object table {self.name}: the slots do not hold each indexed row once")
+        if int((self.c_slots == GONE).sum()) != self._gone:
+            raise RuntimeError(f"object table {self.name}: {self._gone} tombstones counted")
+        free = set(self._free.tolist())
+        if len(free) != len(self._free) or free != set(np.nonzero(~used)[0].tolist()):
+            raise RuntimeError(f"object table {self.name}: the free rows are not exactly the unused rows")
+        for row in indexed.tolist():
+            if self._find(bytes(self.m_ids[row * ID_BYTES:(row + 1) * ID_BYTES]), self.m_hash[row])[0] != row:
+                raise RuntimeError(f"object table {self.name}: row {row} cannot be found from its id")
+
+
+def _column(name: str, doc: str, cap: int | None = None) -> property:
+    """A mutable field of an entry: its row's item in the table's column `name`."""
+    def get(self):
+        return getattr(self.table, name)[self.locate()]
+
+    def set(self, value) -> None:
+        getattr(self.table, name)[self.locate()] = value if cap is None else min(value, cap)
+    return property(get, set, doc=doc)
+
+
+class ObjectEntry:
+    """A committed, immutable object in the host tier: a view of its row in the namespace's
+    ObjectTable. The mutable fields are bookkeeping only."""
+
+    __slots__ = ("table", "row", "serial", "object_id")
+
+    def __init__(self, table: ObjectTable, row: int, serial: int, object_id: ObjectId):
+        self.table, self.row, self.serial, self.object_id = table, row, serial, object_id
+
+    @classmethod
+    def create(cls, object_id: ObjectId, namespace: str, extent, size: int, checksum: bytes,
+               descriptor: StateDescriptor, hints, now: float, created_at: float | None = None,
+               pin: bool = False, on_nvme: bool = False) -> ObjectEntry:
+        """A lone entry, in a table of its own (tests, tools); the host tier adds to its
+        namespace's table (ObjectTable.add, which says what each field means)."""
+        return ObjectTable(namespace).add(object_id, extent, size, checksum, descriptor, hints, now,
+                                          created_at=created_at, pin=pin, on_nvme=on_nvme)
+
+    def locate(self) -> int:
+        """Its row in the table now (moved by a compaction, found by its id); StaleEntry once
+        the row went to another object: the entry left the index and was read after."""
+        table, row = self.table, self.row
+        if row < table.end and table.m_serial[row] == self.serial:
+            return row
+        row = table.moved_row(self)
+        if row < 0:
+            raise StaleEntry(f"entry {self.object_id.hex} (serial {self.serial}) was read after its row "
+                             f"in namespace {table.name} went to another object")
+        return row
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, ObjectEntry) and other.serial == self.serial
+
+    def __hash__(self) -> int:
+        return hash(self.serial)
+
+    def __repr__(self) -> str:
+        return (f"ObjectEntry({self.object_id}, namespace={self.namespace!r}, serial={self.serial}, "
+                f"row={self.row})")
+
+    @property
+    def namespace(self) -> str:
+        return self.table.name
+
+    @property
+    def extent(self) -> Extent | None:
+        """Where the bytes are in the namespace's arena: equal (not the same object) each time."""
+        row, t = self.locate(), self.table
+        length = t.m_length[row]
+        return Extent(t.m_offset[row], length) if length else None
+
+    @property
+    def offset(self) -> int:
+        return self.table.m_offset[self.locate()]
+
+    @property
+    def size(self) -> int:
+        return self.table.m_size[self.locate()]
+
+    @property
+    def created_at(self) -> float:
+        """Wall clock, for listings."""
+        return self.table.m_created_at[self.locate()]
+
+    @property
+    def checksum(self) -> bytes:
+        row = self.locate()
+        return bytes(self.table.m_checksum[row * CHECKSUM_BYTES:(row + 1) * CHECKSUM_BYTES])
+
+    @property
+    def descriptor(self) -> StateDescriptor:
+        return self.table.descriptors[self.locate()]
+
+    @property
+    def hints(self):
+        return self.table.hints[self.locate()]
+
+    @property
+    def descriptor_wire(self) -> dict:
+        """descriptor.to_wire(), shared by equal descriptors: every get sends it."""
+        return _wire_of(self.descriptor)
+
+    def _flag(self, bit: int) -> bool:
+        return bool(self.table.m_flags[self.locate()] & bit)
+
+    def _set_flag(self, bit: int, on: bool) -> None:
+        row, flags = self.locate(), self.table.m_flags
+        flags[row] = flags[row] | bit if on else flags[row] & ~bit
+
+    deleted = property(lambda self: self._flag(DELETED), lambda self, on: self._set_flag(DELETED, on),
+                       doc="removed from the index, extent freed when the last reader leaves")
+    on_nvme = property(lambda self: self._flag(ON_NVME), lambda self, on: self._set_flag(ON_NVME, on),
+                       doc="a verified copy is on the NVMe tier too")
+
+    readers = _column("m_readers", "Read leases and daemon holds on this entry.")
+    num_hits = _column("m_hits", "Hits served (capped at 2**32 - 1).", MAX_HITS)
+    expires_at = _column("m_expires_at", "Monotonic; math.inf: no TTL.")
+    pinned_until = _column("m_pinned_until", "Monotonic; math.inf: pinned until unpinned.")
+
+    def is_live(self, now: float) -> bool:
+        """Not past its TTL at `now` (monotonic): the one liveness rule every reader applies."""
+        return self.table.m_expires_at[self.locate()] > now
+
+    def is_pinned(self, now: float) -> bool:
+        return self.table.m_pinned_until[self.locate()] > now
+
+    def placement(self) -> tuple[int, int, bytes]:
+        """(arena offset, size, checksum), read at once."""
+        row, t = self.locate(), self.table
+        return t.m_offset[row], t.m_size[row], bytes(t.m_checksum[row * CHECKSUM_BYTES:(row + 1) * CHECKSUM_BYTES])
+
+    def read_fields(self) -> tuple[int, int, bytes, dict]:
+        """What a get hit sends of the object: (arena offset, size, checksum, descriptor wire)."""
+        row, t = self.locate(), self.table
+        return (t.m_offset[row], t.m_size[row], bytes(t.m_checksum[row * CHECKSUM_BYTES:(row + 1) * CHECKSUM_BYTES]),
+                _wire_of(t.descriptors[row]))
+
+    def get_reply(self, lease_id: int, tier: str = "host", offset: int | None = None) -> GetReply:
+        """What a get hit sends: where to read (the host arena; tier "gpu": `offset` into the
+        GPU buffer), how to check it, and what it is."""
+        at, size, checksum, wire = self.read_fields()
+        return GetReply(True, lease=lease_id, offset=at if offset is None else offset, size=size,
+                        checksum=checksum, tier=tier, descriptor=wire)
+
+    def to_wire(self, tier: str = "host") -> dict:
+        return {
+            "object_id": self.object_id.digest,
+            "size": self.size,
+            "checksum": self.checksum,
+            "descriptor": self.descriptor.to_wire(),
+            "hints": self.hints.to_wire(),
+            "tier": tier,
+            "created_at": self.created_at,
+            "num_hits": self.num_hits,
+        }
+
+
+@functools.lru_cache(maxsize=4096)
+def _wire_of(descriptor: StateDescriptor) -> dict:
+    """One wire map per distinct descriptor (never mutated): a get_many reply sends each once."""
+    return descriptor.to_wire()

@@ -1,0 +1,148 @@
+"""server/tiering/object_table.py: the host index as columns, its entries as views of rows."""
+
+import math
+
+import numpy as np
+import pytest
+
+from kvstore.hints import Hints
+from kvstore.identity import ObjectId, StateDescriptor
+from kvstore.server.tiering.object_table import MIN_ROWS, ObjectTable, StaleEntry
+from kvstore.tiers.allocator import Extent
+
+DESC = StateDescriptor("t", "m", "r")
+
+
+def oid(i: int) -> ObjectId:
+    return ObjectId(i.to_bytes(8, "little") * 4)
+
+
+def add(table: ObjectTable, i: int, **kwargs):
+    return table.add(oid(i), Extent(i * 4096, 4096), 100 + i, bytes([i % 256]) * 16, DESC, Hints(), 10.0, **kwargs)
+
+
+def test_every_field_reads_back_as_it_was_added():
+    table = ObjectTable("ns")
+    e = table.add(oid(1), Extent((1 << 40) + 4096, 3 << 20), (3 << 20) - 5, bytes(range(16)), DESC,
+                  Hints(ttl_s=5.0), 100.0, created_at=None, pin=True, on_nvme=True)
+    assert e.extent == Extent((1 << 40) + 4096, 3 << 20) and e.size == (3 << 20) - 5
+    assert e.checksum == bytes(range(16)) and e.descriptor is DESC and e.hints == Hints(ttl_s=5.0)
+    assert e.expires_at == 105.0 and e.pinned_until == math.inf and e.on_nvme and not e.deleted
+    assert e.namespace == "ns" and e.object_id == oid(1) and type(e.object_id) is ObjectId
+    assert table[oid(1)] == e and oid(1) in table and len(table) == 1
+    assert table.get(bytes(oid(1))) == e  # a plain digest finds it too (the shared index's hits)
+    e.readers += 2
+    e.num_hits += 1
+    e.on_nvme = False
+    again = table[oid(1)]
+    assert (again.readers, again.num_hits, again.on_nvme) == (2, 1, False)
+
+
+def test_thousands_of_ids_are_found_across_slot_rebuilds_and_removals():
+    table = ObjectTable("ns")
+    entries = {i: add(table, i) for i in range(5000)}
+    for i in range(0, 5000, 3):
+        table.remove(entries[i])
+        table.release(entries[i])
+    table.check_integrity()
+    for i in range(5000):
+        got = table.get(oid(i))
+        assert (got is None) if i % 3 == 0 else (got == entries[i] and got.size == 100 + i)
+    assert len(table) == 5000 - len(range(0, 5000, 3))
+    assert sorted(int.from_bytes(k[:8], "little") for k in table) == [i for i in range(5000) if i % 3]
+    assert table.compact() or table._gone <= max(MIN_ROWS, len(table))
+    table.check_integrity()
+
+
+def test_a_removed_entry_reads_as_before_until_its_row_is_reused_then_raises():
+    table = ObjectTable("ns")
+    old = add(table, 1)
+    table.remove(old)
+    assert not table.holds(old) and table.get(oid(1)) is None
+    table.release(old)
+    assert old.size == 101  # released, not reused yet: the caller on the same call still reads it
+    new = add(table, 2)
+    assert new.row == old.row and new.serial != old.serial
+    with pytest.raises(StaleEntry, match="another object"):
+        old.size
+    assert new.size == 102 and table.holds(new) and new != old
+
+
+def test_a_read_row_cannot_be_released_and_a_removed_one_is_not_found():
+    table = ObjectTable("ns")
+    e = add(table, 1)
+    e.readers = 1
+    table.remove(e)
+    with pytest.raises(RuntimeError, match="still indexed or read"):
+        table.release(e)
+    with pytest.raises(RuntimeError, match="not indexed"):
+        table.remove(e)
+    assert table.total_readers() == 1 and len(table) == 0
+    e.readers = 0
+    table.release(e)
+    table.check_integrity()
+
+
+def test_emptied_the_table_starts_small_again_and_old_views_raise():
+    table = ObjectTable("ns")
+    entries = [add(table, i) for i in range(10_000)]
+    grown = len(table.c_flags)
+    assert grown >= 10_000
+    for e in entries:
+        table.remove(e)
+        table.release(e)
+    assert table.compact() and len(table.c_flags) == MIN_ROWS < grown and len(table.c_slots) == MIN_ROWS
+    with pytest.raises(StaleEntry):
+        entries[-1].size
+    table.check_integrity()
+    assert add(table, 3).size == 103
+
+
+def test_adding_an_indexed_id_or_a_bad_checksum_is_refused():
+    table = ObjectTable("ns")
+    add(table, 1)
+    with pytest.raises(RuntimeError, match="indexed already"):
+        add(table, 1)
+    with pytest.raises(ValueError, match="16 bytes"):
+        table.add(oid(2), None, 1, b"x" * 8, DESC, Hints(), 0.0)
+    table.check_integrity()
+
+
+def test_integrity_check_catches_a_lost_slot():
+    table = ObjectTable("ns")
+    for i in range(20):
+        add(table, i)
+    table.c_slots[np.nonzero(table.c_slots >= 0)[0][0]] = -1
+    with pytest.raises(RuntimeError, match="slots"):
+        table.check_integrity()
+
+
+def test_pinned_and_readers_are_counted_over_the_columns():
+    table = ObjectTable("ns")
+    add(table, 1, pin=True)
+    e = add(table, 2)
+    e.pinned_until = 50.0
+    add(table, 3).readers = 4
+    assert table.num_pinned(40.0) == 2 and table.num_pinned(60.0) == 1 and table.total_readers() == 4
+
+
+def test_compaction_moves_rows_and_views_follow_them_unless_a_removed_row_is_still_read():
+    table = ObjectTable("ns")
+    entries = [add(table, i) for i in range(20_000)]
+    zombie = entries[5]
+    zombie.readers = 1
+    for e in entries[:19_000]:
+        table.remove(e)
+        if e is not zombie:
+            table.release(e)
+    full, rows = table.nbytes, len(table.c_flags)
+    table.compact()  # (the slots may be rebuilt without tombstones)
+    assert len(table.c_flags) == rows and zombie.size == 105  # a removed row still read: no row moves
+    zombie.readers = 0
+    table.release(zombie)
+    assert table.compact() and table.nbytes < full / 8
+    table.check_integrity()
+    held = entries[-1]
+    assert table.holds(held) and held.size == 100 + 19_999 and held.row == table[oid(19_999)].row < 1_000
+    with pytest.raises(StaleEntry):
+        entries[0].size  # left before the compaction: not found by its id
