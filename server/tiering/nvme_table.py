@@ -52,11 +52,11 @@ from kvstore.policy.s3fifo import (
     SMALL_QUEUE_FRACTION,
 )
 from kvstore.server.tiering.fifo_ring import Ring
+from kvstore.server.tiering.open_slots import EMPTY, GONE, place
 from kvstore.tiers.nvme.holdings import index_keys, prefix_number
 
 _M64 = (1 << 64) - 1
 _WORDS = struct.Struct("<4Q")
-EMPTY, GONE = -1, -2  # a slot's marks: never used, and a removed row's (a tombstone)
 
 
 class NvmeTable:
@@ -386,29 +386,18 @@ class NvmeTable:
         self._tracked_bytes = self._small_bytes = int(np.sum(sizes))
 
     def _place(self, rows: np.ndarray) -> None:
-        """Put rows into the slots table, which holds no tombstone, in rounds: each round every
-        row still unplaced tries its next slot, and of rows that try the same empty slot one
-        wins. A row moves on only past an occupied slot, so each is found by probing from its
-        home. A row whose key a placed row has already (a duplicate) is left out of the table
-        and of _live."""
-        mask = len(self._slots) - 1
-        at = self._homes(rows)
-        while len(rows):
-            empty = self._slots[at] == EMPTY
-            self._slots[at[empty]] = rows[empty]  # of rows trying one slot, the last write wins
-            occupant = self._slots[at]
-            lost = occupant != rows
-            rows, at, occupant = rows[lost], at[lost], occupant[lost]
-            same = self.hash[occupant] == self.hash[rows]
-            if same.any():  # twins meet on their common probe path
-                maybe = np.nonzero(same)[0]
-                twin = np.zeros(len(rows), bool)
-                twin[maybe] = (self.ns[occupant[maybe]] == self.ns[rows[maybe]]) & \
-                    (self.ids[occupant[maybe]] == self.ids[rows[maybe]]).all(axis=1)
-                if twin.any():
-                    self._live -= int(twin.sum())
-                    rows, at = rows[~twin], at[~twin]
-            at = (at + 1) & mask
+        """Put rows into the slots table, which holds no tombstone (open_slots.place); a row
+        whose key a placed row has already (a duplicate) is left out of the table and of _live."""
+        self._live -= place(self._slots, rows, self._homes(rows), self._twins)
+
+    def _twins(self, occupants: np.ndarray, rows: np.ndarray) -> np.ndarray:
+        """Which rows have the key of the occupant they met."""
+        twin = np.zeros(len(rows), bool)
+        maybe = np.nonzero(self.hash[occupants] == self.hash[rows])[0]
+        if len(maybe):
+            twin[maybe] = (self.ns[occupants[maybe]] == self.ns[rows[maybe]]) & \
+                (self.ids[occupants[maybe]] == self.ids[rows[maybe]]).all(axis=1)
+        return twin
 
     def _rebuild_slots(self) -> None:
         """A fresh slots table (no tombstones), at most a quarter full."""

@@ -42,11 +42,11 @@ import numpy as np
 
 from kvstore.identity import ID_BYTES, ObjectId, StateDescriptor
 from kvstore.policy.base import sparse
+from kvstore.server.tiering.open_slots import EMPTY, GONE, place
 from kvstore.replies import GetReply
 from kvstore.tiers.allocator import Extent
 
 CHECKSUM_BYTES = 16  # xxh3-128
-EMPTY, GONE = -1, -2  # a slot's marks
 INDEXED, DELETED, ON_NVME, USED = 1, 2, 4, 8  # flags; USED: indexed or still read
 LOAD = 0.7  # the most of the slots rows and tombstones take before a rebuild
 MIN_ROWS = 64
@@ -247,13 +247,7 @@ class ObjectTable:
         while count < 2 * len(rows):
             count *= 2
         self._new_slots(count)
-        at = self.c_hash[rows] & self._mask
-        slots, mask = self.c_slots, self._mask
-        while len(rows):  # in rounds: of rows that try one empty slot, one wins; the rest probe on
-            empty = slots[at] == EMPTY
-            slots[at[empty]] = rows[empty]
-            lost = slots[at] != rows
-            rows, at = rows[lost], (at[lost] + 1) & mask
+        place(self.c_slots, rows, self.c_hash[rows] & self._mask)  # the index holds no twins
 
     def compact(self) -> bool:
         """Housekeeping: once removals left the columns mostly unused, move the indexed rows

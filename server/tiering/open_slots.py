@@ -1,0 +1,37 @@
+"""Open-addressing slot tables over numpy rows: the marks and the vectorised placement that
+the NVMe table (server/tiering/nvme_table.py) and the host index (object_table.py) share.
+
+A slot holds a row number, EMPTY (never used) or GONE (a removed row's tombstone); a row is
+found by probing linearly from its home slot up to the first EMPTY one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+
+EMPTY, GONE = -1, -2  # a slot's marks: never used, and a removed row's (a tombstone)
+
+
+def place(slots: np.ndarray, rows: np.ndarray, at: np.ndarray,
+          twins: Callable[[np.ndarray, np.ndarray], np.ndarray] | None = None) -> int:
+    """Put `rows` into `slots` (a power of two long, no tombstones), each from its home slot
+    `at`, in rounds: every row still unplaced tries its next slot, and of rows that try the
+    same empty slot one wins. A row moves on only past an occupied slot, so each is found by
+    probing from its home. twins(occupants, rows): which rows have the key of the row placed
+    where they tried (duplicates); those are left out. Returns how many were left out."""
+    mask, left_out = len(slots) - 1, 0
+    while len(rows):
+        empty = slots[at] == EMPTY
+        slots[at[empty]] = rows[empty]  # of rows trying one slot, the last write wins
+        occupant = slots[at]
+        lost = occupant != rows
+        rows, at, occupant = rows[lost], at[lost], occupant[lost]
+        if twins is not None and len(rows):
+            twin = twins(occupant, rows)
+            if twin.any():  # twins meet on their common probe path
+                left_out += int(twin.sum())
+                rows, at = rows[~twin], at[~twin]
+        at = (at + 1) & mask
+    return left_out
