@@ -61,7 +61,6 @@ class HostTier:
         self.num_holds = 0  # readers the daemon itself holds (copies to NVMe or peers in flight)
         self.stopping = threading.Event()  # set by the daemon's stop: an arena's prefault gives up
         self._creating: dict[str, asyncio.Future] = {}  # namespaces whose arena is being made
-        self._zombies: dict[int, ObjectEntry] = {}  # serial -> deleted entry still read
         self._transient: dict[int, tuple[str, Extent]] = {}  # id(extent) -> (namespace, extent) being filled
         self.expiry = ExpiryQueue()  # objects with a TTL, by expiry time
         self._pages_logged = ""  # the kind of arena pages last logged (tiers/huge_pages.py)
@@ -282,7 +281,6 @@ class HostTier:
         """A reader (lease or hold) is done; a deleted entry's extent goes with its last one."""
         entry.readers -= 1
         if entry.deleted and entry.readers == 0:
-            self._zombies.pop(entry.serial)
             ns = self.namespaces[entry.namespace]
             ns.arena.free(entry.extent)
             ns.objects.release(entry)
@@ -325,8 +323,7 @@ class HostTier:
             ns.policy.on_remove(entry.object_id)
         read = entry.readers
         if read:
-            entry.deleted = True
-            self._zombies[entry.serial] = entry
+            entry.deleted = True  # its row keeps the extent (ObjectTable.extents_still_read)
         else:
             ns.arena.free(entry.extent)
         self.events.removed(ns.name, entry.object_id, MEDIUM_CPU)
@@ -370,7 +367,7 @@ class HostTier:
                 raise RuntimeError(f"namespace {ns.name}: policy tracks {len(ns.policy)} keys, index has {len(ns.objects)}")
             live = [e.extent for e in ns.objects.values()]
             live += [x for name, x in pending if name == ns.name]
-            live += [z.extent for z in self._zombies.values() if z.namespace == ns.name]
+            live += ns.objects.extents_still_read()
             live += [x for name, x in self._transient.values() if name == ns.name]
             allocator = ns.arena.allocator
             if allocator.num_allocated != len(live) or sum(x.length for x in live) != allocator.used_bytes:

@@ -259,14 +259,14 @@ class IndexOps:
         if num_bytes is None:
             num_bytes = sum(e.size for oid, e in ns.objects.items() if chosen(oid))
         victims = [ns.objects[oid] for oid in ns.policy.victims(num_bytes, chosen)]
+        # What each victim is, read now: an entry's row may hold another object once it left.
+        told = [Evicted(e.namespace, e.object_id, e.size) for e in victims]
         if self.host.sink is None or not victims:
             for entry in victims:
                 self.host.evict(ns, entry)
-            return [Evicted(e.namespace, e.object_id, e.size) for e in victims]
-        return self._evicted_below(ns, victims)
+            return told
+        return self._evicted_below(ns, victims, told)
 
-    async def _evicted_below(self, ns, victims: list[ObjectEntry]) -> list[Evicted]:
-        # What each victim is, read now: an entry's row may hold another object after the await.
-        told = [Evicted(e.namespace, e.object_id, e.size) for e in victims]
+    async def _evicted_below(self, ns, victims: list[ObjectEntry], told: list[Evicted]) -> list[Evicted]:
         await self.host.sink(ns, victims)
         return [what for what, entry in zip(told, victims) if not ns.objects.holds(entry)]

@@ -20,7 +20,7 @@ serial, id) made when code asks for an entry and dropped with it:
                              LOAD full, then rebuilt (vectorised) without tombstones
 
 A row leaves the index (`remove`) and is given back (`release`) once its last reader left:
-until then a deleted entry keeps its row, its extent and its fields (host.py's zombies).
+until then a deleted entry keeps its row, its extent and its fields (extents_still_read).
 A released row keeps its fields until it is reused (last released first), so code that reads
 a just-removed entry on the same call reads what it read before. Once nothing is left (no
 indexed or read row) housekeeping starts the columns again small, and once they are mostly
@@ -122,19 +122,21 @@ class ObjectTable:
         rows = np.nonzero(self.c_flags[:self.end] & INDEXED)[0]
         return rows, self.c_serial[rows]
 
-    def items(self):
-        """(id, entry) of each indexed object; one removed meanwhile is skipped."""
+    def _indexed(self):
+        """(row, serial, id) of each indexed object; one removed meanwhile is skipped."""
         rows, serials = self._indexed_rows()
         for row, serial in zip(rows.tolist(), serials.tolist()):
             if row < self.end and self.m_serial[row] == serial and self.m_flags[row] & INDEXED:
-                oid = ObjectId(bytes(self.m_ids[row * ID_BYTES:(row + 1) * ID_BYTES]))
-                yield oid, ObjectEntry(self, row, serial, oid)
+                yield row, serial, ObjectId(bytes(self.m_ids[row * ID_BYTES:(row + 1) * ID_BYTES]))
+
+    def items(self):
+        return ((oid, ObjectEntry(self, row, serial, oid)) for row, serial, oid in self._indexed())
 
     def values(self):
-        return (entry for _, entry in self.items())
+        return (ObjectEntry(self, row, serial, oid) for row, serial, oid in self._indexed())
 
     def __iter__(self):
-        return (oid for oid, _ in self.items())
+        return (oid for _, _, oid in self._indexed())
 
     keys = __iter__
 
@@ -283,6 +285,12 @@ class ObjectTable:
     def nbytes(self) -> int:
         """What the columns and slots take (allocated; pages never written are not resident)."""
         return sum(getattr(self, "c_" + name).nbytes for name, _, _ in _COLUMNS) + self.c_slots.nbytes
+
+    def extents_still_read(self) -> list[Extent]:
+        """The extents of entries removed from the index while read (kept until their last
+        reader leaves: `release`)."""
+        rows = np.nonzero((self.c_flags[:self.end] & (USED | INDEXED)) == USED)[0]
+        return [Extent(int(self.c_offset[r]), int(self.c_length[r])) for r in rows if self.c_length[r]]
 
     def total_readers(self) -> int:
         """Readers counted on every row, deleted ones still read included."""

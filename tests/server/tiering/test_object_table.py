@@ -78,8 +78,10 @@ def test_a_read_row_cannot_be_released_and_a_removed_one_is_not_found():
     with pytest.raises(RuntimeError, match="not indexed"):
         table.remove(e)
     assert table.total_readers() == 1 and len(table) == 0
+    assert table.extents_still_read() == [Extent(4096, 4096)]
     e.readers = 0
     table.release(e)
+    assert table.extents_still_read() == []
     table.check_integrity()
 
 
