@@ -1,5 +1,6 @@
-"""A FIFO of int32 row numbers in one growable numpy buffer (server/tiering/nvme_table.py's
-S and M queues): 4 B a place, where a deque of Python ints costs ~40."""
+"""A FIFO of integers in one growable numpy buffer: the S and M queues of row numbers
+(int32, server/tiering/nvme_table.py) and of row places (int64, server/tiering/row_policy.py).
+4 or 8 B a place, where a deque of Python ints costs ~40."""
 
 from __future__ import annotations
 
@@ -10,8 +11,9 @@ class Ring:
     """Rows oldest (the tail) first: `append` at the head, `popleft` at the tail, and
     `push_tail` to put popped rows back where they were, in their order."""
 
-    def __init__(self, rows=()):
-        self.replace(np.asarray(rows, np.int32))
+    def __init__(self, rows=(), dtype=np.int32):
+        self.dtype = dtype
+        self.replace(np.asarray(rows, dtype))
 
     def __len__(self) -> int:
         return self._len
@@ -52,9 +54,16 @@ class Ring:
         """The rows, oldest first (a copy)."""
         return self._buf[(self._start + np.arange(self._len)) % len(self._buf)]
 
+    def shrink(self) -> bool:
+        """Give back a buffer mostly empty (a FIFO that drained never shrinks by itself)."""
+        if len(self._buf) <= max(64, 4 * self._len):
+            return False
+        self.replace(self.items())
+        return True
+
     def replace(self, rows: np.ndarray) -> None:
         """Hold exactly `rows` (oldest first), in a buffer sized for them."""
-        self._buf = np.empty(max(16, 2 * len(rows)), np.int32)
+        self._buf = np.empty(max(16, 2 * len(rows)), self.dtype)
         self._buf[:len(rows)] = rows
         self._start, self._len = 0, len(rows)
 
@@ -64,6 +73,6 @@ class Ring:
 
     def _resize(self, size: int) -> None:
         rows = self.items()
-        self._buf = np.empty(size, np.int32)
+        self._buf = np.empty(size, self.dtype)
         self._buf[:len(rows)] = rows
         self._start = 0

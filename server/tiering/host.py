@@ -23,7 +23,6 @@ from typing import Awaitable, Callable
 from kvstore.config import HostTierConfig
 from kvstore.errors import CapacityError, NotFound, ServiceError
 from kvstore.identity import Kind, ObjectId
-from kvstore.policy import make_policy
 from kvstore.server.events import MEDIUM_CPU, NoEvents
 from kvstore.server.host_memory import check_new_arena, host_memory
 from kvstore.server.later import MaybeAwaitable, resolve
@@ -111,7 +110,7 @@ class HostTier:
                                         pages=pages))
         finally:
             del self._creating[name]
-        ns = Namespace(name, arena, make_policy(config.policy, config.arena_bytes),
+        ns = Namespace(name, arena, config.policy,
                        shared=shared_index(config.shared_index, name, config.arena_bytes, config.prefault))
         self.namespaces[name] = ns
         log.info("event=namespace_open namespace=%s arena_bytes=%d pages=%s", name, config.arena_bytes, arena.pages)
@@ -134,26 +133,24 @@ class HostTier:
             "Release leases, unpin, or raise host.arena_bytes"
         )
 
-    def evictable(self, ns: Namespace, oid: ObjectId, now: float) -> bool:
-        entry = ns.objects.get(oid)
-        return entry is not None and entry.readers == 0 and not entry.is_pinned(now)
-
     def _victims(self, ns: Namespace, size: int) -> list[ObjectEntry]:
         """The policy's next victims towards `size` free bytes (it stops tracking them: each
         must end evicted, or tracked again by `retrack_victims`); CapacityError when none."""
-        now = self.clock()
-        victims = ns.policy.victims(ns.arena.footprint(size), lambda oid: self.evictable(ns, oid, now))
+        now, objects = self.clock(), ns.objects
+        victims = [objects.entry_at(row) for row in ns.policy.victims(ns.arena.footprint(size),
+                                                                      lambda row: objects.idle(row, now))]
         if not victims:
             raise self.no_room(ns, size)
         if ns.groups:  # a member of a group goes with the rest of its group (server/tiering/group_index.py)
-            chosen = set(victims)
-            for oid in list(victims):
-                for other in ns.groups.companions(oid):
-                    if other not in chosen and self.evictable(ns, other, now):
-                        ns.policy.on_remove(other)
-                        chosen.add(other)
+            chosen = {entry.object_id for entry in victims}
+            for entry in list(victims):
+                for oid in ns.groups.companions(entry.object_id):
+                    other = objects.get(oid)
+                    if oid not in chosen and other is not None and objects.idle(other.row, now):
+                        ns.policy.on_remove(other.row)
+                        chosen.add(oid)
                         victims.append(other)
-        return [ns.objects[oid] for oid in victims]
+        return victims
 
     def alloc_now(self, ns: Namespace, size: int) -> Extent:
         """An extent now, victims dropped (no tier below the host arena keeps them)."""
@@ -214,7 +211,7 @@ class HostTier:
         """Victims that stay after all: the policy (which dropped them) tracks them again."""
         for entry in entries:
             if ns.objects.holds(entry):
-                ns.policy.on_insert(entry.object_id, entry.size, entry.hints.recompute_cost_ms, entry.hints.priority)
+                ns.policy.on_insert(entry.locate())
 
     # --- the index ----------------------------------------------------------------
 
@@ -229,7 +226,7 @@ class HostTier:
     def _indexed(self, ns: Namespace, entry: ObjectEntry) -> None:
         """An entry just added to the index: the policy, the expiry queue, the shared index,
         the group index and the event stream learn of it."""
-        ns.policy.on_insert(entry.object_id, entry.size, entry.hints.recompute_cost_ms, entry.hints.priority)
+        ns.policy.on_insert(entry.row)
         self.expiry.add(entry)
         ns.shared.publish(entry)
         if entry.descriptor.kind is Kind.GROUP:  # a store group's manifest: index its members
@@ -320,7 +317,7 @@ class HostTier:
         ns.objects.remove(entry)
         ns.groups.remove(entry)
         if tracked:  # victims() already stopped tracking evicted keys
-            ns.policy.on_remove(entry.object_id)
+            ns.policy.on_remove(entry.row)
         read = entry.readers
         if read:
             entry.deleted = True  # its row keeps the extent (ObjectTable.extents_still_read)
@@ -363,8 +360,10 @@ class HostTier:
             ns.policy.check_integrity()
             ns.shared.check_integrity(ns.objects)
             ns.groups.check_integrity(ns.objects)
-            if len(ns.policy) != len(ns.objects) or any(oid not in ns.policy for oid in ns.objects):
-                raise RuntimeError(f"namespace {ns.name}: policy tracks {len(ns.policy)} keys, index has {len(ns.objects)}")
+            indexed = ns.objects.indexed_rows()
+            if not ns.policy.tracks_exactly(indexed):
+                raise RuntimeError(f"namespace {ns.name}: the policy tracks {len(ns.policy)} rows, the index "
+                                   f"has {len(indexed)}, or other rows")
             live = [e.extent for e in ns.objects.values()]
             live += [x for name, x in pending if name == ns.name]
             live += ns.objects.extents_still_read()

@@ -253,12 +253,12 @@ class IndexOps:
             raise NotFound(f"no namespace {namespace!r}")
         now = self.host.clock()
 
-        def chosen(oid: ObjectId) -> bool:
-            return self.host.evictable(ns, oid, now) and (match is None or match(ns.objects[oid]))
+        def chosen(row: int) -> bool:
+            return ns.objects.idle(row, now) and (match is None or match(ns.objects.entry_at(row)))
 
         if num_bytes is None:
-            num_bytes = sum(e.size for oid, e in ns.objects.items() if chosen(oid))
-        victims = [ns.objects[oid] for oid in ns.policy.victims(num_bytes, chosen)]
+            num_bytes = sum(e.size for e in ns.objects.values() if chosen(e.row))
+        victims = [ns.objects.entry_at(row) for row in ns.policy.victims(num_bytes, chosen)]
         # What each victim is, read now: an entry's row may hold another object once it left.
         told = [Evicted(e.namespace, e.object_id, e.size) for e in victims]
         if self.host.sink is None or not victims:

@@ -366,7 +366,7 @@ class TierManager:
         release_gpu = None if on_gpu is None else functools.partial(self.chain.gpu.release, ns.name, oid.digest)
         lease_id = self.ledger.grant_read(owner, entry, on_gpu, release_gpu)
         entry.num_hits += 1
-        ns.policy.on_access(oid)
+        ns.policy.on_access(entry.locate())
         ns.counters.num_hits += 1
         ns.counters.bytes_out += entry.size
         self.nvme.on_hit(entry)

@@ -7,11 +7,11 @@ event loop thread only.
 from __future__ import annotations
 
 import ctypes
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 
-from kvstore.policy.base import EvictionPolicy
 from kvstore.server.tiering.group_index import GroupIndex
 from kvstore.server.tiering.object_table import ObjectTable
+from kvstore.server.tiering.row_policy import RowPolicy, make_row_policy
 from kvstore.server.tiering.shared_index import NO_SHARED_INDEX, NoSharedIndex, SharedIndex
 from kvstore.tiers.arena import HostArena
 
@@ -45,16 +45,18 @@ def give_back_heap() -> None:
 class Namespace:
     name: str
     arena: HostArena
-    policy: EvictionPolicy
+    policy_name: InitVar[str]  # kvstore/policy: POLICIES
     objects: ObjectTable = field(init=False)  # the index: id -> entry, as columns
+    policy: RowPolicy = field(init=False)  # over the rows of `objects`
     counters: TierCounters = field(default_factory=TierCounters)
     shared: SharedIndex | NoSharedIndex = NO_SHARED_INDEX  # what clients read without asking
     groups: GroupIndex = field(default_factory=GroupIndex)  # the store groups whose manifest is held here
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, policy_name: str) -> None:
         self.objects = ObjectTable(self.name)
+        self.policy = make_row_policy(policy_name, self.objects, self.arena.capacity_bytes)
 
     def compact(self) -> bool:
         """Rebuild the index's columns and the policy's tables once removals left them sparse
         (neither shrinks by itself). True if anything was rebuilt."""
-        return self.objects.compact() | self.policy.compact()
+        return self.objects.compact(self.policy.renumber) | self.policy.compact()

@@ -37,6 +37,7 @@ import itertools
 import math
 import time
 from array import array
+from collections.abc import Callable
 
 import numpy as np
 
@@ -118,8 +119,20 @@ class ObjectTable:
             raise KeyError(oid)
         return entry
 
+    def entry_at(self, row: int) -> ObjectEntry:
+        """The entry on a used row (the eviction policy's keys are rows)."""
+        return ObjectEntry(self, row, self.m_serial[row], ObjectId(bytes(self.m_ids[row * ID_BYTES:(row + 1) * ID_BYTES])))
+
+    def idle(self, row: int, now: float) -> bool:
+        """Neither read nor pinned at `now`: the row's object may be evicted."""
+        return self.m_readers[row] == 0 and self.m_pinned_until[row] <= now
+
+    def indexed_rows(self) -> np.ndarray:
+        """The indexed rows, ascending."""
+        return np.nonzero(self.c_flags[:self.end] & INDEXED)[0]
+
     def _indexed_rows(self) -> tuple[np.ndarray, np.ndarray]:
-        rows = np.nonzero(self.c_flags[:self.end] & INDEXED)[0]
+        rows = self.indexed_rows()
         return rows, self.c_serial[rows]
 
     def _indexed(self):
@@ -251,16 +264,18 @@ class ObjectTable:
         self._new_slots(count)
         place(self.c_slots, rows, self.c_hash[rows] & self._mask)  # the index holds no twins
 
-    def compact(self) -> bool:
+    def compact(self, moved: Callable[[np.ndarray], None]) -> bool:
         """Housekeeping: once removals left the columns mostly unused, move the indexed rows
         to new columns sized for them (an entry's view finds its new row by its id: moved_row);
         rows still read after their entry left (zombies) are never moved, so the columns wait
         for their readers. Else rebuild the slots once tombstones are most of them. True if
-        anything was rebuilt."""
+        anything was rebuilt. `moved(keep)` learns of each move: row keep[i] is row i now
+        (keep empty: the table started over)."""
         if not self._in_use:
             if self.end <= MIN_ROWS:
                 return False
             self._reset()
+            moved(np.zeros(0, np.intp))
             return True
         if self._in_use == self._live and sparse(self._live, len(self.c_flags)):
             keep = np.nonzero(self.c_flags[:self.end] & INDEXED)[0]
@@ -273,6 +288,7 @@ class ObjectTable:
             self.hints = [hints[r] for r in keep.tolist()]
             self.end, self._free = len(keep), array("i")
             self._rebuild_slots()
+            moved(keep)
             return True
         if self._gone <= max(MIN_ROWS, self._live):
             return False

@@ -234,6 +234,6 @@ def count_shared_hits(host, nvme, namespace: str, ids: tuple) -> None:
         entry = ns.objects.get(digest)  # an id equals its digest (kvstore.identity.ObjectId)
         if entry is not None:
             entry.num_hits += 1
-            ns.policy.on_access(entry.object_id)
+            ns.policy.on_access(entry.row)
             counters.bytes_out += entry.size
             nvme.on_hit(entry)

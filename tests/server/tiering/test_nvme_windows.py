@@ -69,7 +69,7 @@ async def put_on_nvme_only(manager: TierManager, oid: ObjectId, data: np.ndarray
     entry = host.publish(ns, oid, extent, data.size, xxhash.xxh3_128_digest(data), StateDescriptor(NS, "m", "r"),
                          Hints())
     assert await manager.nvme.write(entry) == "sync"
-    ns.policy.on_remove(oid)  # as victims() does before an eviction
+    ns.policy.on_remove(entry.row)  # as victims() does before an eviction
     host.evict(ns, entry)
     assert manager.nvme.holds(NS, oid) and oid not in ns.objects
 
@@ -232,7 +232,7 @@ def test_a_copy_written_down_later_keeps_the_ttl_of_its_put(tmp_path):
                              StateDescriptor(NS, "m", "r"), Hints(ttl_s=0.6))
         await asyncio.sleep(0.3)
         assert await mover.write(entry) == "sync"  # demoted half-way through its TTL
-        ns.policy.on_remove(oid)
+        ns.policy.on_remove(entry.row)
         host.evict(ns, entry)
         assert mover.nvme.meta(NS, oid).created_at == pytest.approx(entry.created_at, abs=0.01)
         got = await resolve(manager.get(OWNER, Get(NS, oid)))  # promoted back
