@@ -5,17 +5,19 @@ slot) an indexed object cost ~400 B at 10 M objects. Here an entry is a row of n
 and a slot of an open-addressing table, and an ObjectEntry is a small view (table, row,
 serial, id) made when code asks for an entry and dropped with it:
 
-    ids[row]        32 B     the id; hash[row] int64: Python's hash of it (SipHash, keyed per
-                             process: ids are chosen by clients, and cannot be crafted to share
-                             a probe chain), compared before the id
+    ids[row]        32 B     the id; hash[row] uint32: the low bits of Python's hash of it
+                             (SipHash, keyed per process: ids are chosen by clients, and cannot
+                             be crafted to share a probe chain), compared before the id
     offset, length  uint64   the extent in the namespace's arena (length 0: none)
     size            uint64   the object's bytes
     serial          uint64   this copy of the object, never reused: a view of a row since
                              given to another object sees another serial and raises StaleEntry
-    created_at      float64  wall clock; expires_at, pinned_until: monotonic (math.inf: never)
+    created_at      float64  wall clock; expires_at: monotonic (math.inf: never)
     checksum[row]   16 B     xxh3-128 of the bytes
     hits uint32, readers int32, flags uint8 (INDEXED, DELETED, ON_NVME; USED till released)
     descriptors, hints       Python lists of references to the (shared, immutable) objects
+    pins            dict     row -> pinned until (monotonic; math.inf: until unpinned), for
+                             the pinned rows only: most objects are never pinned
     slots           int32    linear probing: a row, EMPTY, or GONE (a tombstone); at most
                              LOAD full, then rebuilt (vectorised) without tombstones
 
@@ -54,10 +56,12 @@ MIN_ROWS = 64
 MAX_HITS = (1 << 32) - 1
 _SERIALS = itertools.count(1)
 
+HASH_MASK = (1 << 32) - 1  # the bits of an id's hash a row keeps
+
 # (name, dtype, width per row: 0 for a scalar column)
-_COLUMNS = (("ids", np.uint8, ID_BYTES), ("hash", np.int64, 0), ("offset", np.uint64, 0),
+_COLUMNS = (("ids", np.uint8, ID_BYTES), ("hash", np.uint32, 0), ("offset", np.uint64, 0),
             ("length", np.uint64, 0), ("size", np.uint64, 0), ("serial", np.uint64, 0),
-            ("created_at", np.float64, 0), ("expires_at", np.float64, 0), ("pinned_until", np.float64, 0),
+            ("created_at", np.float64, 0), ("expires_at", np.float64, 0),
             ("checksum", np.uint8, CHECKSUM_BYTES), ("hits", np.uint32, 0), ("readers", np.int32, 0),
             ("flags", np.uint8, 0))
 
@@ -80,6 +84,7 @@ class ObjectTable:
         self._free = array("i")
         self.descriptors: list[StateDescriptor | None] = []
         self.hints: list = []
+        self.pins: dict[int, float] = {}
         self._columns(MIN_ROWS, 0)
         self._new_slots(MIN_ROWS)
 
@@ -105,10 +110,10 @@ class ObjectTable:
         return self._live
 
     def __contains__(self, oid) -> bool:
-        return self._find(oid, hash(oid))[0] >= 0
+        return self._find(oid, hash(oid) & HASH_MASK)[0] >= 0
 
     def get(self, oid, default=None) -> ObjectEntry | None:
-        row = self._find(oid, hash(oid))[0]
+        row = self._find(oid, hash(oid) & HASH_MASK)[0]
         if row < 0:
             return default
         return ObjectEntry(self, row, self.m_serial[row], oid if type(oid) is ObjectId else ObjectId(oid))
@@ -125,7 +130,7 @@ class ObjectTable:
 
     def idle(self, row: int, now: float) -> bool:
         """Neither read nor pinned at `now`: the row's object may be evicted."""
-        return self.m_readers[row] == 0 and self.m_pinned_until[row] <= now
+        return self.m_readers[row] == 0 and self.pins.get(row, 0.0) <= now
 
     def indexed_rows(self) -> np.ndarray:
         """The indexed rows, ascending."""
@@ -164,14 +169,15 @@ class ObjectTable:
 
     def moved_row(self, entry: ObjectEntry) -> int:
         """The row an indexed entry moved to when the table was compacted (-1: it left)."""
-        row = self._find(entry.object_id, hash(entry.object_id))[0]
+        row = self._find(entry.object_id, hash(entry.object_id) & HASH_MASK)[0]
         if row < 0 or self.m_serial[row] != entry.serial:
             return -1
         entry.row = row
         return row
 
     def _find(self, oid, h: int) -> tuple[int, int]:
-        """(row, its slot) of an indexed id, or (-1, the slot an insert takes)."""
+        """(row, its slot) of an indexed id (h: its hash's low bits, HASH_MASK), or (-1, the
+        slot an insert takes)."""
         slots, hashes, ids, mask = self.m_slots, self.m_hash, self.m_ids, self._mask
         at, free = h & mask, -1
         while True:
@@ -196,7 +202,7 @@ class ObjectTable:
         if len(checksum) != CHECKSUM_BYTES:
             raise ValueError(f"an entry's checksum is {CHECKSUM_BYTES} bytes, got {len(checksum)}")
         oid = ObjectId(oid)
-        h = hash(oid)
+        h = hash(oid) & HASH_MASK
         row, at = self._find(oid, h)
         if row >= 0:
             raise RuntimeError(f"object {oid.hex} is indexed already in namespace {self.name}")
@@ -212,7 +218,11 @@ class ObjectTable:
         self.m_hash[row], self.m_serial[row], self.m_size[row] = h, serial, size
         self.m_offset[row], self.m_length[row] = (0, 0) if extent is None else (extent.offset, extent.length)
         self.m_created_at[row] = wall if created_at is None else created_at
-        self.m_expires_at[row], self.m_pinned_until[row] = expires_at, (math.inf if pin else 0.0)
+        self.m_expires_at[row] = expires_at
+        if pin:
+            self.pins[row] = math.inf
+        else:
+            self.pins.pop(row, None)  # the row's last object's, if it was pinned
         self.m_hits[row] = self.m_readers[row] = 0
         self.m_flags[row] = USED | INDEXED | (ON_NVME if on_nvme else 0)
         self.descriptors[row], self.hints[row] = descriptor, hints
@@ -286,6 +296,8 @@ class ObjectTable:
                 getattr(self, "c_" + name)[:len(keep)] = column[keep]
             self.descriptors = [descriptors[r] for r in keep.tolist()]
             self.hints = [hints[r] for r in keep.tolist()]
+            new_row = {old: new for new, old in enumerate(keep.tolist())}
+            self.pins = {new_row[old]: until for old, until in self.pins.items() if old in new_row}
             self.end, self._free = len(keep), array("i")
             self._rebuild_slots()
             moved(keep)
@@ -313,8 +325,8 @@ class ObjectTable:
         return int(self.c_readers[:self.end].sum())
 
     def num_pinned(self, now: float) -> int:
-        rows = self.c_flags[:self.end] & INDEXED != 0
-        return int((self.c_pinned_until[:self.end][rows] > now).sum())
+        flags = self.m_flags
+        return sum(1 for row, until in self.pins.items() if until > now and flags[row] & INDEXED)
 
     def check_integrity(self) -> None:
         """Raise RuntimeError if the slots, the flags and the counts disagree."""
@@ -444,14 +456,25 @@ class ObjectEntry:
     readers = _column("m_readers", "Read leases and daemon holds on this entry.")
     num_hits = _column("m_hits", "Hits served (capped at 2**32 - 1).", MAX_HITS)
     expires_at = _column("m_expires_at", "Monotonic; math.inf: no TTL.")
-    pinned_until = _column("m_pinned_until", "Monotonic; math.inf: pinned until unpinned.")
+    @property
+    def pinned_until(self) -> float:
+        """Monotonic; math.inf: pinned until unpinned; 0.0: never pinned."""
+        return self.table.pins.get(self.locate(), 0.0)
+
+    @pinned_until.setter
+    def pinned_until(self, until: float) -> None:
+        row = self.locate()
+        if until > 0:
+            self.table.pins[row] = until
+        else:
+            self.table.pins.pop(row, None)
 
     def is_live(self, now: float) -> bool:
         """Not past its TTL at `now` (monotonic): the one liveness rule every reader applies."""
         return self.table.m_expires_at[self.locate()] > now
 
     def is_pinned(self, now: float) -> bool:
-        return self.table.m_pinned_until[self.locate()] > now
+        return self.table.pins.get(self.locate(), 0.0) > now
 
     def placement(self) -> tuple[int, int, bytes]:
         """(arena offset, size, checksum), read at once."""
