@@ -456,6 +456,7 @@ class ObjectEntry:
     readers = _column("m_readers", "Read leases and daemon holds on this entry.")
     num_hits = _column("m_hits", "Hits served (capped at 2**32 - 1).", MAX_HITS)
     expires_at = _column("m_expires_at", "Monotonic; math.inf: no TTL.")
+
     @property
     def pinned_until(self) -> float:
         """Monotonic; math.inf: pinned until unpinned; 0.0: never pinned."""

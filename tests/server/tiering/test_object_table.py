@@ -132,6 +132,19 @@ def test_pinned_and_readers_are_counted_over_the_columns():
     e.pinned_until = 50.0
     add(table, 3).readers = 4
     assert table.num_pinned(40.0) == 2 and table.num_pinned(60.0) == 1 and table.total_readers() == 4
+    assert table.idle(e.row, 60.0) and not table.idle(e.row, 40.0)
+    e.pinned_until = 0.0  # unpinned: nothing kept for it
+    assert table.num_pinned(0.0) == 1 and e.row not in table.pins
+
+
+def test_a_row_given_to_a_new_object_is_not_pinned_by_the_last_one():
+    table = ObjectTable("ns")
+    first = add(table, 1, pin=True)
+    table.remove(first)
+    assert table.num_pinned(0.0) == 0  # removed: not counted though its row keeps its fields
+    table.release(first)
+    second = add(table, 2)
+    assert second.row == first.row and second.pinned_until == 0.0 and table.idle(second.row, 0.0)
 
 
 def test_compaction_moves_rows_and_views_follow_them_unless_a_removed_row_is_still_read():
@@ -143,6 +156,7 @@ def test_compaction_moves_rows_and_views_follow_them_unless_a_removed_row_is_sti
         table.remove(e)
         if e is not zombie:
             table.release(e)
+    entries[-1].pinned_until = 77.0
     full, rows = table.nbytes, len(table.c_flags)
     moves = []
     table.compact(moves.append)  # (the slots may be rebuilt without tombstones)
@@ -154,5 +168,6 @@ def test_compaction_moves_rows_and_views_follow_them_unless_a_removed_row_is_sti
     table.check_integrity()
     held = entries[-1]
     assert table.holds(held) and held.size == 100 + 19_999 and held.row == table[oid(19_999)].row < 1_000
+    assert held.pinned_until == 77.0 and table.num_pinned(0.0) == 1 and list(table.pins) == [held.row]
     with pytest.raises(StaleEntry):
         entries[0].size  # left before the compaction: not found by its id
