@@ -31,7 +31,15 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvstore.errors import InvalidArgument
-from kvstore.policy.base import COMPACT_MIN_KEYS, FREQ_MASK, IN_MAIN, MIN_PRIORITY, PRIORITY_SHIFT, SIZE_SHIFT
+from kvstore.policy.base import (
+    COMPACT_MIN_KEYS,
+    FREQ_MASK,
+    IN_MAIN,
+    MIN_PRIORITY,
+    PRIORITY_SHIFT,
+    SIZE_SHIFT,
+    sparse,
+)
 from kvstore.policy.cost_aware import CANDIDATE_WINDOW, score
 from kvstore.policy.s3fifo import MAX_FREQ, MAX_GHOST_ENTRIES, PROMOTE_MIN_FREQ, SMALL_QUEUE_FRACTION
 from kvstore.server.tiering.fifo_ring import Ring
@@ -200,6 +208,7 @@ class RowS3FIFO(RowPolicy):
         self._small, self._main = Ring(dtype=np.int64), Ring(dtype=np.int64)
         self._ghost: OrderedDict[int, int] = OrderedDict()
         self._small_bytes = self._main_bytes = self._ghost_bytes = 0
+        self._ghost_peak = 0  # the most ids the ghost held since it was last rebuilt
 
     def _queues(self):
         return (self._small, 0), (self._main, IN_MAIN)
@@ -294,13 +303,16 @@ class RowS3FIFO(RowPolicy):
         self._small_bytes -= size
         self._ghost_bytes += size - self._ghost.pop(h, 0)  # twice only if two ids' hashes collide
         self._ghost[h] = size
+        self._ghost_peak = max(self._ghost_peak, len(self._ghost))
         while self._ghost and (self._ghost_bytes > self.ghost_capacity_bytes or len(self._ghost) > MAX_GHOST_ENTRIES):
             self._ghost_bytes -= self._ghost.popitem(last=False)[1]
         return size
 
     def compact(self) -> bool:
-        self._ghost = OrderedDict(self._ghost)  # a dict keeps its peak's table
-        return super().compact()
+        rebuilt = sparse(len(self._ghost), self._ghost_peak)
+        if rebuilt:  # a dict keeps its peak's table
+            self._ghost, self._ghost_peak = OrderedDict(self._ghost), len(self._ghost)
+        return super().compact() or rebuilt
 
     def _check_structure(self, fail) -> None:
         for name, ring, in_main, recorded in (("S", self._small, 0, self._small_bytes),

@@ -177,3 +177,20 @@ def test_the_integrity_check_catches_a_lost_place():
     both.policy._order.popleft()
     with pytest.raises(RuntimeError, match="no live place"):
         both.policy.check_integrity()
+
+
+def test_the_ghost_is_rebuilt_only_once_it_is_sparse():
+    both = Both("s3fifo", 10**6)
+    for i in range(6000):
+        both.insert(i, 10)
+    both.victims(6000 * 10, set())  # all from S: each id to the ghost
+    ghost = both.policy._ghost
+    both.policy.compact()  # (S's drained buffer is given back)
+    assert len(ghost) == 6000 and both.policy._ghost is ghost  # full, not sparse: kept as it is
+    for i in range(5000):
+        both.insert(i, 10)  # seen again: out of the ghost, into M
+    assert both.compact() and both.policy._ghost is not ghost and len(both.policy._ghost) == 1000
+    ghost = both.policy._ghost
+    both.policy.compact()
+    assert both.policy._ghost is ghost  # once is enough
+    both.check()
