@@ -105,12 +105,15 @@ class RowPolicy:
         """Are `rows` (ascending) the tracked rows, no more, no fewer?"""
         return np.array_equal(self.rows(), rows)
 
+    def _refuse_tracked(self, row: int) -> None:
+        if row in self:
+            raise InvalidArgument(f"row {row} of namespace {self.table.name} is already tracked")
+
     def _track(self, row: int, in_main: int = 0) -> int:
         """Start tracking `row` (state fresh, a new gen); its place, for the caller to queue."""
+        self._refuse_tracked(row)
         if row >= len(self.m_state):
             self._columns(max(2 * len(self.m_state), row + 1), len(self.m_state))
-        elif self.m_state[row] & TRACKED:
-            raise InvalidArgument(f"row {row} of namespace {self.table.name} is already tracked")
         gen = (self.m_gen[row] + 1) & GEN_MASK
         self.m_gen[row], self.m_state[row] = gen, TRACKED | in_main
         self._tracked += 1
@@ -214,8 +217,8 @@ class RowS3FIFO(RowPolicy):
         return (self._small, 0), (self._main, IN_MAIN)
 
     def on_insert(self, row: int) -> None:
-        h = self.table.m_hash[row]
-        size = self._ghost.pop(h, None)
+        self._refuse_tracked(row)  # before the ghost changes
+        size = self._ghost.pop(self.table.m_hash[row], None)
         if size is not None:  # seen recently: straight to M
             self._ghost_bytes -= size
             self._main.append(self._track(row, IN_MAIN))

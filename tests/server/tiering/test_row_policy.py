@@ -160,9 +160,11 @@ def test_bad_input_is_refused_and_changes_nothing():
     policy = make_row_policy("s3fifo", table, 100)
     entry = table.add(oid(1), None, 10, CHECKSUM, DESC, Hints(), 0.0)
     policy.on_insert(entry.row)
+    policy._ghost[table.m_hash[entry.row]] = 10  # as if it had been evicted too (it cannot)
     with pytest.raises(InvalidArgument, match="already tracked"):
         policy.on_insert(entry.row)
-    assert len(policy) == 1 and policy.tracked_bytes == 10
+    assert len(policy) == 1 and policy.tracked_bytes == 10 and len(policy._ghost) == 1  # nothing changed
+    del policy._ghost[table.m_hash[entry.row]]
     policy.on_remove(entry.row)
     policy.on_remove(entry.row)  # idempotent
     policy.on_access(10**6)  # a row never tracked: ignored
