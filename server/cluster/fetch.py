@@ -4,7 +4,9 @@ only some byte ranges of it (leased to the reader, never published).
 Both land the same way (`Landing`): in place in the arena when room is free, else in a
 staging buffer that is copied in only once a home's bytes were verified, room being made
 (evicting) then and only then. A home that fails or sends bad bytes gives its landing place
-back before the next home is asked.
+back before the next home is asked. A namespace with no arena here yet lands staged, and its
+arena is made only once a home answered with the object: a miss makes none, and the chain is
+walked once (the homes asked once), as for any other get.
 """
 
 from __future__ import annotations
@@ -35,17 +37,18 @@ class RangesFetched(NamedTuple):
 
 class Landing:
     """Where one transfer's bytes land in a namespace's arena (see the module docstring).
-    An extent it holds is tracked as transient until `keep` hands it over."""
+    An extent it holds is tracked as transient until `keep` hands it over. `ns`: None while
+    the namespace has no arena here (opened by `settle`)."""
 
-    def __init__(self, host, ns):
-        self.host, self.ns = host, ns
+    def __init__(self, host, namespace: str):
+        self.host, self.name, self.ns = host, namespace, host.namespaces.get(namespace)
         self.extent = None
         self.staged: np.ndarray | None = None
 
     def place(self, size: int):
         """A buffer for `size` bytes: free room in the arena, else a staging buffer."""
         self.give_back()
-        extent = self.ns.arena.alloc(size)  # room already free: receive in place
+        extent = None if self.ns is None else self.ns.arena.alloc(size)  # room already free: receive in place
         if extent is None:
             self.staged = np.empty(size, dtype=np.uint8)  # no room yet: stage, copy after
             return self.staged
@@ -55,8 +58,11 @@ class Landing:
 
     async def settle(self, size: int):
         """After a verified hit: the extent holding the bytes (room made and staged bytes
-        copied in if they were staged), or None when no room can be made."""
+        copied in if they were staged), or None when no room can be made. Makes the
+        namespace's arena if it has none yet."""
         if self.extent is None:
+            if self.ns is None:
+                self.ns = await self.host.open_namespace(self.name)
             try:
                 extent = await self.host.allocate(self.ns, size)
             except CapacityError:
@@ -97,8 +103,7 @@ class Fetcher:
         remote = self.node.remote
         if remote is None:
             return None
-        ns = await self.host.open_namespace(namespace)
-        landing = Landing(self.host, ns)
+        landing = Landing(self.host, namespace)
         start = time.perf_counter()
         try:
             meta = await remote.get_into(namespace, object_id, lambda meta: landing.place(meta.size))
@@ -107,13 +112,15 @@ class Fetcher:
             raise
         if meta is not None:
             self.bandwidth_bytes_s = moving_bandwidth(self.bandwidth_bytes_s, meta.size, time.perf_counter() - start)
-        if meta is None or object_id in ns.objects:  # a miss, or a local put landed meanwhile
+        put_meanwhile = landing.ns is not None and object_id in landing.ns.objects  # a local put landed
+        if meta is None or put_meanwhile:
             landing.give_back()
             if meta is None:  # the homes no longer hold it (or are down): not a PEER holding now
                 self.events.removed(namespace, object_id, MEDIUM_PEER)
-            return ns.objects.get(object_id)
-        if await landing.settle(meta.size) is None:
+            return None if landing.ns is None else landing.ns.objects.get(object_id)
+        if await landing.settle(meta.size) is None:  # (a put landing meanwhile wins in publish)
             return None
+        ns = landing.ns
         self.held.add((namespace, object_id.digest))  # a home had it
         return self.host.publish(ns, object_id, landing.keep(untrack=True), meta.size, meta.checksum,
                                     meta.descriptor, meta.hints, created_at=meta.created_at)
@@ -125,8 +132,7 @@ class Fetcher:
         here. Returns a RangesFetched, the reason a home's copy was refused (its descriptor),
         or None (no home holds it, none answered, or no room)."""
         remote = self.node.remote
-        ns = self.host.namespaces[namespace]
-        size, landing, refused = ranges_total(ranges), Landing(self.host, ns), []
+        size, landing, refused = ranges_total(ranges), Landing(self.host, namespace), []
 
         def alloc(meta: RemoteMeta):
             check_within(ranges, meta.size)  # a home that did not check must not make us allocate

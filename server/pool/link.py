@@ -230,12 +230,14 @@ class PoolLink:
         if not self.pool.up:
             self.pool.usable()  # counts the skip
             return None
-        ns = await self.host.open_namespace(namespace)
-        await self._register_arena(ns)
+        ns = self.host.namespaces.get(namespace)  # None: no arena here yet, made once the pool has the object
         start = time.perf_counter()
-        guess = self._guess(namespace, object_id)
-        guessed = (await self._read_guessed(ns, namespace, [object_id], [guess]))[0] if guess else None
-        if guessed is None:  # not tried: no size to guess, or no room for it
+        guess = self._guess(namespace, object_id) if ns is not None else None
+        guessed = None
+        if guess:
+            await self._register_arena(ns)
+            guessed = (await self._read_guessed(ns, namespace, [object_id], [guess]))[0]
+        if guessed is None:  # not tried: no arena, no size to guess, or no room for it
             meta, extent = (await self._metas(namespace, [object_id], ask_master=False))[0], None
         else:
             meta, extent = guessed
@@ -246,6 +248,9 @@ class PoolLink:
             self._known.pop((namespace, object_id.digest), None)
             self.events.removed(namespace, object_id, MEDIUM_PEER)
             return None
+        if ns is None:
+            ns = await self.host.open_namespace(namespace)
+        await self._register_arena(ns)
         filled = extent is not None  # the payload came with the header
         if not filled:
             try:

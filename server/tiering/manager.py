@@ -59,9 +59,10 @@ class TierManager:
         return namespace in self.host.namespaces
 
     async def arena_if_held(self, namespace: str, digests: tuple) -> bool:
-        """A read in a namespace with no arena here: its objects may still be on NVMe or at a
-        peer, and their bytes need an arena to land in. Make one (True) only if one of them
-        is found there. `digests`: raw 32-byte ids, as a Lookup carries them."""
+        """A batch's reads in a namespace with no arena here: its objects may still be on NVMe
+        or below, and their bytes need an arena to land in. Make one (True) only if one of them
+        is found there: one lookup for the batch, not one per object (a single get walks the
+        chain once instead: `_get_unopened`). `digests`: raw 32-byte ids, as a Lookup carries them."""
         found = await resolve(self.index.lookup(namespace, digests))
         if all(tier is None for tier in found.tiers):
             return False
@@ -253,12 +254,26 @@ class TierManager:
         return self._serve(owner, ns, entry, msg)
 
     async def _get_unopened(self, owner: Owner, msg: Get, oid: ObjectId) -> GetReply:
-        if not await self.arena_if_held(msg.namespace, (oid.digest,)):
-            return MISS
-        ns = self.host.namespaces[msg.namespace]
-        ns.counters.num_gets += 1
-        entry = self.host.live_entry(ns, oid)  # a put may have landed meanwhile
-        return await resolve(self._get_below(owner, ns, msg, oid) if entry is None else self._serve(owner, ns, entry, msg))
+        """A namespace with no arena here: its objects may still be on NVMe or below, and the
+        chain is walked once, as for any miss. NVMe's index is this node's own: where it holds
+        the object the arena is made and the get goes on as in an open namespace. Else the
+        remote tier is asked, and makes the arena only once a home or the pool answered with
+        the object: a miss makes none."""
+        name = msg.namespace
+        if self.nvme.holds(name, oid):
+            await self.host.open_namespace(name)
+            return await resolve(self.get(owner, msg, oid))
+        if msg.ranges is not None and self.remote.reads_ranges:
+            reply = await self._get_ranges_below(owner, name, msg, oid)
+            brought = None
+        else:
+            reply, brought = None, await resolve(self.remote.fetch(name, oid))
+        ns = self.host.namespaces.get(name)  # None: held nowhere below, and no arena made
+        if ns is not None:
+            ns.counters.num_gets += 1
+        if reply is not None:
+            return reply
+        return MISS if ns is None else await resolve(self._serve_resident(brought, owner, ns, msg, oid))
 
     def _get_below(self, owner: Owner, ns: Namespace, msg: Get, oid: ObjectId) -> MaybeAwaitable[GetReply]:
         """A miss in the host tier: NVMe, then the remote tier."""
@@ -266,7 +281,7 @@ class TierManager:
             self._check_ranges(ns, msg.ranges, self.nvme.size_of(ns.name, oid))  # before promoting it
             return self._serve_brought(self.nvme.promote(ns.name, oid), owner, ns, msg, oid)
         if msg.ranges is not None and self.remote.reads_ranges:  # a sparse reader: only those bytes cross the network
-            return self._get_ranges_below(owner, ns, msg, oid)
+            return self._get_ranges_below(owner, ns.name, msg, oid)
         return self._serve_brought(self.remote.fetch(ns.name, oid), owner, ns, msg, oid)
 
     def _serve_brought(self, bring: MaybeAwaitable, owner: Owner, ns: Namespace, msg: Get,
@@ -315,18 +330,24 @@ class TierManager:
             return MISS
         return self._lease(owner, ns, entry, on_gpu)
 
-    async def _get_ranges_below(self, owner: Owner, ns: Namespace, msg: Get, oid: ObjectId) -> GetReply:
+    async def _get_ranges_below(self, owner: Owner, name: str, msg: Get, oid: ObjectId) -> GetReply:
         """A sparse reader's local miss: only its ranges fetched from a home, into an extent
-        leased to this reader alone (never published; freed when the lease ends)."""
+        leased to this reader alone (never published; freed when the lease ends). The
+        namespace's arena is made by the fetch if it had none (and only on a hit)."""
         self.ledger.check_lease(owner)  # before any byte crosses the network
+
+        def missed() -> None:
+            if name in self.host.namespaces:
+                self.host.namespaces[name].counters.num_misses += 1
         try:
-            got = await resolve(self.remote.fetch_ranges(ns.name, oid, msg.accept, msg.ranges, msg.expect))
+            got = await resolve(self.remote.fetch_ranges(name, oid, msg.accept, msg.ranges, msg.expect))
         except BaseException:
-            ns.counters.num_misses += 1
+            missed()
             raise
         if got is None or isinstance(got, str):  # held by no home (or none answered), or refused: why
-            ns.counters.num_misses += 1
+            missed()
             return MISS if got is None else GetReply(False, got)
+        ns = self.host.namespaces[name]
         try:
             lease_id = self.ledger.grant_ranged(owner, ns, oid, got.extent)
         except BaseException:

@@ -268,3 +268,25 @@ def test_a_read_on_a_node_without_the_namespace_fetches_it_and_a_miss_makes_no_a
         assert wait_for(lambda: cb.get_into(key, out) == out.size)
         assert np.array_equal(out, payload(200_000, 7))
         assert "only-a" in cb.stats()["namespaces"]
+
+
+def test_a_ranged_read_on_a_node_without_the_namespace_fetches_only_its_ranges(pair):
+    """A sparse reader's first get in a namespace new to this node: the home's ranges land
+    staged, the arena is made once they came (leased, never published), and a ranged miss
+    makes none."""
+    a, b = pair
+    candidates = (ObjectId(bytes([120 + i]) * 32) for i in range(40))
+    key, absent = [k for k in candidates if home_nodes(k, ("a", "b")) == ["a"]][:2]
+    size, pairs = 300_000, [(200_000, 4096), (4096, 1000)]
+    with a.client(namespace="sparse-a") as ca, b.client(namespace="sparse-a") as cb:
+        assert cb.get(absent, ranges=pairs) is None
+        assert "sparse-a" not in cb.stats()["namespaces"]
+        ca.put(key, payload(size, 9))
+        lease = cb.get(key, ranges=pairs)
+        assert lease.tier == "remote" and lease.ranges == tuple(pairs) and lease.verify()
+        for offset, length in pairs:
+            assert np.array_equal(lease.read(offset, length), payload(size, 9)[offset:offset + length])
+        lease.release()
+        stats = cb.stats()
+        assert "sparse-a" in stats["namespaces"] and stats["namespaces"]["sparse-a"]["objects"] == 0
+        cb.check_integrity()

@@ -64,6 +64,28 @@ def test_restarted_daemon_finds_the_pools_objects(master, keeper, daemon_factory
             assert ca.get_into(key, out) == out.size and np.array_equal(out, payload(70_000 + i, i))
 
 
+def test_a_get_in_a_namespace_with_no_arena_asks_the_pool_once_and_a_miss_makes_none(master, keeper, daemon_factory):
+    """A namespace new to this daemon: a get reads the object's header from the pool once (no
+    lookup first, as there used to be) and makes the arena only once the pool has the object."""
+    a, c = (daemon_factory("32MiB", config=pool_config(master)) for _ in range(2))
+    key, absent = oids(30, 2)
+    with a.client(namespace="cold") as ca:
+        pool_up(ca)
+        put_into_pool(ca, [key], [60_000])
+    with c.client(namespace="cold") as cc:
+        pool_up(cc)
+        assert cc.get(absent) is None
+        assert "cold" not in cc.stats()["namespaces"]  # a miss makes no arena
+        out = np.empty(60_000, np.uint8)
+        assert cc.get_into(key, out) == 60_000 and np.array_equal(out, payload(60_000, 0))
+        assert "cold" in cc.stats()["namespaces"]
+        remote = pool_stats(cc)["remote"]
+        assert remote["num_lookups"] == 0  # each get walked the chain once: no lookup before it
+        assert (remote["num_gets"], remote["num_hits"], remote["num_misses"]) == (2, 1, 1)
+        assert cc.stats()["namespaces"]["cold"]["num_gets"] == 1  # counted once the arena exists
+        cc.check_integrity()
+
+
 def test_object_corrupted_in_the_pool_is_a_counted_miss(master, keeper, daemon_factory):
     a, c = (daemon_factory("32MiB", config=pool_config(master)) for _ in range(2))
     flipped, moved, good = oids(40, 3)
