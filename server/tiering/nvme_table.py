@@ -52,7 +52,7 @@ from kvstore.policy.s3fifo import (
     SMALL_QUEUE_FRACTION,
 )
 from kvstore.server.tiering.fifo_ring import Ring
-from kvstore.server.tiering.open_slots import EMPTY, GONE, place
+from kvstore.server.tiering.open_slots import EMPTY, GONE, find, place
 from kvstore.tiers.nvme.holdings import index_keys, prefix_number
 
 _M64 = (1 << 64) - 1
@@ -186,16 +186,12 @@ class NvmeTable:
         if number is None or not len(ids):
             return sizes
         hashes = self._hashes(np.full(len(ids), number, np.uint16), ids)
-        pending, at, mask = np.arange(len(ids)), self._homes_of(hashes), len(self._slots) - 1
-        while len(pending):
-            rows = self._slots[at].astype(np.int64)
-            held = rows >= 0
-            safe = np.where(held, rows, 0)
-            found = held & (self.hash[safe] == hashes[pending]) & (self.ns[safe] == number) \
-                & (self.ids[safe] == ids[pending]).all(axis=1)
-            sizes[pending[found]] = self.state[safe[found]] >> SIZE_SHIFT
-            going = ~found & (rows != EMPTY)  # past a tombstone or another key: probe on
-            pending, at = pending[going], (at[going] + 1) & mask
+
+        def matches(rows: np.ndarray, keys: np.ndarray) -> np.ndarray:
+            return (self.hash[rows] == hashes[keys]) & (self.ns[rows] == number) & (self.ids[rows] == ids[keys]).all(axis=1)
+        rows = find(self._slots, self._homes_of(hashes), matches)
+        held = rows >= 0
+        sizes[held] = self.state[rows[held]] >> SIZE_SHIFT
         return sizes
 
     @property

@@ -45,7 +45,7 @@ import numpy as np
 
 from kvstore.identity import ID_BYTES, ObjectId, StateDescriptor
 from kvstore.policy.base import sparse
-from kvstore.server.tiering.open_slots import EMPTY, GONE, place
+from kvstore.server.tiering.open_slots import EMPTY, GONE, find, place
 from kvstore.replies import GetReply
 from kvstore.tiers.allocator import Extent
 
@@ -123,6 +123,23 @@ class ObjectTable:
         if entry is None:
             raise KeyError(oid)
         return entry
+
+    def live_rows(self, ids, now: float) -> np.ndarray:
+        """The row of each of many ids (raw 32-byte ids or ObjectIds) indexed and not past its
+        TTL at `now`, -1 for the others: probed all at once (a batch's lookup), not an id at a
+        time."""
+        if not self._live or not len(ids):
+            return np.full(len(ids), -1, np.int64)
+        hashes = np.fromiter((hash(oid) & HASH_MASK for oid in ids), np.uint32, len(ids))
+        wanted = np.frombuffer(b"".join(ids), np.uint8).reshape(len(ids), ID_BYTES)
+
+        def matches(rows: np.ndarray, keys: np.ndarray) -> np.ndarray:
+            return (self.c_hash[rows] == hashes[keys]) & (self.c_ids[rows] == wanted[keys]).all(axis=1)
+        rows = find(self.c_slots, hashes & np.uint32(self._mask), matches)
+        held = rows >= 0
+        held[held] = self.c_expires_at[rows[held]] > now
+        rows[~held] = -1
+        return rows
 
     def entry_at(self, row: int) -> ObjectEntry:
         """The entry on a used row (the eviction policy's keys are rows)."""

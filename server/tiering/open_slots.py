@@ -35,3 +35,20 @@ def place(slots: np.ndarray, rows: np.ndarray, at: np.ndarray,
                 rows, at = rows[~twin], at[~twin]
         at = (at + 1) & mask
     return left_out
+
+
+def find(slots: np.ndarray, at: np.ndarray, matches: Callable[[np.ndarray, np.ndarray], np.ndarray]) -> np.ndarray:
+    """The row holding each of many keys, all probed at once from their home slots `at`
+    (-1: not there). matches(rows, keys): for rows found on the way (>= 0) and the indexes
+    of the keys they were found for, which of them hold those keys."""
+    mask = len(slots) - 1
+    found = np.full(len(at), -1, np.int64)
+    pending, at = np.arange(len(at)), at.astype(np.int64)
+    while len(pending):
+        rows = slots[at].astype(np.int64)
+        hit = rows >= 0
+        hit[hit] = matches(rows[hit], pending[hit])
+        found[pending[hit]] = rows[hit]
+        going = ~hit & (rows != EMPTY)  # past a tombstone or another key: probe on
+        pending, at = pending[going], (at[going] + 1) & mask
+    return found

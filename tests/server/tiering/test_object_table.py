@@ -58,6 +58,26 @@ def test_thousands_of_ids_are_found_across_slot_rebuilds_and_removals():
     table.check_integrity()
 
 
+def test_a_batch_is_probed_at_once_as_each_id_would_be_alone():
+    """live_rows (a batch's lookup) finds what get finds, past tombstones and other keys'
+    probe chains, and leaves out rows past their TTL, for raw digests as for ObjectIds."""
+    table = ObjectTable("ns")
+    entries = {i: add(table, i) for i in range(3000)}
+    for i in range(0, 3000, 4):  # tombstones on the probe chains
+        table.remove(entries[i])
+        table.release(entries[i])
+    for i in range(3000, 3100):  # rows that expire at 15.0
+        entries[i] = table.add(oid(i), Extent(i * 4096, 4096), 1, bytes(16), DESC, Hints(ttl_s=5.0), 10.0)
+    asked = [oid(i) for i in np.random.default_rng(7).integers(0, 3300, 5000).tolist()]  # misses from 3100 up
+    for now, ids in ((12.0, asked), (20.0, [bytes(k) for k in asked])):
+        rows = table.live_rows(ids, now).tolist()
+        alone = [e.row if (e := table.get(k)) is not None and e.is_live(now) else -1 for k in ids]
+        assert rows == alone
+        assert any(r >= 0 for r in rows) and any(r < 0 for r in rows)
+    assert sum(r >= 0 for r in table.live_rows([oid(i) for i in range(3000, 3100)], 12.0)) == 100
+    assert table.live_rows([], 12.0).tolist() == [] and ObjectTable("empty").live_rows(asked, 1.0).max() == -1
+
+
 def test_a_removed_entry_reads_as_before_until_its_row_is_reused_then_raises():
     table = ObjectTable("ns")
     old = add(table, 1)
