@@ -26,7 +26,7 @@ class PeerServing:
     too (shared with the other cluster roles)."""
 
     def __init__(self, local, held: set):
-        self.host, self.nvme, self.index = local.host, local.nvme, local.index
+        self.host, self.nvme, self.here = local.host, local.nvme, local.here
         self.held = held
 
     @staticmethod
@@ -91,10 +91,10 @@ class PeerServing:
     def delete(self, namespace: str, ids):
         for oid in ids:
             self.held.discard((namespace, oid.digest))
-        return self.index.delete_here(namespace, ids)
+        return self.here.delete_here(namespace, ids)
 
     def pin(self, namespace: str, ids, ttl_s, unpin: bool) -> list[bool]:
-        return self.index.pin_here(namespace, ids, ttl_s, unpin)
+        return self.here.pin_here(namespace, ids, ttl_s, unpin)
 
     def lookup(self, namespace: str, ids) -> list[RemoteMeta | None]:
         ns = self.host.namespaces.get(namespace)

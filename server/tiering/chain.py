@@ -1,11 +1,13 @@
 """The chain of tiers, composed in one place: [GPU copies] -> host -> NVMe -> remote.
 
 `compose()` is where the tiers meet. It builds the host tier, then NVMe with the host tier,
-then the node's index ops (lookup, delete, pin, prefetch over the chain), then the remote
-tier (the cluster's homes, or a Mooncake pool) with what it serves peers from and lands
-fetched bytes in (`LocalTiers`). Last it tells the upper tiers what lies below them: NVMe
-sends what it evicts or refuses to the remote tier, the index ops ask it on a local miss,
-and the host tier's victims go through NVMe's sink, else the remote tier's, else nowhere.
+then this node's own delete and pin (`HereOps`), then the remote tier (the cluster's homes,
+or a Mooncake pool) with what it serves peers from and lands fetched bytes in
+(`LocalTiers`), then the node's index ops (lookup, delete, pin, prefetch over the chain)
+with the remote tier below them. Last it tells the upper tiers what lies below them, the
+one cycle left: NVMe sends what it evicts or refuses to the remote tier, which serves peers
+from NVMe's copies; and the host tier's victims go through NVMe's sink, else the remote
+tier's, else nowhere.
 
 No tier holds the tier manager or reaches a sibling through it: each is handed the tiers it
 talks to, typed by the small Protocols below, which the null objects of switched-off tiers
@@ -22,7 +24,7 @@ from kvstore.identity import ObjectId
 from kvstore.server.events import NoEvents
 from kvstore.server.tiering.absent import NoCluster, NoGpu, NoNvme
 from kvstore.server.tiering.host import HostTier, Namespace
-from kvstore.server.tiering.index_ops import IndexOps
+from kvstore.server.tiering.index_ops import HereOps, IndexOps
 from kvstore.server.tiering.objects import ObjectEntry
 
 
@@ -52,10 +54,10 @@ class Homes(Protocol):
 
 class LocalTiers(NamedTuple):
     """What the remote tier is given: the tiers it serves peers from and lands fetched bytes
-    in, the node's index ops (a peer's delete and pin), and the KV event stream."""
+    in, this node's own delete and pin (a peer's), and the KV event stream."""
     host: HostTier
     nvme: LocalCopies
-    index: IndexOps
+    here: HereOps
     events: object
 
 
@@ -65,14 +67,14 @@ MakeRemote = Callable[[LocalTiers], object]  # -> ClusterLink or PoolLink
 
 class Chain:
     """The composed tiers, top to bottom. `local`: what the remote tier was given (the tiers
-    of this node). `tiered`: objects may live below the host arena (some tier below takes the
-    host tier's victims)."""
+    of this node); `index`: lookup, delete, pin, prefetch over them all. `tiered`: objects may
+    live below the host arena (some tier below takes the host tier's victims)."""
 
-    def __init__(self, local: LocalTiers, remote):
-        self.local, self.remote = local, remote
-        self.host, self.nvme, self.index = local.host, local.nvme, local.index
+    def __init__(self, local: LocalTiers, remote, index: IndexOps):
+        self.local, self.remote, self.index = local, remote, index
+        self.host, self.nvme = local.host, local.nvme
         self.gpu = NoGpu()  # server.tiering.gpu_reads.GpuReads once attach_gpu() (the daemon's start)
-        self.nvme.below = self.index.below = remote
+        self.nvme.below = remote
         self.host.sink = self.nvme.victim_sink(remote.victim_sink(self.host))
         self.host.on_leave = self._left_host
         self.tiered = self.host.sink is not None
@@ -94,5 +96,7 @@ def compose(host_config: HostTierConfig, *, clock=time.monotonic, events=NoEvent
     server.pool.link.PoolLink); None: that tier is off and a null object stands in."""
     host = HostTier(host_config, clock, events=events)
     nvme = make_nvme(host, events) if make_nvme else NoNvme()
-    local = LocalTiers(host, nvme, IndexOps(host, nvme), events)
-    return Chain(local, make_remote(local) if make_remote else NoCluster())
+    here = HereOps(host, nvme)
+    local = LocalTiers(host, nvme, here, events)
+    remote = make_remote(local) if make_remote else NoCluster()
+    return Chain(local, remote, IndexOps(host, nvme, here, remote))

@@ -149,7 +149,7 @@ class GroupOps:
     def _drop(self, namespace: str, gid: ObjectId) -> None:
         """Delete a stale manifest from this node's tiers (the host copy now, NVMe's in the
         background: its copy is forgotten before the next request is read)."""
-        deleting = self.index.delete_here(namespace, [gid])
+        deleting = self.index.delete(namespace, [gid], scope="node")
         if not is_ready(deleting):
             task = asyncio.ensure_future(deleting)
             task.add_done_callback(lambda t: t.cancelled() or t.exception() is None

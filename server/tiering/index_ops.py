@@ -13,6 +13,8 @@ import logging
 import math
 from typing import NamedTuple
 
+import numpy as np
+
 from kvstore.errors import NotFound
 from kvstore.identity import ObjectId
 from kvstore.replies import LookupReply, PrefetchReply
@@ -45,13 +47,55 @@ class Evicted(NamedTuple):
     size: int
 
 
-class IndexOps:
+class HereOps:
+    """This node's copies alone: what a delete or pin does here, and what a peer's delete or
+    pin asks of this node (server/cluster/serving.py). Made before the remote tier, which is
+    handed it; IndexOps goes on from it to the remote tier."""
+
     def __init__(self, host, nvme):
-        """host: the host tier; nvme: the NVMe tier (or NoNvme). `below`, the remote tier
-        asked on a local miss, is set by the chain once it is made (server/tiering/chain.py)."""
-        self.host = host
-        self.nvme = nvme
-        self.below = None
+        self.host, self.nvme = host, nvme
+
+    def delete_here(self, namespace: str, ids) -> MaybeAwaitable[list[bool]]:
+        """Delete from this node's tiers only (what a peer's delete asks). Per id whether it
+        was held, or an awaitable of that when NVMe copies must be deleted too."""
+        ns = self.host.namespaces.get(namespace)
+        deleted = set()
+        for oid in ids if ns is not None else ():
+            entry = ns.objects.get(oid)
+            if entry is not None:
+                self.host.delete(ns, entry)
+                deleted.add(oid)
+        # NVMe forgets its copies in this same step (a promotion under way publishes nothing),
+        # and answers once their records are removed.
+        on_nvme = self.nvme.delete(namespace, list(ids))
+        return then(on_nvme, lambda held: [oid in deleted or h for oid, h in zip(ids, held)])
+
+    def pin_here(self, namespace: str, ids, ttl_s: float | None, unpin: bool = False) -> list[bool]:
+        """Pin (until now + ttl_s, or until unpinned) or unpin this node's host copies; per id,
+        whether it was held here (for an unpin: held and still pinned). A pin never shortens
+        another's: pins reach a copy from every node, and the latest expiry wins."""
+        ns = self.host.namespaces.get(namespace)
+        if ns is None:
+            return [False] * len(ids)
+        now = self.host.clock()
+        until = math.inf if ttl_s is None else now + ttl_s
+        flags = []
+        for oid in ids:
+            entry = ns.objects.get(oid)
+            if entry is None or (unpin and entry.pinned_until <= now):
+                flags.append(False)
+                continue
+            entry.pinned_until = 0.0 if unpin else max(entry.pinned_until, until)
+            flags.append(True)
+        return flags
+
+
+class IndexOps:
+    def __init__(self, host, nvme, here: HereOps, below):
+        """host: the host tier; nvme: the NVMe tier (or NoNvme); here: this node's copies'
+        delete and pin; below: the remote tier (server/tiering/chain.py: Homes), asked on a
+        local miss and for a delete or pin of scope "cluster"."""
+        self.host, self.nvme, self.here, self.below = host, nvme, here, below
 
     def lookup(self, namespace: str, ids, expect: list | None = None) -> MaybeAwaitable[LookupReply]:
         """Per key its tier ("host", "nvme" or None), the leading hits, their bytes, and the
@@ -92,28 +136,25 @@ class IndexOps:
         return est
 
     def _placed_here(self, namespace: str, ids, expect: list | None) -> tuple[list, list]:
-        """Per id its tier on this node ("host", "nvme" or None) and its size (0 for None)."""
+        """Per id its tier on this node ("host", "nvme" or None) and its size (0 for None):
+        the host index and the NVMe table each probed once for the whole batch."""
         ns = self.host.namespaces.get(namespace)
-        objects = ns.objects if ns is not None else {}
-        now = self.host.clock()
-        tiers, sizes = [], []
-        entries = [objects.get(oid) for oid in ids]
-        missed = [i for i, entry in enumerate(entries) if entry is None or not entry.is_live(now)]
-        on_nvme = dict(zip(missed, self.nvme.sizes_of(namespace, [ids[i] for i in missed])))
-        for i, oid in enumerate(ids):
-            entry = entries[i]
-            if i not in on_nvme:
-                tier, size = "host", entry.size
-            elif (size := on_nvme[i]) is not None:
-                tier = "nvme"
-            else:
-                tier, size = None, 0
-            if expect is not None and tier is not None and (wanted := expect[i]) is not None \
-                    and not (tier == "host" and entry.descriptor is wanted) \
-                    and not self._as_expected(namespace, oid, tier, entry, wanted):
-                tier, size = None, 0
-            tiers.append(tier)
-            sizes.append(size)
+        if ns is None:
+            rows = np.full(len(ids), -1, np.int64)
+            sizes = [0] * len(ids)
+        else:
+            rows = ns.objects.live_rows(ids, self.host.clock())
+            sizes = np.where(rows >= 0, ns.objects.c_size[rows], 0).tolist()
+        rows = rows.tolist()
+        tiers = ["host" if row >= 0 else None for row in rows]
+        missed = [i for i, row in enumerate(rows) if row < 0]
+        for i, size in zip(missed, self.nvme.sizes_of(namespace, [ids[i] for i in missed])):
+            if size is not None:
+                tiers[i], sizes[i] = "nvme", size
+        if expect is not None:
+            for i, wanted in enumerate(expect):
+                if wanted is not None and tiers[i] is not None and not self._as_expected(ns, namespace, ids[i], rows[i], wanted):
+                    tiers[i], sizes[i] = None, 0
         return tiers, sizes
 
     @staticmethod
@@ -123,12 +164,13 @@ class IndexOps:
                 tiers[i], sizes[i] = "remote", meta.size
         return Placements(tiers, sizes)
 
-    def _as_expected(self, namespace: str, oid, tier: str, entry, wanted) -> bool:
-        """Whether a held object (host `entry`, else on NVMe) has the descriptor `wanted`.
-        (The caller checks `is` first: descriptors off the wire come from one decoding cache,
-        so an object and its reader's expectation are mostly the same object.)"""
-        if tier == "host":
-            return entry.descriptor == wanted
+    def _as_expected(self, ns, namespace: str, oid, row: int, wanted) -> bool:
+        """Whether a held object (on host row `row`, else on NVMe) has the descriptor `wanted`.
+        (`is` first: descriptors off the wire come from one decoding cache, so an object and
+        its reader's expectation are mostly the same object.)"""
+        if row >= 0:
+            held = ns.objects.descriptors[row]
+            return held is wanted or held == wanted
         meta = self.nvme.remote_meta(namespace, ObjectId(bytes(oid)))
         return meta is not None and meta.descriptor == wanted
 
@@ -154,25 +196,10 @@ class IndexOps:
         """Delete from every tier of this node and, in a cluster with scope "cluster", of
         every live member. Returns how many ids were found anywhere, or an awaitable of that
         count when NVMe copies or peers are involved."""
-        found = self.delete_here(namespace, ids)
+        found = self.here.delete_here(namespace, ids)
         if scope == "cluster":
             return self.below.delete_everywhere(namespace, ids, found)
         return then(found, sum)
-
-    def delete_here(self, namespace: str, ids) -> MaybeAwaitable[list[bool]]:
-        """Delete from this node's tiers only (what a peer's delete asks). Per id whether it
-        was held, or an awaitable of that when NVMe copies must be deleted too."""
-        ns = self.host.namespaces.get(namespace)
-        deleted = set()
-        for oid in ids if ns is not None else ():
-            entry = ns.objects.get(oid)
-            if entry is not None:
-                self.host.delete(ns, entry)
-                deleted.add(oid)
-        # NVMe forgets its copies in this same step (a promotion under way publishes nothing),
-        # and answers once their records are removed.
-        on_nvme = self.nvme.delete(namespace, list(ids))
-        return then(on_nvme, lambda held: [oid in deleted or h for oid, h in zip(ids, held)])
 
     def prefetch(self, namespace: str, ids, tier: str, policy: str,
                  timeout_s: float | None) -> MaybeAwaitable[PrefetchReply]:
@@ -213,29 +240,10 @@ class IndexOps:
         return self._pin_scoped(namespace, ids, None, scope, unpin=True)
 
     def _pin_scoped(self, namespace: str, ids, ttl_s, scope: str, unpin: bool) -> MaybeAwaitable[int]:
-        flags = self.pin_here(namespace, ids, ttl_s, unpin)
+        flags = self.here.pin_here(namespace, ids, ttl_s, unpin)
         if scope == "cluster":
             return self.below.pin_everywhere(namespace, ids, ttl_s, unpin, flags)
         return sum(flags)
-
-    def pin_here(self, namespace: str, ids, ttl_s: float | None, unpin: bool = False) -> list[bool]:
-        """Pin (until now + ttl_s, or until unpinned) or unpin this node's host copies; per id,
-        whether it was held here (for an unpin: held and still pinned). A pin never shortens
-        another's: pins reach a copy from every node, and the latest expiry wins."""
-        ns = self.host.namespaces.get(namespace)
-        if ns is None:
-            return [False] * len(ids)
-        now = self.host.clock()
-        until = math.inf if ttl_s is None else now + ttl_s
-        flags = []
-        for oid in ids:
-            entry = ns.objects.get(oid)
-            if entry is None or (unpin and entry.pinned_until <= now):
-                flags.append(False)
-                continue
-            entry.pinned_until = 0.0 if unpin else max(entry.pinned_until, until)
-            flags.append(True)
-        return flags
 
     def evict(self, namespace: str, num_bytes: int | None, match=None) -> MaybeAwaitable[list[Evicted]]:
         """Operator eviction in one existing namespace, in the policy's victim order.

@@ -86,7 +86,7 @@ def test_a_delete_whose_host_part_runs_while_a_promotion_reads_leaves_nothing(tm
         gates.shut("nvme_read")
         reading = asyncio.ensure_future(resolve(manager.get(OWNER, Get(NS, oid))))
         await gates.reached["nvme_read"].wait()  # read, not yet published
-        deleting = manager.index.delete_here(NS, [oid])  # the request's own step: host, then NVMe
+        deleting = manager.index.here.delete_here(NS, [oid])  # the request's own step: host, then NVMe
         gates.open("nvme_read")
         got = await reading  # the promotion goes on before the delete's awaitable is awaited
         if got.hit:
@@ -119,7 +119,7 @@ def test_a_delete_during_a_demotion_write_removes_the_copy_written(tmp_path):
         gates.open("nvme_write")
         gates.shut("nvme_write")  # the second pass: after the NVMe put, before the copy is recorded
         await gates.reached["nvme_write"].wait()
-        deleting = manager.index.delete_here(NS, [oid])
+        deleting = manager.index.here.delete_here(NS, [oid])
         gates.open("nvme_write")
         assert await writing is None
         assert await resolve(deleting) == [True]
@@ -139,9 +139,9 @@ def test_a_delete_acknowledged_while_another_delete_removes_the_record_waits_for
         oid, data = ObjectId(b"r" * 32), np.arange(MiB, dtype=np.uint8)
         await put_on_nvme_only(manager, oid, data)
         gates.shut("nvme_delete")
-        first = asyncio.ensure_future(resolve(manager.index.delete_here(NS, [oid])))
+        first = asyncio.ensure_future(resolve(manager.index.here.delete_here(NS, [oid])))
         await gates.reached["nvme_delete"].wait()  # forgotten; its record not removed yet
-        second = manager.index.delete_here(NS, [oid])
+        second = manager.index.here.delete_here(NS, [oid])
         assert not is_ready(second), "the second delete answered before the record was removed"
         gates.open("nvme_delete")
         assert await first == [True] and await resolve(second) == [False]
@@ -159,8 +159,8 @@ def test_a_delete_acknowledged_before_another_deletes_removal_began_removes_the_
         manager = await chain(tmp_path, Gates())
         oid, data = ObjectId(b"s" * 32), np.arange(MiB, dtype=np.uint8)
         await put_on_nvme_only(manager, oid, data)
-        first = manager.index.delete_here(NS, [oid])  # forgotten; not awaited yet
-        second = manager.index.delete_here(NS, [oid])
+        first = manager.index.here.delete_here(NS, [oid])  # forgotten; not awaited yet
+        second = manager.index.here.delete_here(NS, [oid])
         assert not is_ready(second), "the second delete answered while the record was still there"
         assert await resolve(second) == [False]
         assert manager.nvme.nvme.meta(NS, oid) is None, "acknowledged, and the record is still there"
@@ -176,7 +176,7 @@ def test_a_delete_under_way_when_the_tier_closes_removes_its_record_first(tmp_pa
         manager = await chain(tmp_path, Gates())
         oid, data = ObjectId(b"c" * 32), np.arange(MiB, dtype=np.uint8)
         await put_on_nvme_only(manager, oid, data)
-        deleting = manager.index.delete_here(NS, [oid])
+        deleting = manager.index.here.delete_here(NS, [oid])
         await manager.nvme.close()
         assert await resolve(deleting) == [True]
         again = await chain(tmp_path, Gates())
@@ -251,7 +251,7 @@ def test_a_delete_reports_and_removes_exactly_what_nvme_held(tmp_path, count):
         held = [ObjectId(bytes([i, 7]) * 16) for i in range(count)]
         for oid in held[::2]:
             await put_on_nvme_only(manager, oid, np.full(4096, 3, np.uint8))
-        found = await resolve(manager.index.delete_here(NS, held))
+        found = await resolve(manager.index.here.delete_here(NS, held))
         assert found == [i % 2 == 0 for i in range(count)]
         assert not any(manager.nvme.holds(NS, oid) or manager.nvme.nvme.meta(NS, oid) for oid in held)
         manager.check_integrity()
@@ -272,7 +272,7 @@ def test_a_read_never_joins_a_promotion_of_a_deleted_copy(tmp_path):
         gates.shut("nvme_read")
         stale = asyncio.ensure_future(resolve(manager.get(OWNER, Get(NS, oid))))
         await gates.reached["nvme_read"].wait()  # the old copy read, not yet published
-        assert await resolve(manager.index.delete_here(NS, [oid])) == [True]
+        assert await resolve(manager.index.here.delete_here(NS, [oid])) == [True]
         await put_on_nvme_only(manager, oid, np.ones(MiB, np.uint8))  # the next copy, on NVMe only
         fresh = asyncio.ensure_future(resolve(manager.get(OWNER, Get(NS, oid))))
         await asyncio.sleep(0.01)

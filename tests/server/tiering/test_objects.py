@@ -120,7 +120,7 @@ def test_housekeeping_rebuilds_an_index_emptied_by_deletes():
             manager.host.publish(ns, oid, await manager.host.allocate(ns, 10), 10, b"c" * 16, DESC, Hints())
         full = ns.objects.nbytes
         kept = ns.objects[ids[-1]]
-        manager.index.delete_here("ns", ids[:19_000])
+        manager.index.here.delete_here("ns", ids[:19_000])
         assert ns.objects.nbytes == full  # deleting never shrinks the table
         manager.expire()
         assert ns.objects.nbytes < full / 8 and len(ns.objects) == 1_000
