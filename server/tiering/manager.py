@@ -403,16 +403,17 @@ class TierManager:
         ns = self.host.namespaces.get(msg.namespace)
         if ns is None:
             return start
-        expect, objects, now = msg.expect, ns.objects, self.clock()
-        leases_left = self.ledger.room(owner)[0]
-        i, n = start, len(ids)
-        while i < n and leases_left > 0:
-            entry = objects.get(ids[i])
-            if entry is None or not entry.is_live(now) or (expect is not None and entry.descriptor != expect):
+        expect, objects = msg.expect, ns.objects
+        end = min(len(ids), start + max(0, self.ledger.room(owner)[0]))  # the leases this owner may still take
+        if end <= start:
+            return start
+        i = start
+        for row in objects.live_rows(ids[start:end], self.clock()).tolist():  # probed at once
+            if row < 0 or (expect is not None and objects.descriptors[row] != expect):
                 break
+            entry = objects.entry_on(row, ids[i])
             ns.counters.num_gets += 1
             hit(i, self._grant_read(owner, ns, entry), *entry.read_fields())
-            leases_left -= 1
             i += 1
         return i
 

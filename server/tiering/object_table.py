@@ -141,6 +141,10 @@ class ObjectTable:
         rows[~held] = -1
         return rows
 
+    def entry_on(self, row: int, oid: ObjectId) -> ObjectEntry:
+        """The entry on a row live_rows found for `oid` (read before anything changed it)."""
+        return ObjectEntry(self, row, self.m_serial[row], oid)
+
     def entry_at(self, row: int) -> ObjectEntry:
         """The entry on a used row (the eviction policy's keys are rows)."""
         return ObjectEntry(self, row, self.m_serial[row], ObjectId(bytes(self.m_ids[row * ID_BYTES:(row + 1) * ID_BYTES])))
