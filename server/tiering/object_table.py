@@ -131,10 +131,14 @@ class ObjectTable:
         if not self._live or not len(ids):
             return np.full(len(ids), -1, np.int64)
         hashes = np.fromiter((hash(oid) & HASH_MASK for oid in ids), np.uint32, len(ids))
-        wanted = np.frombuffer(b"".join(ids), np.uint8).reshape(len(ids), ID_BYTES)
+        wanted = np.frombuffer(b"".join(ids), np.uint64).reshape(len(ids), ID_BYTES // 8)
+        held = self.c_ids.view(np.uint64)  # an id as four words: compared 8 bytes at a time
 
         def matches(rows: np.ndarray, keys: np.ndarray) -> np.ndarray:
-            return (self.c_hash[rows] == hashes[keys]) & (self.c_ids[rows] == wanted[keys]).all(axis=1)
+            same = self.c_hash[rows] == hashes[keys]
+            rows, keys = rows[same], keys[same]
+            same[same] = (held[rows] == wanted[keys]).all(axis=1)
+            return same
         rows = find(self.c_slots, hashes & np.uint32(self._mask), matches)
         held = rows >= 0
         held[held] = self.c_expires_at[rows[held]] > now
