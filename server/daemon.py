@@ -19,7 +19,6 @@ from kvstore.protocol import MAX_BATCH
 from kvstore.replies import ClientLimits, GpuHandleReply
 from kvstore.server.data_dir import DataDirLock, HeldLock, ensure_dir, hold_data_dir
 from kvstore.server.events import EventStream, NoEvents
-from kvstore.server.tiering.heap import map_large_allocations
 from kvstore.server.socket_path import claim_socket_path
 from kvstore.server.tiering.chain import compose
 from kvstore.server.windows import race_windows
@@ -61,7 +60,6 @@ class Daemon:
 
     def __init__(self, config: ServerConfig):
         self.config = config
-        map_large_allocations()  # the index's columns go back to the OS when freed (server/tiering/heap.py)
         nvme = remote = None  # the chain below the host tier, each tier only when enabled
         if config.nvme.enabled:
             from kvstore.server.tiering.nvme_mover import TierMover

@@ -27,8 +27,7 @@ from kvstore.server.events import MEDIUM_CPU, NoEvents
 from kvstore.server.host_memory import check_new_arena, host_memory
 from kvstore.server.later import MaybeAwaitable, resolve
 from kvstore.server.tiering.expiry import ExpiryQueue
-from kvstore.server.tiering.heap import give_back_heap
-from kvstore.server.tiering.namespace import Namespace
+from kvstore.server.tiering.namespace import Namespace, give_back_heap
 from kvstore.server.tiering.objects import ObjectEntry
 from kvstore.server.tiering.shared_index import shared_index
 from kvstore.tiers.allocator import Extent

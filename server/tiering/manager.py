@@ -28,8 +28,7 @@ from kvstore.messages import Get, GetMany, Reserve, ReserveMany
 from kvstore.ranges import check_within, total as ranges_total
 from kvstore.replies import IN_MEMORY, MISS, STORED, CommitReply, GetReply, ReserveReply
 from kvstore.server.tiering.chain import Chain
-from kvstore.server.tiering.heap import give_back_heap
-from kvstore.server.tiering.host import Namespace
+from kvstore.server.tiering.host import Namespace, give_back_heap
 from kvstore.server.tiering.ledger import Ledger
 from kvstore.server.tiering.shared_index import count_shared_hits
 from kvstore.server.later import MaybeAwaitable, is_ready, resolve, then
