@@ -231,12 +231,11 @@ class PoolLink:
             self.pool.usable()  # counts the skip
             return None
         ns = self.host.namespaces.get(namespace)  # None: no arena here yet, made once the pool has the object
+        if ns is not None:
+            await self._register_arena(ns)
         start = time.perf_counter()
         guess = self._guess(namespace, object_id) if ns is not None else None
-        guessed = None
-        if guess:
-            await self._register_arena(ns)
-            guessed = (await self._read_guessed(ns, namespace, [object_id], [guess]))[0]
+        guessed = (await self._read_guessed(ns, namespace, [object_id], [guess]))[0] if guess else None
         if guessed is None:  # not tried: no arena, no size to guess, or no room for it
             meta, extent = (await self._metas(namespace, [object_id], ask_master=False))[0], None
         else:
@@ -250,7 +249,7 @@ class PoolLink:
             return None
         if ns is None:
             ns = await self.host.open_namespace(namespace)
-        await self._register_arena(ns)
+            await self._register_arena(ns)
         filled = extent is not None  # the payload came with the header
         if not filled:
             try:

@@ -132,12 +132,12 @@ class ObjectTable:
             return np.full(len(ids), -1, np.int64)
         hashes = np.fromiter((hash(oid) & HASH_MASK for oid in ids), np.uint32, len(ids))
         wanted = np.frombuffer(b"".join(ids), np.uint64).reshape(len(ids), ID_BYTES // 8)
-        held = self.c_ids.view(np.uint64)  # an id as four words: compared 8 bytes at a time
+        words = self.c_ids.view(np.uint64)  # an id as four words: compared 8 bytes at a time
 
         def matches(rows: np.ndarray, keys: np.ndarray) -> np.ndarray:
             same = self.c_hash[rows] == hashes[keys]
             rows, keys = rows[same], keys[same]
-            same[same] = (held[rows] == wanted[keys]).all(axis=1)
+            same[same] = (words[rows] == wanted[keys]).all(axis=1)
             return same
         rows = find(self.c_slots, hashes & np.uint32(self._mask), matches)
         held = rows >= 0
