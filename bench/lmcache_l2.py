@@ -65,6 +65,27 @@ def lmcache_cli() -> str:
     return cli
 
 
+# write_through copies wait while clients are busy (remote.mooncake.write_through_yield_ms):
+# per pool run, how many the pool held in the end and how long after the bench that was.
+caught_up: list[dict] = []
+
+
+def pool_caught_up(socket_path: str, settle_s: float = 5.0, limit_s: float = 120.0) -> tuple[int, float, int, int]:
+    """(write_through copies the pool holds, seconds from now until the last of them went,
+    objects put as they left the host tier instead, puts that failed): polls the daemon's
+    count until it has not grown for `settle_s` (a batch of 64 x 2 MiB can take over a second)."""
+    from kvstore.client import Client
+    start = time.perf_counter()
+    with Client(socket_path) as client:
+        count, changed = -1, start
+        while time.perf_counter() - changed < settle_s and time.perf_counter() - start < limit_s:
+            remote = client.stats()["tiers"]["remote"]
+            if remote["num_replicated"] != count:
+                count, changed = remote["num_replicated"], time.perf_counter()
+            time.sleep(0.05)
+    return count, changed - start, remote["num_demoted_remote"], remote["num_put_failures"]
+
+
 def run_bench(cli: str, spec: dict, args, size_kb: int, workdir: str, label: str) -> dict:
     """One `lmcache bench l2` run; {op: metrics} or raises RuntimeError naming what failed."""
     out = os.path.join(workdir, f"{label}-{size_kb}.json")
@@ -132,7 +153,15 @@ def stores(stack: ExitStack, workdir: str, args, skipped: dict[str, str]) -> dic
             rpc, meta = run.enter_context(mooncake_master(run_dir))
             run.enter_context(Worker("l2-pool-holder", MooncakeHolder, rpc, meta, total + 256 * MiB,
                                      os.path.join(run_dir, "mooncake.log")))
-            yield run.enter_context(ours("pool", _pool_toml(rpc, meta) + f'remote_write = "{remote_write}"\n'))
+            spec = run.enter_context(ours("pool", _pool_toml(rpc, meta) + f'remote_write = "{remote_write}"\n'))
+            yield spec
+            if remote_write == "write_through":  # the copies yield to the bench's requests: when did they end?
+                count, after_s, evicted, failed = pool_caught_up(spec["adapter_params"]["socket_path"])
+                caught_up.append({"objects": count, "after_s": round(after_s, 3), "put_as_evicted": evicted,
+                                  "failed": failed})
+                print(f"  kvstore+pool: the pool held {count} write_through copies {after_s:.2f} s after the "
+                      f"bench's last load ({evicted} more put as the host tier evicted them, {failed} puts failed)",
+                      flush=True)
 
     if "kvstore+pool" in args.stores:
         out["kvstore+pool"] = lambda size_kb, rep: pool("write_through")
@@ -222,7 +251,7 @@ def main() -> int:
     with open(path, "w") as f:
         json.dump({"suite": "lmcache_l2", "machine": machine_info(),
                    "settings": {k: v for k, v in vars(args).items() if k != "cli"}, "rows": rows,
-                   "skipped": skipped, "errors": {f"{n} {s} KiB": e for (n, s), e in errors.items()}}, f, indent=2)
+                   "pool_write_through_caught_up": caught_up, "skipped": skipped, "errors": {f"{n} {s} KiB": e for (n, s), e in errors.items()}}, f, indent=2)
     print(f"results: {path}")
     return 1 if errors else 0
 

@@ -44,7 +44,7 @@ import numpy as np
 import xxhash
 
 from kvstore.identity import StateDescriptor
-from kvstore.messages import Touch
+from kvstore.messages import TOUCH_WITHIN_S, Touch
 from kvstore.protocol import MAX_BATCH, FrameCodec, Request
 from kvstore.shared_index import (
     ALIVE, ALIVE_AT, HEADER, HEADER_BYTES, MAGIC, OCCUPIED, PROBE_SLOTS, RECORD, RECORD_BYTES, SEQ, VERSION,
@@ -80,7 +80,7 @@ GET_MANY_COPY_MAX_BYTES = 16 << 10
 # Hits are reported once this many are queued, or once the oldest is this old (checked at
 # the next hit; any other request and close report them too).
 HITS_PER_REPORT = 64
-REPORT_AFTER_S = 0.05
+REPORT_AFTER_S = TOUCH_WITHIN_S
 # Descriptor digests remembered by the descriptor object (engines reuse a few objects).
 MAX_KNOWN_DESCRIPTORS = 256
 

@@ -19,6 +19,9 @@ ServerConfig and refuses `backend = "mooncake"` beside `[cluster] enabled = true
     tenant_id = "default"          # the Mooncake tenant this daemon's client uses (quotas)
     key_prefix = "kvstore/"        # pool keys: <key_prefix><namespace>/<object id hex>
     remote_write = "write_through" # or "write_back": only objects leaving this node go
+    write_through_yield_ms = 200   # a write_through copy waits up to this long for the clients to
+                                   # pause (server/traffic.py); 0: copies go at once
+    write_through_quiet_ms = 10    # a pause: no request, and no shared-index read reported, this long
     retry_interval_s = 5.0         # master unreachable: how often to try again
     io_threads = 4                 # worker threads for the blocking Mooncake calls
     master_metrics_url = ""        # e.g. "http://10.0.0.5:9003/metrics": the master's Prometheus
@@ -45,6 +48,9 @@ _METRICS_RE = re.compile(r"^(|https?://\S+)$")
 _HOST_RE = re.compile(r"^[A-Za-z0-9.:\[\]_-]{1,253}$")
 # Past a few dozen, more threads only queue inside the Mooncake client; 64 bounds a typo.
 MAX_IO_THREADS = 64
+# A write_through copy waits for the clients to pause at most this long (a minute bounds a typo:
+# longer, and a node that crashed would have lost what its steady traffic kept from the pool).
+MAX_YIELD_MS = 60_000
 # A pool object's header and the transfer need a buffer; below this Mooncake refuses transfers.
 MIN_LOCAL_BUFFER_BYTES = 1 << 20
 
@@ -64,6 +70,8 @@ class MooncakeConfig:
     tenant_id: str = "default"
     key_prefix: str = "kvstore/"
     remote_write: str = "write_through"
+    write_through_yield_ms: float = 200.0
+    write_through_quiet_ms: float = 10.0
     retry_interval_s: float = 5.0
     io_threads: int = 4
     master_metrics_url: str = ""
@@ -98,6 +106,11 @@ class MooncakeConfig:
                                   f"got {self.key_prefix!r}")
         if self.remote_write not in ("write_through", "write_back"):
             raise InvalidArgument(f"{key}remote_write must be write_through or write_back, got {self.remote_write!r}")
+        for name, top in (("write_through_yield_ms", MAX_YIELD_MS), ("write_through_quiet_ms", MAX_YIELD_MS)):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value <= top \
+                    or math.isnan(value):
+                raise InvalidArgument(f"{key}{name} must be a number of milliseconds in [0, {top}], got {value!r}")
         value = self.retry_interval_s
         if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value <= 3600 \
                 or math.isnan(value):

@@ -342,6 +342,12 @@ class ReleaseMany(Message):
         return unpack_uints(self.leases)
 
 
+# A client reports its shared-index hits at most this long after reading them (at its next
+# hit or request; client/shared_reads.py): a touch says the client read objects over about
+# this span, which the daemon counts as client traffic (server/traffic.py).
+TOUCH_WITHIN_S = 0.05
+
+
 @dataclass(frozen=True, slots=True)
 class Touch(Message):
     """Hits a client read from the shared index (client/shared_reads.py), which the daemon

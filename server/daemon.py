@@ -21,6 +21,7 @@ from kvstore.server.data_dir import DataDirLock, HeldLock, ensure_dir, hold_data
 from kvstore.server.events import EventStream, NoEvents
 from kvstore.server.socket_path import claim_socket_path
 from kvstore.server.tiering.chain import compose
+from kvstore.server.traffic import Traffic
 from kvstore.server.windows import race_windows
 from kvstore.server.tiering.gpu_reads import GpuReads
 from kvstore.server.host_memory import check_host_tier, host_memory
@@ -76,12 +77,14 @@ class Daemon:
         if config.events.enabled:
             from kvstore.server.events.publisher import ZmqPublisher
             self.events = EventStream(config.events.under(config.data_dir), ZmqPublisher)
-        self.tiers = compose(config.host, events=self.events, make_nvme=nvme, make_remote=remote)
+        traffic = Traffic()  # when clients last asked something: what background copies yield to
+        self.tiers = compose(config.host, events=self.events, traffic=traffic, make_nvme=nvme, make_remote=remote)
         self.manager = TierManager(self.tiers, config.limits, verify_puts=config.verify_puts)
         self.ledger = self.manager.ledger  # leases and quotas: what a client's stats say it holds
         self.groups = GroupOps(self.manager, self.ledger, self.tiers.host, self.tiers.index)
         # What the local socket's connections use, each handed to them (server/local/service.py).
-        self.local = LocalServices(self.manager, self.tiers.index, self.groups, self.tiers.host, config.limits, self)
+        self.local = LocalServices(self.manager, self.tiers.index, self.groups, self.tiers.host, config.limits, self,
+                                   traffic)
         self.connections: dict[int, LocalConnection] = self.local.connections
         self.started_at = time.time()
         self._server: asyncio.AbstractServer | None = None

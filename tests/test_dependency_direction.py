@@ -27,10 +27,11 @@ ALLOWED = {
 SERVER = {
     "server/peer": {"server.peer", "server.later", "server.logs"},
     "server/events": {"server.events", "server.data_dir"},  # the rule for a directory a socket is bound in
-    "server/tiering": {"server.tiering", "server.later", "server.host_memory", "server.events", "server.windows"},
+    "server/tiering": {"server.tiering", "server.later", "server.host_memory", "server.events", "server.windows",
+                       "server.traffic"},
     "server/cluster": {"server.cluster", "server.peer", "server.tiering", "server.later", "server.events"},
     "server/pool": {"server.pool", "server.tiering", "server.later", "server.events"},  # a Mooncake pool
-    "server/local": {"server.local", "server.tiering", "server.later"},
+    "server/local": {"server.local", "server.tiering", "server.later", "server.traffic"},
     "server/admin": {"server.admin", "server.tiering", "server.cluster", "server.later", "server.logs"},
 }
 ENTRY_POINTS: dict = {}

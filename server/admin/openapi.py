@@ -168,6 +168,8 @@ SCHEMAS = {
         "backend": {"type": "string", "enum": ["mooncake"]},
         "master": {**STR, "description": "the mooncake_master RPC address"}, "metadata_server": STR,
         "protocol": STR, "tenant_id": STR, "key_prefix": STR, "replicas": INT, "remote_write": STR,
+        "write_through_backlog": {**INT, "description": "commits whose write_through copy has not gone yet "
+                                                        "(they wait while clients are busy: write_through_yield_ms)"},
         "up": {**BOOL, "description": "this daemon's client is set up and its last call reached the master"},
         "last_error": _nullable(STR),
         "held": _nullable(_obj({"allocated_bytes": INT, "capacity_bytes": INT, "keys": INT,

@@ -32,6 +32,7 @@ from kvstore.server.tiering.groups import GroupOps
 from kvstore.server.tiering.host import HostTier
 from kvstore.server.tiering.index_ops import IndexOps
 from kvstore.server.tiering.manager import TierManager
+from kvstore.server.traffic import Traffic
 
 log = logging.getLogger("kvstore.local")
 _conn_ids = itertools.count(1)
@@ -57,13 +58,15 @@ class LocalServices:
     """What the local socket's connections use, each part handed in by the daemon: gets,
     puts and leases (the tier manager), lookups, deletes, pins and prefetches (the index
     ops), store groups, the host tier's namespaces (opened, and their arenas' fds), the
-    `[limits]` table, and the daemon itself for what only it knows (`Door`)."""
+    `[limits]` table, the daemon itself for what only it knows (`Door`), and the note of
+    when a client last sent something (`Traffic`: background copies yield to clients)."""
     manager: TierManager
     index: IndexOps
     groups: GroupOps
     host: HostTier
     limits: LimitsConfig
     door: Door
+    traffic: Traffic = field(default_factory=Traffic)
     connections: dict[int, "LocalConnection"] = field(default_factory=dict)  # conn id -> connection
 
 
@@ -81,6 +84,7 @@ class LocalConnection(asyncio.Protocol):
     def __init__(self, services: LocalServices):
         self.manager, self.index, self.groups, self.host = services.manager, services.index, services.groups, services.host
         self.door, self.limits, self.connections = services.door, services.limits, services.connections
+        self.traffic = services.traffic
         self.conn_id = next(_conn_ids)
         self.codec = FrameCodec(self.limits.max_frame_bytes)
         self.transport: asyncio.Transport | None = None
@@ -116,6 +120,7 @@ class LocalConnection(asyncio.Protocol):
         self.connections[self.conn_id] = self
 
     def data_received(self, data: bytes) -> None:
+        self.traffic.heard()
         self.codec.receive_data(data)
         corked = self._cork()
         try:
@@ -281,6 +286,7 @@ class LocalConnection(asyncio.Protocol):
                                     self.host.config.shared_index), None
             case m.Touch():
                 mgr.touch(self._ns(msg.namespace), msg.ids)
+                self.traffic.reading()
                 return None, None
             case m.Stats():
                 return r.StatsReply(self.door.client_stats(owner, self.opened)), None

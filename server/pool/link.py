@@ -104,7 +104,7 @@ class PoolLink:
     def __init__(self, local, config, make_store=None):
         """local: this node's tiers (server/tiering/chain.py: LocalTiers), which fetches land
         in; config: the `[remote.mooncake]` table. make_store: builds the Mooncake client (tests)."""
-        self.host, self.nvme, self.events = local.host, local.nvme, local.events
+        self.host, self.nvme, self.events, self.traffic = local.host, local.nvme, local.events, local.traffic
         self.config = config
         self.pool = MooncakePool(config, make_store)
         self.slots: HeaderSlots | None = None  # made at start (needs the loop)
@@ -496,11 +496,22 @@ class PoolLink:
         task.add_done_callback(self._background.discard)
 
     async def _replicate(self) -> None:
+        cfg = self.config
         try:
             while self._committed:
+                if cfg.write_through_yield_ms > 0:  # the clients first (server/traffic.py)
+                    await self.traffic.pause(cfg.write_through_quiet_ms / 1000, cfg.write_through_yield_ms / 1000)
+                    if not self._committed:
+                        break
                 batch, self._committed = self._committed[:MAX_POOL_BATCH], self._committed[MAX_POOL_BATCH:]
                 done = await self._put_entries(batch)  # (not `+= await`: that reads the count before)
                 self.write.num_replicated += sum(done)
+                for entry, ok in zip(batch, done):  # evicted to NVMe while its copy waited: sent from there
+                    name, oid = entry.namespace, entry.object_id
+                    ns = self.host.namespaces.get(name)
+                    if not ok and not (ns is not None and ns.objects.holds(entry)) and self.must_send(name, oid) \
+                            and self.nvme.holds(name, oid):
+                        self.write.num_replicated += bool(await self._put_from_nvme(name, oid))
         finally:
             self._senders -= 1
 
@@ -526,24 +537,25 @@ class PoolLink:
     async def demote_from_nvme(self, namespace: str, keys) -> None:
         """NVMe objects (ObjectIds) about to be evicted: read, verify and put those the pool may lack."""
         oids = [oid for oid in keys if self.must_send(namespace, oid)]
-        results: list = []
-        for oid in oids:
-            async with self._sending(namespace, oid):
-                copy = await self.nvme.read_copy(namespace, oid)
-                if copy is None:
-                    results.append(None)  # gone, or failed its check (counted by the NVMe tier)
-                    continue
-                meta, data = copy
-                address = data.ctypes.data
-                await self.pool.register(address, max(data.nbytes, 1))
-                try:
-                    ok = (await self._put(namespace, [(oid, meta, data)]))[0]
-                finally:
-                    await self.pool.unregister(address)
-                if ok:
-                    self._stored(namespace, oid, meta.descriptor, meta.hints)
-                results.append(ok)
-        self._count_demotions(oids, results)
+        self._count_demotions(oids, [await self._put_from_nvme(namespace, oid) for oid in oids])
+
+    async def _put_from_nvme(self, namespace: str, oid) -> bool | None:
+        """Read an NVMe object, verified, and put it: whether the pool took it; None if the
+        NVMe copy is gone or failed its check (counted by the NVMe tier)."""
+        async with self._sending(namespace, oid):
+            copy = await self.nvme.read_copy(namespace, oid)
+            if copy is None:
+                return None
+            meta, data = copy
+            address = data.ctypes.data
+            await self.pool.register(address, max(data.nbytes, 1))
+            try:
+                ok = (await self._put(namespace, [(oid, meta, data)]))[0]
+            finally:
+                await self.pool.unregister(address)
+            if ok:
+                self._stored(namespace, oid, meta.descriptor, meta.hints)
+            return ok
 
     def _count_demotions(self, items, results) -> None:
         failed = self.demotions.count(items, results)
@@ -609,7 +621,8 @@ class PoolLink:
             held, held_error = await read_master_metrics(cfg.master_metrics_url)
         return {"backend": "mooncake", "master": cfg.master, "metadata_server": cfg.metadata_server,
                 "protocol": cfg.protocol, "tenant_id": cfg.tenant_id, "key_prefix": cfg.key_prefix,
-                "replicas": cfg.replicas, "remote_write": cfg.remote_write, "up": self.pool.up,
+                "replicas": cfg.replicas, "remote_write": cfg.remote_write,
+                "write_through_backlog": len(self._committed), "up": self.pool.up,
                 "last_error": None if self.pool.up else self.pool.last_error, "held": held,
                 "held_error": held_error if held is None else None,
                 "counters": {**asdict(self.read), **asdict(self.write), **asdict(self.pool.counters)}}

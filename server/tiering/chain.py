@@ -26,6 +26,7 @@ from kvstore.server.tiering.absent import NoCluster, NoGpu, NoNvme
 from kvstore.server.tiering.host import HostTier, Namespace
 from kvstore.server.tiering.index_ops import HereOps, IndexOps
 from kvstore.server.tiering.objects import ObjectEntry
+from kvstore.server.traffic import Traffic
 
 
 class LocalCopies(Protocol):
@@ -54,11 +55,13 @@ class Homes(Protocol):
 
 class LocalTiers(NamedTuple):
     """What the remote tier is given: the tiers it serves peers from and lands fetched bytes
-    in, this node's own delete and pin (a peer's), and the KV event stream."""
+    in, this node's own delete and pin (a peer's), the KV event stream, and when clients last
+    asked something (server/traffic.py: what background copies yield to)."""
     host: HostTier
     nvme: LocalCopies
     here: HereOps
     events: object
+    traffic: Traffic
 
 
 MakeNvme = Callable[[HostTier, object], object]  # (host tier, events) -> TierMover
@@ -89,14 +92,15 @@ class Chain:
             self.remote.forget(ns.name, entry.object_id)
 
 
-def compose(host_config: HostTierConfig, *, clock=time.monotonic, events=NoEvents(),
+def compose(host_config: HostTierConfig, *, clock=time.monotonic, events=NoEvents(), traffic: Traffic | None = None,
             make_nvme: MakeNvme | None = None, make_remote: MakeRemote | None = None) -> Chain:
     """The chain for one daemon. make_nvme / make_remote: factories of the tiers below the host
     arena (server.tiering.nvme_mover.TierMover; server.cluster.link.ClusterLink or
-    server.pool.link.PoolLink); None: that tier is off and a null object stands in."""
+    server.pool.link.PoolLink); None: that tier is off and a null object stands in. traffic:
+    the local service's (server/traffic.py); None: no client is heard, nothing waits."""
     host = HostTier(host_config, clock, events=events)
     nvme = make_nvme(host, events) if make_nvme else NoNvme()
     here = HereOps(host, nvme)
-    local = LocalTiers(host, nvme, here, events)
+    local = LocalTiers(host, nvme, here, events, traffic if traffic is not None else Traffic())
     remote = make_remote(local) if make_remote else NoCluster()
     return Chain(local, remote, IndexOps(host, nvme, here, remote))

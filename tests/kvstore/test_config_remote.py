@@ -40,6 +40,10 @@ def test_mooncake_defaults_and_sizes():
     ({"mooncake": {"remote_write": "selective"}}, "remote.mooncake.remote_write"),
     ({"mooncake": {"retry_interval_s": 0}}, "remote.mooncake.retry_interval_s"),
     ({"mooncake": {"io_threads": 0}}, "remote.mooncake.io_threads"),
+    ({"mooncake": {"write_through_yield_ms": -1}}, "remote.mooncake.write_through_yield_ms"),
+    ({"mooncake": {"write_through_yield_ms": "1s"}}, "remote.mooncake.write_through_yield_ms"),
+    ({"mooncake": {"write_through_quiet_ms": float("nan")}}, "remote.mooncake.write_through_quiet_ms"),
+    ({"mooncake": {"write_through_quiet_ms": 10 ** 9}}, "remote.mooncake.write_through_quiet_ms"),
     ({"mooncake": {"master_metrics_url": "10.0.0.5:9003"}}, "remote.mooncake.master_metrics_url"),
     ({"mooncake": {"master_address": "x"}}, "remote.mooncake.master_address"),  # unknown key
 ])

@@ -165,6 +165,65 @@ def test_commits_go_to_the_pool_in_batches_and_a_delete_meanwhile_wins(master, k
         assert ca.get(keys[0]) is None
 
 
+def test_write_through_copies_wait_while_a_client_is_busy_and_go_once_it_pauses(master, keeper, daemon_factory):
+    """The copies yield to clients (server/traffic.py): while a client sends requests, or reads
+    from the shared index (reported by its touches), more often than write_through_quiet_ms,
+    a commit's copy waits (at most write_through_yield_ms); once the client pauses it goes."""
+    quiet_s = 1.0
+    a = daemon_factory("32MiB", config=pool_config(master, write_through_quiet_ms=quiet_s * 1000,
+                                                   write_through_yield_ms=60_000))
+    key = oids(190, 1)[0]
+    out = np.empty(20_000, np.uint8)
+
+    def busy(step, seconds: float = 2.0) -> int:
+        """Run step() every 20 ms for `seconds`; then the pool's count of copies."""
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            step()
+            time.sleep(0.02)
+        return pool_stats(ca)["num_replicated"]
+
+    with a.client() as ca:
+        pool_up(ca)
+        ca.put(key, payload(20_000, 0))
+        assert busy(lambda: ca.lookup([key])) == 0
+        assert busy(lambda: ca.get_into(key, out)) == 0 and np.array_equal(out, payload(20_000, 0))
+        assert ca.stats()["namespaces"]["default"]["num_shared_hits"] > 50  # read by the client, not through gets
+        for _ in range(30):  # asked less often than the quiet span: each ask leaves a pause behind it
+            time.sleep(quiet_s * 1.5)
+            if pool_stats(ca)["num_replicated"] == 1:
+                break
+        assert pool_stats(ca)["num_replicated"] == 1
+        assert keeper.exist([pool_key(PREFIX, "default", key)]) == [1]
+
+
+def test_a_write_through_copy_that_waited_past_its_host_entry_goes_from_nvme(master, keeper, daemon_factory):
+    """Copies wait while the client puts; the host tier meanwhile evicts most of the objects to
+    NVMe. Each copy still reaches the pool, read back from NVMe (verified), not left for NVMe's
+    own eviction."""
+    config = {**pool_config(master, write_through_quiet_ms=1000, write_through_yield_ms=60_000),
+              "nvme": {"enabled": True, "capacity_bytes": "64MiB", "file_bytes": "16MiB", "admit_min_hits": 0}}
+    a = daemon_factory("4MiB", config=config)
+    keys = oids(200, 12)
+    with a.client() as ca:
+        pool_up(ca)
+        for i, key in enumerate(keys):  # 6 MiB through a 4 MiB arena
+            ca.put(key, payload(512 * 1024, i))
+        assert pool_stats(ca)["num_replicated"] == 0 and ca.stats()["tiers"]["nvme"]["objects"] >= 4
+        for _ in range(30):  # asked less often than the quiet span
+            time.sleep(1.5)
+            if pool_stats(ca)["num_replicated"] == 12:
+                break
+        assert pool_stats(ca)["num_replicated"] == 12 and pool_stats(ca)["num_put_failures"] == 0
+        assert keeper.exist([pool_key(PREFIX, "default", k) for k in keys]) == [1] * 12
+    b = daemon_factory("32MiB", config=pool_config(master))
+    with b.client() as cb:  # another node reads every one from the pool, verified
+        pool_up(cb)
+        out = np.empty(512 * 1024, np.uint8)
+        for i, key in enumerate(keys):
+            assert cb.get_into(key, out) == out.size and np.array_equal(out, payload(512 * 1024, i))
+
+
 def test_a_put_with_tier_remote_returns_once_the_pool_holds_it_and_keeps_no_copy(master, keeper, daemon_factory):
     a, c = (daemon_factory("32MiB", config=pool_config(master)) for _ in range(2))
     keys = oids(150, 4)

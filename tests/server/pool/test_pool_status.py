@@ -27,6 +27,7 @@ def test_cluster_and_status_show_the_pool_and_what_it_holds(master, keeper, daem
     pool = api.get("/v1/cluster")["pool"]
     assert (pool["backend"], pool["master"], pool["up"], pool["last_error"]) == ("mooncake", master.address, True, None)
     assert (pool["tenant_id"], pool["replicas"], pool["remote_write"]) == ("team-a", 1, "write_through")
+    assert pool["write_through_backlog"] == 0  # every copy went (put_into_pool waited for them)
     assert pool["held"]["keys"] == 4 and pool["held_error"] is None  # the keeper holds nothing else
     assert pool["held"]["allocated_bytes"] >= 4 * (HEADER_BYTES + SIZE)
     assert pool["held"]["capacity_bytes"] >= pool["held"]["allocated_bytes"] > 0
