@@ -54,6 +54,8 @@ from kvstore.server.tiering.bandwidth import moving_bandwidth
 log = logging.getLogger("kvstore.mooncake")
 # Keys per Mooncake call: a quarter of the header slots, so four batches run at once.
 MAX_POOL_BATCH = HEADER_SLOTS // 4
+# A clean stop sends the write_through copies still waiting, for at most this long.
+STOP_COPIES_S = 30.0
 DEFAULT_POOL_BANDWIDTH = 1e9  # load estimates start from a loopback-TCP guess, then follow fetches
 KNOWN_SIZES = 65_536  # payload sizes learned from lookups' headers, kept for the gets that follow
 
@@ -133,6 +135,15 @@ class PoolLink:
         self.pool.start()  # set up in the background: a master down only delays the pool
 
     async def stop(self) -> None:
+        """A clean stop: the write_through copies still waiting for the clients to pause go
+        first (no client is left to wait for), for at most STOP_COPIES_S; then the rest stops."""
+        backlog, self._committed = self._committed, []
+        if backlog and self.pool.up:
+            try:
+                sent = await asyncio.wait_for(self._put_entries(backlog), STOP_COPIES_S)
+                self.write.num_replicated += sum(sent)
+            except Exception as exc:  # (a timeout included) the copies are a cache's: the stop goes on
+                log.warning("event=pool_stop_copies_failed objects=%d error=%r", len(backlog), exc)
         for task in list(self._background):
             task.cancel()
         await asyncio.gather(*self._background, return_exceptions=True)

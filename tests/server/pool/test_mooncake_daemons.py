@@ -197,6 +197,25 @@ def test_write_through_copies_wait_while_a_client_is_busy_and_go_once_it_pauses(
         assert keeper.exist([pool_key(PREFIX, "default", key)]) == [1]
 
 
+def test_a_clean_stop_sends_the_write_through_copies_still_waiting(master, keeper, daemon_factory):
+    a = daemon_factory("32MiB", config=pool_config(master, write_through_quiet_ms=60_000,
+                                                   write_through_yield_ms=60_000))
+    keys = oids(215, 3)
+    with a.client() as ca:
+        pool_up(ca)
+        for i, key in enumerate(keys):
+            ca.put(key, payload(30_000, i))
+        assert pool_stats(ca)["num_replicated"] == 0  # waiting: the client has not paused for a minute
+    assert a.stop() == 0
+    assert keeper.exist([pool_key(PREFIX, "default", k) for k in keys]) == [1] * 3
+    c = daemon_factory("32MiB", config=pool_config(master))
+    with c.client() as cc:  # read back on another node, verified
+        pool_up(cc)
+        out = np.empty(30_000, np.uint8)
+        for i, key in enumerate(keys):
+            assert cc.get_into(key, out) == out.size and np.array_equal(out, payload(30_000, i))
+
+
 def test_a_write_through_copy_that_waited_past_its_host_entry_goes_from_nvme(master, keeper, daemon_factory):
     """Copies wait while the client puts; the host tier meanwhile evicts most of the objects to
     NVMe. Each copy still reaches the pool, read back from NVMe (verified), not left for NVMe's
