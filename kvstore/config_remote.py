@@ -36,7 +36,7 @@ import re
 from dataclasses import dataclass, field
 
 from kvstore.errors import InvalidArgument
-from kvstore.units import parse_address, parse_size
+from kvstore.units import check_seconds, parse_address, parse_size
 
 REMOTE_BACKENDS = ("peers", "mooncake")
 MOONCAKE_PROTOCOLS = ("tcp", "rdma")
@@ -106,11 +106,8 @@ class MooncakeConfig:
                                   f"got {self.key_prefix!r}")
         if self.remote_write not in ("write_through", "write_back"):
             raise InvalidArgument(f"{key}remote_write must be write_through or write_back, got {self.remote_write!r}")
-        for name, top in (("write_through_yield_ms", MAX_YIELD_MS), ("write_through_quiet_ms", MAX_YIELD_MS)):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value <= top \
-                    or math.isnan(value):
-                raise InvalidArgument(f"{key}{name} must be a number of milliseconds in [0, {top}], got {value!r}")
+        for name in ("write_through_yield_ms", "write_through_quiet_ms"):
+            check_seconds(getattr(self, name), f"{key}{name}", MAX_YIELD_MS, unit="milliseconds")
         value = self.retry_interval_s
         if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value <= 3600 \
                 or math.isnan(value):

@@ -140,8 +140,7 @@ class PoolLink:
         backlog, self._committed = self._committed, []
         if backlog and self.pool.up:
             try:
-                sent = await asyncio.wait_for(self._put_entries(backlog), STOP_COPIES_S)
-                self.write.num_replicated += sum(sent)
+                await asyncio.wait_for(self._copy_committed(backlog), STOP_COPIES_S)
             except Exception as exc:  # (a timeout included) the copies are a cache's: the stop goes on
                 log.warning("event=pool_stop_copies_failed objects=%d error=%r", len(backlog), exc)
         for task in list(self._background):
@@ -515,16 +514,21 @@ class PoolLink:
                     if not self._committed:
                         break
                 batch, self._committed = self._committed[:MAX_POOL_BATCH], self._committed[MAX_POOL_BATCH:]
-                done = await self._put_entries(batch)  # (not `+= await`: that reads the count before)
-                self.write.num_replicated += sum(done)
-                for entry, ok in zip(batch, done):  # evicted to NVMe while its copy waited: sent from there
-                    name, oid = entry.namespace, entry.object_id
-                    ns = self.host.namespaces.get(name)
-                    if not ok and not (ns is not None and ns.objects.holds(entry)) and self.must_send(name, oid) \
-                            and self.nvme.holds(name, oid):
-                        self.write.num_replicated += bool(await self._put_from_nvme(name, oid))
+                await self._copy_committed(batch)
         finally:
             self._senders -= 1
+
+    async def _copy_committed(self, entries: list[ObjectEntry]) -> None:
+        """Put committed entries into the pool (write_through), counted; one evicted to NVMe
+        while its copy waited is read back from there (verified) and put."""
+        done = await self._put_entries(entries)
+        self.write.num_replicated += sum(done)  # (not `+= await`: that reads the count before)
+        for entry, ok in zip(entries, done):
+            name, oid = entry.namespace, entry.object_id
+            ns = self.host.namespaces.get(name)
+            if not ok and not (ns is not None and ns.objects.holds(entry)) and self.must_send(name, oid) \
+                    and self.nvme.holds(name, oid):
+                self.write.num_replicated += bool(await self._put_from_nvme(name, oid))
 
     def must_send(self, namespace: str, object_id) -> bool:
         """Would this object be lost to the pool if it left this node now?"""
