@@ -169,7 +169,7 @@ class IndexOps:
         (`is` first: descriptors off the wire come from one decoding cache, so an object and
         its reader's expectation are mostly the same object.)"""
         if row >= 0:
-            held = ns.objects.descriptors[row]
+            held = ns.objects.descriptor_at(row)
             return held is wanted or held == wanted
         meta = self.nvme.remote_meta(namespace, ObjectId(bytes(oid)))
         return meta is not None and meta.descriptor == wanted

@@ -409,7 +409,7 @@ class TierManager:
             return start
         i = start
         for row in objects.live_rows(ids[start:end], self.clock()).tolist():  # probed at once
-            if row < 0 or (expect is not None and objects.descriptors[row] != expect):
+            if row < 0 or (expect is not None and objects.descriptor_at(row) != expect):
                 break
             entry = objects.entry_on(row, ids[i])
             ns.counters.num_gets += 1

@@ -12,10 +12,15 @@ serial, id) made when code asks for an entry and dropped with it:
     size            uint64   the object's bytes
     serial          uint64   this copy of the object, never reused: a view of a row since
                              given to another object sees another serial and raises StaleEntry
-    created_at      float64  wall clock; expires_at: monotonic (math.inf: never)
+    created_at      float64  wall clock
+    expires_at      float64  monotonic, read only where flags has TTL: a row without one never
+                             writes it, so while no object of the table has a TTL the column's
+                             pages are never touched and take no memory (8 B an object saved)
     checksum[row]   16 B     xxh3-128 of the bytes
-    hits uint32, readers int32, flags uint8 (INDEXED, DELETED, ON_NVME; USED till released)
-    descriptors, hints       Python lists of references to the (shared, immutable) objects
+    hits uint32, readers int32, flags uint8 (INDEXED, DELETED, ON_NVME, TTL; USED till released)
+    kind            uint32   the row's (descriptor, hints) pair, kept once per table however
+                             many rows share it (server/tiering/interned.py); hints that name
+                             the object's own blocks (a route) are the row's own: own_hints
     pins            dict     row -> pinned until (monotonic; math.inf: until unpinned), for
                              the pinned rows only: most objects are never pinned
     slots           int32    linear probing: a row, EMPTY, or GONE (a tombstone); at most
@@ -45,12 +50,13 @@ import numpy as np
 
 from kvstore.identity import ID_BYTES, ObjectId, StateDescriptor
 from kvstore.policy.base import sparse
+from kvstore.server.tiering.interned import Interned
 from kvstore.server.tiering.open_slots import EMPTY, GONE, find, place
 from kvstore.replies import GetReply
 from kvstore.tiers.allocator import Extent
 
 CHECKSUM_BYTES = 16  # xxh3-128
-INDEXED, DELETED, ON_NVME, USED = 1, 2, 4, 8  # flags; USED: indexed or still read
+INDEXED, DELETED, ON_NVME, USED, TTL = 1, 2, 4, 8, 16  # flags; USED: indexed or still read
 LOAD = 0.7  # the most of the slots rows and tombstones take before a rebuild
 MIN_ROWS = 64
 MAX_HITS = (1 << 32) - 1
@@ -63,7 +69,7 @@ _COLUMNS = (("ids", np.uint8, ID_BYTES), ("hash", np.uint32, 0), ("offset", np.u
             ("length", np.uint64, 0), ("size", np.uint64, 0), ("serial", np.uint64, 0),
             ("created_at", np.float64, 0), ("expires_at", np.float64, 0),
             ("checksum", np.uint8, CHECKSUM_BYTES), ("hits", np.uint32, 0), ("readers", np.int32, 0),
-            ("flags", np.uint8, 0))
+            ("flags", np.uint8, 0), ("kind", np.uint32, 0))
 
 
 class StaleEntry(RuntimeError):
@@ -82,9 +88,10 @@ class ObjectTable:
         self._in_use = 0  # rows indexed or still read
         self._live = self._gone = 0  # rows in the slots; tombstones in the slots
         self._free = array("i")
-        self.descriptors: list[StateDescriptor | None] = []
-        self.hints: list = []
+        self.kinds = Interned()  # (descriptor, hints) pairs; every row below `end` refers to one
+        self.own_hints: dict[int, object] = {}  # row -> hints with a route (each object's own)
         self.pins: dict[int, float] = {}
+        self._ttls = False  # an object of the table had a TTL: expires_at's pages are in use
         self._columns(MIN_ROWS, 0)
         self._new_slots(MIN_ROWS)
 
@@ -93,7 +100,7 @@ class ObjectTable:
         items read and write as Python ints and floats (a numpy scalar costs ~3x)."""
         for name, dtype, width in _COLUMNS:
             column = np.zeros((rows, width) if width else rows, dtype)
-            if keep:
+            if keep and (self._ttls or name != "expires_at"):  # (zeros untouched: no memory)
                 column[:keep] = getattr(self, "c_" + name)[:keep]
             setattr(self, "c_" + name, column)
             setattr(self, "m_" + name, memoryview(column).cast("B") if width else memoryview(column))
@@ -141,7 +148,9 @@ class ObjectTable:
             return same
         rows = find(self.c_slots, hashes & np.uint32(self._mask), matches)
         held = rows >= 0
-        held[held] = self.c_expires_at[rows[held]] > now
+        if self._ttls:
+            live = rows[held]
+            held[held] = (self.c_flags[live] & TTL == 0) | (self.c_expires_at[live] > now)
         rows[~held] = -1
         return rows
 
@@ -232,25 +241,33 @@ class ObjectTable:
         if row >= 0:
             raise RuntimeError(f"object {oid.hex} is indexed already in namespace {self.name}")
         wall = time.time()
-        if hints.ttl_s is None:
-            expires_at = math.inf
-        else:
+        ttl = 0
+        if hints.ttl_s is not None:
+            ttl, self._ttls = TTL, True
             expires_at = now + hints.ttl_s - (0.0 if created_at is None else max(0.0, wall - created_at))
         row = self._new_row()
+        if hints.route is None:
+            kind = self.kinds.ref((descriptor, hints))
+            if self.own_hints:
+                self.own_hints.pop(row, None)  # the row's last object's
+        else:
+            kind = self.kinds.ref((descriptor, None))
+            self.own_hints[row] = hints
         serial = next(_SERIALS)
         self.m_ids[row * ID_BYTES:(row + 1) * ID_BYTES] = oid
         self.m_checksum[row * CHECKSUM_BYTES:(row + 1) * CHECKSUM_BYTES] = checksum
         self.m_hash[row], self.m_serial[row], self.m_size[row] = h, serial, size
         self.m_offset[row], self.m_length[row] = (0, 0) if extent is None else (extent.offset, extent.length)
         self.m_created_at[row] = wall if created_at is None else created_at
-        self.m_expires_at[row] = expires_at
+        if ttl:
+            self.m_expires_at[row] = expires_at
         if pin:
             self.pins[row] = math.inf
         else:
             self.pins.pop(row, None)  # the row's last object's, if it was pinned
         self.m_hits[row] = self.m_readers[row] = 0
-        self.m_flags[row] = USED | INDEXED | (ON_NVME if on_nvme else 0)
-        self.descriptors[row], self.hints[row] = descriptor, hints
+        self.m_flags[row] = USED | INDEXED | (ON_NVME if on_nvme else 0) | ttl
+        self.m_kind[row] = kind
         if self.m_slots[at] == GONE:
             self._gone -= 1
         self.m_slots[at] = row
@@ -262,11 +279,11 @@ class ObjectTable:
     def _new_row(self) -> int:
         self._in_use += 1
         if self._free:
-            return self._free.pop()
+            row = self._free.pop()
+            self.kinds.unref(self.m_kind[row])  # the fields of the row's last object go now
+            return row
         if self.end == len(self.c_flags):
             self._columns(2 * self.end, self.end)
-        self.descriptors.append(None)
-        self.hints.append(None)
         self.end += 1
         return self.end - 1
 
@@ -315,14 +332,14 @@ class ObjectTable:
         if self._in_use == self._live and sparse(self._live, len(self.c_flags)):
             keep = np.nonzero(self.c_flags[:self.end] & INDEXED)[0]
             old = {name: getattr(self, "c_" + name) for name, _, _ in _COLUMNS}
-            descriptors, hints = self.descriptors, self.hints
             self._columns(max(MIN_ROWS, 2 * len(keep)), 0)
             for name, column in old.items():
-                getattr(self, "c_" + name)[:len(keep)] = column[keep]
-            self.descriptors = [descriptors[r] for r in keep.tolist()]
-            self.hints = [hints[r] for r in keep.tolist()]
+                if self._ttls or name != "expires_at":
+                    getattr(self, "c_" + name)[:len(keep)] = column[keep]
+            self.kinds.recount(self.c_kind[:len(keep)])
             new_row = {old: new for new, old in enumerate(keep.tolist())}
             self.pins = {new_row[old]: until for old, until in self.pins.items() if old in new_row}
+            self.own_hints = {new_row[old]: h for old, h in self.own_hints.items() if old in new_row}
             self.end, self._free = len(keep), array("i")
             self._rebuild_slots()
             moved(keep)
@@ -333,6 +350,13 @@ class ObjectTable:
         return True
 
     # --- whole-table reads ------------------------------------------------------------------
+
+    def descriptor_at(self, row: int) -> StateDescriptor:
+        return self.kinds.values[self.m_kind[row]][0]
+
+    def hints_at(self, row: int):
+        hints = self.kinds.values[self.m_kind[row]][1]
+        return self.own_hints[row] if hints is None else hints
 
     @property
     def nbytes(self) -> int:
@@ -369,6 +393,9 @@ class ObjectTable:
         free = set(self._free.tolist())
         if len(free) != len(self._free) or free != set(np.nonzero(~used)[0].tolist()):
             raise RuntimeError(f"object table {self.name}: the free rows are not exactly the unused rows")
+        self.kinds.check_integrity(self.c_kind[:self.end])
+        if any(row >= self.end or self.kinds.values[self.m_kind[row]][1] is not None for row in self.own_hints):
+            raise RuntimeError(f"object table {self.name}: a row with hints of its own also shares a pair's")
         for row in indexed.tolist():
             if self._find(bytes(self.m_ids[row * ID_BYTES:(row + 1) * ID_BYTES]), self.m_hash[row])[0] != row:
                 raise RuntimeError(f"object table {self.name}: row {row} cannot be found from its id")
@@ -455,11 +482,11 @@ class ObjectEntry:
 
     @property
     def descriptor(self) -> StateDescriptor:
-        return self.table.descriptors[self.locate()]
+        return self.table.descriptor_at(self.locate())
 
     @property
     def hints(self):
-        return self.table.hints[self.locate()]
+        return self.table.hints_at(self.locate())
 
     @property
     def descriptor_wire(self) -> dict:
@@ -480,7 +507,11 @@ class ObjectEntry:
 
     readers = _column("m_readers", "Read leases and daemon holds on this entry.")
     num_hits = _column("m_hits", "Hits served (capped at 2**32 - 1).", MAX_HITS)
-    expires_at = _column("m_expires_at", "Monotonic; math.inf: no TTL.")
+    @property
+    def expires_at(self) -> float:
+        """Monotonic; math.inf: no TTL."""
+        row, t = self.locate(), self.table
+        return t.m_expires_at[row] if t.m_flags[row] & TTL else math.inf
 
     @property
     def pinned_until(self) -> float:
@@ -497,7 +528,8 @@ class ObjectEntry:
 
     def is_live(self, now: float) -> bool:
         """Not past its TTL at `now` (monotonic): the one liveness rule every reader applies."""
-        return self.table.m_expires_at[self.locate()] > now
+        row, t = self.locate(), self.table
+        return not t.m_flags[row] & TTL or t.m_expires_at[row] > now
 
     def is_pinned(self, now: float) -> bool:
         return self.table.pins.get(self.locate(), 0.0) > now
@@ -511,7 +543,7 @@ class ObjectEntry:
         """What a get hit sends of the object: (arena offset, size, checksum, descriptor wire)."""
         row, t = self.locate(), self.table
         return (t.m_offset[row], t.m_size[row], bytes(t.m_checksum[row * CHECKSUM_BYTES:(row + 1) * CHECKSUM_BYTES]),
-                _wire_of(t.descriptors[row]))
+                _wire_of(t.descriptor_at(row)))
 
     def get_reply(self, lease_id: int, tier: str = "host", offset: int | None = None) -> GetReply:
         """What a get hit sends: where to read (the host arena; tier "gpu": `offset` into the

@@ -16,7 +16,7 @@ of columns and a queue place:
     ghost       OrderedDict: hash of an evicted id (table.m_hash) -> its size; bounded
 
 Size, priority and recompute cost are read from the row itself (table.m_size,
-table.hints[row]); nothing is copied. A row's gen outlives the object on it, so a place an
+table.hints_at(row)); nothing is copied. A row's gen outlives the object on it, so a place an
 earlier object left is stale for the next one; when the table compacts (moves its rows) it
 calls `renumber`. Keys at the interface are row numbers; `evictable(row)` is the tier's.
 The event loop's thread only, like the table.
@@ -340,7 +340,7 @@ class RowCostAwareS3FIFO(RowS3FIFO):
     name = "cost_aware"
 
     def _score(self, row: int) -> float:
-        hints = self.table.hints[row]
+        hints = self.table.hints_at(row)
         state = (self.table.m_size[row] << SIZE_SHIFT | (hints.priority - MIN_PRIORITY) << PRIORITY_SHIFT
                  | self.m_state[row] & FREQ_MASK)
         return score(state, hints.recompute_cost_ms)

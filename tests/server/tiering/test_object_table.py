@@ -7,6 +7,8 @@ import pytest
 
 from kvstore.hints import Hints
 from kvstore.identity import ObjectId, StateDescriptor
+from kvstore.policy.base import COMPACT_MIN_KEYS
+from kvstore.route import Route
 from kvstore.server.tiering.object_table import MIN_ROWS, ObjectTable, StaleEntry
 from kvstore.tiers.allocator import Extent
 
@@ -191,3 +193,61 @@ def test_compaction_moves_rows_and_views_follow_them_unless_a_removed_row_is_sti
     assert held.pinned_until == 77.0 and table.num_pinned(0.0) == 1 and list(table.pins) == [held.row]
     with pytest.raises(StaleEntry):
         entries[0].size  # left before the compaction: not found by its id
+
+
+def route(i: int) -> Hints:
+    return Hints(route=Route(block_hashes=[bytes([i]) * 8]))
+
+
+def test_rows_share_one_descriptor_and_hints_pair_and_a_route_stays_each_rows_own():
+    table = ObjectTable("ns")
+    other = StateDescriptor("t", "m2", "r")
+    shared = [add(table, i) for i in range(100)]
+    alone = table.add(oid(500), Extent(0, 64), 10, bytes(16), other, Hints(priority=3), 10.0)
+    routed = [table.add(oid(600 + i), Extent(0, 64), 10, bytes(16), DESC, route(i), 10.0) for i in range(3)]
+    # DESC with Hints(), other with priority 3, DESC with its rows' own (routed) hints: three pairs
+    assert len(table.kinds) == 3 and len(table.own_hints) == 3
+    assert all(e.descriptor is DESC and e.hints == Hints() for e in shared)
+    assert alone.descriptor is other and alone.hints == Hints(priority=3)
+    assert [e.hints for e in routed] == [route(i) for i in range(3)]
+    table.check_integrity()
+    # A pair stays while a released row still refers to it (its fields read until reused) ...
+    table.remove(alone)
+    table.release(alone)
+    assert len(table.kinds) == 3 and alone.descriptor is other
+    # ... and goes when the row is given to another object
+    again = add(table, 700)
+    assert again.row == alone.row and len(table.kinds) == 2 and again.hints == Hints()
+    table.remove(routed[0])
+    table.release(routed[0])
+    reused = add(table, 701)
+    assert reused.row == routed[0].row and reused.row not in table.own_hints and reused.hints == Hints()
+    table.check_integrity()
+
+
+def test_compaction_counts_the_pairs_of_the_rows_it_keeps():
+    table = ObjectTable("ns")
+    kept = [add(table, i) for i in range(40)]
+    gone = [table.add(oid(10_000 + i), Extent(0, 64), 10, bytes(16), StateDescriptor("t", f"m{i % 400}", "r"), Hints(),
+                      10.0) for i in range(COMPACT_MIN_KEYS)]
+    for e in gone:
+        table.remove(e)
+        table.release(e)
+    assert len(table.kinds) == 401  # released rows keep theirs until reused
+    assert table.compact(no_policy)
+    table.check_integrity()
+    assert len(table.kinds) == 1 and all(table[oid(i)].descriptor is DESC for i in range(40))
+
+
+def test_the_ttl_column_is_left_untouched_until_an_object_has_a_ttl():
+    table = ObjectTable("ns")
+    plain = [add(table, i) for i in range(3 * MIN_ROWS)]  # grown twice: copies skip the column
+    assert not table.c_expires_at.any() and all(e.expires_at == math.inf and e.is_live(1e18) for e in plain)
+    timed = table.add(oid(9999), Extent(0, 64), 10, bytes(16), DESC, Hints(ttl_s=2.0), 10.0)
+    assert timed.expires_at == 12.0 and timed.is_live(11.9) and not timed.is_live(12.0)
+    rows = table.live_rows([oid(0), oid(9999)], 12.5)
+    assert rows[0] == plain[0].row and rows[1] == -1
+    table.remove(timed)
+    table.release(timed)
+    after = add(table, 10_000)  # its row, without a TTL: not expired by the last object's
+    assert after.row == timed.row and after.expires_at == math.inf and table.live_rows([oid(10_000)], 1e18)[0] == after.row
