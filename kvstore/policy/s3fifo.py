@@ -45,6 +45,70 @@ PROMOTE_MIN_FREQ = 1
 MAX_GHOST_ENTRIES = 1 << 18
 
 
+# What S3-FIFO does with an evictable object that comes out of a queue's tail (tail_step).
+PROMOTE, AGAIN, EVICT = "promote", "again", "evict"
+
+
+def tail_step(from_small: bool, freq: int) -> str:
+    """The one S3-FIFO rule, shared by every queue over it (this policy's, the host table's
+    rows: server/tiering/row_policy.py, NVMe's: server/tiering/nvme_table.py). Out of S, an
+    object read since it entered moves to M, else it is the victim; out of M, an object with
+    reads left goes round again with one fewer, else it is the victim."""
+    if from_small:
+        return PROMOTE if freq >= PROMOTE_MIN_FREQ else EVICT
+    return AGAIN if freq else EVICT
+
+
+class Ghost:
+    """G: the keys of S's recent victims with the sizes they had, oldest first, at most
+    `capacity_bytes` of them and MAX_GHOST_ENTRIES keys. A key inserted again while here
+    skips S (`take`)."""
+
+    __slots__ = ("capacity_bytes", "bytes", "peak", "sizes")
+
+    def __init__(self, capacity_bytes: int):
+        self.capacity_bytes = capacity_bytes
+        self.bytes = 0
+        self.peak = 0  # the most keys held since the last rebuild
+        self.sizes: OrderedDict[Hashable, int] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self.sizes)
+
+    def __contains__(self, key: Hashable) -> bool:
+        return key in self.sizes
+
+    def remember(self, key: Hashable, size: int) -> None:
+        """An S victim's key, newest; the oldest go past the bounds. (A key here already, as
+        two ids that share a hash can be, is kept once.)"""
+        sizes = self.sizes
+        self.bytes += size - sizes.pop(key, 0)
+        sizes[key] = size
+        self.peak = max(self.peak, len(sizes))
+        while sizes and (self.bytes > self.capacity_bytes or len(sizes) > MAX_GHOST_ENTRIES):
+            self.bytes -= sizes.popitem(last=False)[1]
+
+    def take(self, key: Hashable) -> bool:
+        """Was `key` a recent S victim? It leaves the ghost either way."""
+        size = self.sizes.pop(key, None)
+        if size is None:
+            return False
+        self.bytes -= size
+        return True
+
+    def rebuild(self) -> None:
+        """Its keys in a fresh dict: a dict keeps the table of its peak size."""
+        self.sizes = OrderedDict(self.sizes)
+        self.peak = len(self.sizes)
+
+    def check(self, fail: Callable[[str], Exception]) -> None:
+        """Raise fail(why) if the bytes counted or the bounds do not hold."""
+        if sum(self.sizes.values()) != self.bytes:
+            raise fail(f"ghost records {self.bytes} bytes, holds {sum(self.sizes.values())}")
+        if self.bytes > self.capacity_bytes or len(self.sizes) > MAX_GHOST_ENTRIES:
+            raise fail(f"ghost holds {len(self.sizes)} keys / {self.bytes} bytes, over its bound")
+
+
 @dataclass(slots=True)
 class _Scan:
     """State of one victims() call: the caller's predicate and the keys it stepped over."""
@@ -62,24 +126,21 @@ class S3FIFO(EvictionPolicy):
     def __init__(self, capacity_bytes: int):
         super().__init__(capacity_bytes)
         self.small_target_bytes = max(1, int(capacity_bytes * SMALL_QUEUE_FRACTION))
-        self.ghost_capacity_bytes = capacity_bytes - self.small_target_bytes
         self._small: deque = deque()  # keys, oldest (tail) first, newest (head) last
         self._main: deque = deque()
-        self._ghost: OrderedDict[Hashable, int] = OrderedDict()  # key -> size it had; bounded
+        self._ghost = Ghost(capacity_bytes - self.small_target_bytes)
         # Per queue (S, M): key -> how many of its places there are stale (removed keys').
         self._stale: tuple[dict[Hashable, int], dict[Hashable, int]] = ({}, {})
         self._num_stale = 0
         # Bytes of S and M include entries a victims() call has stepped over.
         self._small_bytes = 0
         self._main_bytes = 0
-        self._ghost_bytes = 0
 
     def on_insert(
         self, key: Hashable, size_bytes: int, recompute_cost: float | None = None, priority: int = 0
     ) -> None:
         state = self._add_entry(key, size_bytes, recompute_cost, priority)
-        if key in self._ghost:
-            self._ghost_bytes -= self._ghost.pop(key)
+        if self._ghost.take(key):
             self._entries[key] = shared(state | IN_MAIN)
             self._main.append(key)
             self._main_bytes += size_bytes
@@ -152,16 +213,18 @@ class S3FIFO(EvictionPolicy):
             state = entries[key]
             if not scan.evictable(key):
                 (scan.skipped_small if from_small else scan.skipped_main).append(key)
-            elif from_small and state & FREQ_MASK >= PROMOTE_MIN_FREQ:
+                continue
+            step = tail_step(from_small, state & FREQ_MASK)
+            if step is EVICT:
+                return key, state
+            if step is PROMOTE:
                 self._small_bytes -= size_of(state)
                 entries[key] = shared(state | IN_MAIN)
                 self._main.append(key)
                 self._main_bytes += size_of(state)
-            elif not from_small and state & FREQ_MASK:
+            else:
                 entries[key] = shared(state - 1)
                 queue.append(key)
-            else:
-                return key, state
         return None
 
     def _consume_stale(self, stale: dict[Hashable, int], key: Hashable) -> None:
@@ -191,7 +254,7 @@ class S3FIFO(EvictionPolicy):
 
     def _rebuild_queues(self) -> None:
         self._drop_stale()
-        self._ghost = OrderedDict(self._ghost)
+        self._ghost.rebuild()
 
     def _queue(self, small: bool) -> deque:
         return self._small if small else self._main
@@ -208,12 +271,7 @@ class S3FIFO(EvictionPolicy):
             self._main_bytes -= size
             return
         self._small_bytes -= size
-        self._ghost[key] = size  # never already there: ghost keys are untracked
-        self._ghost_bytes += size
-        while self._ghost and (
-            self._ghost_bytes > self.ghost_capacity_bytes or len(self._ghost) > MAX_GHOST_ENTRIES
-        ):
-            self._ghost_bytes -= self._ghost.popitem(last=False)[1]
+        self._ghost.remember(key, size)
 
     def _check_structure(self) -> None:
         live = 0
@@ -241,11 +299,6 @@ class S3FIFO(EvictionPolicy):
             raise self._integrity_error(f"S and M hold {live} live keys, {len(self._entries)} are tracked")
         if self._num_stale != sum(map(sum, (s.values() for s in self._stale))):
             raise self._integrity_error(f"{self._num_stale} stale places are counted, the maps record others")
-        if self._ghost.keys() & self._entries.keys():
+        if self._ghost.sizes.keys() & self._entries.keys():
             raise self._integrity_error("a tracked key is also in the ghost queue")
-        if sum(self._ghost.values()) != self._ghost_bytes:
-            raise self._integrity_error(f"ghost records {self._ghost_bytes} bytes, holds {sum(self._ghost.values())}")
-        if self._ghost_bytes > self.ghost_capacity_bytes or len(self._ghost) > MAX_GHOST_ENTRIES:
-            raise self._integrity_error(
-                f"ghost holds {len(self._ghost)} keys / {self._ghost_bytes} bytes, over its bound"
-            )
+        self._ghost.check(self._integrity_error)

@@ -19,7 +19,8 @@ a dict slot, a queue place each) they cost ~190 B per object, and a 10 M-object 
 About 64 B per object; a bulk load of 10 M rows takes seconds, vectorised. Keys at the
 interface are the NVMe index's own keys (tiers/nvme/index.py: object_key). A removed key's
 place stays queued and its row is not reused until the queue has passed it (or the queues
-are rebuilt), so a place never names another key. Ghost keys (G) stay a bounded OrderedDict.
+are rebuilt), so a place never names another key. Ghost keys (G) stay a bounded OrderedDict
+(kvstore.policy.s3fifo.Ghost).
 Called on the event loop only, like every policy.
 """
 
@@ -27,7 +28,6 @@ from __future__ import annotations
 
 import secrets
 import struct
-from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future
 
@@ -45,12 +45,7 @@ from kvstore.policy.base import (
     SIZE_SHIFT,
     sparse,
 )
-from kvstore.policy.s3fifo import (
-    MAX_FREQ,
-    MAX_GHOST_ENTRIES,
-    PROMOTE_MIN_FREQ,
-    SMALL_QUEUE_FRACTION,
-)
+from kvstore.policy.s3fifo import EVICT, MAX_FREQ, PROMOTE, SMALL_QUEUE_FRACTION, Ghost, tail_step
 from kvstore.server.tiering.fifo_ring import Ring
 from kvstore.server.tiering.open_slots import EMPTY, GONE, find, place
 from kvstore.tiers.nvme.holdings import index_keys, prefix_number
@@ -69,7 +64,6 @@ class NvmeTable:
             raise InvalidArgument(f"capacity_bytes must be a positive integer, got {capacity_bytes!r}")
         self.capacity_bytes = capacity_bytes
         self.small_target_bytes = max(1, int(capacity_bytes * SMALL_QUEUE_FRACTION))
-        self.ghost_capacity_bytes = capacity_bytes - self.small_target_bytes
         # The hash's secret: a start value and two odd multipliers (see _hash).
         self._seed, self._k1, self._k2 = secrets.randbits(64), secrets.randbits(64) | 1, secrets.randbits(64) | 1
         self.prefixes: list[bytes] = []
@@ -80,8 +74,8 @@ class NvmeTable:
         self._free: list[int] = []
         self._live = self._gone = 0
         self._small, self._main = Ring(), Ring()
-        self._ghost: OrderedDict[bytes, int] = OrderedDict()
-        self._small_bytes = self._main_bytes = self._ghost_bytes = self._tracked_bytes = 0
+        self._ghost = Ghost(capacity_bytes - self.small_target_bytes)
+        self._small_bytes = self._main_bytes = self._tracked_bytes = 0
         self._num_stale = 0
 
     def _columns(self, rows: int) -> None:
@@ -215,8 +209,7 @@ class NvmeTable:
         if row >= 0:
             raise InvalidArgument(f"key {key!r} is already tracked; remove it before inserting it again")
         state = size_bytes << SIZE_SHIFT | (priority - MIN_PRIORITY) << PRIORITY_SHIFT
-        if key in self._ghost:
-            self._ghost_bytes -= self._ghost.pop(key)
+        if self._ghost.take(key):
             state |= IN_MAIN
         row = self._new_row()
         self.ns[row], self.ids[row], self.hash[row], self.state[row] = number, np.frombuffer(oid, np.uint8), h, state
@@ -303,11 +296,7 @@ class NvmeTable:
                 size = state >> SIZE_SHIFT
                 if from_small:
                     self._small_bytes -= size
-                    self._ghost[key] = size
-                    self._ghost_bytes += size
-                    while self._ghost and (self._ghost_bytes > self.ghost_capacity_bytes
-                                           or len(self._ghost) > MAX_GHOST_ENTRIES):
-                        self._ghost_bytes -= self._ghost.popitem(last=False)[1]
+                    self._ghost.remember(key, size)
                 else:
                     self._main_bytes -= size
                 chosen.append(key)
@@ -328,17 +317,19 @@ class NvmeTable:
             key = self.key_of(row)
             if not evictable(key):
                 skipped.append(row)
-            elif from_small and current & FREQ_MASK >= PROMOTE_MIN_FREQ:
+                continue
+            step = tail_step(from_small, current & FREQ_MASK)
+            if step is EVICT:
+                return row, key
+            if step is PROMOTE:
                 size = current >> SIZE_SHIFT
                 self._small_bytes -= size
                 state[row] = current | IN_MAIN
                 self._main.append(row)
                 self._main_bytes += size
-            elif not from_small and current & FREQ_MASK:
+            else:
                 state[row] = current - 1
                 queue.append(row)
-            else:
-                return row, key
         return None
 
     def _passed_stale(self, row: int) -> None:
@@ -431,7 +422,7 @@ class NvmeTable:
         self._slots = np.full(self._slot_count(len(self.state)), EMPTY, np.int32)
         self._gone = 0
         self._place(np.arange(len(keep)))
-        self._ghost = OrderedDict(self._ghost)
+        self._ghost.rebuild()
         return True
 
     # --- integrity -------------------------------------------------------------------------
@@ -479,12 +470,9 @@ class NvmeTable:
         keys = np.concatenate([self.ns[live].astype("<u2").view(np.uint8).reshape(-1, 2), self.ids[live]], axis=1)
         if len(np.unique(np.ascontiguousarray(keys).view(f"V{2 + ID_BYTES}").reshape(-1))) != self._live:
             raise fail("a key is tracked twice")
-        if any(key in self for key in self._ghost):
+        if any(key in self for key in self._ghost.sizes):
             raise fail("a tracked key is also in the ghost queue")
-        if sum(self._ghost.values()) != self._ghost_bytes:
-            raise fail(f"ghost records {self._ghost_bytes} bytes, holds {sum(self._ghost.values())}")
-        if self._ghost_bytes > self.ghost_capacity_bytes or len(self._ghost) > MAX_GHOST_ENTRIES:
-            raise fail(f"ghost holds {len(self._ghost)} keys / {self._ghost_bytes} bytes, over its bound")
+        self._ghost.check(fail)
 
     def _check_slots(self, alive: np.ndarray, fail) -> None:
         slots = self._slots

@@ -13,7 +13,7 @@ of columns and a queue place:
                         gen; any other place is stale: the queue steps over it when it
                         reaches it, and drops every stale place (vectorised) once they
                         outnumber the tracked rows, exactly when the reference does
-    ghost       OrderedDict: hash of an evicted id (table.m_hash) -> its size; bounded
+    ghost       kvstore.policy.s3fifo.Ghost: hash of an evicted id (table.m_hash) -> its size; bounded
 
 Size, priority and recompute cost are read from the row itself (table.m_size,
 table.hints_at(row)); nothing is copied. A row's gen outlives the object on it, so a place an
@@ -24,7 +24,6 @@ The event loop's thread only, like the table.
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -41,7 +40,7 @@ from kvstore.policy.base import (
     sparse,
 )
 from kvstore.policy.cost_aware import CANDIDATE_WINDOW, score
-from kvstore.policy.s3fifo import MAX_FREQ, MAX_GHOST_ENTRIES, PROMOTE_MIN_FREQ, SMALL_QUEUE_FRACTION
+from kvstore.policy.s3fifo import EVICT, MAX_FREQ, PROMOTE, SMALL_QUEUE_FRACTION, Ghost, tail_step
 from kvstore.server.tiering.fifo_ring import Ring
 
 TRACKED = 1 << 3
@@ -207,20 +206,16 @@ class RowS3FIFO(RowPolicy):
     def __init__(self, table, capacity_bytes: int):
         super().__init__(table, capacity_bytes)
         self.small_target_bytes = max(1, int(capacity_bytes * SMALL_QUEUE_FRACTION))
-        self.ghost_capacity_bytes = capacity_bytes - self.small_target_bytes
         self._small, self._main = Ring(dtype=np.int64), Ring(dtype=np.int64)
-        self._ghost: OrderedDict[int, int] = OrderedDict()
-        self._small_bytes = self._main_bytes = self._ghost_bytes = 0
-        self._ghost_peak = 0  # the most ids the ghost held since it was last rebuilt
+        self._ghost = Ghost(capacity_bytes - self.small_target_bytes)
+        self._small_bytes = self._main_bytes = 0
 
     def _queues(self):
         return (self._small, 0), (self._main, IN_MAIN)
 
     def on_insert(self, row: int) -> None:
         self._refuse_tracked(row)  # before the ghost changes
-        size = self._ghost.pop(self.table.m_hash[row], None)
-        if size is not None:  # seen recently: straight to M
-            self._ghost_bytes -= size
+        if self._ghost.take(self.table.m_hash[row]):  # seen recently: straight to M
             self._main.append(self._track(row, IN_MAIN))
             self._main_bytes += self.table.m_size[row]
         else:
@@ -283,17 +278,19 @@ class RowS3FIFO(RowPolicy):
                 continue  # stale
             if not scan.evictable(row):
                 (scan.skipped_small if from_small else scan.skipped_main).append(place)
-            elif from_small and state & FREQ_MASK >= PROMOTE_MIN_FREQ:
+                continue
+            step = tail_step(from_small, state & FREQ_MASK)
+            if step is EVICT:
+                return place
+            if step is PROMOTE:
                 size = sizes[row]
                 self._small_bytes -= size
                 states[row] = state | IN_MAIN
                 self._main.append(place)
                 self._main_bytes += size
-            elif not from_small and state & FREQ_MASK:
+            else:
                 states[row] = state - 1
                 queue.append(place)
-            else:
-                return place
         return None
 
     def _evict(self, row: int, from_small: bool) -> int:
@@ -304,17 +301,13 @@ class RowS3FIFO(RowPolicy):
             self._main_bytes -= size
             return size
         self._small_bytes -= size
-        self._ghost_bytes += size - self._ghost.pop(h, 0)  # twice only if two ids' hashes collide
-        self._ghost[h] = size
-        self._ghost_peak = max(self._ghost_peak, len(self._ghost))
-        while self._ghost and (self._ghost_bytes > self.ghost_capacity_bytes or len(self._ghost) > MAX_GHOST_ENTRIES):
-            self._ghost_bytes -= self._ghost.popitem(last=False)[1]
+        self._ghost.remember(h, size)
         return size
 
     def compact(self) -> bool:
-        rebuilt = sparse(len(self._ghost), self._ghost_peak)
+        rebuilt = sparse(len(self._ghost), self._ghost.peak)
         if rebuilt:  # a dict keeps its peak's table
-            self._ghost, self._ghost_peak = OrderedDict(self._ghost), len(self._ghost)
+            self._ghost.rebuild()
         return super().compact() or rebuilt
 
     def _check_structure(self, fail) -> None:
@@ -325,12 +318,9 @@ class RowS3FIFO(RowPolicy):
             total = int(self.table.c_size[rows].sum())
             if total != recorded:
                 raise fail(f"{name} records {recorded} bytes, holds {total}")
-        if sum(self._ghost.values()) != self._ghost_bytes:
-            raise fail(f"ghost records {self._ghost_bytes} bytes, holds {sum(self._ghost.values())}")
-        if self._ghost_bytes > self.ghost_capacity_bytes or len(self._ghost) > MAX_GHOST_ENTRIES:
-            raise fail(f"ghost holds {len(self._ghost)} ids / {self._ghost_bytes} bytes, over its bound")
+        self._ghost.check(fail)
         tracked_hashes = set(self.table.c_hash[self.rows()].tolist())
-        if tracked_hashes & self._ghost.keys():
+        if tracked_hashes & self._ghost.sizes.keys():
             raise fail("a tracked id is also in the ghost queue")
 
 

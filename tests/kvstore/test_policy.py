@@ -271,7 +271,7 @@ def test_ghost_stays_bounded(cls):
     policy = cls(1000)
     for key in range(3000):
         admit(policy, key, 1)
-    assert policy._ghost_bytes <= 900 and len(policy._ghost) <= 900
+    assert policy._ghost.bytes <= 900 and len(policy._ghost) <= 900
     policy.check_integrity()
 
 

@@ -11,7 +11,7 @@ from kvstore.errors import InvalidArgument
 from kvstore.hints import Hints
 from kvstore.identity import ObjectId, StateDescriptor
 from kvstore.policy import POLICIES
-from kvstore.server.tiering.object_table import ObjectTable
+from kvstore.server.tiering.object_table import HASH_MASK, ObjectTable
 from kvstore.server.tiering.row_policy import ROW_POLICIES, make_row_policy
 
 DESC = StateDescriptor("t", "m", "r")
@@ -160,11 +160,11 @@ def test_bad_input_is_refused_and_changes_nothing():
     policy = make_row_policy("s3fifo", table, 100)
     entry = table.add(oid(1), None, 10, CHECKSUM, DESC, Hints(), 0.0)
     policy.on_insert(entry.row)
-    policy._ghost[table.m_hash[entry.row]] = 10  # as if it had been evicted too (it cannot)
+    policy._ghost.remember(table.m_hash[entry.row], 10)  # as if it had been evicted too (it cannot)
     with pytest.raises(InvalidArgument, match="already tracked"):
         policy.on_insert(entry.row)
     assert len(policy) == 1 and policy.tracked_bytes == 10 and len(policy._ghost) == 1  # nothing changed
-    del policy._ghost[table.m_hash[entry.row]]
+    assert policy._ghost.take(table.m_hash[entry.row])
     policy.on_remove(entry.row)
     policy.on_remove(entry.row)  # idempotent
     policy.on_access(10**6)  # a row never tracked: ignored
@@ -186,13 +186,16 @@ def test_the_ghost_is_rebuilt_only_once_it_is_sparse():
     for i in range(6000):
         both.insert(i, 10)
     both.victims(6000 * 10, set())  # all from S: each id to the ghost
-    ghost = both.policy._ghost
+    ghost = both.policy._ghost.sizes
     both.policy.compact()  # (S's drained buffer is given back)
-    assert len(ghost) == 6000 and both.policy._ghost is ghost  # full, not sparse: kept as it is
+    # The ghost keeps 32 bits of each id's keyed hash: two of 6,000 ids share one ~0.4% of runs.
+    hashes = [hash(oid(i)) & HASH_MASK for i in range(6000)]
+    assert len(ghost) == len(set(hashes)) and both.policy._ghost.sizes is ghost  # full, not sparse: kept as it is
     for i in range(5000):
         both.insert(i, 10)  # seen again: out of the ghost, into M
-    assert both.compact() and both.policy._ghost is not ghost and len(both.policy._ghost) == 1000
-    ghost = both.policy._ghost
+    left = len(set(hashes[5000:]) - set(hashes[:5000]))
+    assert both.compact() and both.policy._ghost.sizes is not ghost and len(both.policy._ghost) == left
+    ghost = both.policy._ghost.sizes
     both.policy.compact()
-    assert both.policy._ghost is ghost  # once is enough
+    assert both.policy._ghost.sizes is ghost  # once is enough
     both.check()
