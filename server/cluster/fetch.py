@@ -40,8 +40,9 @@ class Landing:
     An extent it holds is tracked as transient until `keep` hands it over. `ns`: None while
     the namespace has no arena here (opened by `settle`)."""
 
-    def __init__(self, host, namespace: str):
-        self.host, self.name, self.ns = host, namespace, host.namespaces.get(namespace)
+    def __init__(self, host, namespace: str, sink):
+        """sink: where the host tier's victims go when room is made (server/tiering/chain.py: victim_sink)."""
+        self.host, self.name, self.ns, self.sink = host, namespace, host.namespaces.get(namespace), sink
         self.extent = None
         self.staged: np.ndarray | None = None
 
@@ -64,7 +65,7 @@ class Landing:
             if self.ns is None:
                 self.ns = await self.host.open_namespace(self.name)
             try:
-                extent = await self.host.allocate(self.ns, size)
+                extent = await self.host.allocate(self.ns, size, self.sink)
             except CapacityError:
                 return None
             self.host.track_transient(self.ns, extent, add=True)
@@ -92,9 +93,10 @@ class Landing:
 class Fetcher:
     """Fetches local misses from home nodes. `held` is shared with the other cluster roles."""
 
-    def __init__(self, local, node, held: set):
-        """local: this node's tiers (server/tiering/chain.py: LocalTiers)."""
-        self.host, self.events, self.node, self.held = local.host, local.events, node, held
+    def __init__(self, local, node, held: set, sink):
+        """local: this node's tiers (server/tiering/chain.py: LocalTiers), which fetches land
+        in, room made by `sink` (server/tiering/chain.py: victim_sink)."""
+        self.host, self.events, self.node, self.held, self.sink = local.host, local.events, node, held, sink
         # Remote load estimates: start from a loopback-TCP guess, then follow fetches.
         self.bandwidth_bytes_s = DEFAULT_REMOTE_BANDWIDTH
 
@@ -103,7 +105,7 @@ class Fetcher:
         remote = self.node.remote
         if remote is None:
             return None
-        landing = Landing(self.host, namespace)
+        landing = Landing(self.host, namespace, self.sink)
         start = time.perf_counter()
         try:
             meta = await remote.get_into(namespace, object_id, lambda meta: landing.place(meta.size))
@@ -132,7 +134,7 @@ class Fetcher:
         here. Returns a RangesFetched, the reason a home's copy was refused (its descriptor),
         or None (no home holds it, none answered, or no room)."""
         remote = self.node.remote
-        size, landing, refused = ranges_total(ranges), Landing(self.host, namespace), []
+        size, landing, refused = ranges_total(ranges), Landing(self.host, namespace, self.sink), []
 
         def alloc(meta: RemoteMeta):
             check_within(ranges, meta.size)  # a home that did not check must not make us allocate

@@ -38,7 +38,7 @@ from kvstore.server.cluster.serving import PeerServing
 from kvstore.server.later import MaybeAwaitable, then
 from kvstore.server.cluster.node import PeerNode
 from kvstore.server.cluster.rehome import Rehomer
-from kvstore.server.tiering.chain import LocalTiers
+from kvstore.server.tiering.chain import LocalTiers, victim_sink
 from kvstore.server.tiering.objects import ObjectEntry
 
 
@@ -57,10 +57,13 @@ class ClusterLink:
         # too: they may leave this node without being sent. Only objects held here are kept,
         # and only for the member list of the day (homes move when it changes).
         self._held: set[tuple[str, bytes]] = set()
-        self.serving = PeerServing(local, self._held)
+        # Where the host tier's victims go when fetched bytes or a peer's put need room: the
+        # chain's rule, computed from this node's tiers and this link (its demote).
+        sink = victim_sink(local, self)
+        self.serving = PeerServing(local, self._held, sink)
         self.node = PeerNode(config, self.serving, on_members=self.on_members,
                              on_peer_state=self.on_peer_state)
-        self.fetcher = Fetcher(local, self.node, self._held)
+        self.fetcher = Fetcher(local, self.node, self._held, sink)
         self.replicator = Replicator(local, config, self.node, self._held, self.serving)
         self.rehomer = Rehomer(self, local, config) if config.rehome else None
 

@@ -23,11 +23,12 @@ FOR_PEER: contextvars.ContextVar[bool] = contextvars.ContextVar("kvstore_for_pee
 class PeerServing:
     """Serves peers from this node's tiers (`local`: server/tiering/chain.py: LocalTiers).
     `held`: (namespace, digest) of objects held here that every remote home is known to hold
-    too (shared with the other cluster roles)."""
+    too (shared with the other cluster roles); `sink`: where the host tier's victims go when
+    a peer's put needs room (server/tiering/chain.py: victim_sink)."""
 
-    def __init__(self, local, held: set):
+    def __init__(self, local, held: set, sink):
         self.host, self.nvme, self.here = local.host, local.nvme, local.here
-        self.held = held
+        self.held, self.sink = held, sink
 
     @staticmethod
     def meta(entry: ObjectEntry) -> RemoteMeta:
@@ -70,7 +71,7 @@ class PeerServing:
         ns = await self.host.open_namespace(namespace)
         token = FOR_PEER.set(True)  # demotions this makes room with skip the send gate
         try:
-            extent = await self.host.allocate(ns, meta.size)
+            extent = await self.host.allocate(ns, meta.size, self.sink)
         finally:
             FOR_PEER.reset(token)
         self.host.track_transient(ns, extent, add=True)

@@ -50,6 +50,7 @@ from kvstore.tiers.allocator import Extent
 from kvstore.tiers.mooncake.pool import INVALID_PARAMS, MooncakePool
 from kvstore.tiers.mooncake.scratch import HEADER_SLOTS, HeaderSlots
 from kvstore.server.tiering.bandwidth import moving_bandwidth
+from kvstore.server.tiering.chain import victim_sink
 
 log = logging.getLogger("kvstore.mooncake")
 # Keys per Mooncake call: a quarter of the header slots, so four batches run at once.
@@ -107,6 +108,7 @@ class PoolLink:
         """local: this node's tiers (server/tiering/chain.py: LocalTiers), which fetches land
         in; config: the `[remote.mooncake]` table. make_store: builds the Mooncake client (tests)."""
         self.host, self.nvme, self.events, self.traffic = local.host, local.nvme, local.events, local.traffic
+        self.sink = victim_sink(local, self)  # where host victims go when fetched bytes need room
         self.config = config
         self.pool = MooncakePool(config, make_store)
         self.slots: HeaderSlots | None = None  # made at start (needs the loop)
@@ -263,7 +265,7 @@ class PoolLink:
         filled = extent is not None  # the payload came with the header
         if not filled:
             try:
-                extent = await self.host.allocate(ns, meta.size)
+                extent = await self.host.allocate(ns, meta.size, self.sink)
             except CapacityError:
                 return None
             self.host.track_transient(ns, extent, add=True)
@@ -320,7 +322,7 @@ class PoolLink:
         extents = []
         try:
             for guess in guesses:
-                extents.append(await self.host.allocate(ns, HEADER_BYTES + guess))
+                extents.append(await self.host.allocate(ns, HEADER_BYTES + guess, self.sink))
                 self.host.track_transient(ns, extents[-1], add=True)
         except CapacityError:
             pass

@@ -5,9 +5,11 @@ then this node's own delete and pin (`HereOps`), then the remote tier (the clust
 or a Mooncake pool) with what it serves peers from and lands fetched bytes in
 (`LocalTiers`), then the node's index ops (lookup, delete, pin, prefetch over the chain)
 with the remote tier below them. Last it tells the upper tiers what lies below them, the
-one cycle left: NVMe sends what it evicts or refuses to the remote tier, which serves peers
-from NVMe's copies; and the host tier's victims go through NVMe's sink, else the remote
-tier's, else nowhere.
+cycle left: NVMe sends what it evicts or refuses to the remote tier, which serves peers from
+NVMe's copies. Where the host tier's victims go (`victim_sink`: through NVMe's sink, else the
+remote tier's, else nowhere) is not stored in the host tier: every caller that makes room
+passes it (`HostTier.make_room(ns, size, sink)`), the chain's own callers `Chain.sink`, the
+remote tier the sink it computes from what it was given (`victim_sink(local, itself)`).
 
 No tier holds the tier manager or reaches a sibling through it: each is handed the tiers it
 talks to, typed by the small Protocols below, which the null objects of switched-off tiers
@@ -64,23 +66,31 @@ class LocalTiers(NamedTuple):
     traffic: Traffic
 
 
+def victim_sink(local: LocalTiers, homes):
+    """Where the host tier's victims go (server/tiering/host.py: Sink): NVMe's sink (what NVMe
+    refuses or evicts goes on to the homes from there), else the homes' (`homes`: the remote
+    tier, or NoCluster), else None (they are dropped). One rule for every caller that makes
+    room in the host arena: the chain, and the remote tier, which lands fetched bytes there."""
+    return local.nvme.victim_sink(homes.victim_sink(local.host))
+
+
 MakeNvme = Callable[[HostTier, object], object]  # (host tier, events) -> TierMover
 MakeRemote = Callable[[LocalTiers], object]  # -> ClusterLink or PoolLink
 
 
 class Chain:
     """The composed tiers, top to bottom. `local`: what the remote tier was given (the tiers
-    of this node); `index`: lookup, delete, pin, prefetch over them all. `tiered`: objects may
+    of this node); `index`: lookup, delete, pin, prefetch over them all; `sink`: where the host
+    tier's victims go (`victim_sink`), passed wherever room is made. `tiered`: objects may
     live below the host arena (some tier below takes the host tier's victims)."""
 
-    def __init__(self, local: LocalTiers, remote, index: IndexOps):
-        self.local, self.remote, self.index = local, remote, index
+    def __init__(self, local: LocalTiers, remote, index: IndexOps, sink):
+        self.local, self.remote, self.index, self.sink = local, remote, index, sink
         self.host, self.nvme = local.host, local.nvme
         self.gpu = NoGpu()  # server.tiering.gpu_reads.GpuReads once attach_gpu() (the daemon's start)
         self.nvme.below = remote
-        self.host.sink = self.nvme.victim_sink(remote.victim_sink(self.host))
         self.host.on_leave = self._left_host
-        self.tiered = self.host.sink is not None
+        self.tiered = sink is not None
 
     def attach_gpu(self, gpu) -> None:
         """The GPU tier joins the chain (made at start: it needs the probe, and device memory)."""
@@ -103,4 +113,5 @@ def compose(host_config: HostTierConfig, *, clock=time.monotonic, events=NoEvent
     here = HereOps(host, nvme)
     local = LocalTiers(host, nvme, here, events, traffic if traffic is not None else Traffic())
     remote = make_remote(local) if make_remote else NoCluster()
-    return Chain(local, remote, IndexOps(host, nvme, here, remote))
+    sink = victim_sink(local, remote)
+    return Chain(local, remote, IndexOps(host, nvme, here, remote, sink), sink)

@@ -2,9 +2,9 @@
 
 What the tiers below (server/tiering/nvme_mover.py, server/cluster/, server/pool/) and the tier
 manager use of the host tier is this class's public surface: open a namespace, make room
-(`allocate` with the chain's sink, or `make_room` with a given one: the sink decides where
-victims go), publish verified bytes as an object, hold an entry while
-the daemon reads it, drop or evict one. Leases and clients are the tier manager's business.
+(`allocate` or `make_room`, each with the caller's sink: the sink decides where victims go;
+the chain's is server/tiering/chain.py: victim_sink), publish verified bytes as an object,
+hold an entry while the daemon reads it, drop or evict one. Leases and clients are the tier manager's business.
 
 Runs on the daemon's event loop thread only; nothing here blocks on I/O. An extent is never
 freed or reused while a reader (a client's read lease, or a daemon hold) covers it.
@@ -54,7 +54,6 @@ class HostTier:
         self.events = events
         self.clock = clock
         self.on_leave = on_leave
-        self.sink: Sink | None = None  # where victims go by default (server/tiering/chain.py sets it)
         self.bandwidth_bytes_s = 8e9  # a memcpy here: lookups' load estimate (measured at start)
         self.namespaces: dict[str, Namespace] = {}
         self.num_holds = 0  # readers the daemon itself holds (copies to NVMe or peers in flight)
@@ -160,9 +159,9 @@ class HostTier:
                 self.evict(ns, entry)
         return extent
 
-    async def allocate(self, ns: Namespace, size: int) -> Extent:
-        """An extent in the arena, room made for it by the chain's sink."""
-        return await resolve(self.make_room(ns, size, self.sink))
+    async def allocate(self, ns: Namespace, size: int, sink: Sink | None) -> Extent:
+        """An extent in the arena, room made for it by `sink` (make_room, awaited)."""
+        return await resolve(self.make_room(ns, size, sink))
 
     def make_room(self, ns: Namespace, size: int, sink: Sink | None) -> MaybeAwaitable[Extent]:
         """An extent of `size` bytes, room made for it: the one victim loop. The sink settles

@@ -91,11 +91,12 @@ class HereOps:
 
 
 class IndexOps:
-    def __init__(self, host, nvme, here: HereOps, below):
+    def __init__(self, host, nvme, here: HereOps, below, sink):
         """host: the host tier; nvme: the NVMe tier (or NoNvme); here: this node's copies'
         delete and pin; below: the remote tier (server/tiering/chain.py: Homes), asked on a
-        local miss and for a delete or pin of scope "cluster"."""
-        self.host, self.nvme, self.here, self.below = host, nvme, here, below
+        local miss and for a delete or pin of scope "cluster"; sink: where the host tier's
+        victims go (server/tiering/chain.py: victim_sink; None: dropped)."""
+        self.host, self.nvme, self.here, self.below, self.sink = host, nvme, here, below, sink
 
     def lookup(self, namespace: str, ids, expect: list | None = None) -> MaybeAwaitable[LookupReply]:
         """Per key its tier ("host", "nvme" or None), the leading hits, their bytes, and the
@@ -269,12 +270,12 @@ class IndexOps:
         victims = [ns.objects.entry_at(row) for row in ns.policy.victims(num_bytes, chosen)]
         # What each victim is, read now: an entry's row may hold another object once it left.
         told = [Evicted(e.namespace, e.object_id, e.size) for e in victims]
-        if self.host.sink is None or not victims:
+        if self.sink is None or not victims:
             for entry in victims:
                 self.host.evict(ns, entry)
             return told
         return self._evicted_below(ns, victims, told)
 
     async def _evicted_below(self, ns, victims: list[ObjectEntry], told: list[Evicted]) -> list[Evicted]:
-        await self.host.sink(ns, victims)
+        await self.sink(ns, victims)
         return [what for what, entry in zip(told, victims) if not ns.objects.holds(entry)]

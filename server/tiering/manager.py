@@ -95,7 +95,7 @@ class TierManager:
                 check_same_object(msg.object_id, held.size, held.descriptor, msg.size, msg.descriptor)
         self.ledger.check_lease(owner)
         self.ledger.check_reserve(owner, msg.size)
-        room = self.host.make_room(ns, msg.size, self.host.sink)  # the extent now, unless victims must go first
+        room = self.host.make_room(ns, msg.size, self.chain.sink)  # the extent now, unless victims must go first
         return then(room, lambda extent: self._grant_write(owner, ns, msg, extent))
 
     def _grant_write(self, owner: Owner, ns: Namespace, msg: Reserve, extent: Extent) -> ReserveReply:

@@ -56,7 +56,7 @@ class StandInLink:
 
     def __init__(self, local, remote):
         self.remote = remote
-        serving = PeerServing(local, set())
+        serving = PeerServing(local, set(), None)  # the compose() below has nothing under the host: no sink
         node = types.SimpleNamespace(remote=remote, node_id=remote.node_id)
         self.sending = Replicator(local, ClusterConfig(), node, set(), serving).sending
 
@@ -70,7 +70,7 @@ async def rehomer_holding(ids, members, delay_s=0.01):
     manager = TierManager(compose(HostTierConfig(arena_bytes=4 << 20, prefault=False)))
     ns = await manager.host.open_namespace("t")
     for oid in ids:
-        extent = await manager.host.allocate(ns, 1000)
+        extent = await manager.host.allocate(ns, 1000, manager.chain.sink)
         manager.host.publish(ns, oid, extent, 1000, b"\0" * 16, StateDescriptor("t", "m", "r"), Hints())
     remote = StandInRemote("a", {n: f"{n}:1" for n in members})
     local = manager.chain.local

@@ -36,7 +36,7 @@ def manager_with_gpu(capacity_bytes: int | None = 8 * KiB):
 async def put(manager, i: int, size: int = 2 * KiB) -> ObjectId:
     ns = await manager.host.open_namespace("t")
     oid = ObjectId(bytes([i]) * 32)
-    extent = await manager.host.allocate(ns, size)
+    extent = await manager.host.allocate(ns, size, manager.chain.sink)
     np.frombuffer(ns.arena.view(extent), dtype=np.uint8)[:size] = payload(size, oid)
     manager.host.publish(ns, oid, extent, size, b"\0" * 16, StateDescriptor("t", "m", "r"), Hints())
     return oid

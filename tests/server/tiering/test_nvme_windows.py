@@ -64,7 +64,7 @@ async def put_on_nvme_only(manager: TierManager, oid: ObjectId, data: np.ndarray
     """An object written down to NVMe and evicted from the host arena (as a demotion leaves it)."""
     host = manager.host
     ns = await host.open_namespace(NS)
-    extent = await host.allocate(ns, data.size)
+    extent = await host.allocate(ns, data.size, manager.chain.sink)
     host.namespaces[NS].arena.view(extent)[:data.size] = data
     entry = host.publish(ns, oid, extent, data.size, xxhash.xxh3_128_digest(data), StateDescriptor(NS, "m", "r"),
                          Hints())
@@ -109,7 +109,7 @@ def test_a_delete_during_a_demotion_write_removes_the_copy_written(tmp_path):
         host = manager.host
         ns = await host.open_namespace(NS)
         oid, data = ObjectId(b"d" * 32), np.arange(MiB, dtype=np.uint8)
-        extent = await host.allocate(ns, data.size)
+        extent = await host.allocate(ns, data.size, manager.chain.sink)
         ns.arena.view(extent)[:data.size] = data
         entry = host.publish(ns, oid, extent, data.size, xxhash.xxh3_128_digest(data),
                              StateDescriptor(NS, "m", "r"), Hints())
@@ -197,7 +197,7 @@ def test_a_write_never_takes_an_expired_copy_for_its_own(tmp_path):
         desc = StateDescriptor(NS, "m", "r")
 
         async def put(data, hints):
-            extent = await host.allocate(ns, data.size)
+            extent = await host.allocate(ns, data.size, manager.chain.sink)
             ns.arena.view(extent)[:data.size] = data
             entry = host.publish(ns, oid, extent, data.size, xxhash.xxh3_128_digest(data), desc, hints)
             return entry, await mover.write(entry)
@@ -226,7 +226,7 @@ def test_a_copy_written_down_later_keeps_the_ttl_of_its_put(tmp_path):
         host, mover = manager.host, manager.nvme
         ns = await host.open_namespace(NS)
         oid, data = ObjectId(b"t" * 32), np.arange(MiB, dtype=np.uint8)
-        extent = await host.allocate(ns, data.size)
+        extent = await host.allocate(ns, data.size, manager.chain.sink)
         ns.arena.view(extent)[:data.size] = data
         entry = host.publish(ns, oid, extent, data.size, xxhash.xxh3_128_digest(data),
                              StateDescriptor(NS, "m", "r"), Hints(ttl_s=0.6))

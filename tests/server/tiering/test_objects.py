@@ -59,7 +59,7 @@ async def _manager_with_expired_copy():
     clock = Clock()
     manager = TierManager(compose(HostTierConfig(arena_bytes=1 << 20, prefault=False), clock=clock))
     ns = await manager.host.open_namespace("ns")
-    old = manager.host.publish(ns, OID, await manager.host.allocate(ns, 10), 10, b"c" * 16, DESC, Hints(ttl_s=5.0))
+    old = manager.host.publish(ns, OID, await manager.host.allocate(ns, 10, manager.chain.sink), 10, b"c" * 16, DESC, Hints(ttl_s=5.0))
     clock.now += 10  # past its TTL, not yet swept by housekeeping
     return manager, ns, old
 
@@ -69,7 +69,7 @@ def test_a_fetched_or_peer_copy_replaces_an_expired_one_and_is_served():
     then expired it and missed, and a home refused a peer's fresh copy as already held."""
     async def scenario():
         manager, ns, old = await _manager_with_expired_copy()
-        new = manager.host.publish(ns, OID, await manager.host.allocate(ns, 10), 10, b"c" * 16, DESC, Hints(ttl_s=5.0))
+        new = manager.host.publish(ns, OID, await manager.host.allocate(ns, 10, manager.chain.sink), 10, b"c" * 16, DESC, Hints(ttl_s=5.0))
         assert new != old and new.is_live(manager.clock()) and ns.objects[OID] == new
         assert ns.counters.num_expired == 1
         assert manager.get("reader", Get("ns", OID)).hit
@@ -82,7 +82,7 @@ def test_a_copy_still_live_is_kept_and_the_new_bytes_given_back():
         manager, ns, old = await _manager_with_expired_copy()
         manager.clock.now -= 10  # back inside the TTL
         used = ns.arena.allocator.used_bytes
-        extent = await manager.host.allocate(ns, 10)
+        extent = await manager.host.allocate(ns, 10, manager.chain.sink)
         assert manager.host.publish(ns, OID, extent, 10, b"c" * 16, DESC, Hints()) == old
         assert ns.arena.allocator.used_bytes == used and ns.counters.num_expired == 0
     asyncio.run(scenario())
@@ -94,7 +94,7 @@ def test_a_home_takes_a_peers_fresh_copy_over_its_expired_one():
 
     async def scenario():
         manager, ns, old = await _manager_with_expired_copy()
-        serving = PeerServing(manager.chain.local, set())
+        serving = PeerServing(manager.chain.local, set(), manager.chain.sink)
         write = await serving.reserve("ns", OID, RemoteMeta(10, b"c" * 16, DESC, Hints()))
         assert write is not None, "the home answered 'held' for a copy past its TTL"
         write.commit()
@@ -117,7 +117,7 @@ def test_housekeeping_rebuilds_an_index_emptied_by_deletes():
         ns = await manager.host.open_namespace("ns")
         ids = [ObjectId(i.to_bytes(32, "little")) for i in range(20_000)]
         for oid in ids:
-            manager.host.publish(ns, oid, await manager.host.allocate(ns, 10), 10, b"c" * 16, DESC, Hints())
+            manager.host.publish(ns, oid, await manager.host.allocate(ns, 10, manager.chain.sink), 10, b"c" * 16, DESC, Hints())
         full = ns.objects.nbytes
         kept = ns.objects[ids[-1]]
         manager.index.here.delete_here("ns", ids[:19_000])
@@ -143,7 +143,7 @@ def test_housekeeping_expires_only_what_is_due_and_never_a_newer_copy():
     async def scenario():
         ns = await manager.host.open_namespace("t")
         for i, ttl in enumerate((None, 5.0, 50.0)):
-            extent = await manager.host.allocate(ns, 4096)
+            extent = await manager.host.allocate(ns, 4096, manager.chain.sink)
             manager.host.publish(ns, ObjectId(bytes([i]) * 32), extent, 4096, b"\0" * 16, StateDescriptor("t", "m", "r"),
                             Hints(ttl_s=ttl))
         return ns

@@ -46,7 +46,7 @@ def manager_with(behaviour, objects=6):
         ns = await manager.host.open_namespace("t")
         for i in range(objects):
             oid = ObjectId(bytes([i]) * 32)
-            extent = await manager.host.allocate(ns, MiB)
+            extent = await manager.host.allocate(ns, MiB, manager.chain.sink)
             manager.host.publish(ns, oid, extent, MiB, b"\0" * 16, StateDescriptor("t", "m", "r"), Hints())
         return ns
     return manager, fill
@@ -61,7 +61,7 @@ def test_victims_are_sent_then_evicted():
 
     async def scenario():
         ns = await fill()
-        extent = await manager.host.allocate(ns, 4 * MiB)  # the arena holds 8: some of the six must go
+        extent = await manager.host.allocate(ns, 4 * MiB, manager.chain.sink)  # the arena holds 8: some of the six must go
         ns.arena.free(extent)
         return ns
     ns = asyncio.run(scenario())
@@ -82,7 +82,7 @@ def test_an_interrupted_send_leaves_every_victim_resident_and_tracked(failure):
 
     async def scenario():
         ns = await fill()
-        task = asyncio.ensure_future(manager.host.allocate(ns, 4 * MiB))
+        task = asyncio.ensure_future(manager.host.allocate(ns, 4 * MiB, manager.chain.sink))
         if failure == "cancelled":
             await asyncio.sleep(0.05)
             task.cancel()
@@ -105,7 +105,7 @@ def test_a_victim_read_during_the_send_stays():
     async def scenario():
         ns = await fill()
         try:
-            await manager.host.allocate(ns, 8 * MiB)
+            await manager.host.allocate(ns, 8 * MiB, manager.chain.sink)
         except CapacityError:
             pass  # the read victim holds one MiB: the whole arena cannot be freed
         return ns
