@@ -76,12 +76,14 @@ class Ledger:
         """The put a write lease reserved (check the lease with own_lease first)."""
         return self._pending[lease_id]
 
+    def _owned(self, owner: Owner, lease_id: int, mode: str) -> Lease | None:
+        """`owner`'s lease `lease_id` of `mode`, or None: the one ownership rule."""
+        lease = self._leases.get(lease_id)
+        return lease if lease is not None and lease.owner == owner and lease.mode == mode else None
+
     def own_put(self, owner: Owner, lease_id: int) -> PendingPut | None:
         """The put of `owner`'s write lease `lease_id`; None if it holds no such lease."""
-        lease = self._leases.get(lease_id)
-        if lease is None or lease.owner != owner or lease.mode != "write":
-            return None
-        return self._pending.get(lease_id)
+        return self._pending.get(lease_id) if self._owned(owner, lease_id, "write") else None
 
     def take_put(self, owner: Owner, lease_id: int) -> PendingPut:
         """End a write lease whose bytes are written: its put, extent still allocated."""
@@ -118,8 +120,8 @@ class Ledger:
 
     def own_lease(self, owner: Owner, lease_id: int, mode: str) -> Lease:
         """`owner`'s lease `lease_id` of `mode`; NotFound if it holds no such lease."""
-        lease = self._leases.get(lease_id)
-        if lease is None or lease.owner != owner or lease.mode != mode:
+        lease = self._owned(owner, lease_id, mode)
+        if lease is None:
             raise NotFound(f"no {mode} lease {lease_id} held by this client (expired or already released)")
         return lease
 
