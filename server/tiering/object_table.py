@@ -507,6 +507,7 @@ class ObjectEntry:
 
     readers = _column("m_readers", "Read leases and daemon holds on this entry.")
     num_hits = _column("m_hits", "Hits served (capped at 2**32 - 1).", MAX_HITS)
+
     @property
     def expires_at(self) -> float:
         """Monotonic; math.inf: no TTL."""
