@@ -75,9 +75,6 @@ class Ghost:
     def __len__(self) -> int:
         return len(self.sizes)
 
-    def __contains__(self, key: Hashable) -> bool:
-        return key in self.sizes
-
     def remember(self, key: Hashable, size: int) -> None:
         """An S victim's key, newest; the oldest go past the bounds. (A key here already, as
         two ids that share a hash can be, is kept once.)"""

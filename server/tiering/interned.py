@@ -57,8 +57,7 @@ class Interned:
     def recount(self, indices: np.ndarray) -> None:
         """The rows now refer to exactly `indices` (a table kept some of its rows): the
         counts start again from them, and indices no row keeps are freed."""
-        counts = np.bincount(indices, minlength=len(self.values)) if len(indices) else np.zeros(len(self.values), np.int64)
-        self._refs = array("q", counts.tolist())
+        self._refs = array("q", np.bincount(indices, minlength=len(self.values)).tolist())
         for i, (value, count) in enumerate(zip(self.values, self._refs)):
             if value is not None and not count:
                 del self._index[value]
@@ -67,8 +66,7 @@ class Interned:
 
     def check_integrity(self, indices: np.ndarray) -> None:
         """Raise RuntimeError unless the counts are exactly the rows' references `indices`."""
-        counts = np.bincount(indices, minlength=len(self.values)) if len(indices) else np.zeros(len(self.values), np.int64)
-        if counts.tolist() != self._refs.tolist():
+        if np.bincount(indices, minlength=len(self.values)).tolist() != self._refs.tolist():
             raise RuntimeError("interned values: the counts differ from the rows' references")
         held = {i for i, value in enumerate(self.values) if value is not None}
         if held != set(self._index.values()) or held != {i for i, c in enumerate(self._refs) if c}:

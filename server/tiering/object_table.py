@@ -100,10 +100,15 @@ class ObjectTable:
         items read and write as Python ints and floats (a numpy scalar costs ~3x)."""
         for name, dtype, width in _COLUMNS:
             column = np.zeros((rows, width) if width else rows, dtype)
-            if keep and (self._ttls or name != "expires_at"):  # (zeros untouched: no memory)
+            if keep and self._copied(name):
                 column[:keep] = getattr(self, "c_" + name)[:keep]
             setattr(self, "c_" + name, column)
             setattr(self, "m_" + name, memoryview(column).cast("B") if width else memoryview(column))
+
+    def _copied(self, name: str) -> bool:
+        """Does a move to new columns copy column `name`? Not expires_at while no object of the
+        table had a TTL: it is all zeros, and new columns' pages left untouched take no memory."""
+        return self._ttls or name != "expires_at"
 
     def _new_slots(self, count: int) -> None:
         self.c_slots = np.full(count, EMPTY, np.int32)
@@ -334,7 +339,7 @@ class ObjectTable:
             old = {name: getattr(self, "c_" + name) for name, _, _ in _COLUMNS}
             self._columns(max(MIN_ROWS, 2 * len(keep)), 0)
             for name, column in old.items():
-                if self._ttls or name != "expires_at":
+                if self._copied(name):
                     getattr(self, "c_" + name)[:len(keep)] = column[keep]
             self.kinds.recount(self.c_kind[:len(keep)])
             new_row = {old: new for new, old in enumerate(keep.tolist())}
