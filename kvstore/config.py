@@ -104,6 +104,9 @@ NVME_DURABILITIES = ("sync", "group")
 MAX_NVME_IO_THREADS = 256
 # A group commit that waits longer than 10 s loses more on a crash than any batching gains.
 MAX_GROUP_COMMIT_MS = 10_000
+# The most hits the host index counts of an object (server/tiering/object_table.py: MAX_HITS, a
+# uint16 column): a larger write_after_hits would never be reached.
+MAX_WRITE_AFTER_HITS = (1 << 16) - 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,7 +124,7 @@ class NvmeTierConfig:
     # write_back: objects go to NVMe when the host tier evicts them; write_through: at
     # put (the put returns once durable); selective: once an object has write_after_hits hits.
     write_policy: str = "write_back"
-    write_after_hits: int = 2
+    write_after_hits: int = 2  # at most MAX_WRITE_AFTER_HITS: the hits the host index counts
     # When NVMe is full, a demoted object is admitted only if it was read at least this
     # often recently (TinyLFU-style frequency filter); 0 admits everything.
     admit_min_hits: int = 1
@@ -143,8 +146,9 @@ class NvmeTierConfig:
             raise InvalidArgument(f"nvme.write_policy must be one of {WRITE_POLICIES}, got {self.write_policy!r}")
         if not _int_in(self.io_threads, 1, MAX_NVME_IO_THREADS):
             raise InvalidArgument(f"nvme.io_threads must be an integer in 1..{MAX_NVME_IO_THREADS}, got {self.io_threads!r}")
-        if not _int_in(self.write_after_hits, 1, math.inf):
-            raise InvalidArgument(f"nvme.write_after_hits must be an integer >= 1, got {self.write_after_hits!r}")
+        if not _int_in(self.write_after_hits, 1, MAX_WRITE_AFTER_HITS):
+            raise InvalidArgument(f"nvme.write_after_hits must be an integer in 1..{MAX_WRITE_AFTER_HITS}, "
+                                  f"got {self.write_after_hits!r}")
         if not _int_in(self.admit_min_hits, 0, math.inf):
             raise InvalidArgument(f"nvme.admit_min_hits must be an integer >= 0, got {self.admit_min_hits!r}")
         if not _positive_number(self.group_commit_ms) or self.group_commit_ms > MAX_GROUP_COMMIT_MS:

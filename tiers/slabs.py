@@ -50,6 +50,16 @@ SIZE_CLASSES = (
 )
 # Objects larger than the largest class take whole pages: 3585..4096 B wastes at most 14%.
 LARGEST_CLASS = SIZE_CLASSES[-1]
+# The class of a size of n 64-byte units (every class is a multiple of 64): a tuple index is
+# what the host index pays to learn an extent's length from the object's size.
+_CLASS_OF_UNITS = tuple(SIZE_CLASSES[bisect_left(SIZE_CLASSES, units * 64)] for units in range(LARGEST_CLASS // 64 + 1))
+
+
+def footprint(size_bytes: int, page: int) -> int:
+    """The bytes an object of size_bytes (> 0) takes: its size class, or whole pages."""
+    if size_bytes <= LARGEST_CLASS:
+        return _CLASS_OF_UNITS[-(-size_bytes // 64)]
+    return -(-size_bytes // page) * page
 
 
 @dataclass(slots=True)
@@ -122,8 +132,8 @@ class SlabAllocator:
 
     def footprint(self, size_bytes: int) -> int:
         """The bytes an object of size_bytes takes: its class, or whole pages."""
-        c = self._class_of(size_bytes)
-        return c if c is not None else -(-size_bytes // self._page) * self._page
+        self._class_of(size_bytes)  # (checks it)
+        return footprint(size_bytes, self._page)
 
     def slab_bytes(self, size_class: int) -> int:
         """Bytes of one slab of `size_class`: the fewest whole pages it divides."""

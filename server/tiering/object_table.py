@@ -8,8 +8,12 @@ serial, id) made when code asks for an entry and dropped with it:
     ids[row]        32 B     the id; hash[row] uint32: the low bits of Python's hash of it
                              (SipHash, keyed per process: ids are chosen by clients, and cannot
                              be crafted to share a probe chain), compared before the id
-    offset, length  uint64   the extent in the namespace's arena (length 0: none)
-    size            uint64   the object's bytes
+    offset          uint32   where the extent starts in the namespace's arena, in 64 B units
+                             (slots and pages are 64 B aligned at least); its length is not
+                             kept: it is the size's class or, flag PAGED, its whole pages (an
+                             object fetched from a pool lands in pages: server/pool/link.py);
+                             flag NO_EXTENT: none
+    size            uint32   the object's bytes
     serial          uint64   this copy of the object, never reused: a view of a row since
                              given to another object sees another serial and raises StaleEntry
     created_at      float64  wall clock
@@ -17,14 +21,19 @@ serial, id) made when code asks for an entry and dropped with it:
                              writes it, so while no object of the table has a TTL the column's
                              pages are never touched and take no memory (8 B an object saved)
     checksum[row]   16 B     xxh3-128 of the bytes
-    hits uint32, readers int32, flags uint8 (INDEXED, DELETED, ON_NVME, TTL; USED till released)
-    kind            uint32   the row's (descriptor, hints) pair, kept once per table however
+    hits uint16 (saturates), readers int32, flags uint8 (INDEXED, DELETED, ON_NVME, TTL,
+                             PAGED, NO_EXTENT; USED till released)
+    kind            uint16   the row's (descriptor, hints) pair, kept once per table however
                              many rows share it (server/tiering/interned.py); hints that name
                              the object's own blocks (a route) are the row's own: own_hints
     pins            dict     row -> pinned until (monotonic; math.inf: until unpinned), for
                              the pinned rows only: most objects are never pinned
     slots           int32    linear probing: a row, EMPTY, or GONE (a tombstone); at most
                              LOAD full, then rebuilt (vectorised) without tombstones
+
+offset, size and kind widen (offset and size to uint64, kind to uint32) the first time a value
+of the table needs it: an arena past 256 GiB, an object of 4 GiB or more, a table with more than
+65,536 distinct pairs; most tables never pay for the widths few need.
 
 A row leaves the index (`remove`) and is given back (`release`) once its last reader left:
 until then a deleted entry keeps its row, its extent and its fields (extents_still_read).
@@ -54,22 +63,32 @@ from kvstore.server.tiering.interned import Interned
 from kvstore.server.tiering.open_slots import EMPTY, GONE, find, place
 from kvstore.replies import GetReply
 from kvstore.tiers.allocator import Extent
+from kvstore.tiers.arena import PAGE_BYTES
+from kvstore.tiers.slabs import footprint
 
 CHECKSUM_BYTES = 16  # xxh3-128
-INDEXED, DELETED, ON_NVME, USED, TTL = 1, 2, 4, 8, 16  # flags; USED: indexed or still read
+# flags; USED: indexed or still read; PAGED: the extent is the size's whole pages, not its class
+INDEXED, DELETED, ON_NVME, USED, TTL, PAGED, NO_EXTENT = 1, 2, 4, 8, 16, 32, 64
 LOAD = 0.7  # the most of the slots rows and tombstones take before a rebuild
 MIN_ROWS = 64
-MAX_HITS = (1 << 32) - 1
+MAX_HITS = (1 << 16) - 1
+OFFSET_SHIFT = 6  # offsets are kept in 64 B units
 _SERIALS = itertools.count(1)
 
 HASH_MASK = (1 << 32) - 1  # the bits of an id's hash a row keeps
 
 # (name, dtype, width per row: 0 for a scalar column)
-_COLUMNS = (("ids", np.uint8, ID_BYTES), ("hash", np.uint32, 0), ("offset", np.uint64, 0),
-            ("length", np.uint64, 0), ("size", np.uint64, 0), ("serial", np.uint64, 0),
+_COLUMNS = (("ids", np.uint8, ID_BYTES), ("hash", np.uint32, 0), ("offset", np.uint32, 0),
+            ("size", np.uint32, 0), ("serial", np.uint64, 0),
             ("created_at", np.float64, 0), ("expires_at", np.float64, 0),
-            ("checksum", np.uint8, CHECKSUM_BYTES), ("hits", np.uint32, 0), ("readers", np.int32, 0),
-            ("flags", np.uint8, 0), ("kind", np.uint32, 0))
+            ("checksum", np.uint8, CHECKSUM_BYTES), ("hits", np.uint16, 0), ("readers", np.int32, 0),
+            ("flags", np.uint8, 0), ("kind", np.uint16, 0))
+_WIDER = {"offset": np.uint64, "size": np.uint64, "kind": np.uint32}  # what a column widens to
+
+
+def _pages(size: int) -> int:
+    """The bytes of the whole pages `size` bytes take."""
+    return -(-size // PAGE_BYTES) * PAGE_BYTES
 
 
 class StaleEntry(RuntimeError):
@@ -92,18 +111,29 @@ class ObjectTable:
         self.own_hints: dict[int, object] = {}  # row -> hints with a route (each object's own)
         self.pins: dict[int, float] = {}
         self._ttls = False  # an object of the table had a TTL: expires_at's pages are in use
+        self._dtypes = {name: dtype for name, dtype, _ in _COLUMNS}  # (narrow again)
         self._columns(MIN_ROWS, 0)
         self._new_slots(MIN_ROWS)
 
     def _columns(self, rows: int, keep: int) -> None:
         """Columns of `rows` rows, the first `keep` copied over; a memoryview of each, whose
         items read and write as Python ints and floats (a numpy scalar costs ~3x)."""
-        for name, dtype, width in _COLUMNS:
-            column = np.zeros((rows, width) if width else rows, dtype)
+        for name, _, width in _COLUMNS:
+            column = np.zeros((rows, width) if width else rows, self._dtypes[name])
             if keep and self._copied(name):
                 column[:keep] = getattr(self, "c_" + name)[:keep]
-            setattr(self, "c_" + name, column)
-            setattr(self, "m_" + name, memoryview(column).cast("B") if width else memoryview(column))
+            self._set_column(name, column)
+
+    def _set_column(self, name: str, column: np.ndarray) -> None:
+        setattr(self, "c_" + name, column)
+        setattr(self, "m_" + name, memoryview(column).cast("B") if column.ndim == 2 else memoryview(column))
+
+    def _widen(self, **values: int) -> None:
+        """Widen each column named whose dtype cannot hold its value (once per table and column)."""
+        for name, value in values.items():
+            if value > np.iinfo(self._dtypes[name]).max:
+                self._dtypes[name] = _WIDER[name]
+                self._set_column(name, getattr(self, "c_" + name).astype(_WIDER[name]))
 
     def _copied(self, name: str) -> bool:
         """Does a move to new columns copy column `name`? Not expires_at while no object of the
@@ -250,6 +280,7 @@ class ObjectTable:
         if hints.ttl_s is not None:
             ttl, self._ttls = TTL, True
             expires_at = now + hints.ttl_s - (0.0 if created_at is None else max(0.0, wall - created_at))
+        units, fit = self._placed(extent, size)
         row = self._new_row()
         if hints.route is None:
             kind = self.kinds.ref((descriptor, hints))
@@ -258,11 +289,12 @@ class ObjectTable:
         else:
             kind = self.kinds.ref((descriptor, None))
             self.own_hints[row] = hints
+        if (units | size) >> 32 or kind >> 16:
+            self._widen(offset=units, size=size, kind=kind)
         serial = next(_SERIALS)
         self.m_ids[row * ID_BYTES:(row + 1) * ID_BYTES] = oid
         self.m_checksum[row * CHECKSUM_BYTES:(row + 1) * CHECKSUM_BYTES] = checksum
-        self.m_hash[row], self.m_serial[row], self.m_size[row] = h, serial, size
-        self.m_offset[row], self.m_length[row] = (0, 0) if extent is None else (extent.offset, extent.length)
+        self.m_hash[row], self.m_serial[row], self.m_size[row], self.m_offset[row] = h, serial, size, units
         self.m_created_at[row] = wall if created_at is None else created_at
         if ttl:
             self.m_expires_at[row] = expires_at
@@ -271,7 +303,7 @@ class ObjectTable:
         else:
             self.pins.pop(row, None)  # the row's last object's, if it was pinned
         self.m_hits[row] = self.m_readers[row] = 0
-        self.m_flags[row] = USED | INDEXED | (ON_NVME if on_nvme else 0) | ttl
+        self.m_flags[row] = USED | INDEXED | (ON_NVME if on_nvme else 0) | ttl | fit
         self.m_kind[row] = kind
         if self.m_slots[at] == GONE:
             self._gone -= 1
@@ -280,6 +312,29 @@ class ObjectTable:
         if self._live + self._gone > LOAD * len(self.c_slots):
             self._rebuild_slots()
         return ObjectEntry(self, row, serial, oid)
+
+    @staticmethod
+    def _placed(extent: Extent | None, size: int) -> tuple[int, int]:
+        """(offset in 64 B units, PAGED / NO_EXTENT / 0) of an entry's extent: what the row
+        keeps to give the extent back whole (extent_at). Any other extent is a caller's bug."""
+        if extent is None:
+            return 0, NO_EXTENT
+        offset, length = extent.offset, extent.length
+        if not offset & ((1 << OFFSET_SHIFT) - 1):
+            if length == footprint(size, PAGE_BYTES):
+                return offset >> OFFSET_SHIFT, 0
+            if length == _pages(size):
+                return offset >> OFFSET_SHIFT, PAGED
+        raise ValueError(f"{extent!r} is not where the arena puts {size} bytes: 64 B aligned, their "
+                         f"size class or their whole pages")
+
+    def extent_at(self, row: int) -> Extent | None:
+        """The extent of a row's object, as the arena handed it out (None: it has none)."""
+        flags, size = self.m_flags[row], self.m_size[row]
+        if flags & NO_EXTENT:
+            return None
+        length = _pages(size) if flags & PAGED else footprint(size, PAGE_BYTES)
+        return Extent(self.m_offset[row] << OFFSET_SHIFT, length)
 
     def _new_row(self) -> int:
         self._in_use += 1
@@ -371,8 +426,9 @@ class ObjectTable:
     def extents_still_read(self) -> list[Extent]:
         """The extents of entries removed from the index while read (kept until their last
         reader leaves: `release`)."""
-        rows = np.nonzero((self.c_flags[:self.end] & (USED | INDEXED)) == USED)[0]
-        return [Extent(int(self.c_offset[r]), int(self.c_length[r])) for r in rows if self.c_length[r]]
+        flags = self.c_flags[:self.end]
+        rows = np.nonzero((flags & (USED | INDEXED | NO_EXTENT)) == USED)[0]
+        return [self.extent_at(row) for row in rows.tolist()]
 
     def total_readers(self) -> int:
         """Readers counted on every row, deleted ones still read included."""
@@ -463,13 +519,11 @@ class ObjectEntry:
     @property
     def extent(self) -> Extent | None:
         """Where the bytes are in the namespace's arena: equal (not the same object) each time."""
-        row, t = self.locate(), self.table
-        length = t.m_length[row]
-        return Extent(t.m_offset[row], length) if length else None
+        return self.table.extent_at(self.locate())
 
     @property
     def offset(self) -> int:
-        return self.table.m_offset[self.locate()]
+        return self.table.m_offset[self.locate()] << OFFSET_SHIFT
 
     @property
     def size(self) -> int:
@@ -511,7 +565,7 @@ class ObjectEntry:
                        doc="a verified copy is on the NVMe tier too")
 
     readers = _column("m_readers", "Read leases and daemon holds on this entry.")
-    num_hits = _column("m_hits", "Hits served (capped at 2**32 - 1).", MAX_HITS)
+    num_hits = _column("m_hits", "Hits served (capped at 2**16 - 1).", MAX_HITS)
 
     @property
     def expires_at(self) -> float:
@@ -543,12 +597,13 @@ class ObjectEntry:
     def placement(self) -> tuple[int, int, bytes]:
         """(arena offset, size, checksum), read at once."""
         row, t = self.locate(), self.table
-        return t.m_offset[row], t.m_size[row], bytes(t.m_checksum[row * CHECKSUM_BYTES:(row + 1) * CHECKSUM_BYTES])
+        return (t.m_offset[row] << OFFSET_SHIFT, t.m_size[row],
+                bytes(t.m_checksum[row * CHECKSUM_BYTES:(row + 1) * CHECKSUM_BYTES]))
 
     def read_fields(self) -> tuple[int, int, bytes, dict]:
         """What a get hit sends of the object: (arena offset, size, checksum, descriptor wire)."""
         row, t = self.locate(), self.table
-        return (t.m_offset[row], t.m_size[row], bytes(t.m_checksum[row * CHECKSUM_BYTES:(row + 1) * CHECKSUM_BYTES]),
+        return (t.m_offset[row] << OFFSET_SHIFT, t.m_size[row], bytes(t.m_checksum[row * CHECKSUM_BYTES:(row + 1) * CHECKSUM_BYTES]),
                 _wire_of(t.descriptor_at(row)))
 
     def get_reply(self, lease_id: int, tier: str = "host", offset: int | None = None) -> GetReply:

@@ -134,7 +134,8 @@ def test_well_typed_values_pass():
     ("group_commit_ms = 20000", r"nvme.group_commit_ms must be a number in (0, 10000], got 20000"),
     ("group_commit_ms = 0", r"nvme.group_commit_ms must be a number in (0, 10000], got 0"),
     ('durability = "async"', "nvme.durability must be sync or group, got 'async'"),
-    ("write_after_hits = 0", "nvme.write_after_hits must be an integer >= 1, got 0"),
+    ("write_after_hits = 0", "nvme.write_after_hits must be an integer in 1..65535, got 0"),
+    ("write_after_hits = 65536", "nvme.write_after_hits must be an integer in 1..65535, got 65536"),
     ("admit_min_hits = -1", "nvme.admit_min_hits must be an integer >= 0, got -1"),
 ])
 def test_nvme_values_out_of_range_in_the_toml_are_refused_naming_key_and_range(table, message):

@@ -182,7 +182,7 @@ def test_the_packed_record_gives_back_every_unchanging_field_exactly():
     assert e.extent == big and e.offset == big.offset and e.size == (3 << 20) - 5
     assert e.checksum == bytes(range(16)) and type(e.checksum) is bytes
     assert e.created_at == 1764790000.123456
-    later = ObjectEntry.create(OID, "ns", big, 1, bytes(16), DESC, Hints(), 1.0)
+    later = ObjectEntry.create(OID, "ns", big, 3 << 20, bytes(16), DESC, Hints(), 1.0)
     assert later.serial > e.serial  # each copy its own, never reused
     reply = e.get_reply(7)
     assert (reply.offset, reply.size, reply.checksum) == (big.offset, e.size, e.checksum)
