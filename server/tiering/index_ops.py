@@ -25,6 +25,9 @@ log = logging.getLogger("kvstore.tiers")
 
 # Fixed cost of loading one object on top of its bytes (one request and its lease).
 PER_OBJECT_LOAD_S = 20e-6
+# Where a batch's ids are on this node, as codes in an array (_placed_here) and their names.
+MISS, HOST, NVME = 0, 1, 2
+TIERS = (None, "host", "nvme")
 
 
 class Placements(NamedTuple):
@@ -103,25 +106,26 @@ class IndexOps:
         estimated time to load them at each tier's measured bandwidth (docs/architecture.md,
         "Load estimates"). expect: per key the descriptor the reader can use, or None; an
         object stored under another descriptor is a miss."""
-        tiers, sizes = self._placed_here(namespace, ids, expect)
-        hits = next((i for i, tier in enumerate(tiers) if tier is None), len(tiers))
-        host_bytes = sum(size for tier, size in zip(tiers[:hits], sizes) if tier == "host")
-        nvme_bytes = sum(sizes[:hits]) - host_bytes
+        codes, sizes = self._placed_here(namespace, ids, expect)
+        misses = np.flatnonzero(codes == MISS)
+        hits = int(misses[0]) if len(misses) else len(codes)
+        host_bytes = int(sizes[:hits][codes[:hits] == HOST].sum())
+        nvme_bytes = int(sizes[:hits].sum()) - host_bytes
         est = self.load_estimate_s(hits, host_bytes, nvme_bytes)
-        result = LookupReply(hits, tuple(tiers), host_bytes + nvme_bytes, est)
+        result = LookupReply(hits, tuple(map(TIERS.__getitem__, codes.tolist())), host_bytes + nvme_bytes, est)
         if hits == len(ids):
             return result
-        misses = [i for i, tier in enumerate(tiers) if tier is None]
+        misses = misses.tolist()
         metas = self.below.lookup_remote(namespace, [ids[i] for i in misses])
-        return then(metas, lambda metas: self._with_remote(result, misses, metas, sizes, expect))
+        return then(metas, lambda metas: self._with_remote(result, misses, metas, sizes.tolist(), expect))
 
     def placements(self, namespace: str, ids, expect: list | None = None) -> MaybeAwaitable[Placements]:
         """Where every id would load from and its size, not only the leading ones: what the
         admin API's batched lookup needs to score many prefixes from one call. Tiers as in
         lookup plus "remote" (the misses are asked of their homes, one round trip per home);
         expect as in lookup. Opens no namespace. An awaitable when peers are asked."""
-        tiers, sizes = self._placed_here(namespace, ids, expect)
-        misses = [i for i, tier in enumerate(tiers) if tier is None]
+        codes, sizes = self._placed_here(namespace, ids, expect)
+        tiers, sizes, misses = list(map(TIERS.__getitem__, codes.tolist())), sizes.tolist(), np.flatnonzero(codes == MISS).tolist()
         if not misses:
             return Placements(tiers, sizes)
         metas = self.below.lookup_remote(namespace, [ids[i] for i in misses])
@@ -136,27 +140,28 @@ class IndexOps:
             est += remote_bytes / self.below.bandwidth_bytes_s
         return est
 
-    def _placed_here(self, namespace: str, ids, expect: list | None) -> tuple[list, list]:
-        """Per id its tier on this node ("host", "nvme" or None) and its size (0 for None):
-        the host index and the NVMe table each probed once for the whole batch."""
+    def _placed_here(self, namespace: str, ids, expect: list | None) -> tuple[np.ndarray, np.ndarray]:
+        """Per id its tier on this node (MISS, HOST or NVME: an index of TIERS) and its size
+        (0 for MISS), as arrays: the host index and the NVMe table each probed once for the
+        whole batch."""
         ns = self.host.namespaces.get(namespace)
         if ns is None:
             rows = np.full(len(ids), -1, np.int64)
-            sizes = [0] * len(ids)
+            sizes = np.zeros(len(ids), np.int64)
         else:
             rows = ns.objects.live_rows(ids, self.host.clock())
-            sizes = np.where(rows >= 0, ns.objects.c_size[rows], 0).tolist()
-        rows = rows.tolist()
-        tiers = ["host" if row >= 0 else None for row in rows]
-        missed = [i for i, row in enumerate(rows) if row < 0]
-        for i, size in zip(missed, self.nvme.sizes_of(namespace, [ids[i] for i in missed])):
-            if size is not None:
-                tiers[i], sizes[i] = "nvme", size
+            sizes = np.where(rows >= 0, ns.objects.c_size[rows], 0).astype(np.int64)
+        codes = (rows >= 0).astype(np.int8)  # HOST where found, else MISS
+        missed = np.flatnonzero(rows < 0).tolist()
+        if missed:
+            for i, size in zip(missed, self.nvme.sizes_of(namespace, [ids[i] for i in missed])):
+                if size is not None:
+                    codes[i], sizes[i] = NVME, size
         if expect is not None:
             for i, wanted in enumerate(expect):
-                if wanted is not None and tiers[i] is not None and not self._as_expected(ns, namespace, ids[i], rows[i], wanted):
-                    tiers[i], sizes[i] = None, 0
-        return tiers, sizes
+                if wanted is not None and codes[i] != MISS and not self._as_expected(ns, namespace, ids[i], int(rows[i]), wanted):
+                    codes[i], sizes[i] = MISS, 0
+        return codes, sizes
 
     @staticmethod
     def _placed_remote(tiers: list, sizes: list, misses: list[int], metas: list, expect) -> Placements:

@@ -183,7 +183,8 @@ class NvmeTable:
 
         def matches(rows: np.ndarray, keys: np.ndarray) -> np.ndarray:
             return (self.hash[rows] == hashes[keys]) & (self.ns[rows] == number) & (self.ids[rows] == ids[keys]).all(axis=1)
-        rows = find(self._slots, self._homes_of(hashes), matches)
+        rows = find(self._slots, self._homes_of(hashes), matches,
+                    lambda key: self._find(number, ids[key].tobytes(), int(hashes[key]))[0])
         held = rows >= 0
         sizes[held] = self.state[rows[held]] >> SIZE_SHIFT
         return sizes

@@ -172,7 +172,7 @@ class ObjectTable:
         time."""
         if not self._live or not len(ids):
             return np.full(len(ids), -1, np.int64)
-        hashes = np.fromiter((hash(oid) & HASH_MASK for oid in ids), np.uint32, len(ids))
+        hashes = (np.fromiter(map(hash, ids), np.int64, len(ids)) & HASH_MASK).astype(np.uint32)
         wanted = np.frombuffer(b"".join(ids), np.uint64).reshape(len(ids), ID_BYTES // 8)
         words = self.c_ids.view(np.uint64)  # an id as four words: compared 8 bytes at a time
 
@@ -181,7 +181,8 @@ class ObjectTable:
             rows, keys = rows[same], keys[same]
             same[same] = (words[rows] == wanted[keys]).all(axis=1)
             return same
-        rows = find(self.c_slots, hashes & np.uint32(self._mask), matches)
+        rows = find(self.c_slots, hashes & np.uint32(self._mask), matches,
+                    lambda key: self._find(ids[key], int(hashes[key]))[0])
         held = rows >= 0
         if self._ttls:
             live = rows[held]
