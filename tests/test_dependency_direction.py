@@ -192,7 +192,7 @@ def test_no_tier_holds_the_manager():
 
 # Collaborators server/tiering/chain.py still sets on a tier once the remote tier exists: the
 # cycle issue 43 has yet to remove (docs/architecture.md, "Cluster", says why). It only shrinks.
-STILL_SET_AFTER_CONSTRUCTION = {"self.nvme.below", "self.host.on_leave"}
+STILL_SET_AFTER_CONSTRUCTION = {"self.host.on_leave"}
 
 
 def _assigned_attributes(tree: ast.AST):

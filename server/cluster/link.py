@@ -14,11 +14,14 @@
     pin / unpin        -> this node's host copies, then the homes' (scope "cluster")
     peer asks us       -> read / reserve / lookup / delete / pin against this node's tiers
 
-Three roles, one module each, composed here: serving peers (server/cluster/serving.py),
-fetching misses from homes (server/cluster/fetch.py: one landing for whole and ranged
-reads), and replicating to homes (server/cluster/replicate.py: commit copies, demotion,
-remote puts, deletes, the send gate). They share one set: the objects held here that every
-remote home is known to hold too, which may leave this node without being sent.
+Three roles, one module each: serving peers (server/cluster/serving.py), fetching misses from
+homes (server/cluster/fetch.py: one landing for whole and ranged reads), and replicating to
+homes (server/cluster/replicate.py: commit copies, demotion, remote puts, deletes, the send
+gate). The replicator is the sending side, made before NVMe (which hands it what it evicts or
+refuses) with this node's PeerNode; the link is made after NVMe with it, composes the other two
+roles over the local tiers, and starts the node serving peers from them. They share one set,
+the replicator's: the objects held here that every remote home is known to hold too, which may
+leave this node without being sent.
 
 Bytes cross nodes only as a transfer between two owners, and every received object is
 checked against its xxh3-128 before it is published (tiers/remote/ and the peer service
@@ -36,7 +39,6 @@ from kvstore.server.cluster.fetch import Fetcher
 from kvstore.server.cluster.replicate import Replicator
 from kvstore.server.cluster.serving import PeerServing
 from kvstore.server.later import MaybeAwaitable, then
-from kvstore.server.cluster.node import PeerNode
 from kvstore.server.cluster.rehome import Rehomer
 from kvstore.server.tiering.chain import LocalTiers, victim_sink
 from kvstore.server.tiering.objects import ObjectEntry
@@ -48,23 +50,22 @@ class ClusterLink:
 
     reads_ranges = True  # a ranged miss fetches only those ranges from a home (fetch_ranges)
 
-    def __init__(self, local: LocalTiers, config: ClusterConfig):
+    def __init__(self, local: LocalTiers, replicator: Replicator, config: ClusterConfig):
         """local: this node's tiers, which peers are served from and fetches land in;
+        replicator: the sending side (made before NVMe, with this node's PeerNode);
         config: the `[cluster]` table."""
         self.config = config
         self.events = local.events
+        self.replicator, self.node = replicator, replicator.node
         # (namespace, digest) of objects held here that every remote home is known to hold
         # too: they may leave this node without being sent. Only objects held here are kept,
         # and only for the member list of the day (homes move when it changes).
-        self._held: set[tuple[str, bytes]] = set()
+        self._held = replicator.held
         # Where the host tier's victims go when fetched bytes or a peer's put need room: the
         # chain's rule, computed from this node's tiers and this link (its demote).
         sink = victim_sink(local, self)
         self.serving = PeerServing(local, self._held, sink)
-        self.node = PeerNode(config, self.serving, on_members=self.on_members,
-                             on_peer_state=self.on_peer_state)
         self.fetcher = Fetcher(local, self.node, self._held, sink)
-        self.replicator = Replicator(local, config, self.node, self._held, self.serving)
         self.rehomer = Rehomer(self, local, config) if config.rehome else None
 
     # --- what the tiers above ask (server/tiering/chain.py: Homes), each answered by its role
@@ -85,32 +86,17 @@ class ClusterLink:
         """A put with tier="remote": the commit's reply waits for the homes."""
         return self.replicator.put_remote(entry)
 
-    def must_send(self, namespace: str, oid: ObjectId) -> bool:
-        """Whether `oid` must be sent home before it may leave this node."""
-        return self.replicator.must_send(namespace, oid)
-
-    def forget(self, namespace: str, oid: ObjectId) -> None:
-        """`oid` left this node altogether."""
-        self.replicator.forget(namespace, oid)
-
-    async def demote(self, entries: list[ObjectEntry]) -> None:
-        """Host victims leaving this node: sent to the homes that may lack them first."""
-        await self.replicator.demote(entries)
-
-    async def demote_from_nvme(self, namespace: str, oids: list[ObjectId]) -> None:
-        """NVMe's victims leaving this node: sent to the homes that may lack them first."""
-        await self.replicator.demote_from_nvme(namespace, oids)
-
     def sending(self, namespace: str, oid: ObjectId):
         """The send gate (an async context), shared by commit copies, demotions and re-homing."""
         return self.replicator.sending(namespace, oid)
 
     def victim_sink(self, host):
-        """The host tier's victims, with no NVMe tier: copied to their homes, then evicted."""
-        return host.copy_then_evict(self.demote)
+        """The host tier's victims, with no NVMe tier: copied to their homes (those that may
+        lack them), then evicted."""
+        return host.copy_then_evict(self.replicator.demote)
 
     async def start(self) -> None:
-        await self.node.start()
+        await self.node.start(self.serving, on_members=self.on_members, on_peer_state=self.on_peer_state)
         if self.rehomer is not None:
             self.rehomer.begin(self.node.membership.members())
 

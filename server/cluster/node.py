@@ -1,8 +1,10 @@
 """One daemon's part of the cluster, wired from `ClusterConfig`: transport, peer service,
-membership and the remote tier. The daemon supplies the PeerBackend (its tier manager).
+membership and the remote tier. The backend it serves peers from (server/cluster/serving.py)
+comes at start: the node is made before the tiers that backend serves from (its remote tier is
+what the cluster's sending side sends through, and NVMe is made with that side).
 
-    node = PeerNode(config.cluster, backend, on_members=manager.on_members_changed)
-    await node.start()             # listen, authenticate peers, register / read members
+    node = PeerNode(config.cluster)
+    await node.start(backend, on_members=link.on_members)  # listen, authenticate peers, register / read members
     await node.remote.get_into(namespace, object_id, alloc)     # a local miss asks the home
     await node.remote.put(namespace, object_id, meta, buffer)   # demotion to tier "remote"
     await node.remote.lookup(namespace, ids)                    # one round trip per home
@@ -53,17 +55,12 @@ def read_secret(cluster: ClusterConfig) -> bytes:
 
 
 class PeerNode:
-    def __init__(self, cluster: ClusterConfig, backend: PeerBackend, on_members: OnChange | None = None,
-                 on_peer_state: Callable[[str, bool], None] | None = None):
-        """on_peer_state(node, up): a peer was marked down, or answers again (RemoteTier)."""
+    def __init__(self, cluster: ClusterConfig):
         self.cluster = cluster
         self.node_id = cluster.node_id or socket.gethostname()
         self.secret = read_secret(cluster)
         self.transport = make_transport(cluster.transport)
-        self.service = PeerService(backend, self.transport, self.secret, self.node_id, cluster.peer_timeout_s,
-                                   on_peer=self._answered)
-        self.on_members = on_members
-        self.on_peer_state = on_peer_state
+        self.service: PeerService | None = None  # serving `backend` once started
         self.address = ""
         self.membership = None
         self.remote: RemoteTier | None = None
@@ -84,15 +81,20 @@ class PeerNode:
         if self.remote is not None and node in self.membership.members():
             self.remote.mark_up(node)
 
-    async def start(self) -> None:
+    async def start(self, backend: PeerBackend, on_members: OnChange | None = None,
+                    on_peer_state: Callable[[str, bool], None] | None = None) -> None:
+        """Serve peers from `backend` and join. on_members(members): the member list changed;
+        on_peer_state(node, up): a peer was marked down, or answers again (RemoteTier)."""
+        self.service = PeerService(backend, self.transport, self.secret, self.node_id, self.cluster.peer_timeout_s,
+                                   on_peer=self._answered)
         bound = await self.service.start(self.cluster.listen)
         self.address = self.cluster.advertise or bound
         if parse_address(self.address)[0] in ("0.0.0.0", "::"):
             await self.service.stop()
             raise InvalidArgument(f"peers cannot dial {self.address}: set cluster.advertise to this node's address")
-        self.membership = make_membership(self.cluster, self.node_id, self.address, self.on_members)
+        self.membership = make_membership(self.cluster, self.node_id, self.address, on_members)
         self.remote = RemoteTier(self.node_id, self.membership.members, self.connect,
-                                 self.cluster.replicas, self.cluster.peer_timeout_s, on_state=self.on_peer_state)
+                                 self.cluster.replicas, self.cluster.peer_timeout_s, on_state=on_peer_state)
         try:
             await self.membership.start()
         except BaseException:
@@ -116,6 +118,7 @@ class PeerNode:
     def stats(self) -> dict:
         return {"node_id": self.node_id, "address": self.address,
                 "members": self.membership.members() if self.membership else {},
-                "remote": self.remote.stats() if self.remote else {}, "service": self.service.stats(),
+                "remote": self.remote.stats() if self.remote else {},
+                "service": self.service.stats() if self.service else {},
                 "auth_failures": {"client": self.num_auth_failures,
-                                  "server": self.service.counters.num_auth_failures}}
+                                  "server": self.service.counters.num_auth_failures if self.service else 0}}

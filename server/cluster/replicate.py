@@ -16,8 +16,9 @@ from dataclasses import dataclass
 
 from kvstore.errors import Conflict
 from kvstore.replies import CommitReply
-from kvstore.server.cluster.serving import FOR_PEER
+from kvstore.server.cluster.serving import FOR_PEER, PeerServing
 from kvstore.server.events import MEDIUM_PEER
+from kvstore.server.tiering.chain import ReadCopy
 from kvstore.server.tiering.demotions import DemotionTally
 from kvstore.server.tiering.objects import ObjectEntry
 from kvstore.tiers.remote import MAX_LINKS_PER_PEER
@@ -35,13 +36,15 @@ class ReplicaCounters:
 
 
 class Replicator:
-    """`held`: (namespace, digest) of objects held here that every remote home is known to
-    hold too (shared with the other cluster roles); `serving` lends host entries' bytes."""
+    """The cluster's sending side (server/tiering/chain.py: Sends), made before NVMe, which
+    hands it what it evicts or refuses. `held`: (namespace, digest) of objects held here that
+    every remote home is known to hold too (made here, shared with the other cluster roles)."""
 
-    def __init__(self, local, config, node, held: set, serving):
-        """local: this node's tiers (server/tiering/chain.py: LocalTiers)."""
-        self.host, self.nvme, self.events = local.host, local.nvme, local.events
-        self.config, self.node, self.held, self.serving = config, node, held, serving
+    def __init__(self, host, events, config, node):
+        """host: the host tier, whose entries are sent; events: the KV event stream; node: this
+        node's PeerNode (server/cluster/node.py), started by ClusterLink once it serves peers."""
+        self.host, self.events, self.config, self.node = host, events, config, node
+        self.held: set[tuple[str, bytes]] = set()
         self._background: set[asyncio.Task] = set()
         # Sends in flight per object: a delete waits for them, or the copy would land after it.
         self._sending: dict[tuple[str, bytes], list[asyncio.Future]] = {}
@@ -103,7 +106,7 @@ class Replicator:
             if not ns.objects.holds(entry):
                 return [], False
             with self.host.held_view(entry) as view:
-                held = await self.remote.put(entry.namespace, entry.object_id, self.serving.meta(entry), view,
+                held = await self.remote.put(entry.namespace, entry.object_id, PeerServing.meta(entry), view,
                                              raising)
         if held and set(held) >= set(homes):
             if ns.objects.holds(entry):
@@ -131,16 +134,16 @@ class Replicator:
         results = await asyncio.gather(*(self._send(e) for e in sends)) if sends else []
         self._count_demotions(sends, results)
 
-    async def demote_from_nvme(self, namespace: str, keys) -> None:
-        """NVMe objects (ObjectIds) about to be evicted: read, verify and send those the
-        homes may lack."""
+    async def demote_from_nvme(self, namespace: str, keys, read: ReadCopy) -> None:
+        """NVMe objects (ObjectIds) about to be evicted: those the homes may lack are read
+        (`read`, NVMe's: verified) and sent."""
         oids = [oid for oid in keys if self.must_send(namespace, oid)]
-        results = await asyncio.gather(*(self._send_from_nvme(namespace, oid) for oid in oids)) if oids else []
+        results = await asyncio.gather(*(self._send_from_nvme(namespace, oid, read) for oid in oids)) if oids else []
         self._count_demotions(oids, results)
 
-    async def _send_from_nvme(self, namespace: str, oid) -> bool | None:
+    async def _send_from_nvme(self, namespace: str, oid, read: ReadCopy) -> bool | None:
         async with self.sending(namespace, oid):
-            copy = await self.nvme.read_copy(namespace, oid)
+            copy = await read(namespace, oid)
             if copy is None:
                 return None  # gone, or failed its check (counted by the NVMe tier)
             meta, data = copy

@@ -22,75 +22,41 @@ counted; the local tiers keep serving. An object put with hints.pin is soft-pinn
 pool; later pins and unpins stay local (Mooncake has no call for them). Mooncake has no
 expiry: the header carries the put's time, and a read past the TTL is a miss that removes the
 key. A put with tier="remote" returns once the pool holds it, and keeps no local copy.
+
+Two sides: the puts (server/pool/puts.py: PoolPuts, made before NVMe, which hands it what it
+evicts or refuses; it owns the Mooncake client and what both sides share), and this link, made
+after NVMe: reads, the write_through copies (one evicted to NVMe meanwhile is read back from
+there), and the surface the tiers above use.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections import OrderedDict
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 
-import numpy as np
 import xxhash
 
 from kvstore.errors import CapacityError
 from kvstore.identity import ObjectId
 from kvstore.peer_messages import RemoteMeta
-from kvstore.pool_header import HEADER_BYTES, PoolHeaderError, decode_header, encode_header, pool_key
-from kvstore.replies import CommitReply
+from kvstore.pool_header import HEADER_BYTES, PoolHeaderError, decode_header
 from kvstore.server.events import MEDIUM_PEER
-from kvstore.server.later import resolve
 from kvstore.server.pool.master_metrics import read_master_metrics
-from kvstore.server.tiering.demotions import DemotionTally
+from kvstore.server.pool.puts import MAX_POOL_BATCH, PoolPuts
 from kvstore.server.tiering.objects import ObjectEntry
 from kvstore.tiers.allocator import Extent
-from kvstore.tiers.mooncake.pool import INVALID_PARAMS, MooncakePool
-from kvstore.tiers.mooncake.scratch import HEADER_SLOTS, HeaderSlots
+from kvstore.tiers.mooncake.pool import INVALID_PARAMS
 from kvstore.server.tiering.bandwidth import moving_bandwidth
 from kvstore.server.tiering.chain import victim_sink
 
 log = logging.getLogger("kvstore.mooncake")
-# Keys per Mooncake call: a quarter of the header slots, so four batches run at once.
-MAX_POOL_BATCH = HEADER_SLOTS // 4
 # A clean stop sends the write_through copies still waiting, for at most this long.
 STOP_COPIES_S = 30.0
 DEFAULT_POOL_BANDWIDTH = 1e9  # load estimates start from a loopback-TCP guess, then follow fetches
 KNOWN_SIZES = 65_536  # payload sizes learned from lookups' headers, kept for the gets that follow
-
-
-@dataclass(slots=True)
-class PoolReadCounters:  # the names of the peer tier's, so /metrics reports both alike
-    num_gets: int = 0
-    num_hits: int = 0
-    num_misses: int = 0
-    num_lookups: int = 0
-    num_deletes: int = 0
-    num_checksum_failures: int = 0  # payloads that did not hash to their header's checksum
-    num_header_failures: int = 0  # headers damaged or naming another object, namespace or size
-    num_size_guesses_missed: int = 0  # gets whose payload was not the guessed size: a second call
-    num_expired: int = 0  # objects found past their TTL (a miss; their key is removed)
-    num_fetched_ahead: int = 0  # of the hits, those a get_many read ahead in batches
-    bytes_in: int = 0
-    bytes_out: int = 0
-
-
-@dataclass(slots=True)
-class PoolWriteCounters:
-    num_replicated: int = 0  # commits put into the pool (write_through)
-    num_demoted_remote: int = 0  # objects put into the pool as they left this node
-    num_demotion_failures: int = 0  # of those, the pool did not take (down, full, error)
-    num_put_failures: int = 0  # every put the pool did not take (replication included)
-    num_remote_puts: int = 0  # puts with tier="remote"
-    num_remote_put_fallbacks: int = 0  # of those, the pool did not take: kept on this node
-
-
-def address_of(buffer) -> tuple[int, np.ndarray]:
-    """The address of a buffer's first byte, and the array that keeps it exported meanwhile."""
-    array = np.frombuffer(buffer, dtype=np.uint8)
-    return array.ctypes.data, array
 
 
 class PoolLink:
@@ -104,37 +70,25 @@ class PoolLink:
     # from the host tier like any local hit's.
     reads_ranges = False
 
-    def __init__(self, local, config, make_store=None):
+    def __init__(self, local, puts: PoolPuts, config):
         """local: this node's tiers (server/tiering/chain.py: LocalTiers), which fetches land
-        in; config: the `[remote.mooncake]` table. make_store: builds the Mooncake client (tests)."""
+        in; puts: the sending side (made before NVMe), which owns the Mooncake client and what
+        both sides share; config: the `[remote.mooncake]` table."""
         self.host, self.nvme, self.events, self.traffic = local.host, local.nvme, local.events, local.traffic
-        self.sink = victim_sink(local, self)  # where host victims go when fetched bytes need room
-        self.config = config
-        self.pool = MooncakePool(config, make_store)
-        self.slots: HeaderSlots | None = None  # made at start (needs the loop)
-        self.read = PoolReadCounters()
-        self.write = PoolWriteCounters()
+        self.config, self.puts = config, puts
+        self.sink = victim_sink(local, self)  # where host victims go when fetched bytes need room (its puts')
+        self.pool, self.read, self.write = puts.pool, puts.read, puts.write
         self.bandwidth_bytes_s = DEFAULT_POOL_BANDWIDTH
-        # (namespace, digest) of objects held here that the pool is known to hold too: they
-        # may leave this node without being put. Forgotten when they leave.
-        self._held: set[tuple[str, bytes]] = set()
-        self._registered: dict[str, int] = {}  # namespace -> arena address registered
-        self._sizes: dict[str, int] = {}  # namespace -> the last payload size put or read: a get's guess
         # (namespace, digest) -> payload size a lookup read in its header: a get's exact guess
         # (a hybrid model's chunks and states differ in size), least recently learned first out
         self._known: OrderedDict[tuple[str, bytes], int] = OrderedDict()
-        self._in_flight: dict[tuple[str, bytes], asyncio.Future] = {}  # puts a delete waits for
-        self._background: set[asyncio.Task] = set()
         self._committed: list[ObjectEntry] = []  # write_through: commits not yet sent to the pool
         self._senders = 0  # tasks sending them (at most io_threads)
-        self.demotions = DemotionTally(self.write)
 
     # --- life ----------------------------------------------------------------------------
 
     async def start(self) -> None:
-        self.slots = HeaderSlots()
-        await self.pool.register(self.slots.address, self.slots.nbytes)
-        self.pool.start()  # set up in the background: a master down only delays the pool
+        await self.puts.start()
 
     async def stop(self) -> None:
         """A clean stop: the write_through copies still waiting for the clients to pause go
@@ -145,23 +99,7 @@ class PoolLink:
                 await asyncio.wait_for(self._copy_committed(backlog), STOP_COPIES_S)
             except Exception as exc:  # (a timeout included) the copies are a cache's: the stop goes on
                 log.warning("event=pool_stop_copies_failed objects=%d error=%r", len(backlog), exc)
-        for task in list(self._background):
-            task.cancel()
-        await asyncio.gather(*self._background, return_exceptions=True)
-        await self.pool.close()
-
-    def key(self, namespace: str, oid) -> str:
-        return pool_key(self.config.key_prefix, namespace, oid)
-
-    async def _register_arena(self, ns) -> None:
-        """The namespace's whole arena, registered once: payloads move straight from and into it."""
-        if ns.name not in self._registered:
-            address, array = address_of(ns.arena.view(Extent(0, ns.arena.capacity_bytes)))
-            del array  # the arena's mapping stays put until the daemon closes it, after stop()
-            self._registered[ns.name] = address
-            await self.pool.register(address, ns.arena.capacity_bytes)
-
-    # --- reads -------------------------------------------------------------------------
+        await self.puts.stop()
 
     async def _metas(self, namespace: str, ids: list, ask_master: bool = True) -> list[RemoteMeta | None]:
         """The verified header of each id the pool holds (None: not held, or a bad header).
@@ -169,28 +107,29 @@ class PoolLink:
         many ids, most of them misses); a get reads its one header at once (a key the pool
         lacks answers OBJECT_NOT_FOUND, one round trip instead of two)."""
         found: list[RemoteMeta | None] = [None] * len(ids)
+        scratch = self.puts.slots
         for start in range(0, len(ids), MAX_POOL_BATCH):
             part = list(range(start, min(start + MAX_POOL_BATCH, len(ids))))
             if not self.pool.usable():
                 break
             held = part
             if ask_master:
-                keys = [self.key(namespace, ids[i]) for i in part]
+                keys = [self.puts.key(namespace, ids[i]) for i in part]
                 held = [i for i, code in zip(part, await self.pool.exist(keys)) if code == 1]
             if not held or not self.pool.usable():
                 continue
-            slots = await self.slots.take(len(held))
+            slots = await scratch.take(len(held))
             try:
-                got = await self.pool.read_ranges(self.slots.address, [self.key(namespace, ids[i]) for i in held],
-                                                  [self.slots.offset(s) for s in slots], [0] * len(held),
+                got = await self.pool.read_ranges(scratch.address, [self.puts.key(namespace, ids[i]) for i in held],
+                                                  [scratch.offset(s) for s in slots], [0] * len(held),
                                                   [HEADER_BYTES] * len(held))
                 for i, slot, n in zip(held, slots, got):
                     if n == HEADER_BYTES:  # else gone meanwhile, or shorter than a header
-                        found[i] = self._decoded(namespace, ids[i], self.slots.view(slot))
+                        found[i] = self._decoded(namespace, ids[i], scratch.view(slot))
                         if found[i] is not None:
                             self._remember(namespace, ids[i], found[i].size)
             finally:
-                await self.slots.give(slots)
+                await scratch.give(slots)
         return found
 
     def _remember(self, namespace: str, object_id, size: int) -> None:
@@ -202,7 +141,7 @@ class PoolLink:
 
     def _guess(self, namespace: str, object_id) -> int | None:
         """The payload size to read a value with: what a lookup found, else the namespace's last."""
-        return self._known.get((namespace, object_id.digest)) or self._sizes.get(namespace)
+        return self._known.get((namespace, object_id.digest)) or self.puts.sizes.get(namespace)
 
     def _decoded(self, namespace: str, object_id, header) -> RemoteMeta | None:
         """A header read from the pool, checked against the key it was read under (None: bad,
@@ -215,8 +154,8 @@ class PoolLink:
             return None
         if meta.expired(time.time()):
             self.read.num_expired += 1
-            if (namespace, object_id.digest) not in self._in_flight:  # not while a new put of it goes
-                self._spawn(self.pool.remove([self.key(namespace, object_id)]))
+            if not self.puts.putting(namespace, object_id):  # not while a new put of it goes
+                self.puts.spawn(self.pool.remove([self.puts.key(namespace, object_id)]))
             return None
         return meta
 
@@ -244,7 +183,7 @@ class PoolLink:
             return None
         ns = self.host.namespaces.get(namespace)  # None: no arena here yet, made once the pool has the object
         if ns is not None:
-            await self._register_arena(ns)
+            await self.puts.register_arena(ns)
         start = time.perf_counter()
         guess = self._guess(namespace, object_id) if ns is not None else None
         guessed = (await self._read_guessed(ns, namespace, [object_id], [guess]))[0] if guess else None
@@ -255,13 +194,13 @@ class PoolLink:
         if meta is None:
             # A miss: the next get reads the header alone first, so that a run of misses does
             # not make room (evict) for payloads that are not there. A hit guesses again.
-            self._sizes.pop(namespace, None)
+            self.puts.sizes.pop(namespace, None)
             self._known.pop((namespace, object_id.digest), None)
             self.events.removed(namespace, object_id, MEDIUM_PEER)
             return None
         if ns is None:
             ns = await self.host.open_namespace(namespace)
-            await self._register_arena(ns)
+            await self.puts.register_arena(ns)
         filled = extent is not None  # the payload came with the header
         if not filled:
             try:
@@ -272,8 +211,9 @@ class PoolLink:
         ok = False
         try:
             if not filled and self.pool.usable():
-                got = await self.pool.read_ranges(self._registered[ns.name] + extent.offset,
-                                                  [self.key(namespace, object_id)], [0], [HEADER_BYTES], [meta.size])
+                key = self.puts.key(namespace, object_id)
+                got = await self.pool.read_ranges(self.puts.registered[ns.name] + extent.offset, [key], [0],
+                                                  [HEADER_BYTES], [meta.size])
                 filled = got[0] == meta.size
             ok = filled and self._verified(ns, namespace, object_id, extent, meta)
         finally:
@@ -300,11 +240,11 @@ class PoolLink:
         """A verified read from the pool becomes the local object (the extent is its)."""
         self.read.num_hits += 1
         self.read.bytes_in += meta.size
-        self._sizes[namespace] = meta.size
+        self.puts.sizes[namespace] = meta.size
         self._known.pop((namespace, object_id.digest), None)  # held here now
         self.bandwidth_bytes_s = moving_bandwidth(self.bandwidth_bytes_s, meta.size, seconds)
         self.host.track_transient(ns, extent, add=False)
-        self._held.add((namespace, object_id.digest))
+        self.puts.held.add((namespace, object_id.digest))
         return self.host.publish(ns, object_id, extent, meta.size, meta.checksum, meta.descriptor, meta.hints,
                                     created_at=meta.created_at)
 
@@ -331,8 +271,8 @@ class PoolLink:
             return out
         kept, done = [False] * n, False
         try:
-            base = self._registered[ns.name]
-            got = await self.pool.get_into([self.key(namespace, oid) for oid in ids[:n]],
+            base = self.puts.registered[ns.name]
+            got = await self.pool.get_into([self.puts.key(namespace, oid) for oid in ids[:n]],
                                            [base + e.offset for e in extents], [HEADER_BYTES + g for g in guesses[:n]])
             for i, (oid, extent, code, guess) in enumerate(zip(ids, extents, got, guesses)):
                 if code == INVALID_PARAMS:  # larger than the guess: nothing was read
@@ -369,7 +309,7 @@ class PoolLink:
         if not self.pool.up:
             return
         ns = await self.host.open_namespace(namespace)
-        await self._register_arena(ns)
+        await self.puts.register_arena(ns)
         for first in range(0, len(ids), MAX_POOL_BATCH):
             part = ids[first:first + MAX_POOL_BATCH]
             start = time.perf_counter()
@@ -377,7 +317,7 @@ class PoolLink:
             if not part:
                 continue
             # Only what the master says the pool holds: room is made (evicting) for each one read.
-            held = await self.pool.exist([self.key(namespace, oid) for oid in part])
+            held = await self.pool.exist([self.puts.key(namespace, oid) for oid in part])
             part = [oid for oid, code in zip(part, held) if code == 1]
             if not part or not self.pool.up:
                 continue
@@ -397,100 +337,6 @@ class PoolLink:
 
     # --- writes --------------------------------------------------------------------------
 
-    async def _put(self, namespace: str, items: list[tuple]) -> list[bool]:
-        """Put (object id, RemoteMeta, buffer) items of one namespace; per item whether the pool
-        holds it now. The buffers must stay valid until this returns."""
-        done = [False] * len(items)
-        for start in range(0, len(items), MAX_POOL_BATCH):
-            part = list(range(start, min(start + MAX_POOL_BATCH, len(items))))
-            if not self.pool.usable():
-                break
-            slots = await self.slots.take(len(part))
-            keep, keys, parts, sizes, indices = [], [], [], [], []
-            try:
-                for i, slot in zip(part, slots):
-                    oid, meta, buffer = items[i]
-                    try:
-                        header = encode_header(oid, meta)
-                    except ValueError as exc:
-                        log.warning("event=pool_put_refused namespace=%s id=%s error=%r", namespace, oid, str(exc))
-                        continue
-                    self.slots.view(slot)[:] = header
-                    address, array = address_of(buffer)
-                    keep.append(array)
-                    keys.append(self.key(namespace, oid))
-                    parts.append([self.slots.address + self.slots.offset(slot)] + ([address] if meta.size else []))
-                    sizes.append([HEADER_BYTES] + ([meta.size] if meta.size else []))
-                    indices.append(i)
-                for pin in (False, True):  # hints.pin: a soft pin in the pool (one Mooncake call each)
-                    group = [k for k, i in enumerate(indices) if bool(items[i][1].hints.pin) == pin]
-                    if not group:
-                        continue
-                    codes = await self.pool.put_from([keys[k] for k in group], [parts[k] for k in group],
-                                                     [sizes[k] for k in group], soft_pin=pin)
-                    for k, code in zip(group, codes):
-                        done[indices[k]] = code == 0
-                        if code == 0:
-                            self.read.bytes_out += items[indices[k]][1].size
-                            self._sizes[namespace] = items[indices[k]][1].size
-            finally:
-                del keep
-                await self.slots.give(slots)
-        self.write.num_put_failures += done.count(False)
-        return done
-
-    @contextlib.asynccontextmanager
-    async def _sending(self, namespace: str, oid):
-        """Around a put of one object: a delete waits for it, or the put would land after."""
-        key = (namespace, oid.digest)
-        future = asyncio.get_running_loop().create_future()
-        previous = self._in_flight.get(key)
-        self._in_flight[key] = future
-        try:
-            yield
-        finally:
-            future.set_result(None)
-            if self._in_flight.get(key) is future:
-                if previous is not None and not previous.done():
-                    self._in_flight[key] = previous
-                else:
-                    del self._in_flight[key]
-
-    async def _put_entries(self, entries: list[ObjectEntry]) -> list[bool]:
-        """Put host entries (held in place meanwhile); per entry whether the pool holds it."""
-        results = [False] * len(entries)
-        by_ns: dict[str, list[int]] = {}
-        for i, entry in enumerate(entries):
-            ns = self.host.namespaces.get(entry.namespace)
-            if ns is not None and ns.objects.holds(entry):  # not deleted or evicted
-                by_ns.setdefault(entry.namespace, []).append(i)
-        for name, indices in by_ns.items():
-            ns = self.host.namespaces.get(name)  # still held after the awaits of the namespaces before?
-            indices = [i for i in indices if ns is not None and ns.objects.holds(entries[i])]
-            if not indices:
-                continue
-            with contextlib.ExitStack() as stack:
-                items = []
-                for i in indices:
-                    e = entries[i]
-                    view = stack.enter_context(self.host.held_view(e))
-                    items.append((e.object_id, RemoteMeta(e.size, e.checksum, e.descriptor, e.hints, e.created_at), view))
-                async with contextlib.AsyncExitStack() as sends:
-                    for i in indices:
-                        await sends.enter_async_context(self._sending(name, entries[i].object_id))
-                    await self._register_arena(self.host.namespaces[name])
-                    done = await self._put(name, items)
-                del items
-            for i, ok in zip(indices, done):
-                results[i] = ok
-                if ok:
-                    self._stored(name, entries[i].object_id, entries[i].descriptor, entries[i].hints)
-        return results
-
-    def _stored(self, namespace: str, oid, descriptor, hints) -> None:
-        self._held.add((namespace, oid.digest))
-        self.events.stored(namespace, oid, MEDIUM_PEER, descriptor, hints)
-
     def on_commit(self, entry: ObjectEntry) -> None:
         """A local put committed: under write_through, put it into the pool in the background.
         Commits queue, and each of up to io_threads senders puts what has queued as one batch
@@ -499,13 +345,7 @@ class PoolLink:
             self._committed.append(entry)
             if self._senders < self.config.io_threads:
                 self._senders += 1
-                self._spawn(self._replicate())
-
-    def _spawn(self, coro) -> None:
-        """A background task, cancelled at stop."""
-        task = asyncio.get_running_loop().create_task(coro)
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+                self.puts.spawn(self._replicate())
 
     async def _replicate(self) -> None:
         cfg = self.config
@@ -523,105 +363,28 @@ class PoolLink:
     async def _copy_committed(self, entries: list[ObjectEntry]) -> None:
         """Put committed entries into the pool (write_through), counted; one evicted to NVMe
         while its copy waited is read back from there (verified) and put."""
-        done = await self._put_entries(entries)
+        done = await self.puts.put_entries(entries)
         self.write.num_replicated += sum(done)  # (not `+= await`: that reads the count before)
         for entry, ok in zip(entries, done):
             name, oid = entry.namespace, entry.object_id
             ns = self.host.namespaces.get(name)
-            if not ok and not (ns is not None and ns.objects.holds(entry)) and self.must_send(name, oid) \
+            if not ok and not (ns is not None and ns.objects.holds(entry)) and self.puts.must_send(name, oid) \
                     and self.nvme.holds(name, oid):
-                self.write.num_replicated += bool(await self._put_from_nvme(name, oid))
-
-    def must_send(self, namespace: str, object_id) -> bool:
-        """Would this object be lost to the pool if it left this node now?"""
-        return (namespace, object_id.digest) not in self._held
-
-    def forget(self, namespace: str, object_id) -> None:
-        """The object left this node (evicted from its last tier, or deleted)."""
-        self._held.discard((namespace, object_id.digest))
+                self.write.num_replicated += bool(await self.puts.put_from_nvme(name, oid, self.nvme.read_copy))
 
     def victim_sink(self, host):
         """The host tier's victims, with no NVMe tier: copied into the pool, then evicted."""
-        return host.copy_then_evict(self.demote)
+        return host.copy_then_evict(self.puts.demote)
 
-    async def demote(self, entries: list[ObjectEntry]) -> None:
-        """Host entries about to leave this node: put those the pool may lack. A failure is
-        counted and logged, and the entry leaves anyway (as a cache eviction always could)."""
-        sends = [e for e in entries if self.must_send(e.namespace, e.object_id)]
-        if sends:
-            self._count_demotions(sends, await self._put_entries(sends))
+    # --- what goes into the pool: the sending side's (server/pool/puts.py) -------------------
 
-    async def demote_from_nvme(self, namespace: str, keys) -> None:
-        """NVMe objects (ObjectIds) about to be evicted: read, verify and put those the pool may lack."""
-        oids = [oid for oid in keys if self.must_send(namespace, oid)]
-        self._count_demotions(oids, [await self._put_from_nvme(namespace, oid) for oid in oids])
-
-    async def _put_from_nvme(self, namespace: str, oid) -> bool | None:
-        """Read an NVMe object, verified, and put it: whether the pool took it; None if the
-        NVMe copy is gone or failed its check (counted by the NVMe tier)."""
-        async with self._sending(namespace, oid):
-            copy = await self.nvme.read_copy(namespace, oid)
-            if copy is None:
-                return None
-            meta, data = copy
-            address = data.ctypes.data
-            await self.pool.register(address, max(data.nbytes, 1))
-            try:
-                ok = (await self._put(namespace, [(oid, meta, data)]))[0]
-            finally:
-                await self.pool.unregister(address)
-            if ok:
-                self._stored(namespace, oid, meta.descriptor, meta.hints)
-            return ok
-
-    def _count_demotions(self, items, results) -> None:
-        failed = self.demotions.count(items, results)
-        if failed:
-            log.warning("event=pool_demotion_failed objects=%d first=%s total=%d pool_up=%s full=%d", len(failed),
-                        failed[0], self.write.num_demotion_failures, self.pool.up, self.pool.counters.num_pool_full)
-
-    async def put_remote(self, entry: ObjectEntry) -> CommitReply:
-        """A put with tier="remote": the reply waits until the pool holds the object, and the
-        local copy goes (a later get reads it back from the pool, verified). If the pool does
-        not take it (down, full) the copy stays and the reply says tier "host": nothing is
-        lost, and nothing pretends."""
-        self.write.num_remote_puts += 1
-        ns = self.host.namespaces[entry.namespace]
-        if not (await self._put_entries([entry]))[0]:
-            self.write.num_remote_put_fallbacks += 1
-            log.warning("event=remote_put_fallback namespace=%s id=%s pool_up=%s", entry.namespace, entry.object_id,
-                        self.pool.up)
-            return CommitReply(False, "host", "memory", ())
-        if ns.objects.holds(entry):
-            self.host.drop(ns, entry)  # forgets it here too
-        return CommitReply(False, "remote", "memory", ())
-
-    # --- deletes and pins ------------------------------------------------------------------
+    def put_remote(self, entry: ObjectEntry):
+        """A put with tier="remote": the commit's reply waits for the pool (PoolPuts.put_remote)."""
+        return self.puts.put_remote(entry)
 
     def delete_everywhere(self, namespace: str, ids, found):
-        return self._delete(namespace, ids, found)
-
-    async def _delete(self, namespace: str, ids, found) -> int:
-        """After this node's delete (`found`: per id, or an awaitable of it), the pool's keys.
-        Puts of these ids still in flight from here end first, so none lands after it."""
-        found = list(await resolve(found))
-        pending = [f for oid in ids if (f := self._in_flight.get((namespace, oid.digest))) is not None]
-        if pending:
-            await asyncio.wait(pending)
-        for oid in ids:
-            self.forget(namespace, oid)
-        self.read.num_deletes += 1
-        removed = [False] * len(ids)
-        for start in range(0, len(ids), MAX_POOL_BATCH):
-            if not self.pool.usable():
-                break
-            part = ids[start:start + MAX_POOL_BATCH]
-            codes = await self.pool.remove([self.key(namespace, oid) for oid in part])
-            for i, code in enumerate(codes):
-                removed[start + i] = code == 0
-        for oid in ids:
-            self.events.removed(namespace, oid, MEDIUM_PEER)
-        return sum(a or b for a, b in zip(found, removed))
+        """After this node's delete (`found`), the pool's keys (PoolPuts.delete)."""
+        return self.puts.delete(namespace, ids, found)
 
     def pin_everywhere(self, namespace: str, ids, ttl_s, unpin: bool, here: list[bool]) -> int:
         """Pins and unpins of held objects stay on this node: Mooncake 0.3.13 sets a soft pin only

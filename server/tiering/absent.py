@@ -102,7 +102,8 @@ class NoNvme:
 
 
 class NoCluster:
-    """The cluster of a daemon with `[cluster] enabled = false`: no peers, no homes."""
+    """The cluster of a daemon with `[cluster] enabled = false`: no peers, no homes. Both
+    sides of the remote tier (server/tiering/chain.py: Sends and Homes)."""
     remote = None  # the peer tier (tiers.remote.RemoteTier) a clustered daemon has
     takes_remote_puts = False  # put(tier="remote") needs a tier to put into
     fetches_many = False  # a batch's misses are not read ahead together (fetch_many)
@@ -131,7 +132,7 @@ class NoCluster:
     def must_send(self, namespace: str, oid) -> bool:
         return False
 
-    async def demote_from_nvme(self, namespace: str, oids) -> None:
+    async def demote_from_nvme(self, namespace: str, oids, read) -> None:
         pass
 
     def delete_everywhere(self, namespace: str, ids, found: MaybeAwaitable[list[bool]]) -> MaybeAwaitable[int]:

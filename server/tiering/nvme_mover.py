@@ -8,7 +8,7 @@
               durable write), selective (after write_after_hits hits, in the background)
     evict:    a full NVMe tier drops its own victims (S3-FIFO over NVMe objects)
     flush:    a clean stop writes the host objects NVMe lacks into its free room, most
-              valuable first, never evicting (flush_host, plan_flush)
+              valuable first, never evicting (server/tiering/nvme_flush.py)
 
 Every object that enters or leaves the NVMe table is reported to the KV event stream
 (server/events/) as medium "STORAGE"; what recovery finds at start joins
@@ -31,18 +31,18 @@ import numpy as np
 
 from kvstore.config import NvmeTierConfig
 from kvstore.errors import CapacityError, ChecksumError, KVStoreError, ServiceError
-from kvstore.identity import ID_BYTES, ObjectId
+from kvstore.identity import ObjectId
 from kvstore.peer_messages import RemoteMeta
 from kvstore.policy.admission import FrequencyAdmission
 from kvstore.replies import IN_MEMORY, CommitReply
 from kvstore.server.events import MEDIUM_STORAGE
 from kvstore.server.later import MaybeAwaitable, resolve
 from kvstore.server.tiering.nvme_kept import KeptHoldings
-from kvstore.server.tiering.nvme_deadlines import NvmeDeadlines
-from kvstore.server.tiering.nvme_table import NvmeTable
+from kvstore.server.tiering.nvme_flush import flush_host
+from kvstore.server.tiering.nvme_held import NvmeHeld
 from kvstore.server.tiering.objects import ObjectEntry
 from kvstore.tiers.nvme import NvmeTier
-from kvstore.tiers.nvme.index import key_parts, namespace_prefix
+from kvstore.tiers.nvme.index import key_parts
 from kvstore.server.tiering.bandwidth import moving_bandwidth
 from kvstore.server.windows import NoWindows
 
@@ -63,40 +63,26 @@ class MoverCounters:
     num_expired: int = 0  # NVMe objects deleted past their TTL
 
 
-def plan_flush(entries: list[ObjectEntry], free_bytes: int, now: float) -> tuple[list[ObjectEntry], int]:
-    """What a clean stop writes to NVMe: (the entries that fit in `free_bytes`, pinned first,
-    then most read, then newest; how many do not fit)."""
-    planned, no_room = [], 0
-    for entry in sorted(entries, key=lambda e: (e.is_pinned(now), e.num_hits, e.created_at), reverse=True):
-        if entry.size <= free_bytes:
-            planned.append(entry)
-            free_bytes -= entry.size
-        else:
-            no_room += 1
-    return planned, no_room
-
-
 class TierMover:
-    """The NVMe tier in the chain: below the host tier, above the remote tier (`below`: where
-    objects NVMe refuses or evicts go when their homes may lack them)."""
+    """The NVMe tier in the chain: below the host tier, above the remote tier (`sends`: its
+    sending side, where objects NVMe refuses or evicts go when their homes may lack them)."""
 
     listed_as = ("nvme",)  # what the admin API's ?tier= may name
 
-    def __init__(self, host, events, config: NvmeTierConfig, windows=NoWindows()):
-        """host: the host tier (server/tiering/host.py); events: the KV event stream; `config`
-        is the `[nvme]` table with its path filled in (ServerConfig.nvme_path); windows: the
-        race windows tests widen (server/windows.py). `below`, the remote tier
-        (server/tiering/chain.py: Homes), is set once the chain is composed."""
+    def __init__(self, host, events, sends, config: NvmeTierConfig, windows=NoWindows()):
+        """host: the host tier (server/tiering/host.py); events: the KV event stream; sends:
+        the remote tier's sending side (server/tiering/chain.py: Sends, made before this tier;
+        an NVMe copy it sends is read with the read handed to it, `read_copy`); `config` is the
+        `[nvme]` table with its path filled in (ServerConfig.nvme_path); windows: the race
+        windows tests widen (server/windows.py)."""
         self.host = host
         self.events = events
+        self.sends = sends
         self.windows = windows
-        self.below = None
         self.config = config
         self.nvme: NvmeTier | None = None
-        # What NVMe holds, and its eviction order: numpy columns keyed by the NVMe index's own
-        # keys (~64 B per object; Python objects per key cost ~190 B: server/tiering/nvme_table.py).
-        self.policy = NvmeTable(self.config.capacity_bytes)
-        self.deadlines = NvmeDeadlines()  # of the objects put with a TTL
+        self.held = NvmeHeld(self.config.capacity_bytes)  # what NVMe holds (its lookups are the holdings')
+        self.policy, self.deadlines = self.held.policy, self.held.deadlines
         self.admission = FrequencyAdmission(min_hits=self.config.admit_min_hits)
         self.bandwidth_bytes_s = DEFAULT_NVME_BANDWIDTH
         self._promoting: dict[bytes, asyncio.Future] = {}  # by table key
@@ -157,41 +143,16 @@ class TierMover:
         return asyncio.get_running_loop().run_in_executor(
             self.nvme.executor, getattr(self.nvme, fn) if isinstance(fn, str) else fn, *args)
 
-    # --- what NVMe holds ------------------------------------------------------------------
-
-    @staticmethod
-    def _key(namespace: str, oid) -> bytes:  # the table's key of an id (or digest): its NVMe index key
-        return namespace_prefix(namespace) + oid
+    # --- what NVMe holds: its holdings' (server/tiering/nvme_held.py), and its copies ------------
 
     def holds(self, namespace: str, oid) -> bool:
-        """NVMe holds `oid` and it is not past its TTL (an expired one is a miss at once)."""
-        key = self._key(namespace, oid)
-        return key in self.policy and not self._expired(key)
-
-    def _expired(self, key: bytes) -> bool:
-        return bool(self.deadlines) and self.deadlines.expired(key, time.time())
+        return self.held.holds(namespace, oid)
 
     def size_of(self, namespace: str, oid) -> int | None:
-        """Size on NVMe of `oid` (an ObjectId or its raw digest), None if NVMe lacks it."""
-        key = self._key(namespace, oid)
-        return None if self._expired(key) else self.policy.size_of(key)
+        return self.held.size_of(namespace, oid)
 
-    def sizes_of(self, namespace: str, oids: list) -> list[int | None]:  # probed together when many
-        if len(oids) < 16:
-            return [self.size_of(namespace, oid) for oid in oids]
-        ids = np.frombuffer(b"".join(oids), np.uint8).reshape(-1, ID_BYTES)
-        sizes = [size or None for size in self.policy.sizes_of(namespace_prefix(namespace), ids).tolist()]
-        if self.deadlines:
-            sizes = [None if size and self._expired(self._key(namespace, oid)) else size
-                     for size, oid in zip(sizes, oids)]
-        return sizes
-
-    def _in_table(self, namespace: str, oids: list, keys: list[bytes]) -> list[bool]:
-        """Per id whether the table holds it, past its TTL or not (probed together when many)."""
-        if len(oids) < 16:
-            return [key in self.policy for key in keys]
-        ids = np.frombuffer(b"".join(oids), np.uint8).reshape(-1, ID_BYTES)
-        return (self.policy.sizes_of(namespace_prefix(namespace), ids) > 0).tolist()
+    def sizes_of(self, namespace: str, oids: list) -> list[int | None]:
+        return self.held.sizes_of(namespace, oids)
 
     def remote_meta(self, namespace: str, oid):
         """What a peer lookup needs to know of an NVMe-only object (None if it went away)."""
@@ -207,12 +168,12 @@ class TierMover:
             return None
         out = np.empty(meta.size, dtype=np.uint8)
         if await self._run("get_into", namespace, oid, out) is None:
-            self._forget(self._key(namespace, oid))
+            self._forget(self.held.key(namespace, oid))
             return None
         return RemoteMeta(meta.size, meta.checksum, meta.descriptor, meta.hints, meta.created_at), out
 
-    def keys(self) -> list[tuple[str, bytes]]:  # (namespace, digest) of every object NVMe holds: a copy
-        return list(map(key_parts, self.policy.keys()))
+    def keys(self) -> list[tuple[str, bytes]]:
+        return self.held.keys()
 
     async def metas(self, keys) -> list:
         """NvmeMeta (None where gone meanwhile) of (namespace, digest) keys, read in the NVMe pool."""
@@ -224,7 +185,7 @@ class TierMover:
     def on_hit(self, entry: ObjectEntry) -> None:
         """A host hit: counted for admission and the NVMe policy; under `selective`, the
         write_after_hits-th hit writes the object down in the background."""
-        key = self._key(entry.namespace, entry.object_id)
+        key = self.held.key(entry.namespace, entry.object_id)
         self.admission.record(key)
         self.policy.on_access(key)
         if (not entry.on_nvme and self.config.write_policy == "selective"
@@ -248,7 +209,7 @@ class TierMover:
         the entry left the host index (deleted, expired, dropped) before its copy was recorded.
 
         displace: which NVMe objects may be evicted to make room for it, a predicate on
-        their policy keys (TierMover._key); None: none (the copy goes only into free room).
+        their policy keys (NvmeHeld.key); None: none (the copy goes only into free room).
         A copy that finds no room it may take is counted in num_rejected, not as a failure.
 
         The copy runs to its end even when the caller is cancelled: a record on NVMe that the
@@ -269,7 +230,7 @@ class TierMover:
             task.exception()  # retrieved: a caller that stopped waiting does not leave it unlogged
 
     async def _write(self, entry: ObjectEntry, displace) -> str | None:
-        key = self._key(entry.namespace, entry.object_id)
+        key = self.held.key(entry.namespace, entry.object_id)
         ns = self.host.namespaces[entry.namespace]
         async with self._turn(key):
             if not ns.objects.holds(entry):
@@ -309,7 +270,7 @@ class TierMover:
         """NVMe's copy of the key is live and of `entry`'s bytes. (A host entry is published
         only while no live copy is held, so a live one is a copy of it; the checksum is
         compared all the same: a write must never claim another object's copy.)"""
-        if self._expired(key):
+        if self.held.expired(key):
             return False
         checksum = entry.checksum  # read before the await: the entry's row may be another's after it
         meta = await self._run("meta", entry.namespace, entry.object_id)
@@ -382,14 +343,14 @@ class TierMover:
             entry = self._host_entry(key)
             if entry is not None:
                 entry.on_nvme = False
-        cluster = self.below
         leaving: dict[str, list] = {}  # those leaving the node go to their homes first
         for key in victims:
-            if self._host_entry(key) is None:  # the cluster sends those the homes may lack
+            if self._host_entry(key) is None:  # the sending side sends those the homes may lack
                 name, digest = key_parts(key)
                 leaving.setdefault(name, []).append(ObjectId(digest))
         try:
-            await asyncio.gather(*(cluster.demote_from_nvme(ns, oids) for ns, oids in leaving.items()))
+            await asyncio.gather(*(self.sends.demote_from_nvme(ns, oids, self.read_copy)
+                                   for ns, oids in leaving.items()))
         except Exception as exc:  # counted there; the eviction goes on
             log.warning("event=remote_demotion_failed error=%r", exc)
         for key in victims:
@@ -398,7 +359,7 @@ class TierMover:
             self.counters.num_nvme_evictions += 1
             if self._host_entry(key) is None:
                 name, digest = key_parts(key)
-                cluster.forget(name, ObjectId(digest))  # gone from this node altogether
+                self.sends.forget(name, ObjectId(digest))  # gone from this node altogether
         return bool(victims)
 
     def _host_entry(self, key) -> ObjectEntry | None:
@@ -419,11 +380,11 @@ class TierMover:
             entry.on_nvme = False
         else:  # gone from this node altogether
             name, digest = key_parts(key)
-            self.below.forget(name, ObjectId(digest))
+            self.sends.forget(name, ObjectId(digest))
 
     def victim_sink(self, below):
         """Where the host tier's victims go: written down here (what NVMe refuses or evicts goes
-        on to the homes from here, not through `below`)."""
+        on to the homes from here, through `sends`, not through `below`)."""
         return self.take_victims
 
     async def take_victims(self, ns, victims: list[ObjectEntry]) -> None:
@@ -431,7 +392,6 @@ class TierMover:
         the others written down as admission allows; those NVMe turns away go to their home
         nodes first (in a cluster). Each ends evicted, or resident if read or pinned meanwhile."""
         writes = []
-        cluster = self.below
         try:
             await self.windows.at("victims")
             for entry in victims:
@@ -446,9 +406,9 @@ class TierMover:
             # NVMe refused some (full of hotter objects, full disk, EIO): those leave the
             # node, homes first.
             failed = [e for e in writes if ns.objects.holds(e) and not e.on_nvme
-                      and cluster.must_send(ns.name, e.object_id)]
+                      and self.sends.must_send(ns.name, e.object_id)]
             if failed:
-                await cluster.demote(failed)
+                await self.sends.demote(failed)
         except BaseException:
             self.host.retrack_victims(ns, victims)  # cancelled: those not evicted stay (and are tracked)
             raise
@@ -464,7 +424,7 @@ class TierMover:
         Any other takes only victims read no more often than itself: a new, unread object
         displaces old unread ones (they age out in the NVMe policy's FIFO order), never an
         object that is being read."""
-        key = self._key(entry.namespace, entry.object_id)
+        key = self.held.key(entry.namespace, entry.object_id)
         if self.config.capacity_bytes - self.used_bytes >= entry.size or self.admission.admit(key):
             return ANY_VICTIM
         reads = self.admission.estimate(key)
@@ -474,7 +434,7 @@ class TierMover:
 
     async def promote(self, namespace: str, oid) -> ObjectEntry | None:
         """Bring an NVMe object into the host arena (verified). None if it is gone or corrupt."""
-        key = self._key(namespace, oid)
+        key = self.held.key(namespace, oid)
         pending = self._promoting.get(key)
         if pending is not None and pending not in self._voided:
             return await asyncio.shield(pending)  # (a voided one brings nothing: the key's copy now is another)
@@ -494,7 +454,7 @@ class TierMover:
             self._voided.discard(future)
 
     async def _promote(self, namespace: str, oid, key, future: asyncio.Future) -> ObjectEntry | None:
-        if self._expired(key):
+        if self.held.expired(key):
             return None  # housekeeping deletes it
         meta = await self._run("meta", namespace, oid)
         if meta is None:
@@ -530,8 +490,8 @@ class TierMover:
         return entry
 
     @property
-    def used_bytes(self) -> int:  # bytes of the objects NVMe holds
-        return self.policy.tracked_bytes
+    def used_bytes(self) -> int:
+        return self.held.used_bytes
 
     def compact(self) -> bool:
         """Give back the table's room once evictions and deletes left it sparse. True if it was."""
@@ -573,30 +533,9 @@ class TierMover:
     # --- other paths ------------------------------------------------------------------------------
 
     async def flush_host(self) -> int:
-        """On a clean stop, write the host objects NVMe lacks into its free room: most valuable
-        first (plan_flush), as many as fit, never evicting, so what was durable before the
-        stop stays durable. What does not fit is counted and logged. How many landed."""
-        entries = [e for ns in self.host.namespaces.values() for e in ns.objects.values()
-                   if not e.on_nvme and not e.deleted and not self.holds(e.namespace, e.object_id)]
-        if not entries:
-            return 0
-        planned, no_room = plan_flush(entries, self.config.capacity_bytes - self.used_bytes, self.host.clock())
-        log.info("event=flush_start objects=%d bytes=%d planned=%d no_room=%d", len(entries),
-                 sum(e.size for e in entries), len(planned), no_room)
-        gate = asyncio.Semaphore(max(1, self.config.io_threads))
-
-        async def one(entry):
-            async with gate:
-                return await self.write(entry, displace=None)
-
-        sizes = [e.size for e in planned]  # read now: an entry's row may be reused once it left
-        results = await asyncio.gather(*(one(e) for e in planned))
-        written = sum(r is not None for r in results)
-        log.log(logging.WARNING if written < len(entries) else logging.INFO,
-                "event=flush_done written=%d not_written=%d no_room=%d bytes_written=%d",
-                written, len(entries) - written, no_room,
-                sum(size for size, r in zip(sizes, results) if r is not None))
-        return written
+        """On a clean stop, write the host objects NVMe lacks into its free room (server/tiering/
+        nvme_flush.py). How many landed."""
+        return await flush_host(self.host, self)
 
     def write_in_background(self, entry: ObjectEntry) -> None:
         task = asyncio.get_running_loop().create_task(self.write(entry))
@@ -609,9 +548,9 @@ class TierMover:
         way then publishes nothing, a read misses), and its record removed after, in its
         key's turn. The awaitable, when any is held or being written or removed by another
         call, ends once none is: what a delete acknowledges stays deleted across a SIGKILL."""
-        keys = [self._key(namespace, oid) for oid in oids]
-        held = self._in_table(namespace, oids, keys)  # past their TTL too: they go now as well
-        live = [h and not self._expired(key) for key, h in zip(keys, held)]
+        keys = [self.held.key(namespace, oid) for oid in oids]
+        held = self.held.in_table(namespace, oids, keys)  # past their TTL too: they go now as well
+        live = [h and not self.held.expired(key) for key, h in zip(keys, held)]
         for key, h in zip(keys, held):
             if h:
                 self._forget(key)
@@ -647,7 +586,6 @@ class TierMover:
         return tier
 
     def check_integrity(self) -> None:
-        self.policy.check_integrity()
-        self.deadlines.check_integrity(lambda key: key in self.policy)
+        self.held.check_integrity()
         if self.nvme is not None:
             self.nvme.check_integrity()

@@ -76,9 +76,9 @@ def test_a_secret_file_others_can_read_is_used_with_a_warning(tmp_path, caplog):
 
 
 def test_wildcard_listen_needs_an_advertised_address():
-    node = PeerNode(ClusterConfig(enabled=True, node_id="a", listen="0.0.0.0:0", secret=SECRET), InMemoryBackend())
+    node = PeerNode(ClusterConfig(enabled=True, node_id="a", listen="0.0.0.0:0", secret=SECRET))
     with pytest.raises(InvalidArgument, match="cluster.advertise"):
-        run(node.start())
+        run(node.start(InMemoryBackend()))
 
 
 def test_two_nodes_from_config_exchange_an_object():
@@ -86,13 +86,12 @@ def test_two_nodes_from_config_exchange_an_object():
     peers = tuple(f"{n}=127.0.0.1:{p}" for n, p in ports.items())
     backends = {n: InMemoryBackend() for n in ports}
     nodes = {n: PeerNode(ClusterConfig(enabled=True, node_id=n, listen=f"127.0.0.1:{p}", secret=SECRET,
-                                       peers=peers), backends[n]) for n, p in ports.items()}
+                                       peers=peers)) for n, p in ports.items()}
     seen = []
-    nodes["a"].on_members = seen.append
 
     async def scenario():
-        for node in nodes.values():
-            await node.start()
+        for n, node in nodes.items():
+            await node.start(backends[n], on_members=seen.append if n == "a" else None)
         try:
             for seed in range(20):  # until one object is homed on b
                 oid, meta, data = make_object(50_000, seed=seed)

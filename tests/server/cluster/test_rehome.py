@@ -15,7 +15,6 @@ from kvstore.hints import Hints
 from kvstore.identity import ObjectId, StateDescriptor
 from kvstore.ownership import home_nodes
 from kvstore.server.cluster.replicate import Replicator
-from kvstore.server.cluster.serving import PeerServing
 from kvstore.server.cluster.rehome import Rehomer
 from kvstore.server.tiering.chain import compose
 from kvstore.server.tiering.manager import TierManager
@@ -56,9 +55,8 @@ class StandInLink:
 
     def __init__(self, local, remote):
         self.remote = remote
-        serving = PeerServing(local, set(), None)  # the compose() below has nothing under the host: no sink
         node = types.SimpleNamespace(remote=remote, node_id=remote.node_id)
-        self.sending = Replicator(local, ClusterConfig(), node, set(), serving).sending
+        self.sending = Replicator(local.host, local.events, ClusterConfig(), node).sending
 
 
 def objects(n):

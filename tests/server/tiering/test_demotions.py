@@ -1,7 +1,7 @@
 """DemotionTally: the peer tier's and the pool's demotion counts and their once-a-second log."""
 
 from kvstore.server.cluster.replicate import ReplicaCounters
-from kvstore.server.pool.link import PoolWriteCounters
+from kvstore.server.pool.puts import PoolWriteCounters
 from kvstore.server.tiering.demotions import DemotionTally
 
 

@@ -1,10 +1,10 @@
-"""TierMover.flush_host's plan (nvme_mover.py: plan_flush): which host objects a clean stop writes to NVMe, in what order."""
+"""TierMover.flush_host's plan (nvme_flush.py: plan_flush): which host objects a clean stop writes to NVMe, in what order."""
 
 import math
 
 from kvstore.hints import Hints
 from kvstore.identity import ObjectId, StateDescriptor
-from kvstore.server.tiering.nvme_mover import plan_flush
+from kvstore.server.tiering.nvme_flush import plan_flush
 from kvstore.server.tiering.objects import ObjectEntry
 from kvstore.tiers.allocator import Extent
 

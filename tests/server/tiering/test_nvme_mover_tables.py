@@ -10,10 +10,11 @@ from kvstore.tiers.nvme.index import object_key
 
 def test_the_mover_rebuilds_what_it_holds_once_most_of_it_left(tmp_path):
     manager = TierManager(compose(HostTierConfig(arena_bytes=1 << 20, prefault=False),
-                                  make_nvme=lambda host, events: TierMover(host, events, NvmeTierConfig(path=str(tmp_path)))))
+                                  make_nvme=lambda host, events, sends: TierMover(host, events, sends,
+                                                                                  NvmeTierConfig(path=str(tmp_path)))))
     mover = manager.nvme
     names = [("t", i.to_bytes(32, "little")) for i in range(8192)]
-    keys = [mover._key(name, digest) for name, digest in names]
+    keys = [mover.held.key(name, digest) for name, digest in names]
     assert keys[0] == object_key("t", ObjectId(names[0][1]))  # the NVMe index's own key
     for key in keys:  # what open() and write() record for objects NVMe holds
         mover._remember(key, 4096)
@@ -37,10 +38,11 @@ def test_num_indexed_counts_host_entries_and_nvme_objects(tmp_path):
     from kvstore.hints import Hints
     from kvstore.identity import ObjectId, StateDescriptor
     manager = TierManager(compose(HostTierConfig(arena_bytes=1 << 20, prefault=False),
-                                  make_nvme=lambda host, events: TierMover(host, events, NvmeTierConfig(path=str(tmp_path)))))
+                                  make_nvme=lambda host, events, sends: TierMover(host, events, sends,
+                                                                                  NvmeTierConfig(path=str(tmp_path)))))
     assert manager.num_indexed() == 0
     for i in range(30):
-        manager.nvme._remember(manager.nvme._key("t", i.to_bytes(32, "little")), 4096)
+        manager.nvme._remember(manager.nvme.held.key("t", i.to_bytes(32, "little")), 4096)
 
     async def fill():
         ns = await manager.host.open_namespace("t")

@@ -33,11 +33,12 @@ def test_sizes_of_many_ids_match_one_at_a_time_past_tombstones_and_other_namespa
 
 def test_the_mover_answers_sizes_of_few_and_many_ids_alike(tmp_path):
     manager = TierManager(compose(HostTierConfig(arena_bytes=1 << 20, prefault=False),
-                                  make_nvme=lambda host, events: TierMover(host, events, NvmeTierConfig(path=str(tmp_path)))))
+                                  make_nvme=lambda host, events, sends: TierMover(host, events, sends,
+                                                                                  NvmeTierConfig(path=str(tmp_path)))))
     mover = manager.nvme
     ids = [ObjectId(bytes([i]) * 32) for i in range(1, 60)]
     for oid in ids[::2]:
-        mover._remember(mover._key("t", oid), 4096)
+        mover._remember(mover.held.key("t", oid), 4096)
     for batch in (ids[:5], ids):
         assert mover.sizes_of("t", batch) == [4096 if i % 2 == 0 else None for i in range(len(batch))]
     assert mover.sizes_of("other", ids) == [None] * len(ids)

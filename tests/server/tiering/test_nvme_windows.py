@@ -51,9 +51,9 @@ async def chain(tmp_path, gates: Gates, write_policy: str = "write_back") -> Tie
                             file_bytes=64 * MiB, write_policy=write_policy, admit_min_hits=0)
     mover = None
 
-    def make_nvme(host, events):
+    def make_nvme(host, events, sends):
         nonlocal mover
-        mover = TierMover(host, events, config, gates)
+        mover = TierMover(host, events, sends, config, gates)
         return mover
     manager = TierManager(compose(HostTierConfig(arena_bytes=8 * MiB, prefault=False), make_nvme=make_nvme))
     await mover.open()

@@ -19,7 +19,8 @@ MiB = 1 << 20
 
 
 class StandInLink:
-    """What TierManager asks of server.cluster.link.ClusterLink when it makes room."""
+    """What TierManager asks of server.cluster.link.ClusterLink when it makes room, and of its
+    sending side (server.cluster.replicate.Replicator): both sides of the remote tier in one."""
 
     remote = object()  # "clustered"
 
@@ -40,7 +41,9 @@ class StandInLink:
 
 
 def manager_with(behaviour, objects=6):
-    manager = TierManager(compose(HostTierConfig(arena_bytes=8 * MiB, prefault=False), make_remote=lambda local: StandInLink(behaviour)))
+    link = StandInLink(behaviour)
+    manager = TierManager(compose(HostTierConfig(arena_bytes=8 * MiB, prefault=False),
+                                  make_sends=lambda host, events: link, make_remote=lambda local, sends: link))
 
     async def fill():
         ns = await manager.host.open_namespace("t")
