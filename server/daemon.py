@@ -61,33 +61,38 @@ class Daemon:
 
     def __init__(self, config: ServerConfig):
         self.config = config
-        # The chain below the host tier, each tier only when enabled; the remote tier in two
-        # steps: its sending side (before NVMe, which hands it what it evicts), then the rest.
-        sends = nvme = remote = None
+        # The chain below the host tier, each tier only when enabled and made in two steps
+        # (server/tiering/chain.py: compose): NVMe's holdings (before the host tier, whose
+        # departures read them), then its mover; the remote tier's sending side (before NVMe,
+        # which hands it what it evicts), then the rest.
+        holdings = nvme = sends = remote = None
         if config.nvme.enabled:
+            from kvstore.server.tiering.nvme_held import NvmeHeld
             from kvstore.server.tiering.nvme_mover import TierMover
             nvme_config = replace(config.nvme, path=config.nvme_path)
             windows = race_windows(config.testing)
-            nvme = lambda host, events, sends: TierMover(host, events, sends, nvme_config, windows)  # noqa: E731
+            holdings = lambda: NvmeHeld(nvme_config.capacity_bytes)  # noqa: E731
+            nvme = lambda host, events, sends, departures, held: TierMover(  # noqa: E731
+                host, events, sends, departures, held, nvme_config, windows)
         if config.cluster.enabled:
             from kvstore.server.cluster.link import ClusterLink
             from kvstore.server.cluster.node import PeerNode
             from kvstore.server.cluster.replicate import Replicator
-            sends = lambda host, events: Replicator(host, events, config.cluster,  # noqa: E731
-                                                    PeerNode(config.cluster))  # started by the link, serving peers
+            sends = lambda host, events, held: Replicator(host, events, config.cluster,  # noqa: E731
+                                                          PeerNode(config.cluster), held)  # started by the link
             remote = lambda local, replicator: ClusterLink(local, replicator, config.cluster)  # noqa: E731
         elif config.remote.mooncake_enabled:  # a Mooncake Store pool as the remote tier
             from kvstore.server.pool.link import PoolLink
             from kvstore.server.pool.puts import PoolPuts
-            sends = lambda host, events: PoolPuts(host, events, config.remote.mooncake)  # noqa: E731
+            sends = lambda host, events, held: PoolPuts(host, events, config.remote.mooncake, held)  # noqa: E731
             remote = lambda local, puts: PoolLink(local, puts, config.remote.mooncake)  # noqa: E731
         self.events = NoEvents()  # the KV event stream for routers, when [events] enabled
         if config.events.enabled:
             from kvstore.server.events.publisher import ZmqPublisher
             self.events = EventStream(config.events.under(config.data_dir), ZmqPublisher)
         traffic = Traffic()  # when clients last asked something: what background copies yield to
-        self.tiers = compose(config.host, events=self.events, traffic=traffic, make_sends=sends, make_nvme=nvme,
-                             make_remote=remote)
+        self.tiers = compose(config.host, events=self.events, traffic=traffic, make_holdings=holdings,
+                             make_nvme=nvme, make_sends=sends, make_remote=remote)
         self.manager = TierManager(self.tiers, config.limits, verify_puts=config.verify_puts)
         self.ledger = self.manager.ledger  # leases and quotas: what a client's stats say it holds
         self.groups = GroupOps(self.manager, self.ledger, self.tiers.host, self.tiers.index)

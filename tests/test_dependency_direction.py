@@ -190,11 +190,6 @@ def test_no_tier_holds_the_manager():
     assert not found, "\n".join(found)
 
 
-# Collaborators server/tiering/chain.py still sets on a tier once the remote tier exists: the
-# cycle issue 43 has yet to remove (docs/architecture.md, "Cluster", says why). It only shrinks.
-STILL_SET_AFTER_CONSTRUCTION = {"self.host.on_leave"}
-
-
 def _assigned_attributes(tree: ast.AST):
     """(line, target) of every attribute assigned in `tree` (`a.b = ...`, `a.b += ...`, in
     tuples too), and of every setattr(...) call."""
@@ -216,15 +211,13 @@ def test_the_chain_sets_no_collaborator_after_construction():
     """The chain is built top-down (docs/STYLE: nobody sets a collaborator after construction):
     server/tiering/chain.py hands each tier what it talks to in its constructor, and assigns
     attributes of no object but itself (`self.x = ...`; not `host.sink = ...`, `self.nvme.below
-    = ...`, `setattr(tier, ...)`), but for the ones issue 43 has yet to remove."""
+    = ...`, `setattr(tier, ...)`)."""
     assigned = list(_assigned_attributes(ast.parse((ROOT / "server/tiering/chain.py").read_text())))
     own = [target for _, target in assigned if target.startswith("self.") and target.count(".") == 1]
-    setters = [f"server/tiering/chain.py:{line}: {target}" for line, target in assigned
-               if target not in own and target not in STILL_SET_AFTER_CONSTRUCTION]
+    setters = [f"server/tiering/chain.py:{line}: {target}" for line, target in assigned if target not in own]
     assert own, "the check reads the chain's own attributes"
     assert not setters, "set on another object after its construction:\n" + "\n".join(setters)
-    gone = STILL_SET_AFTER_CONSTRUCTION - {target for _, target in assigned}
-    assert not gone, f"no longer set, take them off STILL_SET_AFTER_CONSTRUCTION: {sorted(gone)}"
+
 
 # The hubs: who holds the most. Nothing reaches a part through one (`mgr.host.namespaces`,
 # `daemon.tiers.index`, `chain.gpu.handle`), whatever the part's name: each user is handed

@@ -20,8 +20,9 @@ homes (server/cluster/replicate.py: commit copies, demotion, remote puts, delete
 gate). The replicator is the sending side, made before NVMe (which hands it what it evicts or
 refuses) with this node's PeerNode; the link is made after NVMe with it, composes the other two
 roles over the local tiers, and starts the node serving peers from them. They share one set,
-the replicator's: the objects held here that every remote home is known to hold too, which may
-leave this node without being sent.
+made with the chain and handed to the replicator (server/tiering/chain.py: compose, whose
+Departures forgets what leaves this node): the objects held here that every remote home is
+known to hold too, which may leave this node without being sent.
 
 Bytes cross nodes only as a transfer between two owners, and every received object is
 checked against its xxh3-128 before it is published (tiers/remote/ and the peer service

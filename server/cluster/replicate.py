@@ -38,13 +38,13 @@ class ReplicaCounters:
 class Replicator:
     """The cluster's sending side (server/tiering/chain.py: Sends), made before NVMe, which
     hands it what it evicts or refuses. `held`: (namespace, digest) of objects held here that
-    every remote home is known to hold too (made here, shared with the other cluster roles)."""
+    every remote home is known to hold too (made with the chain, shared with the other cluster
+    roles; server/tiering/chain.py: Departures forgets what leaves this node)."""
 
-    def __init__(self, host, events, config, node):
+    def __init__(self, host, events, config, node, held: set):
         """host: the host tier, whose entries are sent; events: the KV event stream; node: this
         node's PeerNode (server/cluster/node.py), started by ClusterLink once it serves peers."""
-        self.host, self.events, self.config, self.node = host, events, config, node
-        self.held: set[tuple[str, bytes]] = set()
+        self.host, self.events, self.config, self.node, self.held = host, events, config, node, held
         self._background: set[asyncio.Task] = set()
         # Sends in flight per object: a delete waits for them, or the copy would land after it.
         self._sending: dict[tuple[str, bytes], list[asyncio.Future]] = {}

@@ -6,7 +6,8 @@ still in flight.
 Made before NVMe, which hands it what it evicts or refuses (server/tiering/chain.py: Sends);
 an NVMe copy it puts is read with the read NVMe hands it with the call. It owns the Mooncake
 client and what both sides of the pool share: the header slots, the registered arenas, the
-payload size a get guesses, the set of objects the pool is known to hold, and the counters.
+payload size a get guesses and the counters; and it keeps the set of objects the pool is known
+to hold, made with the chain (server/tiering/chain.py: compose).
 """
 
 from __future__ import annotations
@@ -72,17 +73,18 @@ def address_of(buffer) -> tuple[int, np.ndarray]:
 class PoolPuts:
     """What goes into the pool, and what both sides of the pool share (module docstring)."""
 
-    def __init__(self, host, events, config, make_store=None):
+    def __init__(self, host, events, config, held: set, make_store=None):
         """host: the host tier, whose entries are put; events: the KV event stream; config:
-        the `[remote.mooncake]` table. make_store: builds the Mooncake client (tests)."""
+        the `[remote.mooncake]` table; held: below. make_store: builds the Mooncake client (tests)."""
         self.host, self.events, self.config = host, events, config
         self.pool = MooncakePool(config, make_store)
         self.slots: HeaderSlots | None = None  # made at start (needs the loop)
         self.read = PoolReadCounters()
         self.write = PoolWriteCounters()
         # (namespace, digest) of objects held here that the pool is known to hold too: they
-        # may leave this node without being put. Forgotten when they leave.
-        self.held: set[tuple[str, bytes]] = set()
+        # may leave this node without being put. Made with the chain, whose Departures forget
+        # what leaves this node (server/tiering/chain.py).
+        self.held = held
         self.registered: dict[str, int] = {}  # namespace -> arena address registered
         self.sizes: dict[str, int] = {}  # namespace -> the last payload size put or read: a get's guess
         self._in_flight: dict[tuple[str, bytes], asyncio.Future] = {}  # puts a delete waits for

@@ -126,9 +126,6 @@ class NoCluster:
     def on_commit(self, entry: ObjectEntry) -> None:
         pass
 
-    def forget(self, namespace: str, oid) -> None:
-        pass
-
     def must_send(self, namespace: str, oid) -> bool:
         return False
 

@@ -46,8 +46,8 @@ class HostTier:
                  on_leave: Callable[[Namespace, ObjectEntry], None] = lambda ns, entry: None,
                  events=NoEvents()):
         """on_leave(ns, entry): told when an entry leaves the index (evicted, expired,
-        deleted, dropped); the chain (server/tiering/chain.py) forgets it in the cluster if no
-        lower tier keeps it.
+        deleted, dropped); the chain's Departures (server/tiering/chain.py), made before this
+        tier, forgets its GPU copy, and in the remote tier if no lower tier keeps it.
         events: the KV event stream (server/events/), told of every entry that enters or
         leaves the index, as medium "CPU"."""
         self.config = config

@@ -65,24 +65,28 @@ class MoverCounters:
 
 class TierMover:
     """The NVMe tier in the chain: below the host tier, above the remote tier (`sends`: its
-    sending side, where objects NVMe refuses or evicts go when their homes may lack them)."""
+    sending side, where objects NVMe refuses or evicts go when their homes may lack them;
+    `departures`: told when one leaves NVMe and this node altogether)."""
 
     listed_as = ("nvme",)  # what the admin API's ?tier= may name
 
-    def __init__(self, host, events, sends, config: NvmeTierConfig, windows=NoWindows()):
+    def __init__(self, host, events, sends, departures, held: NvmeHeld, config: NvmeTierConfig,
+                 windows=NoWindows()):
         """host: the host tier (server/tiering/host.py); events: the KV event stream; sends:
         the remote tier's sending side (server/tiering/chain.py: Sends, made before this tier;
-        an NVMe copy it sends is read with the read handed to it, `read_copy`); `config` is the
-        `[nvme]` table with its path filled in (ServerConfig.nvme_path); windows: the race
-        windows tests widen (server/windows.py)."""
+        an NVMe copy it sends is read with the read handed to it, `read_copy`); departures:
+        server/tiering/chain.py: Departures; held: what NVMe holds, which this tier fills (made
+        before the host tier, whose departures read it); `config` is the `[nvme]` table with
+        its path filled in (ServerConfig.nvme_path); windows: the race windows tests widen
+        (server/windows.py)."""
         self.host = host
         self.events = events
-        self.sends = sends
+        self.sends, self.departures = sends, departures
         self.windows = windows
         self.config = config
         self.nvme: NvmeTier | None = None
-        self.held = NvmeHeld(self.config.capacity_bytes)  # what NVMe holds (its lookups are the holdings')
-        self.policy, self.deadlines = self.held.policy, self.held.deadlines
+        self.held = held  # what NVMe holds (its lookups are the holdings')
+        self.policy, self.deadlines = held.policy, held.deadlines
         self.admission = FrequencyAdmission(min_hits=self.config.admit_min_hits)
         self.bandwidth_bytes_s = DEFAULT_NVME_BANDWIDTH
         self._promoting: dict[bytes, asyncio.Future] = {}  # by table key
@@ -359,7 +363,7 @@ class TierMover:
             self.counters.num_nvme_evictions += 1
             if self._host_entry(key) is None:
                 name, digest = key_parts(key)
-                self.sends.forget(name, ObjectId(digest))  # gone from this node altogether
+                self.departures.left_node(name, ObjectId(digest))
         return bool(victims)
 
     def _host_entry(self, key) -> ObjectEntry | None:
@@ -378,9 +382,9 @@ class TierMover:
         entry = self._host_entry(key)
         if entry is not None:
             entry.on_nvme = False
-        else:  # gone from this node altogether
+        else:
             name, digest = key_parts(key)
-            self.sends.forget(name, ObjectId(digest))
+            self.departures.left_node(name, ObjectId(digest))
 
     def victim_sink(self, below):
         """Where the host tier's victims go: written down here (what NVMe refuses or evicts goes

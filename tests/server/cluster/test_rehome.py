@@ -56,7 +56,7 @@ class StandInLink:
     def __init__(self, local, remote):
         self.remote = remote
         node = types.SimpleNamespace(remote=remote, node_id=remote.node_id)
-        self.sending = Replicator(local.host, local.events, ClusterConfig(), node).sending
+        self.sending = Replicator(local.host, local.events, ClusterConfig(), node, set()).sending
 
 
 def objects(n):

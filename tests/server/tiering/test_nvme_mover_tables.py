@@ -4,14 +4,21 @@ from kvstore.config import HostTierConfig, NvmeTierConfig
 from kvstore.server.tiering.chain import compose
 from kvstore.server.tiering.manager import TierManager
 from kvstore.identity import ObjectId
+from kvstore.server.tiering.nvme_held import NvmeHeld
 from kvstore.server.tiering.nvme_mover import TierMover
 from kvstore.tiers.nvme.index import object_key
 
 
+def with_nvme(tmp_path) -> TierManager:
+    config = NvmeTierConfig(path=str(tmp_path))
+    return TierManager(compose(HostTierConfig(arena_bytes=1 << 20, prefault=False),
+                               make_holdings=lambda: NvmeHeld(config.capacity_bytes),
+                               make_nvme=lambda host, events, sends, departures, held: TierMover(
+                                   host, events, sends, departures, held, config)))
+
+
 def test_the_mover_rebuilds_what_it_holds_once_most_of_it_left(tmp_path):
-    manager = TierManager(compose(HostTierConfig(arena_bytes=1 << 20, prefault=False),
-                                  make_nvme=lambda host, events, sends: TierMover(host, events, sends,
-                                                                                  NvmeTierConfig(path=str(tmp_path)))))
+    manager = with_nvme(tmp_path)
     mover = manager.nvme
     names = [("t", i.to_bytes(32, "little")) for i in range(8192)]
     keys = [mover.held.key(name, digest) for name, digest in names]
@@ -37,9 +44,7 @@ def test_num_indexed_counts_host_entries_and_nvme_objects(tmp_path):
 
     from kvstore.hints import Hints
     from kvstore.identity import ObjectId, StateDescriptor
-    manager = TierManager(compose(HostTierConfig(arena_bytes=1 << 20, prefault=False),
-                                  make_nvme=lambda host, events, sends: TierMover(host, events, sends,
-                                                                                  NvmeTierConfig(path=str(tmp_path)))))
+    manager = with_nvme(tmp_path)
     assert manager.num_indexed() == 0
     for i in range(30):
         manager.nvme._remember(manager.nvme.held.key("t", i.to_bytes(32, "little")), 4096)

@@ -9,6 +9,7 @@ from kvstore.config import HostTierConfig, NvmeTierConfig
 from kvstore.identity import ObjectId
 from kvstore.server.tiering.chain import compose
 from kvstore.server.tiering.manager import TierManager
+from kvstore.server.tiering.nvme_held import NvmeHeld
 from kvstore.server.tiering.nvme_mover import TierMover
 from kvstore.server.tiering.nvme_table import NvmeTable
 from kvstore.tiers.nvme.index import namespace_prefix, object_key
@@ -32,9 +33,11 @@ def test_sizes_of_many_ids_match_one_at_a_time_past_tombstones_and_other_namespa
 
 
 def test_the_mover_answers_sizes_of_few_and_many_ids_alike(tmp_path):
+    config = NvmeTierConfig(path=str(tmp_path))
     manager = TierManager(compose(HostTierConfig(arena_bytes=1 << 20, prefault=False),
-                                  make_nvme=lambda host, events, sends: TierMover(host, events, sends,
-                                                                                  NvmeTierConfig(path=str(tmp_path)))))
+                                  make_holdings=lambda: NvmeHeld(config.capacity_bytes),
+                                  make_nvme=lambda host, events, sends, departures, held: TierMover(
+                                      host, events, sends, departures, held, config)))
     mover = manager.nvme
     ids = [ObjectId(bytes([i]) * 32) for i in range(1, 60)]
     for oid in ids[::2]:

@@ -18,6 +18,7 @@ from kvstore.messages import Get
 from kvstore.server.later import is_ready, resolve
 from kvstore.server.tiering.chain import compose
 from kvstore.server.tiering.manager import TierManager
+from kvstore.server.tiering.nvme_held import NvmeHeld
 from kvstore.server.tiering.nvme_mover import TierMover
 
 MiB = 1 << 20
@@ -51,11 +52,12 @@ async def chain(tmp_path, gates: Gates, write_policy: str = "write_back") -> Tie
                             file_bytes=64 * MiB, write_policy=write_policy, admit_min_hits=0)
     mover = None
 
-    def make_nvme(host, events, sends):
+    def make_nvme(host, events, sends, departures, held):
         nonlocal mover
-        mover = TierMover(host, events, sends, config, gates)
+        mover = TierMover(host, events, sends, departures, held, config, gates)
         return mover
-    manager = TierManager(compose(HostTierConfig(arena_bytes=8 * MiB, prefault=False), make_nvme=make_nvme))
+    manager = TierManager(compose(HostTierConfig(arena_bytes=8 * MiB, prefault=False),
+                                  make_holdings=lambda: NvmeHeld(config.capacity_bytes), make_nvme=make_nvme))
     await mover.open()
     return manager
 

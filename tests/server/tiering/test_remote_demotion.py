@@ -20,12 +20,13 @@ MiB = 1 << 20
 
 class StandInLink:
     """What TierManager asks of server.cluster.link.ClusterLink when it makes room, and of its
-    sending side (server.cluster.replicate.Replicator): both sides of the remote tier in one."""
+    sending side (server.cluster.replicate.Replicator): both sides of the remote tier in one.
+    `held`: the chain's set of the objects the homes are known to hold."""
 
     remote = object()  # "clustered"
 
-    def __init__(self, behaviour):
-        self.behaviour, self.sent, self.forgotten = behaviour, [], []
+    def __init__(self, behaviour, held):
+        self.behaviour, self.held, self.sent = behaviour, held, []
 
     def victim_sink(self, host):  # as ClusterLink's: copy home, then evict
         return host.copy_then_evict(self.demote)
@@ -33,17 +34,14 @@ class StandInLink:
     def must_send(self, namespace, object_id) -> bool:
         return True
 
-    def forget(self, namespace, object_id) -> None:
-        self.forgotten.append(object_id)
-
     async def demote(self, entries) -> None:
         await self.behaviour(self, entries)
 
 
 def manager_with(behaviour, objects=6):
-    link = StandInLink(behaviour)
     manager = TierManager(compose(HostTierConfig(arena_bytes=8 * MiB, prefault=False),
-                                  make_sends=lambda host, events: link, make_remote=lambda local, sends: link))
+                                  make_sends=lambda host, events, held: StandInLink(behaviour, held),
+                                  make_remote=lambda local, link: link))
 
     async def fill():
         ns = await manager.host.open_namespace("t")
@@ -59,6 +57,7 @@ def test_victims_are_sent_then_evicted():
     async def send(link, entries):
         await asyncio.sleep(0)
         link.sent += [e.object_id for e in entries]
+        link.held.update((e.namespace, e.object_id.digest) for e in entries)  # every home holds them
 
     manager, fill = manager_with(send)
 
@@ -70,7 +69,7 @@ def test_victims_are_sent_then_evicted():
     ns = asyncio.run(scenario())
     assert len(manager.remote.sent) >= 2
     assert all(oid not in ns.objects for oid in manager.remote.sent)  # sent, then gone
-    assert set(manager.remote.forgotten) == set(manager.remote.sent)
+    assert not manager.remote.held  # each left this node: the homes' holding of it is forgotten
     manager.check_integrity()
 
 
