@@ -8,10 +8,12 @@ from dataclasses import dataclass
 from kvstore.errors import Conflict
 from kvstore.hints import Hints
 from kvstore.identity import ObjectId, StateDescriptor, descriptor_differences
-from kvstore.server.tiering.object_table import CHECKSUM_BYTES, ObjectEntry, ObjectTable, StaleEntry
+from kvstore.server.tiering.object_entry import CHECKSUM_BYTES, ObjectEntry, StaleEntry
+from kvstore.server.tiering.object_table import ObjectTable, lone_entry
 from kvstore.tiers.allocator import Extent
 
-__all__ = ["CHECKSUM_BYTES", "ObjectEntry", "ObjectTable", "PendingPut", "StaleEntry", "check_same_object", "live_in"]
+__all__ = ["CHECKSUM_BYTES", "ObjectEntry", "ObjectTable", "PendingPut", "StaleEntry", "check_same_object", "live_in",
+           "lone_entry"]
 
 
 @dataclass(slots=True)

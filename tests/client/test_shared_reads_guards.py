@@ -14,7 +14,7 @@ import xxhash
 from kvs_testing import payload
 from kvstore.hints import Hints
 from kvstore.identity import ObjectId, StateDescriptor
-from kvstore.server.tiering.objects import ObjectEntry
+from kvstore.server.tiering.objects import lone_entry
 from kvstore.server.tiering.shared_index import SharedIndex
 from kvstore.tiers.allocator import Extent
 from kvstore.client.shared_reads import SharedReads
@@ -50,7 +50,7 @@ class Core:
 def setup():
     index, arena = SharedIndex("t", 1 << 20), Arena()
     arena.bytes[:SIZE] = payload(SIZE, OID)
-    entry = ObjectEntry.create(OID, "t", Extent(0, SIZE), SIZE, xxhash.xxh3_128_digest(arena.bytes[:SIZE]), DESC,
+    entry = lone_entry(OID, "t", Extent(0, SIZE), SIZE, xxhash.xxh3_128_digest(arena.bytes[:SIZE]), DESC,
                                Hints(), time.monotonic())
     index.publish(entry)
     reader = SharedReads(Core(arena), True, lambda ns: DESC)
@@ -94,7 +94,7 @@ def test_an_extent_reused_while_copying_is_refused():
         index.remove(entry)
         arena.bytes[:SIZE] = payload(SIZE, other)
         checksum = xxhash.xxh3_128_digest(arena.bytes[:SIZE])
-        index.publish(ObjectEntry.create(other, "t", Extent(0, SIZE), SIZE, checksum, DESC, Hints(), time.monotonic()))
+        index.publish(lone_entry(other, "t", Extent(0, SIZE), SIZE, checksum, DESC, Hints(), time.monotonic()))
     arena.hook = reuse
     assert read(reader) is None and reader.num_pending == 0
     assert read(reader) is None  # gone from the index: the daemon is asked
@@ -112,7 +112,7 @@ def test_bytes_changed_under_an_unchanged_record_fail_the_checksum():
 def test_a_record_past_its_ttl_is_refused_before_the_daemon_drops_it():
     index, arena, entry, reader = setup()
     index.remove(entry)
-    expired = ObjectEntry.create(OID, "t", Extent(0, SIZE), SIZE, entry.checksum, DESC, Hints(ttl_s=1.0),
+    expired = lone_entry(OID, "t", Extent(0, SIZE), SIZE, entry.checksum, DESC, Hints(ttl_s=1.0),
                                  time.monotonic() - 2.0)  # its TTL ran out a second ago; still published
     index.publish(expired)
     assert read(reader) is None and reader.num_pending == 0
@@ -138,7 +138,7 @@ def test_a_batch_checks_the_table_once_and_each_object_on_its_own():
     for i, oid in enumerate(oids[1:], start=1):
         arena.bytes[i * SIZE:(i + 1) * SIZE] = payload(SIZE, oid)
         checksum = xxhash.xxh3_128_digest(arena.bytes[i * SIZE:(i + 1) * SIZE])
-        index.publish(ObjectEntry.create(oid, "t", Extent(i * SIZE, SIZE), SIZE, checksum, DESC, Hints(),
+        index.publish(lone_entry(oid, "t", Extent(i * SIZE, SIZE), SIZE, checksum, DESC, Hints(),
                                          time.monotonic()))
     assert read_many(reader, oids) == [SIZE] * 3 and reader.num_pending == 3
     # as the first object is copied, the second's bytes change under its unchanged record

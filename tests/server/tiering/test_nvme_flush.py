@@ -5,12 +5,12 @@ import math
 from kvstore.hints import Hints
 from kvstore.identity import ObjectId, StateDescriptor
 from kvstore.server.tiering.nvme_flush import plan_flush
-from kvstore.server.tiering.objects import ObjectEntry
+from kvstore.server.tiering.objects import ObjectEntry, lone_entry
 from kvstore.tiers.allocator import Extent
 
 
 def entry(i: int, size: int, hits: int = 0, pinned: bool = False, created_at: float = 0.0) -> ObjectEntry:
-    e = ObjectEntry.create(ObjectId(bytes([i]) * 32), "t", Extent(i * 4096, 4096), size, b"\0" * 16,
+    e = lone_entry(ObjectId(bytes([i]) * 32), "t", Extent(i * 4096, 4096), size, b"\0" * 16,
                            StateDescriptor("t", "m", "r"), Hints(), now=0.0, created_at=created_at, pin=pinned)
     e.num_hits = hits
     return e

@@ -10,7 +10,8 @@ from kvstore.identity import ObjectId, StateDescriptor
 from kvstore.policy.base import COMPACT_MIN_KEYS
 from kvstore.route import Route
 from kvstore.config import MAX_WRITE_AFTER_HITS
-from kvstore.server.tiering.object_table import MAX_HITS, MIN_ROWS, ObjectTable, StaleEntry
+from kvstore.server.tiering.object_entry import MAX_HITS, StaleEntry
+from kvstore.server.tiering.object_table import MIN_ROWS, ObjectTable
 from kvstore.tiers.allocator import Extent
 
 DESC = StateDescriptor("t", "m", "r")

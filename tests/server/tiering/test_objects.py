@@ -10,14 +10,14 @@ from kvstore.errors import Conflict
 from kvstore.hints import Hints
 from kvstore.identity import ObjectId, StateDescriptor
 from kvstore.messages import Get
-from kvstore.server.tiering.objects import ObjectEntry, check_same_object
+from kvstore.server.tiering.objects import check_same_object, lone_entry
 
 OID = ObjectId(bytes(32))
 DESC = StateDescriptor("ns", "m", "r")
 
 
 def entry(hints, now=100.0, **kwargs):
-    return ObjectEntry.create(OID, "ns", None, 10, b"c" * 16, DESC, hints, now, **kwargs)
+    return lone_entry(OID, "ns", None, 10, b"c" * 16, DESC, hints, now, **kwargs)
 
 
 def test_a_ttl_counts_from_now_and_ends_liveness_exactly_there():
@@ -165,7 +165,7 @@ def test_the_expiry_heap_sheds_items_of_objects_that_left(monkeypatch):
     import kvstore.server.tiering.expiry as expiry
     monkeypatch.setattr(expiry, "REBUILD_MIN_ITEMS", 4)
     queue = expiry.ExpiryQueue()
-    entries = [ObjectEntry.create(ObjectId(bytes([i]) * 32), "t", None, 1, b"\0" * 16, StateDescriptor("t", "m", "r"),
+    entries = [lone_entry(ObjectId(bytes([i]) * 32), "t", None, 1, b"\0" * 16, StateDescriptor("t", "m", "r"),
                                   Hints(ttl_s=10.0 + i), now=0.0) for i in range(6)]
     for e in entries:
         queue.add(e)
@@ -177,12 +177,12 @@ def test_the_expiry_heap_sheds_items_of_objects_that_left(monkeypatch):
 def test_the_packed_record_gives_back_every_unchanging_field_exactly():
     from kvstore.tiers.allocator import Extent
     big = Extent((1 << 40) + 4096, 3 << 20)
-    e = ObjectEntry.create(OID, "ns", big, (3 << 20) - 5, bytes(range(16)), DESC, Hints(), 1.0,
+    e = lone_entry(OID, "ns", big, (3 << 20) - 5, bytes(range(16)), DESC, Hints(), 1.0,
                            created_at=1764790000.123456)
     assert e.extent == big and e.offset == big.offset and e.size == (3 << 20) - 5
     assert e.checksum == bytes(range(16)) and type(e.checksum) is bytes
     assert e.created_at == 1764790000.123456
-    later = ObjectEntry.create(OID, "ns", big, 3 << 20, bytes(16), DESC, Hints(), 1.0)
+    later = lone_entry(OID, "ns", big, 3 << 20, bytes(16), DESC, Hints(), 1.0)
     assert later.serial > e.serial  # each copy its own, never reused
     reply = e.get_reply(7)
     assert (reply.offset, reply.size, reply.checksum) == (big.offset, e.size, e.checksum)
@@ -191,4 +191,4 @@ def test_the_packed_record_gives_back_every_unchanging_field_exactly():
 
 def test_an_entry_refuses_a_checksum_of_another_length():
     with pytest.raises(ValueError, match="16 bytes"):
-        ObjectEntry.create(OID, "ns", None, 10, b"c" * 8, DESC, Hints(), 1.0)
+        lone_entry(OID, "ns", None, 10, b"c" * 8, DESC, Hints(), 1.0)
