@@ -68,8 +68,6 @@ def address_of(buffer) -> tuple[int, np.ndarray]:
     return array.ctypes.data, array
 
 
-
-
 class PoolPuts:
     """What goes into the pool, and what both sides of the pool share (module docstring)."""
 
