@@ -21,6 +21,8 @@ from kvstore.tiers.nvme.index import key_parts, namespace_prefix
 
 
 class NvmeHeld:
+    """What NVMe holds and the lookups over it (module docstring); the mover fills it."""
+
     def __init__(self, capacity_bytes: int):
         # What NVMe holds, and its eviction order: numpy columns keyed by the NVMe index's own
         # keys (~64 B per object; Python objects per key cost ~190 B: server/tiering/nvme_table.py).
