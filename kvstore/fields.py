@@ -77,10 +77,11 @@ def _ids_dec(v):
 
 
 def _raw_ids_dec(v):
-    """Ids as validated raw 32-byte digests: the hot batch path builds no objects."""
+    """Ids as validated raw 32-byte digests: the hot batch path builds no objects. (Off the
+    wire they are bytes; a message's own to_args() gives its ObjectIds, bytes too.)"""
     if not isinstance(v, list) or len(v) > MAX_BATCH:
         raise InvalidArgument(f"ids must be a list of at most {MAX_BATCH} object ids")
-    if not all(type(x) is bytes and len(x) == 32 for x in v):
+    if not all(isinstance(x, bytes) and len(x) == 32 for x in v):
         raise InvalidArgument("every object id must be 32 bytes (msgpack bin)")
     return tuple(v)
 
