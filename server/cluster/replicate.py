@@ -123,7 +123,8 @@ class Replicator:
                 and bool(self.remote.remote_homes(object_id)))
 
     def forget(self, namespace: str, object_id) -> None:
-        """The object left this node (evicted from its last tier, or deleted)."""
+        """A delete of the object: it leaves `held` (what leaves by eviction, the chain's
+        Departures drops from the same set)."""
         self.held.discard((namespace, object_id.digest))
 
     async def demote(self, entries: list[ObjectEntry]) -> None:

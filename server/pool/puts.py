@@ -221,7 +221,8 @@ class PoolPuts:
         return (namespace, object_id.digest) not in self.held
 
     def forget(self, namespace: str, object_id) -> None:
-        """The object left this node (evicted from its last tier, or deleted)."""
+        """A delete of the object: it leaves `held` (what leaves by eviction, the chain's
+        Departures drops from the same set)."""
         self.held.discard((namespace, object_id.digest))
 
     async def demote(self, entries: list[ObjectEntry]) -> None:

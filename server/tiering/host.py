@@ -4,7 +4,8 @@ What the tiers below (server/tiering/nvme_mover.py, server/cluster/, server/pool
 manager use of the host tier is this class's public surface: open a namespace, make room
 (`allocate` or `make_room`, each with the caller's sink: the sink decides where victims go;
 the chain's is server/tiering/chain.py: victim_sink), publish verified bytes as an object,
-hold an entry while the daemon reads it, drop or evict one. Leases and clients are the tier manager's business.
+hold an entry while the daemon reads it, drop or evict one. Leases and clients are the tier
+manager's business.
 
 Runs on the daemon's event loop thread only; nothing here blocks on I/O. An extent is never
 freed or reused while a reader (a client's read lease, or a daemon hold) covers it.

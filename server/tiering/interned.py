@@ -3,7 +3,8 @@
 An object table's rows carry a descriptor and hints (server/tiering/object_table.py). A
 model's chunks share a handful of descriptors and usually one set of hints, so a reference
 per row (8 B, and a list's slack) bought nothing: each distinct (descriptor, hints) pair is
-kept here once, and a row keeps its index in a uint32 column (4 B).
+kept here once, and a row keeps its index in a uint16 column (2 B; the table widens it to
+uint32 past 65,536 values).
 
 An index is counted per row that refers to it and reused once none does, so values that
 come and go (an agent session's hints) do not pile up.
