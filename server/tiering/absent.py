@@ -41,6 +41,7 @@ class NoNvme:
 
     listed_as = ()  # no ?tier=nvme in the admin API
     bandwidth_bytes_s = 1e9  # never used: nothing is loaded from here
+    writes_through = False  # a commit never waits here
 
     def victim_sink(self, below):
         """Where the host tier's victims go: past this absent tier, to `below`'s sink."""

@@ -256,6 +256,23 @@ class HostTier:
             ns.counters.bytes_in += size
         return entry
 
+    def publish_many(self, ns: Namespace, oids: list, extents: list, sizes: list, checksums: bytes, descriptor,
+                     hints) -> list[ObjectEntry]:
+        """publish() for a batch's plain case, as arrays: new ids, none indexed here, all under
+        one (descriptor, hints) pair naming no route, TTL or pin, not a store group's manifest
+        (ObjectTable.add_many). The policy, the shared index and the event stream learn of
+        them together. Their entries, in order."""
+        rows, serial = ns.objects.add_many(oids, extents, sizes, checksums, descriptor, hints, self.clock())
+        ns.policy.on_insert_many(rows)
+        table = ns.objects
+        ns.shared.publish_many(oids, *table.placements(rows), checksums, descriptor)
+        if self.events.enabled:
+            for oid in oids:
+                self.events.stored(ns.name, oid, MEDIUM_CPU, descriptor, hints)
+        ns.counters.num_puts += len(oids)
+        ns.counters.bytes_in += sum(sizes)
+        return [ObjectEntry(table, row, serial + i, oid) for i, (row, oid) in enumerate(zip(rows.tolist(), oids))]
+
     def hold(self, entry: ObjectEntry) -> None:
         """Keep an entry's extent allocated while the daemon itself reads it."""
         entry.readers += 1

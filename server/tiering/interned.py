@@ -32,8 +32,8 @@ class Interned:
     def __len__(self) -> int:  # distinct values referred to
         return len(self._index)
 
-    def ref(self, value: Hashable) -> int:
-        """The index of `value` (added if new), counted once more."""
+    def ref(self, value: Hashable, count: int = 1) -> int:
+        """The index of `value` (added if new), counted `count` times more."""
         i = self._index.get(value)
         if i is None:
             if self._free:
@@ -44,7 +44,7 @@ class Interned:
                 self.values.append(value)
                 self._refs.append(0)
             self._index[value] = i
-        self._refs[i] += 1
+        self._refs[i] += count
         return i
 
     def unref(self, i: int) -> None:

@@ -92,6 +92,15 @@ class Ledger:
         self._leases.release(lease_id)
         return put
 
+    def take_puts(self, owner: Owner, lease_ids: list[int]) -> list[PendingPut]:
+        """take_put of many of `owner`'s write leases (each checked: own_put)."""
+        pending, release = self._pending, self._leases.release
+        puts = [pending.pop(lease_id) for lease_id in lease_ids]
+        for lease_id in lease_ids:
+            release(lease_id)
+        self._quotas.settled(owner, sum(put.size for put in puts))
+        return puts
+
     # --- reads ------------------------------------------------------------------
 
     def grant_read(self, owner: Owner, entry: ObjectEntry, on_gpu: Extent | None = None,

@@ -23,7 +23,7 @@ import xxhash
 
 from kvstore.config import LimitsConfig
 from kvstore.errors import ChecksumError, InvalidArgument, RangeError
-from kvstore.identity import ObjectId, check_object_size, read_refusal
+from kvstore.identity import Kind, ObjectId, check_object_size, read_refusal
 from kvstore.messages import Get, GetMany, Reserve, ReserveMany
 from kvstore.ranges import check_within, total as ranges_total
 from kvstore.replies import IN_MEMORY, MISS, STORED, CommitReply, GetReply, ReserveReply
@@ -35,6 +35,10 @@ from kvstore.server.later import MaybeAwaitable, is_ready, resolve, then
 from kvstore.server.tiering.objects import ObjectEntry, PendingPut, check_same_object
 from kvstore.tiers.allocator import Extent
 from kvstore.tiers.leases import Owner
+
+# The fewest alike items commit_many commits as one batch: below it, its arrays cost more
+# than committing them one at a time.
+MIN_BATCH = 16
 
 log = logging.getLogger("kvstore.tiers")
 
@@ -147,9 +151,16 @@ class TierManager:
         item k is left for commit() (or k is len(items)); or (k, reply): item k is committed
         and its reply is something else (an NVMe write-through to await, say), or the
         exception its commit raised."""
-        i, n = start, len(items)
+        i, n, next_batch = start, len(items), start
         own_put, holds = self.ledger.own_put, self.nvme.holds
         while i < n:
+            if i >= next_batch:
+                batched, looked_at = self._commit_batch(owner, items, i)
+                if batched:
+                    codes[i:i + batched] = bytes([STORED]) * batched
+                    i += batched
+                    continue
+                next_batch = i + max(1, looked_at)  # too few alike: these go one at a time
             lease_id, checksum = items[i]
             put = own_put(owner, lease_id)
             if put is None:
@@ -172,6 +183,40 @@ class TierManager:
             codes[i] = STORED
             i += 1
         return i, None
+
+    def _commit_batch(self, owner: Owner, items: list, start: int) -> tuple[int, int]:
+        """Commit the items from `start` that commit_run's plain case would, as one batch
+        (HostTier.publish_many), while they are alike: one namespace, descriptor and hints
+        (no route, TTL or pin; no store group), distinct ids none held here or on NVMe, no
+        NVMe write-through to wait for. Returns (how many it committed, how many it looked
+        at): none where fewer than MIN_BATCH are alike, which go one at a time."""
+        first = self.ledger.own_put(owner, items[start][0])
+        if first is None or first.tier != "host" or self.nvme.writes_through:
+            return 0, 1
+        ns, desc, hints = self.host.namespaces[first.namespace], first.descriptor, first.hints
+        if hints.route is not None or hints.ttl_s is not None or hints.pin or desc.kind is Kind.GROUP:
+            return 0, 1
+        own_put, holds, verify, puts, seen = self.ledger.own_put, self.nvme.holds, self.verify_puts, [], set()
+        for k in range(start, len(items)):
+            lease_id, checksum = items[k]
+            put = own_put(owner, lease_id)
+            if (put is None or put.descriptor is not desc or put.hints is not hints or put.tier != "host"
+                    or put.namespace != ns.name or put.object_id in seen or holds(ns.name, put.object_id)
+                    or verify and self.checksum_of(ns, put) != checksum):
+                break
+            seen.add(put.object_id)
+            puts.append(put)
+        oids = [put.object_id for put in puts]
+        count = ns.objects.first_indexed(oids)  # (one indexed meanwhile: commit() says what happens)
+        if count < MIN_BATCH:
+            return 0, count
+        puts, oids = puts[:count], oids[:count]
+        entries = self.host.publish_many(ns, oids, [put.extent for put in puts], [put.size for put in puts],
+                                         b"".join(checksum for _, checksum in items[start:start + count]), desc, hints)
+        self.ledger.take_puts(owner, [lease_id for lease_id, _ in items[start:start + count]])
+        for entry in entries:
+            self.remote.on_commit(entry)
+        return count, count
 
     def commit(self, owner: Owner, lease_id: int, checksum: bytes) -> MaybeAwaitable[CommitReply]:
         self.ledger.own_lease(owner, lease_id, "write")

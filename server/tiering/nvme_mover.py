@@ -196,9 +196,14 @@ class TierMover:
                 and entry.num_hits == self.config.write_after_hits):
             self.write_in_background(entry)
 
+    @property
+    def writes_through(self) -> bool:
+        """Does a commit's reply wait for its NVMe write (on_commit)?"""
+        return self.config.write_policy == "write_through"
+
     def on_commit(self, entry: ObjectEntry) -> MaybeAwaitable[CommitReply]:
         """A local commit: under `write_through` the reply waits for the durable write."""
-        if self.config.write_policy == "write_through":
+        if self.writes_through:
             return self._write_through(entry)
         return IN_MEMORY
 

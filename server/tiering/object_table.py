@@ -48,7 +48,6 @@ The event loop's thread only, like the rest of the host tier.
 
 from __future__ import annotations
 
-import itertools
 import math
 import time
 from array import array
@@ -68,7 +67,21 @@ from kvstore.tiers.slabs import footprint
 
 LOAD = 0.7  # the most of the slots rows and tombstones take before a rebuild
 MIN_ROWS = 64
-_SERIALS = itertools.count(1)
+
+
+class _Serials:
+    """Copy serials, never reused (process-wide): one at a time or a block for a batch."""
+
+    def __init__(self):
+        self._next = 1
+
+    def take(self, count: int = 1) -> int:
+        """The first of `count` new serials (the rest follow it)."""
+        first, self._next = self._next, self._next + count
+        return first
+
+
+_SERIALS = _Serials()
 
 HASH_MASK = (1 << 32) - 1  # the bits of an id's hash a row keeps
 
@@ -84,6 +97,23 @@ _WIDER = {"offset": np.uint64, "size": np.uint64, "kind": np.uint32}  # what a c
 def _pages(size: int) -> int:
     """The bytes of the whole pages `size` bytes take."""
     return -(-size // PAGE_BYTES) * PAGE_BYTES
+
+
+def _hashes(ids) -> np.ndarray:
+    """The low bits (HASH_MASK) of Python's hash of each id, as a row keeps them."""
+    return (np.fromiter(map(hash, ids), np.int64, len(ids)) & HASH_MASK).astype(np.uint32)
+
+
+def _placed_many(offsets: np.ndarray, lengths: np.ndarray, sizes: np.ndarray) -> np.ndarray:
+    """ObjectTable._placed's flag for many extents at once (PAGED or 0); any other extent
+    (NO_EXTENT included) is a caller's bug."""
+    pages = -(-sizes // PAGE_BYTES) * PAGE_BYTES
+    classed = lengths == np.fromiter((footprint(size, PAGE_BYTES) for size in sizes.tolist()), np.int64, len(sizes))
+    aligned = offsets & ((1 << OFFSET_SHIFT) - 1) == 0
+    if not (aligned & (classed | (lengths == pages))).all():
+        raise ValueError("an extent is not where the arena puts its object: 64 B aligned, its size class or "
+                         "its whole pages")
+    return np.where(classed, 0, PAGED).astype(np.uint8)
 
 
 class ObjectTable:
@@ -161,9 +191,19 @@ class ObjectTable:
         """The row of each of many ids (raw 32-byte ids or ObjectIds) indexed and not past its
         TTL at `now`, -1 for the others: probed all at once (a batch's lookup), not an id at a
         time."""
+        rows = self.rows_of(ids, _hashes(ids))
+        held = rows >= 0
+        if self._ttls:
+            live = rows[held]
+            held[held] = (self.c_flags[live] & TTL == 0) | (self.c_expires_at[live] > now)
+        rows[~held] = -1
+        return rows
+
+    def rows_of(self, ids, hashes: np.ndarray) -> np.ndarray:
+        """The indexed row of each of many ids (-1: none), past its TTL or not; hashes: theirs
+        (_hashes)."""
         if not self._live or not len(ids):
             return np.full(len(ids), -1, np.int64)
-        hashes = (np.fromiter(map(hash, ids), np.int64, len(ids)) & HASH_MASK).astype(np.uint32)
         wanted = np.frombuffer(b"".join(ids), np.uint64).reshape(len(ids), ID_BYTES // 8)
         words = self.c_ids.view(np.uint64)  # an id as four words: compared 8 bytes at a time
 
@@ -172,14 +212,17 @@ class ObjectTable:
             rows, keys = rows[same], keys[same]
             same[same] = (words[rows] == wanted[keys]).all(axis=1)
             return same
-        rows = find(self.c_slots, hashes & np.uint32(self._mask), matches,
+        return find(self.c_slots, hashes & np.uint32(self._mask), matches,
                     lambda key: self._find(ids[key], int(hashes[key]))[0])
-        held = rows >= 0
-        if self._ttls:
-            live = rows[held]
-            held[held] = (self.c_flags[live] & TTL == 0) | (self.c_expires_at[live] > now)
-        rows[~held] = -1
-        return rows
+
+    def first_indexed(self, oids: list) -> int:
+        """The index of the first of `oids` indexed here (past its TTL or not); len(oids) if none is."""
+        held = np.flatnonzero(self.rows_of(oids, _hashes(oids)) >= 0)
+        return int(held[0]) if len(held) else len(oids)
+
+    def placements(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(byte offsets in the arena, sizes) of the objects on `rows`."""
+        return self.c_offset[rows].astype(np.uint64) << np.uint64(OFFSET_SHIFT), self.c_size[rows]
 
     def entry_on(self, row: int, oid: ObjectId) -> ObjectEntry:
         """The entry on a row live_rows found for `oid` (read before anything changed it)."""
@@ -283,7 +326,7 @@ class ObjectTable:
             self.own_hints[row] = hints
         if (units | size) >> 32 or kind >> 16:
             self._widen(offset=units, size=size, kind=kind)
-        serial = next(_SERIALS)
+        serial = _SERIALS.take()
         self.m_ids[row * ID_BYTES:(row + 1) * ID_BYTES] = oid
         self.m_checksum[row * CHECKSUM_BYTES:(row + 1) * CHECKSUM_BYTES] = checksum
         self.m_hash[row], self.m_serial[row], self.m_size[row], self.m_offset[row] = h, serial, size, units
@@ -304,6 +347,51 @@ class ObjectTable:
         if self._live + self._gone > LOAD * len(self.c_slots):
             self._rebuild_slots()
         return ObjectEntry(self, row, serial, oid)
+
+    def add_many(self, oids: list, extents: list, sizes: list, checksums: bytes, descriptor, hints,
+                 now: float) -> tuple[np.ndarray, int]:
+        """Index many new copies at once, a batch's plain case: distinct ids none of which is
+        indexed here (the caller cuts its batch at first_indexed), all under one (descriptor,
+        hints) pair that names no route and no TTL, none pinned or on NVMe (add says what
+        each field means); anything else raises before a row changes. The rows are taken as
+        add takes them, their columns written as arrays, and the ids placed in the slots
+        together. checksums: theirs, joined. Returns (their rows in order, the first row's
+        serial: the others' follow it)."""
+        count = len(oids)
+        if not count:
+            return np.zeros(0, np.int64), 0
+        if hints.route is not None or hints.ttl_s is not None or len(checksums) != CHECKSUM_BYTES * count:
+            raise ValueError("add_many takes objects without a route or TTL, and a checksum each")
+        if len(set(oids)) != count or self.first_indexed(oids) < count:
+            raise RuntimeError(f"add_many: an id is indexed already in namespace {self.name}, or named twice")
+        offsets = np.fromiter((e.offset for e in extents), np.int64, count)
+        lengths = np.fromiter((e.length for e in extents), np.int64, count)
+        size = np.asarray(sizes, np.int64)
+        fit = _placed_many(offsets, lengths, size)
+        units = offsets >> OFFSET_SHIFT
+        rows = self._new_rows(count)
+        kind = self.kinds.ref((descriptor, hints), count)
+        if (int(units.max()) | int(size.max())) >> 32 or kind >> 16:
+            self._widen(offset=int(units.max()), size=int(size.max()), kind=kind)
+        serial = _SERIALS.take(count)
+        self.c_ids[rows] = np.frombuffer(b"".join(oids), np.uint8).reshape(count, ID_BYTES)
+        self.c_checksum[rows] = np.frombuffer(checksums, np.uint8).reshape(count, CHECKSUM_BYTES)
+        hashes = _hashes(oids)
+        self.c_hash[rows], self.c_serial[rows] = hashes, np.arange(serial, serial + count, dtype=np.uint64)
+        self.c_size[rows], self.c_offset[rows] = size, units
+        self.c_created_at[rows] = time.time()
+        for row in rows.tolist() if self.pins or self.own_hints else ():  # reused rows' last objects'
+            self.pins.pop(row, None)
+            self.own_hints.pop(row, None)
+        self.c_hits[rows] = self.c_readers[rows] = 0
+        self.c_flags[rows] = USED | INDEXED | fit
+        self.c_kind[rows] = kind
+        self._live += count
+        if self._live + self._gone > LOAD * len(self.c_slots):
+            self._rebuild_slots()  # (places the new rows with the rest)
+        else:
+            place(self.c_slots, rows.astype(np.int32), hashes & np.uint32(self._mask))
+        return rows, serial
 
     @staticmethod
     def _placed(extent: Extent | None, size: int) -> tuple[int, int]:
@@ -338,6 +426,21 @@ class ObjectTable:
             self._columns(2 * self.end, self.end)
         self.end += 1
         return self.end - 1
+
+    def _new_rows(self, count: int) -> np.ndarray:
+        """`count` rows for new objects, as _new_row takes them one at a time (the last
+        released first, then new ones past `end`)."""
+        reused = min(count, len(self._free))
+        taken = np.array(self._free[len(self._free) - reused:][::-1], np.int64)
+        del self._free[len(self._free) - reused:]
+        for kind in self.c_kind[taken].tolist():
+            self.kinds.unref(kind)  # the fields of the rows' last objects go now
+        fresh = count - reused
+        if self.end + fresh > len(self.c_flags):
+            self._columns(max(2 * self.end, self.end + fresh), self.end)
+        self.end += fresh
+        self._in_use += count
+        return np.concatenate([taken, np.arange(self.end - fresh, self.end)])
 
     def remove(self, entry: ObjectEntry) -> None:
         """Take an indexed entry out of the index; its row stays until `release`."""

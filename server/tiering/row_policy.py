@@ -119,6 +119,29 @@ class RowPolicy:
         self._tracked_bytes += self.table.m_size[row]
         return row | gen << GEN_SHIFT
 
+    def _refuse_tracked_many(self, rows: np.ndarray) -> None:
+        if (self.c_state[rows[rows < len(self.c_state)]] & TRACKED).any():
+            raise InvalidArgument(f"a row of {rows.tolist()[:8]} of namespace {self.table.name} is already tracked")
+
+    def _track_many(self, rows: np.ndarray, in_main: int = 0) -> np.ndarray:
+        """_track for many rows at once (distinct, none tracked); their places, in order."""
+        if not len(rows):
+            return np.zeros(0, np.int64)
+        self._refuse_tracked_many(rows)
+        top = int(rows.max())
+        if top >= len(self.m_state):
+            self._columns(max(2 * len(self.m_state), top + 1), len(self.m_state))
+        gen = (self.c_gen[rows] + 1) & GEN_MASK
+        self.c_gen[rows], self.c_state[rows] = gen, TRACKED | in_main
+        self._tracked += len(rows)
+        self._tracked_bytes += int(self.table.c_size[rows].sum())
+        return rows.astype(np.int64) | gen.astype(np.int64) << GEN_SHIFT
+
+    def on_insert_many(self, rows: np.ndarray) -> None:
+        """on_insert of each row (distinct, none tracked), in order."""
+        for row in rows.tolist():
+            self.on_insert(row)
+
     def _untrack(self, row: int) -> tuple[int, int]:
         """Forget a tracked row: (its state, its size)."""
         state, size = self.m_state[row], self.table.m_size[row]
@@ -221,6 +244,19 @@ class RowS3FIFO(RowPolicy):
         else:
             self._small.append(self._track(row))
             self._small_bytes += self.table.m_size[row]
+
+    def on_insert_many(self, rows: np.ndarray) -> None:
+        """As on_insert row by row: those the ghost remembers go to M, the rest to S."""
+        self._refuse_tracked_many(rows)  # before the ghost changes
+        seen = np.zeros(len(rows), bool)
+        if len(self._ghost):
+            seen[:] = [self._ghost.take(h) for h in self.table.c_hash[rows].tolist()]
+        if seen.any():
+            self._main.extend(self._track_many(rows[seen], IN_MAIN))
+            self._main_bytes += int(self.table.c_size[rows[seen]].sum())
+        if not seen.all():
+            self._small.extend(self._track_many(rows[~seen]))
+            self._small_bytes += int(self.table.c_size[rows[~seen]].sum())
 
     def on_access(self, row: int) -> None:
         if row < len(self.m_state):
@@ -364,6 +400,9 @@ class RowLRU(RowPolicy):
 
     def on_insert(self, row: int) -> None:
         self._order.append(self._track(row))
+
+    def on_insert_many(self, rows: np.ndarray) -> None:
+        self._order.extend(self._track_many(rows))
 
     def on_access(self, row: int) -> None:
         if row in self:

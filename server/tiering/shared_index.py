@@ -62,6 +62,7 @@ import contextlib
 import errno
 import fcntl
 import logging
+import math
 import mmap
 import os
 import time
@@ -149,6 +150,42 @@ class SharedIndex:
         self.num_unpublished += 1
         return False
 
+    def publish_many(self, oids: list, offsets: np.ndarray, sizes: np.ndarray, checksums: bytes,
+                     descriptor, expires_at: float = math.inf) -> int:
+        """publish() for many committed entries at once (a batch's commits), all under one
+        descriptor: each takes the first free slot of its window that no other of the batch
+        took in an earlier round (round k tries slot k of every window still looking), and the
+        seqlock's three stores go out as three array writes over the slots of a round: every
+        record's odd seq before its fields, its fields before its even seq. Returns how many
+        were published; the others' windows were full."""
+        count = len(oids)
+        table = np.frombuffer(self._map, RECORD_DTYPE, self.slots, HEADER_BYTES)
+        records = np.zeros(count, RECORD_DTYPE)
+        records["id"] = np.frombuffer(b"".join(oids), "V32")
+        records["offset"], records["size"] = offsets, sizes
+        records["checksum"] = np.frombuffer(checksums, "V16")
+        records["descriptor"], records["expires_at"], records["flags"] = descriptor_digest(descriptor), expires_at, OCCUPIED
+        homes = np.fromiter((home_slot(oid, self.slots) for oid in oids), np.int64, count)
+        pending, mask = np.arange(count), self.slots - 1
+        for step in range(PROBE_SLOTS):
+            if not len(pending):
+                break
+            slots = (homes[pending] + step) & mask
+            free = table["flags"][slots] != OCCUPIED
+            slots, ours = np.unique(slots[free], return_index=True)  # one item of the batch a slot
+            items = pending[free][ours]
+            seq = table["seq"][slots]
+            table["seq"][slots] = seq + 1
+            records["seq"][items] = seq + 1
+            table[slots] = records[items]
+            table["seq"][slots] = seq + 2
+            placed = np.zeros(count, bool)
+            placed[items] = True
+            pending = pending[~placed[pending]]
+        self.num_published += count - len(pending)
+        self.num_unpublished += len(pending)
+        return count - len(pending)
+
     def remove(self, entry: ObjectEntry) -> None:
         """Clear the entry's record; call before its extent can be freed or reused."""
         oid = entry.object_id  # bytes itself: .digest would copy it
@@ -197,6 +234,9 @@ class NoSharedIndex:
 
     def publish(self, entry: ObjectEntry) -> bool:
         return False
+
+    def publish_many(self, oids: list, offsets, sizes, checksums: bytes, descriptor, expires_at: float = 0.0) -> int:
+        return 0
 
     def keep_alive(self) -> None:
         pass

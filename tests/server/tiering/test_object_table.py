@@ -311,3 +311,52 @@ def test_hits_saturate_where_write_after_hits_stops():
     e.num_hits += 1
     e.num_hits += 1
     assert e.num_hits == MAX_HITS == MAX_WRITE_AFTER_HITS == np.iinfo(table.c_hits.dtype).max
+
+
+def _columns(table: ObjectTable, rows) -> list:
+    """Every field of each row but its serial and its creation time."""
+    names = ("ids", "hash", "offset", "size", "checksum", "hits", "readers", "flags", "kind")
+    return [[getattr(table, "c_" + name)[row].tolist() for name in names] for row in rows]
+
+
+def test_a_batch_is_added_as_each_object_would_be_alone():
+    """add_many: the rows it takes (released ones first, last released first), their fields,
+    the pair kept once, the slots through a rebuild, and the entries read back as add's."""
+    alone, batch = ObjectTable("ns"), ObjectTable("ns")
+    for table in (alone, batch):
+        first = [add(table, i) for i in range(40)]
+        for entry in first[5:25:2]:  # ten rows released, to be reused
+            table.remove(entry)
+            table.release(entry)
+        pinned = table.get(oid(31))
+        pinned.pinned_until = math.inf
+        table.remove(pinned)
+        table.release(pinned)  # its row is reused: the pin must not carry over
+    ids, sizes = [oid(i) for i in range(1000, 1300)], [100 + i % 5000 for i in range(300)]
+    extents = [Extent(i * 8192, -(-size // 4096) * 4096) for i, size in enumerate(sizes)]
+    checksums = [bytes([i % 256]) * 16 for i in range(300)]
+    singles = [alone.add(o, e, s, c, DESC, Hints(), 10.0) for o, e, s, c in zip(ids, extents, sizes, checksums)]
+    rows, serial = batch.add_many(ids, extents, sizes, b"".join(checksums), DESC, Hints(), 10.0)
+    assert rows.tolist() == [e.row for e in singles]
+    assert _columns(batch, rows) == _columns(alone, rows)
+    assert batch.c_serial[rows].tolist() == list(range(serial, serial + 300))
+    assert not batch.pins and len(batch.kinds) == len(alone.kinds) == 1
+    for o, e, s, c in zip(ids, extents, sizes, checksums):
+        got = batch[o]
+        assert (got.extent, got.size, got.checksum, got.descriptor, got.hints) == (e, s, c, DESC, Hints())
+    batch.check_integrity()
+    assert len(batch) == len(alone) == 40 - 11 + 300
+
+
+def test_a_batch_with_an_indexed_or_repeated_id_or_a_stray_extent_changes_nothing():
+    table = ObjectTable("ns")
+    add(table, 1)
+    extent = Extent(4096, 4096)
+    for ids, extents in (([oid(2), oid(1)], [extent, extent]), ([oid(2), oid(2)], [extent, extent]),
+                         ([oid(2), oid(3)], [extent, Extent(4096 + 8, 4096)])):
+        with pytest.raises((RuntimeError, ValueError)):
+            table.add_many(ids, extents, [100, 100], bytes(32), DESC, Hints(), 10.0)
+        assert len(table) == 1 and table.end == 1 and oid(2) not in table
+        table.check_integrity()
+    with pytest.raises(ValueError, match="route or TTL"):
+        table.add_many([oid(2)], [extent], [100], bytes(16), DESC, Hints(ttl_s=1.0), 10.0)

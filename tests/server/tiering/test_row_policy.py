@@ -13,6 +13,7 @@ from kvstore.identity import ObjectId, StateDescriptor
 from kvstore.policy import POLICIES
 from kvstore.server.tiering.object_table import HASH_MASK, ObjectTable
 from kvstore.server.tiering.row_policy import ROW_POLICIES, make_row_policy
+from kvstore.tiers.allocator import Extent
 
 DESC = StateDescriptor("t", "m", "r")
 CHECKSUM = bytes(16)
@@ -199,3 +200,33 @@ def test_the_ghost_is_rebuilt_only_once_it_is_sparse():
     both.policy.compact()
     assert both.policy._ghost.sizes is ghost  # once is enough
     both.check()
+
+
+@pytest.mark.parametrize("name", sorted(ROW_POLICIES))
+def test_a_batch_inserted_at_once_is_queued_as_one_by_one(name):
+    """on_insert_many against on_insert row by row, over reused rows, after victims left some
+    ids in the ghost (S3-FIFO sends those to M): the same victims, in the same order."""
+    alone, batch = Both(name, 200_000), Both(name, 200_000)
+    for both in (alone, batch):
+        for i in range(60):
+            both.insert(i, 4096)
+        both.victims(100_000, set())  # S's victims go to the ghost, their rows free
+    ids = list(range(0, 120, 2))  # some back from the ghost, some new
+    for i in ids:
+        if oid(i) not in alone.table:
+            alone.insert(i, 4096)
+    fresh = [i for i in ids if oid(i) not in batch.table]
+    rows, _ = batch.table.add_many([oid(i) for i in fresh], [Extent(i * 4096, 4096) for i in fresh], [4096] * len(fresh),
+                                   bytes(16 * len(fresh)), DESC, Hints(), 0.0)
+    ghosts = len(getattr(batch.policy, "_ghost", ()))
+    batch.policy.on_insert_many(rows)
+    if name != "lru":  # the batch had ids the ghost remembered: those went to M
+        assert len(batch.policy._ghost) < ghosts and len(batch.policy._main)
+    for i in fresh:
+        batch.reference.on_insert(oid(i), 4096, None, 0)
+    for both in (alone, batch):
+        both.check()
+    with pytest.raises(InvalidArgument, match="already tracked"):
+        batch.policy.on_insert_many(batch.table.indexed_rows()[-3:])
+    batch.check()
+    assert alone.victims(400_000, set()) == batch.victims(400_000, set())

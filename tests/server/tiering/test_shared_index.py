@@ -135,3 +135,29 @@ def test_off_the_namespace_has_no_index():
     assert not ns.shared.enabled and ns.shared.fd == -1
     manager.check_integrity()
     manager.close()
+
+
+def test_a_batch_is_published_as_each_entry_would_be_and_full_windows_are_counted():
+    """HostTier.publish_many: every record as publish writes it (even seq, the entry's extent,
+    size, checksum, descriptor); ids whose windows are full are left out and counted, the
+    others of the batch take the free slots of theirs."""
+    manager, ns = asyncio.run(_filled(0, Clock()))
+    shared = ns.shared
+    home = home_slot(oid(0).digest, shared.slots)
+    same_home = [i for i in range(200_000) if home_slot(oid(i).digest, shared.slots) == home][:PROBE_SLOTS + 2]
+    ids = [oid(i) for i in same_home] + [oid(i) for i in range(300_000, 300_030)]
+    extents = [manager.host.alloc_now(ns, 4096) for _ in ids]
+    checksums = [bytes([k]) * 16 for k in range(len(ids))]
+    entries = manager.host.publish_many(ns, ids, extents, [4096] * len(ids), b"".join(checksums), DESC, Hints())
+    got = records(shared)
+    assert shared.num_unpublished == 2 and shared.num_published == len(ids) - 2 == len(got)
+    assert set(got) == {o.digest for o in ids} - {oid(i).digest for i in same_home[PROBE_SLOTS:]}
+    for o, extent, checksum, entry in zip(ids, extents, checksums, entries):
+        assert entry == ns.objects[o] and entry.extent == extent and entry.checksum == checksum
+        if o.digest in got:
+            seq, offset, size, sum_, desc, expires_at = got[o.digest]
+            assert (seq, offset, size, sum_, desc) == (2, extent.offset, 4096, checksum, descriptor_digest(DESC))
+            assert expires_at == entry.expires_at == float("inf")
+    assert ns.counters.num_puts == len(ids) and ns.counters.bytes_in == 4096 * len(ids)
+    manager.check_integrity()
+    manager.close()
