@@ -145,6 +145,23 @@ class ExtentAllocator:
         self._used += length
         return Extent(offset, length)
 
+    def alloc_many(self, size_bytes: int, count: int) -> list[Extent]:
+        """Up to `count` extents of size_bytes, as many allocs would hand them out: each hole
+        alloc would choose is carved into as many as it holds at once. Fewer (maybe none)
+        when the free space runs out."""
+        length, extents = self._rounded(size_bytes), []
+        while len(extents) < count and (offset := self._find(length)) is not None:
+            hole = self._free[offset]
+            taken = min(count - len(extents), hole // length)
+            self._remove_free(offset)
+            if hole > taken * length:
+                self._add_free(offset + taken * length, hole - taken * length)
+            starts = range(offset, offset + taken * length, length)
+            self._allocated.update(dict.fromkeys(starts, length))
+            extents += [Extent(start, length) for start in starts]
+        self._used += len(extents) * length
+        return extents
+
     def free(self, extent: Extent) -> None:
         """Return an extent that alloc handed out. Anything else (double free, a changed
         length, an extent of another allocator) raises InvalidArgument and changes nothing."""

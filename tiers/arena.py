@@ -190,6 +190,12 @@ class HostArena:
         self._check_open()
         return self._allocator.alloc(size_bytes)
 
+    def alloc_many(self, size_bytes: int, count: int) -> list[Extent]:
+        """Up to `count` extents of size_bytes, as `count` allocs would give them; fewer (maybe
+        none) when there is no more room."""
+        self._check_open()
+        return self._allocator.alloc_many(size_bytes, count)
+
     def free(self, extent: Extent) -> None:
         """Give an extent back. The caller must hold no view of it and no lease on it."""
         self._allocator.free(extent)

@@ -84,6 +84,21 @@ class LeaseTable:
         heapq.heappush(self._expiry, (lease.expires_at, lease.lease_id))
         return lease
 
+    def grant_writes(self, owner: Hashable, extents: list[Extent], ttl_s: float, now: float) -> list[int]:
+        """grant() of a write lease on each extent, all expiring at now + ttl_s; their ids."""
+        if not extents:
+            return []
+        first = self.grant(owner, None, extents[0], "write", ttl_s, now)  # (checks the arguments once)
+        ids = list(range(first.lease_id + 1, first.lease_id + len(extents)))
+        expires_at = first.expires_at
+        self._leases.update((i, Lease(i, owner, None, extent, "write", expires_at)) for i, extent in zip(ids, extents[1:]))
+        self._by_owner[owner].update(dict.fromkeys(ids))
+        push, heap = heapq.heappush, self._expiry
+        for i in ids:
+            push(heap, (expires_at, i))
+        self._last_id = first.lease_id + len(ids)
+        return [first.lease_id, *ids]
+
     def release(self, lease_id: int) -> Lease:
         """End a lease and return it. An unknown (or already ended) id raises NotFound."""
         lease = self._leases.get(lease_id)

@@ -174,6 +174,29 @@ class SlabAllocator:
         self._slot_bytes += c
         return Extent(slab.offset + i * c, c)
 
+    def alloc_many(self, size_bytes: int, count: int) -> list[Extent]:
+        """Up to `count` extents of size_bytes, as many allocs would hand them out (slots
+        taken a slab at a time); fewer (maybe none) when there is no more room."""
+        c = self._class_of(size_bytes)
+        if c is None:
+            return self._pages.alloc_many(size_bytes, count)
+        extents, partial = [], self._partial[c]
+        while len(extents) < count:
+            slab = self._slabs[partial[0] // self._page] if partial else self._new_slab(c)
+            if slab is None:
+                break
+            free = slab.free
+            taken = free[max(0, len(free) - (count - len(extents))):][::-1]  # as pops take them
+            del free[len(free) - len(taken):]
+            for i in taken:
+                slab.taken[i] = 1
+            if not free:
+                del partial[0]
+            extents += [Extent(slab.offset + i * c, c) for i in taken]
+        self._num_slots += len(extents)
+        self._slot_bytes += len(extents) * c
+        return extents
+
     def trim_front(self, extent: Extent, nbytes: int) -> Extent:
         """Give back the first `nbytes` (whole pages) of a page extent alloc handed out; the
         rest stays allocated and is returned (ExtentAllocator.trim_front). Not for slots."""

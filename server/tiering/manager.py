@@ -120,8 +120,15 @@ class TierManager:
         expected, objects, now = desc.object_bytes, ns.objects, self.clock()
         leases_left, bytes_left = self.ledger.room(owner)
         capacity, holds, grant = ns.arena.capacity_bytes, self.nvme.holds, self.ledger.grant_write
-        i, n = start, len(ids)
+        i, n, next_batch = start, len(ids), start
         while i < n:
+            if i >= next_batch and not msg.routes:
+                batched, looked_at = self._reserve_batch(owner, ns, msg, ids, sizes, i, leases, offsets, now)
+                if batched:
+                    leases_left, bytes_left = self.ledger.room(owner)
+                    i += batched
+                    continue
+                next_batch = i + max(1, looked_at)  # too few alike: these go one at a time
             oid, size = ids[i], sizes[i]
             if expected and size != expected:
                 break
@@ -143,6 +150,32 @@ class TierManager:
             leases_left, bytes_left = leases_left - 1, bytes_left - size
             i += 1
         return i
+
+    def _reserve_batch(self, owner: Owner, ns: Namespace, msg: ReserveMany, ids: list, sizes: list, start: int,
+                       leases: list, offsets: list, now: float) -> tuple[int, int]:
+        """Reserve the items from `start` that reserve_run's plain case would grant, as one
+        batch (HostArena.alloc_many, Ledger.grant_writes), while they are alike: one size,
+        distinct ids none indexed here or held on NVMe, within the caller's quotas and the
+        room the arena has now. Returns (how many it reserved, how many it looked at): none
+        where fewer than MIN_BATCH are alike, which go one at a time."""
+        size, expected, holds, seen = sizes[start], msg.descriptor.object_bytes, self.nvme.holds, set()
+        leases_left, bytes_left = self.ledger.room(owner)
+        most = min(len(ids) - start, leases_left, bytes_left // size if size > 0 else 0)
+        if (expected and size != expected) or size > ns.arena.capacity_bytes:
+            return 0, 1
+        end = start
+        while end < start + most and sizes[end] == size and ids[end] not in seen and not holds(ns.name, ids[end]):
+            seen.add(ids[end])
+            end += 1
+        count = ns.objects.first_indexed(ids[start:end])  # (an indexed one: reserve() says what happens)
+        if count < MIN_BATCH:
+            return 0, max(1, count)
+        extents = ns.arena.alloc_many(size, count)  # (short of room: the rest make room one at a time)
+        desc, hints, tier = msg.descriptor, msg.hints, msg.tier
+        puts = [PendingPut(ns.name, oid, size, desc, hints, extent, tier) for oid, extent in zip(ids[start:], extents)]
+        leases[start:start + len(puts)] = self.ledger.grant_writes(owner, puts, now)
+        offsets[start:start + len(puts)] = [extent.offset for extent in extents]
+        return len(puts), max(1, count)
 
     def commit_run(self, owner: Owner, items: list, start: int, codes: bytearray) -> tuple[int, MaybeAwaitable | None]:
         """Commit a commit_many's (lease, checksum) items from `start` while each is the plain

@@ -163,3 +163,18 @@ def test_check_integrity_catches_a_stale_reader_count():
     table._readers["k"] = 2
     with pytest.raises(RuntimeError, match="reader"):
         table.check_integrity()
+
+
+def test_a_batch_of_write_leases_is_as_many_grants():
+    one, many = LeaseTable(), LeaseTable()
+    extents = [Extent(i * 4096, 4096) for i in range(50)]
+    singles = [one.grant("c", None, e, "write", 5.0, 100.0).lease_id for e in extents]
+    assert many.grant_writes("c", extents, 5.0, 100.0) == singles
+    assert [many.get(i) for i in singles] == [one.get(i) for i in singles] and many.count("c") == 50
+    for table in (one, many):
+        table.check_integrity()
+    assert [lease.lease_id for lease in many.expired(105.0)] == singles and len(many) == 0
+    with pytest.raises(InvalidArgument):
+        many.grant_writes("c", extents, math.inf, 100.0)
+    assert many.grant_writes("c", [], 5.0, 100.0) == [] and len(many) == 0
+    many.check_integrity()

@@ -184,3 +184,24 @@ def test_trim_front_takes_page_extents_only():
     s.free(kept)
     s.free(slot)
     assert s.used_bytes == 0
+
+
+@pytest.mark.parametrize("size", [100, 3000, LARGEST_CLASS + 1, 3 * PAGE])
+def test_a_batch_of_allocs_hands_out_what_allocs_one_by_one_would(size):
+    """alloc_many against alloc, on allocators with the same frees behind them (holes in
+    pages and in slabs): the same extents in the same order, then the same 'no room'."""
+    one, many = slabs(), slabs()
+    for allocator in (one, many):
+        taken = [allocator.alloc(s) for s in [100, 3000, 2 * PAGE, 700] * 12]
+        for extent in taken[::3]:
+            allocator.free(extent)
+    singles = []
+    while (extent := one.alloc(size)) is not None:
+        singles.append(extent)
+    batch = many.alloc_many(size, 7) + many.alloc_many(size, 10_000)
+    assert batch == singles and many.alloc_many(size, 5) == []
+    for allocator in (one, many):
+        allocator.check_integrity()
+    for extent in batch:
+        many.free(extent)
+    many.check_integrity()

@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
 import xxhash
 
 from kvstore import messages as m
 from kvstore import replies as r
-from kvstore.config import HostTierConfig
+from kvstore.config import HostTierConfig, LimitsConfig
 from kvstore.fields import unpack_uints
 from kvstore.hints import Hints
 from kvstore.identity import ObjectId, StateDescriptor
@@ -28,10 +29,9 @@ def oid(i: int) -> ObjectId:
     return ObjectId(i.to_bytes(32, "little"))
 
 
-def manager(verify_puts: bool = False) -> TierManager:
-    chain = compose(HostTierConfig(arena_bytes=16 << 20, prefault=False, huge_pages="off", namespaces=()))
-    mgr = TierManager(chain)
-    mgr.verify_puts = verify_puts
+def manager(verify_puts: bool = False, limits: LimitsConfig = LimitsConfig(), arena_bytes: int = 16 << 20) -> TierManager:
+    chain = compose(HostTierConfig(arena_bytes=arena_bytes, prefault=False, huge_pages="off", namespaces=()))
+    mgr = TierManager(chain, limits, verify_puts=verify_puts)
     asyncio.run(mgr.host.open_namespace("t"))
     return mgr
 
@@ -127,3 +127,45 @@ def test_a_mixed_batch_commits_each_item_as_its_own_commit_would():
     assert results[0] == results[1]
     codes, failed = results[0][0], results[0][1]
     assert sorted(failed) == [50, 60, 75, 77, 79] and "internal" not in failed.values() and codes[40] == codes[20] == r.EXISTED and codes.count(r.STORED) == 93
+
+
+@pytest.mark.parametrize("max_leases, refusal", [(250, "limit_exceeded"), (10_000, "capacity")])
+def test_a_mixed_reserve_many_reserves_each_item_as_its_own_reserve_would(max_leases, refusal):
+    """reserve_many's alike runs go as one batch (TierManager._reserve_batch): an id committed
+    already (a dedup), one named twice, another size, a quota reached mid-batch and an arena
+    that fills up (victims made room for) must come out as single reserves give them."""
+    ids = [oid(i) for i in range(400)]
+    ids[130] = ids[120]
+    sizes = [SIZE] * 400
+    sizes[200:230] = [700] * 30
+    results = []
+    for batched in (True, False):
+        mgr = manager(limits=LimitsConfig(max_leases_per_client=max_leases), arena_bytes=1 << 20)
+        commit_many(mgr, 1, reserved(mgr, 1, [oid(i) for i in range(1000, 1200)]))  # victims to be
+        commit_many(mgr, 1, reserved(mgr, 1, ids[50:51]))  # committed already: a dedup
+        if batched:
+            arena, handed = mgr.host.namespaces["t"].arena, []
+            real = arena.alloc_many
+            arena.alloc_many = lambda size, count: handed.append(count) or real(size, count)
+            reply = run(batches.reserve_many(mgr, 1, m.ReserveMany.of("t", ids, sizes, DESC)))
+            assert handed and min(handed) >= MIN_BATCH
+            got = (unpack_uints(reply.leases), unpack_uints(reply.offsets), list(reply.exists),
+                   {i: e["code"] for i, e in reply.errors})
+        else:
+            got = ([], [], [], {})
+            for i, (key, size) in enumerate(zip(ids, sizes)):
+                try:
+                    one = run(mgr.reserve(1, m.Reserve("t", key, size, DESC, Hints())))
+                    got[0].append(one.lease or 0)
+                    got[1].append(one.offset or 0)
+                    got[2].append(int(one.exists))
+                except Exception as exc:
+                    got[0].append(0), got[1].append(0), got[2].append(0)
+                    got[3][i] = getattr(exc, "code", "internal")
+        ns = mgr.host.namespaces["t"]
+        results.append((got, len(mgr.ledger), ns.counters.num_evictions, ns.counters.num_dedup_puts))
+        mgr.check_integrity()
+        mgr.close()
+    assert results[0] == results[1]
+    got = results[0][0]
+    assert got[2][50] == 1 and got[0][130] and results[0][2] > 0 and set(got[3].values()) == {refusal}
