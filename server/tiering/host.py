@@ -262,9 +262,9 @@ class HostTier:
         one (descriptor, hints) pair naming no route, TTL or pin, not a store group's manifest
         (ObjectTable.add_many). The policy, the shared index and the event stream learn of
         them together. Their entries, in order."""
-        rows, serial = ns.objects.add_many(oids, extents, sizes, checksums, descriptor, hints, self.clock())
-        ns.policy.on_insert_many(rows)
         table = ns.objects
+        rows, serial = table.add_many(oids, extents, sizes, checksums, descriptor, hints, self.clock())
+        ns.policy.on_insert_many(rows)
         ns.shared.publish_many(oids, *table.placements(rows), checksums, descriptor)
         if self.events.enabled:
             for oid in oids:

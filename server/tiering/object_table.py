@@ -94,8 +94,8 @@ _COLUMNS = (("ids", np.uint8, ID_BYTES), ("hash", np.uint32, 0), ("offset", np.u
 _WIDER = {"offset": np.uint64, "size": np.uint64, "kind": np.uint32}  # what a column widens to
 
 
-def _pages(size: int) -> int:
-    """The bytes of the whole pages `size` bytes take."""
+def _pages(size):
+    """The bytes of the whole pages `size` bytes take (an int, or each of an array's)."""
     return -(-size // PAGE_BYTES) * PAGE_BYTES
 
 
@@ -107,10 +107,9 @@ def _hashes(ids) -> np.ndarray:
 def _placed_many(offsets: np.ndarray, lengths: np.ndarray, sizes: np.ndarray) -> np.ndarray:
     """ObjectTable._placed's flag for many extents at once (PAGED or 0); any other extent
     (NO_EXTENT included) is a caller's bug."""
-    pages = -(-sizes // PAGE_BYTES) * PAGE_BYTES
     classed = lengths == np.fromiter((footprint(size, PAGE_BYTES) for size in sizes.tolist()), np.int64, len(sizes))
     aligned = offsets & ((1 << OFFSET_SHIFT) - 1) == 0
-    if not (aligned & (classed | (lengths == pages))).all():
+    if not (aligned & (classed | (lengths == _pages(sizes)))).all():
         raise ValueError("an extent is not where the arena puts its object: 64 B aligned, its size class or "
                          "its whole pages")
     return np.where(classed, 0, PAGED).astype(np.uint8)
@@ -362,7 +361,8 @@ class ObjectTable:
             return np.zeros(0, np.int64), 0
         if hints.route is not None or hints.ttl_s is not None or len(checksums) != CHECKSUM_BYTES * count:
             raise ValueError("add_many takes objects without a route or TTL, and a checksum each")
-        if len(set(oids)) != count or self.first_indexed(oids) < count:
+        hashes = _hashes(oids)
+        if len(set(oids)) != count or (self.rows_of(oids, hashes) >= 0).any():
             raise RuntimeError(f"add_many: an id is indexed already in namespace {self.name}, or named twice")
         offsets = np.fromiter((e.offset for e in extents), np.int64, count)
         lengths = np.fromiter((e.length for e in extents), np.int64, count)
@@ -376,7 +376,6 @@ class ObjectTable:
         serial = _SERIALS.take(count)
         self.c_ids[rows] = np.frombuffer(b"".join(oids), np.uint8).reshape(count, ID_BYTES)
         self.c_checksum[rows] = np.frombuffer(checksums, np.uint8).reshape(count, CHECKSUM_BYTES)
-        hashes = _hashes(oids)
         self.c_hash[rows], self.c_serial[rows] = hashes, np.arange(serial, serial + count, dtype=np.uint64)
         self.c_size[rows], self.c_offset[rows] = size, units
         self.c_created_at[rows] = time.time()

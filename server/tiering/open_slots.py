@@ -19,8 +19,9 @@ def place(slots: np.ndarray, rows: np.ndarray, at: np.ndarray,
     """Put `rows` into `slots` (a power of two long), each from its home slot `at`, in
     rounds: every row still unplaced tries its next slot, and of rows that try the same empty
     slot one wins. A row moves on only past an occupied slot or a tombstone (never reused
-    here), so each is found by probing from its home. twins(occupants, rows): which rows have the key of the row placed
-    where they tried (duplicates); those are left out. Returns how many were left out."""
+    here), so each is found by probing from its home. twins(occupants, rows): which rows
+    have the key of the row placed where they tried (duplicates); those are left out.
+    Returns how many were left out."""
     mask, left_out = len(slots) - 1, 0
     while len(rows):
         empty = slots[at] == EMPTY

@@ -235,7 +235,7 @@ class NoSharedIndex:
     def publish(self, entry: ObjectEntry) -> bool:
         return False
 
-    def publish_many(self, oids: list, offsets, sizes, checksums: bytes, descriptor, expires_at: float = 0.0) -> int:
+    def publish_many(self, oids: list, offsets, sizes, checksums: bytes, descriptor, expires_at: float = math.inf) -> int:
         return 0
 
     def keep_alive(self) -> None:

@@ -88,14 +88,14 @@ def test_a_plain_batch_is_committed_at_once_and_reads_back():
 def _mixed(mgr: TierManager) -> list[tuple[int, bytes]]:
     """A batch of 100 commits with, among plain ones: an id committed meanwhile (item 20), an
     id named twice (items 10 and 40), a lease of another client (item 50), a wrong checksum
-    (item 60), one with a TTL (item 70), and a short run of plain ones between odd ones."""
+    (item 60), one with a TTL (item 70), and lone plain ones between odd ones (76, 78)."""
     ids = [oid(i) for i in range(100)]
     ids[40] = ids[10]
     items = reserved(mgr, 1, ids[:70]) + reserved(mgr, 1, ids[70:71], Hints(ttl_s=60.0)) + reserved(mgr, 1, ids[71:])
     items[50] = reserved(mgr, 2, [oid(1000)])[0]
     items[60] = (items[60][0], bytes(16))
     commit_many(mgr, 3, reserved(mgr, 3, [ids[20]]))  # another client's copy, committed first
-    for k in (75, 77, 79):  # runs of one, two and ... plain items between others
+    for k in (75, 77, 79):  # leases never granted, with a lone plain item (76, 78) between them
         items[k] = (items[k][0] + 10**6, items[k][1])  # leases never granted
     return items
 
