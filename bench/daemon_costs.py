@@ -11,6 +11,7 @@ are decided. Cases, per 4 KiB object, the best of `--reps` batches of 1,000:
     commit_many       its commits, shared index on (the default)
     commit_many, no shared index    the same without publishing to the shared index
     get_many          leases on resident objects, then release_many
+    touch             a client's report of 1,000 hits it read from the shared index
 
 Baseline in the same run: a Python dict's insert and lookup of the same 1,000 ids with a
 small tuple as value, the floor of any index kept as Python objects. The ratio says how many
@@ -54,8 +55,9 @@ def manager(shared_index: bool) -> tuple[TierManager, IndexOps]:
     return TierManager(chain), chain.index
 
 
-def one_batch(mgr: TierManager, index: IndexOps, rep: int, checksum: bytes, desc: StateDescriptor) -> tuple[float, float, float]:
-    """Seconds per object of reserve_many, commit_many and get_many (+ release_many)."""
+def one_batch(mgr: TierManager, index: IndexOps, rep: int, checksum: bytes,
+              desc: StateDescriptor) -> tuple[float, float, float, float]:
+    """Seconds per object of reserve_many, commit_many, get_many (+ release_many) and touch."""
     ids = [ObjectId(rep.to_bytes(4, "little") + i.to_bytes(28, "little")) for i in range(N)]
     reserve = m.ReserveMany.of("t", ids, [SIZE] * N, desc)
     start = time.perf_counter()
@@ -74,8 +76,14 @@ def one_batch(mgr: TierManager, index: IndexOps, rep: int, checksum: bytes, desc
     got_s = time.perf_counter() - start
     if sum(got.hits) != N:
         raise RuntimeError(f"get_many: {sum(got.hits)} of {N} hits")
+    shared_hits = mgr.stats()["namespaces"]["t"]["num_shared_hits"]
+    start = time.perf_counter()
+    mgr.touch("t", tuple(oid.digest for oid in ids))
+    touched_s = time.perf_counter() - start
+    if mgr.stats()["namespaces"]["t"]["num_shared_hits"] != shared_hits + N:
+        raise RuntimeError("touch: the hits were not counted")
     index.delete("t", ids, scope="node")
-    return reserved_s / N, committed_s / N, got_s / N
+    return reserved_s / N, committed_s / N, got_s / N, touched_s / N
 
 
 def dict_floor(reps: int) -> tuple[float, float]:
@@ -104,7 +112,7 @@ def main(argv=None) -> int:
     for shared_index in (True, False):  # alternated batches would share one arena's state: one manager each
         mgr, index = manager(shared_index)
         runs = [one_batch(mgr, index, rep, checksum, desc) for rep in range(args.reps)]
-        best[shared_index] = [min(r[k] for r in runs) for k in range(3)]
+        best[shared_index] = [min(r[k] for r in runs) for k in range(4)]
         mgr.close()
     put_floor, get_floor = dict_floor(args.reps)
     us = 1e6
@@ -117,6 +125,8 @@ def main(argv=None) -> int:
             higher_is_better=False),
         Row(SUITE, "get_many + release_many, per object", "best", "us", best[True][2] * us, "dict lookup",
             get_floor * us, higher_is_better=False),
+        Row(SUITE, "touch (a shared-index hit reported), per object", "best", "us", best[True][3] * us,
+            "dict lookup", get_floor * us, higher_is_better=False),
     ]
     report(SUITE, rows, [], {}, {"objects_per_batch": N, "object_bytes": SIZE, "reps": args.reps})
     return 0

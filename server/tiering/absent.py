@@ -74,6 +74,9 @@ class NoNvme:
     def on_hit(self, entry: ObjectEntry) -> None:
         pass
 
+    def on_hits(self, table, rows) -> None:
+        pass
+
     def on_commit(self, entry: ObjectEntry) -> MaybeAwaitable[CommitReply]:
         return IN_MEMORY
 

@@ -187,13 +187,28 @@ class TierMover:
         return await self._run(lambda: [nvme.meta(name, ObjectId(digest)) for name, digest in keys])
 
     def on_hit(self, entry: ObjectEntry) -> None:
-        """A host hit: counted for admission and the NVMe policy; under `selective`, the
-        write_after_hits-th hit writes the object down in the background."""
+        """A host hit, counted on the entry already: counted for admission and the NVMe
+        policy; under `selective`, the write_after_hits-th hit writes the object down in the
+        background."""
+        self._hits(entry, 1, entry.num_hits - 1)
+
+    def on_hits(self, table, rows: np.ndarray) -> None:
+        """on_hit of hits on many of `table`'s rows (a row named twice: two hits), not counted
+        on their entries yet: as one hit after another on each entry (a batch's hits land at
+        once: its entries' turns in the policy go in row order)."""
+        rows, times = np.unique(rows, return_counts=True)
+        for row, count in zip(rows.tolist(), times.tolist()):
+            entry = table.entry_at(row)
+            self._hits(entry, count, entry.num_hits)
+
+    def _hits(self, entry: ObjectEntry, count: int, before: int) -> None:
+        """`count` hits on an entry that had `before`."""
         key = self.held.key(entry.namespace, entry.object_id)
-        self.admission.record(key)
-        self.policy.on_access(key)
+        for _ in range(count):
+            self.admission.record(key)
+            self.policy.on_access(key)
         if (not entry.on_nvme and self.config.write_policy == "selective"
-                and entry.num_hits == self.config.write_after_hits):
+                and before < self.config.write_after_hits <= before + count):
             self.write_in_background(entry)
 
     @property

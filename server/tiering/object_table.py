@@ -59,7 +59,7 @@ from kvstore.identity import ID_BYTES, ObjectId, StateDescriptor
 from kvstore.policy.base import sparse
 from kvstore.server.tiering.interned import Interned
 from kvstore.server.tiering.object_entry import (
-    CHECKSUM_BYTES, INDEXED, NO_EXTENT, OFFSET_SHIFT, ON_NVME, PAGED, TTL, USED, ObjectEntry)
+    CHECKSUM_BYTES, INDEXED, MAX_HITS, NO_EXTENT, OFFSET_SHIFT, ON_NVME, PAGED, TTL, USED, ObjectEntry)
 from kvstore.server.tiering.open_slots import EMPTY, GONE, find, place
 from kvstore.tiers.allocator import Extent
 from kvstore.tiers.arena import PAGE_BYTES
@@ -190,7 +190,7 @@ class ObjectTable:
         """The row of each of many ids (raw 32-byte ids or ObjectIds) indexed and not past its
         TTL at `now`, -1 for the others: probed all at once (a batch's lookup), not an id at a
         time."""
-        rows = self.rows_of(ids, _hashes(ids))
+        rows = self.held_rows(ids)
         held = rows >= 0
         if self._ttls:
             live = rows[held]
@@ -214,9 +214,20 @@ class ObjectTable:
         return find(self.c_slots, hashes & np.uint32(self._mask), matches,
                     lambda key: self._find(ids[key], int(hashes[key]))[0])
 
+    def held_rows(self, ids) -> np.ndarray:
+        """The indexed row of each of many ids (-1: none), past its TTL or not."""
+        return self.rows_of(ids, _hashes(ids))
+
+    def add_hits(self, rows: np.ndarray) -> int:
+        """A hit on each of `rows` (a row named twice takes two), capped as num_hits is; the
+        bytes of the objects hit, one object's size per hit."""
+        once, times = np.unique(rows, return_counts=True)
+        self.c_hits[once] = np.minimum(self.c_hits[once] + times, MAX_HITS)
+        return int(self.c_size[rows].sum())
+
     def first_indexed(self, oids: list) -> int:
         """The index of the first of `oids` indexed here (past its TTL or not); len(oids) if none is."""
-        held = np.flatnonzero(self.rows_of(oids, _hashes(oids)) >= 0)
+        held = np.flatnonzero(self.held_rows(oids) >= 0)
         return int(held[0]) if len(held) else len(oids)
 
     def placements(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -270,10 +270,10 @@ def count_shared_hits(host, nvme, namespace: str, ids: tuple) -> None:
     counters.num_gets += len(ids)
     counters.num_hits += len(ids)
     counters.num_shared_hits += len(ids)
-    for digest in ids:
-        entry = ns.objects.get(digest)  # an id equals its digest (kvstore.identity.ObjectId)
-        if entry is not None:
-            entry.num_hits += 1
-            ns.policy.on_access(entry.row)
-            counters.bytes_out += entry.size
-            nvme.on_hit(entry)
+    objects, on_access = ns.objects, ns.policy.on_access
+    rows = objects.held_rows(ids)  # probed at once (an id equals its digest: kvstore.identity.ObjectId)
+    rows = rows[rows >= 0]
+    nvme.on_hits(objects, rows)  # (before they are counted: it sees each entry's hits before the batch)
+    counters.bytes_out += objects.add_hits(rows)
+    for row in rows.tolist():
+        on_access(row)

@@ -58,3 +58,37 @@ def test_num_indexed_counts_host_entries_and_nvme_objects(tmp_path):
     assert manager.num_indexed() == 35
     without_nvme = TierManager(compose(HostTierConfig(arena_bytes=1 << 20, prefault=False)))
     assert without_nvme.num_indexed() == 0
+
+
+def test_a_touch_writes_down_under_selective_once_its_hits_pass_write_after_hits(tmp_path):
+    """count_shared_hits (op touch) hands NVMe a batch of hits (on_hits): an entry is written
+    down once its hits pass write_after_hits within the batch or across batches, as hits
+    one at a time (on_hit) would, and never for hits short of it or past it."""
+    import asyncio
+
+    from kvstore.hints import Hints
+    from kvstore.identity import StateDescriptor
+    config = NvmeTierConfig(path=str(tmp_path), write_policy="selective", write_after_hits=3)
+    manager = TierManager(compose(HostTierConfig(arena_bytes=1 << 20, prefault=False),
+                                  make_holdings=lambda: NvmeHeld(config.capacity_bytes),
+                                  make_nvme=lambda host, events, sends, departures, held: TierMover(
+                                      host, events, sends, departures, held, config)))
+    ids = [ObjectId(bytes([i]) * 32) for i in range(4)]
+
+    async def fill():
+        ns = await manager.host.open_namespace("t")
+        for oid in ids:
+            manager.host.publish(ns, oid, ns.arena.alloc(64), 64, bytes(16), StateDescriptor("t", "m", "r"), Hints())
+        return ns
+    ns = asyncio.run(fill())
+    written, recorded = [], []
+    manager.nvme.write_in_background = lambda entry: written.append(entry.object_id)
+    record = manager.nvme.admission.record
+    manager.nvme.admission.record = lambda key: (recorded.append(key), record(key))
+    manager.touch("t", (ids[0], ids[0], ids[1], ids[1], ids[1], ids[2]))
+    assert written == [ids[1]]  # its third hit in this batch; ids[0] has two
+    manager.touch("t", (ids[0], ids[0], ids[1], ids[3]))
+    assert written == [ids[1], ids[0]]  # ids[0]: two, then its third and fourth; ids[1] past it
+    assert [ns.objects[oid].num_hits for oid in ids] == [4, 4, 1, 1]
+    assert len(recorded) == 10  # every hit counted for admission
+    manager.check_integrity()

@@ -161,3 +161,23 @@ def test_a_batch_is_published_as_each_entry_would_be_and_full_windows_are_counte
     assert ns.counters.num_puts == len(ids) and ns.counters.bytes_in == 4096 * len(ids)
     manager.check_integrity()
     manager.close()
+
+
+def test_a_touch_counts_each_hit_on_the_object_it_names_once_per_mention():
+    """count_shared_hits (op touch): ids probed as one batch; each mention of an id still
+    here is a hit on its entry and an access for the policy; ids gone are counted as hits
+    but touch nothing."""
+    manager, ns = asyncio.run(_filled(6, Clock()))
+    accessed = []
+    on_access = ns.policy.on_access
+    ns.policy.on_access = lambda row: (accessed.append(row), on_access(row))
+    ids = tuple(o.digest for o in (oid(1), oid(4), oid(1), oid(99), oid(5), oid(1)))
+    manager.touch("ns", ids)
+    assert [ns.objects[oid(i)].num_hits for i in range(6)] == [0, 3, 0, 0, 1, 1]
+    assert sorted(accessed) == sorted(ns.objects[oid(i)].row for i in (1, 1, 1, 4, 5))
+    counters = ns.counters
+    assert (counters.num_gets, counters.num_hits, counters.num_shared_hits) == (6, 6, 6)
+    assert counters.bytes_out == 5 * 4096
+    manager.touch("absent", ids)  # a namespace not open here: nothing to count
+    manager.check_integrity()
+    manager.close()
