@@ -74,7 +74,7 @@ class NoNvme:
     def on_hit(self, entry: ObjectEntry) -> None:
         pass
 
-    def on_hits(self, table, rows) -> None:
+    def on_hits(self, table, rows, times) -> None:
         pass
 
     def on_commit(self, entry: ObjectEntry) -> MaybeAwaitable[CommitReply]:

@@ -192,11 +192,10 @@ class TierMover:
         background."""
         self._hits(entry, 1, entry.num_hits - 1)
 
-    def on_hits(self, table, rows: np.ndarray) -> None:
-        """on_hit of hits on many of `table`'s rows (a row named twice: two hits), not counted
+    def on_hits(self, table, rows: np.ndarray, times: np.ndarray) -> None:
+        """on_hit of times[k] hits on each of `table`'s rows[k] (distinct rows), not counted
         on their entries yet: as one hit after another on each entry (a batch's hits land at
-        once: its entries' turns in the policy go in row order)."""
-        rows, times = np.unique(rows, return_counts=True)
+        once: its entries' turns in the policy go in the order of `rows`)."""
         for row, count in zip(rows.tolist(), times.tolist()):
             entry = table.entry_at(row)
             self._hits(entry, count, entry.num_hits)

@@ -218,12 +218,11 @@ class ObjectTable:
         """The indexed row of each of many ids (-1: none), past its TTL or not."""
         return self.rows_of(ids, _hashes(ids))
 
-    def add_hits(self, rows: np.ndarray) -> int:
-        """A hit on each of `rows` (a row named twice takes two), capped as num_hits is; the
-        bytes of the objects hit, one object's size per hit."""
-        once, times = np.unique(rows, return_counts=True)
-        self.c_hits[once] = np.minimum(self.c_hits[once] + times, MAX_HITS)
-        return int(self.c_size[rows].sum())
+    def add_hits(self, rows: np.ndarray, times: np.ndarray) -> int:
+        """times[k] hits on rows[k] (distinct rows), capped as num_hits is; the bytes of the
+        objects hit, one object's size per hit."""
+        self.c_hits[rows] = np.minimum(self.c_hits[rows] + times, MAX_HITS)
+        return int((self.c_size[rows].astype(np.int64) * times).sum())
 
     def first_indexed(self, oids: list) -> int:
         """The index of the first of `oids` indexed here (past its TTL or not); len(oids) if none is."""

@@ -273,7 +273,8 @@ def count_shared_hits(host, nvme, namespace: str, ids: tuple) -> None:
     objects, on_access = ns.objects, ns.policy.on_access
     rows = objects.held_rows(ids)  # probed at once (an id equals its digest: kvstore.identity.ObjectId)
     rows = rows[rows >= 0]
-    nvme.on_hits(objects, rows)  # (before they are counted: it sees each entry's hits before the batch)
-    counters.bytes_out += objects.add_hits(rows)
+    once, times = np.unique(rows, return_counts=True)  # each row hit, and how often
+    nvme.on_hits(objects, once, times)  # (before they are counted: it sees each entry's hits before the batch)
+    counters.bytes_out += objects.add_hits(once, times)
     for row in rows.tolist():
         on_access(row)
