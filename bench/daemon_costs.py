@@ -107,6 +107,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--reps", type=int, default=30, help="batches per case (the best is reported)")
     args = parser.parse_args(argv)
+    if args.reps < 1:
+        parser.error("--reps takes a positive integer")
     desc, checksum = StateDescriptor("t", "m", "r"), xxhash.xxh3_128_digest(bytes(SIZE))
     best = {}
     for shared_index in (True, False):  # alternated batches would share one arena's state: one manager each
