@@ -26,7 +26,7 @@ from kvstore.protocol import MAX_BATCH
 from kvstore.route import packed_route
 from kvstore.client import copies
 from kvstore.client.buffers import as_writable_u8
-from kvstore.client.core import PUT_WINDOW_BYTES, ClientCore, Collect, Later, expectation, to_object_id
+from kvstore.client.core import PUT_WINDOW_BYTES, ClientCore, Collect, Later, resolve_keys
 from kvstore.client.lease import ReadLease
 from kvstore.client.results import PutResult
 
@@ -317,11 +317,12 @@ class _Got:
                 self.descriptors[self.descriptor_of[k]])
 
 
-def _get_window(core: ClientCore, keys: list, namespace: str, expect):
-    """get_many requests for `keys` (one per expectation). Returns (hits, unwanted, error):
-    per expected hit (position in keys, oid, lease, offset, size, checksum, descriptor), the
-    leases of hits stored under another descriptor, and the first error of a refused get."""
-    wanted = [(p, to_object_id(key), expectation(key, expect)) for p, key in enumerate(keys)]
+def _get_window(core: ClientCore, ids: list, expects: list, namespace: str):
+    """get_many requests for `ids`, each expecting its `expects` item (a request per
+    expectation). Returns (hits, unwanted, error): per expected hit (position in ids, oid,
+    lease, offset, size, checksum, descriptor), the leases of hits stored under another
+    descriptor, and the first error of a refused get."""
+    wanted = list(zip(range(len(ids)), ids, expects))
     batches = _groups(wanted, lambda item: id(item[2]))
     replies = yield [core.request(m.GetMany.of(namespace, [oid for _, oid, _ in b], b[0][2])) for b in batches]
     if namespace not in core.arenas and any(reply.error is None for reply in replies):
@@ -350,14 +351,16 @@ def get_many_into(core: ClientCore, items, namespace: str | None, expect: StateD
     namespace = namespace or core.namespace
     yield from core.op_open(namespace, create=False)
     outs = [as_writable_u8(out) for _, out in items]
+    ids, expects = resolve_keys([key for key, _ in items], expect)
     sizes: list[int | None] = yield from core.shared.op_read_many(  # hits from the shared index first
-        namespace, [(to_object_id(key), out, expectation(key, expect)) for (key, _), out in zip(items, outs)])
+        namespace, list(zip(ids, outs, expects)))
     asked = [i for i, size in enumerate(sizes) if size is None]  # the rest: asked of the daemon
     first_error = None
     step = _window(core)
     for start in range(0, len(asked), step):
         window = asked[start:start + step]
-        hits, leased, error = yield from _get_window(core, [items[i][0] for i in window], namespace, expect)
+        hits, leased, error = yield from _get_window(core, [ids[i] for i in window], [expects[i] for i in window],
+                                                     namespace)
         first_error = first_error or error
         arena = core.arenas.get(namespace)
         for p, oid, lease, offset, size, _, _ in hits:
@@ -382,14 +385,15 @@ def get_many(core: ClientCore, keys, namespace: str | None, expect: StateDescrip
     namespace = namespace or core.namespace
     yield from core.op_open(namespace, create=False)
     # Small hits from the shared index first: leases over private copies, nothing to release.
-    leases: list[ReadLease | None] = yield from core.shared.op_get_many(
-        namespace, [(to_object_id(key), expectation(key, expect)) for key in keys])
+    ids, expects = resolve_keys(keys, expect)
+    leases: list[ReadLease | None] = yield from core.shared.op_get_many(namespace, list(zip(ids, expects)))
     asked = [i for i, lease in enumerate(leases) if lease is None]  # the rest: asked of the daemon
     first_error, unwanted = None, []
     step = _window(core)
     for start in range(0, len(asked), step):
         window = asked[start:start + step]
-        hits, refused, error = yield from _get_window(core, [keys[i] for i in window], namespace, expect)
+        hits, refused, error = yield from _get_window(core, [ids[i] for i in window], [expects[i] for i in window],
+                                                      namespace)
         first_error, unwanted = first_error or error, unwanted + refused
         arena = core.arenas.get(namespace)
         for p, oid, lease, offset, size, checksum, descriptor in hits:

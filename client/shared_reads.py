@@ -163,12 +163,13 @@ class SharedReads:
         return found[0], found[1], arena, now
 
     def _read(self, namespace: str, items: list, limit: int) -> list:
-        """Per (digest, out, want) item: (size, out, checksum) of a hit of at most `limit`
-        bytes stored under `want` (None: any descriptor), copied into `out` (None: a new
-        array) and verified; or None: ask the daemon. The checks that hold for the whole call
-        (`_table`) are made once, so a batch's reads are as of its start; each object's are
-        made on its own. Hits are queued for the next report. One loop serves one read and a
-        batch: per object, it is what a batch costs (~3 us of Python besides the copy)."""
+        """Per (digest, out, want) item (digest: the id's 32 bytes, an ObjectId or bytes):
+        (size, out, checksum) of a hit of at most `limit` bytes stored under `want` (None: any
+        descriptor), copied into `out` (None: a new array) and verified; or None: ask the
+        daemon. The checks that hold for the whole call (`_table`) are made once, so a
+        batch's reads are as of its start; each object's are made on its own. Hits are queued
+        for the next report. One loop serves one read and a batch: per object, it is what a
+        batch costs (~3 us of Python besides the copy)."""
         found: list = [None] * len(items)
         opened = self._table(namespace)
         if opened is None:
@@ -248,7 +249,7 @@ class SharedReads:
         if not self._tables:
             return [None] * len(wanted)
         descriptors = [want if want is not None else self._opaque(namespace) for _, want in wanted]
-        found = self._read(namespace, [(oid.digest, None, d) for (oid, _), d in zip(wanted, descriptors)],
+        found = self._read(namespace, [(oid, None, d) for (oid, _), d in zip(wanted, descriptors)],
                            GET_MANY_COPY_MAX_BYTES)
         if self._due():
             yield self.reports()
@@ -261,7 +262,7 @@ class SharedReads:
         or None (ask the daemon)."""
         if not self._tables:
             return [None] * len(prepared)
-        found = self._read(namespace, [(oid.digest, dst, want) for oid, dst, want in prepared], READ_INTO_MAX_BYTES)
+        found = self._read(namespace, prepared, READ_INTO_MAX_BYTES)
         if self._due():
             yield self.reports()
         return [None if hit is None else hit[0] for hit in found]

@@ -77,13 +77,27 @@ def _ids_dec(v):
 
 
 def _raw_ids_dec(v):
-    """Ids as validated raw 32-byte digests: the hot batch path builds no objects. (Off the
-    wire they are bytes; a message's own to_args() gives its ObjectIds, bytes too.)"""
+    """Ids as validated raw 32-byte digests: the hot batch path builds no objects. On the
+    wire one bin of 32 bytes per id (what raw_ids_wire sends), or a list of 32-byte bins
+    (clients from before the packed form); either decodes to a tuple of bytes. (A
+    message's own to_args() gives its ObjectIds, bytes too.)"""
+    if type(v) is bytes:
+        if len(v) % 32 or len(v) > 32 * MAX_BATCH:
+            raise InvalidArgument(f"packed ids must be a multiple of 32 bytes, at most {MAX_BATCH} ids; "
+                                  f"got {len(v)} bytes")
+        # (a bytes object per id, for the index's hash: 4,096 in ~0.09 ms, where a
+        # list's decode and checks took ~0.35)
+        return struct.unpack("32s" * (len(v) // 32), v)
     if not isinstance(v, list) or len(v) > MAX_BATCH:
         raise InvalidArgument(f"ids must be a list of at most {MAX_BATCH} object ids")
     if not all(isinstance(x, bytes) and len(x) == 32 for x in v):
         raise InvalidArgument("every object id must be 32 bytes (msgpack bin)")
     return tuple(v)
+
+
+def raw_ids_wire(ids) -> bytes:
+    """RAW_IDS' wire form: the ids packed, 32 bytes each."""
+    return b"".join(ids)
 
 
 def _checksum_dec(v):
@@ -126,7 +140,7 @@ OID = (_oid_dec, lambda v: v.digest)
 # An ObjectId is a bytes subclass, which msgpack writes as bin as it is: a copy of each id
 # (`.digest`) cost ~0.3 us, 1.2 ms of a 4,096-key lookup.
 IDS = (_ids_dec, list)
-RAW_IDS = (_raw_ids_dec, list)
+RAW_IDS = (_raw_ids_dec, raw_ids_wire)
 LEASE = _int(1, 2**63 - 1)
 SIZE = _int(1, MAX_OBJECT_BYTES)
 FLOAT = (_float, lambda v: v)

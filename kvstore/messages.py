@@ -135,14 +135,17 @@ class Lookup(Message):
 
     `expect`: descriptors the reader can use; an id stored under another one is a miss.
     `expect_of`: per id, the index of its descriptor in `expect` (NO_EXPECTATION: none);
-    absent, every id expects expect[0]."""
+    absent, every id expects expect[0]. `codes`: the reply gives the tiers packed
+    (LookupReply.codes), not as names."""
     namespace: str
     ids: tuple
     expect: tuple | None = None
     expect_of: bytes | None = None
+    codes: bool = False
     op: ClassVar[str] = "lookup"
-    _codecs: ClassVar = {"namespace": NAMESPACE, "ids": RAW_IDS, "expect": EXPECT_LIST, "expect_of": EXPECT_OF}
-    _defaults: ClassVar = {"expect": None, "expect_of": None}
+    _codecs: ClassVar = {"namespace": NAMESPACE, "ids": RAW_IDS, "expect": EXPECT_LIST, "expect_of": EXPECT_OF,
+                         "codes": BOOL}
+    _defaults: ClassVar = {"expect": None, "expect_of": None, "codes": False}
 
     def __post_init__(self) -> None:
         check_expectations(self.op, self.expect, self.expect_of, len(self.ids))

@@ -66,7 +66,8 @@ async def lookup(request: web.Request) -> web.Response:
     else:
         found = LookupReply.nothing(0)
     per_tier: dict[str, int] = {}
-    for tier in found.tiers[:found.hits]:
+    tiers = found.names()
+    for tier in tiers[:found.hits]:
         per_tier[tier] = per_tier.get(tier, 0) + 1
     return json_response({
         "namespace": desc.namespace,
@@ -77,6 +78,6 @@ async def lookup(request: web.Request) -> web.Response:
         "hit_bytes": found.hit_bytes,
         "est_load_s": found.est_load_s,
         "hit_chunks_per_tier": per_tier,
-        "tiers": list(found.tiers),
+        "tiers": list(tiers),
         "object_ids": [k.object_id.hex for k in keys],
     })

@@ -258,7 +258,8 @@ class LocalConnection(asyncio.Protocol):
                 mgr.abort(owner, msg.lease)
                 return None, None
             case m.Lookup():
-                return self.index.lookup(self._ns(msg.namespace), msg.ids, msg.expectations()), None
+                found = self.index.lookup(self._ns(msg.namespace), msg.ids, msg.expectations())
+                return (found if msg.codes else then(found, r.LookupReply.named)), None
             case m.Delete():
                 return then(self.index.delete(self._ns(msg.namespace), msg.ids, msg.scope), r.DeleteReply), None
             case m.Pin():

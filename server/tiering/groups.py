@@ -174,7 +174,7 @@ class GroupOps:
             ids += [group_id(members), *members]
             wanted += [None if mine[0] is None else group_descriptor(mine[0]), *mine]
         found = self.index.lookup(namespace, tuple(ids), wanted if expect is not None else None)
-        return then(found, lambda reply: _complete(groups, reply.tiers))
+        return then(found, lambda reply: _complete(groups, reply.names()))
 
     # --- get ----------------------------------------------------------------------
 

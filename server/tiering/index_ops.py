@@ -17,7 +17,7 @@ import numpy as np
 
 from kvstore.errors import NotFound
 from kvstore.identity import ObjectId
-from kvstore.replies import LookupReply, PrefetchReply
+from kvstore.replies import TIER_NAMES, LookupReply, PrefetchReply
 from kvstore.server.later import MaybeAwaitable, then
 from kvstore.server.tiering.objects import ObjectEntry
 
@@ -25,9 +25,9 @@ log = logging.getLogger("kvstore.tiers")
 
 # Fixed cost of loading one object on top of its bytes (one request and its lease).
 PER_OBJECT_LOAD_S = 20e-6
-# Where a batch's ids are on this node, as codes in an array (_placed_here) and their names.
-MISS, HOST, NVME = 0, 1, 2
-TIERS = (None, "host", "nvme")
+# Where a batch's ids are, as codes in an array (_placed_here) and in a lookup's reply:
+# indexes of their names in TIER_NAMES.
+MISS, HOST, NVME, REMOTE = 0, 1, 2, 3
 
 
 class Placements(NamedTuple):
@@ -112,7 +112,7 @@ class IndexOps:
         host_bytes = int(sizes[:hits][codes[:hits] == HOST].sum())
         nvme_bytes = int(sizes[:hits].sum()) - host_bytes
         est = self.load_estimate_s(hits, host_bytes, nvme_bytes)
-        result = LookupReply(hits, tuple(map(TIERS.__getitem__, codes.tolist())), host_bytes + nvme_bytes, est)
+        result = LookupReply(hits, (), host_bytes + nvme_bytes, est, codes.tobytes())
         if hits == len(ids):
             return result
         misses = misses.tolist()
@@ -126,7 +126,7 @@ class IndexOps:
         expect as in lookup. Opens no namespace. An awaitable when peers are asked."""
         codes, sizes = self._placed_here(namespace, ids, expect)
         misses = np.flatnonzero(codes == MISS).tolist()
-        tiers, sizes = list(map(TIERS.__getitem__, codes.tolist())), sizes.tolist()
+        tiers, sizes = list(map(TIER_NAMES.__getitem__, codes.tolist())), sizes.tolist()
         if not misses:
             return Placements(tiers, sizes)
         metas = self.below.lookup_remote(namespace, [ids[i] for i in misses])
@@ -142,7 +142,7 @@ class IndexOps:
         return est
 
     def _placed_here(self, namespace: str, ids, expect: list | None) -> tuple[np.ndarray, np.ndarray]:
-        """Per id its tier on this node (MISS, HOST or NVME: an index of TIERS) and its size
+        """Per id its tier on this node (MISS, HOST or NVME: an index of TIER_NAMES) and its size
         (0 for MISS), as arrays: the host index and the NVMe table each probed once for the
         whole batch."""
         ns = self.host.namespaces.get(namespace)
@@ -185,19 +185,21 @@ class IndexOps:
         """Merge what the home nodes hold of the local misses (one round trip per home)."""
         if not any(meta is not None for meta in metas):
             return result
-        tiers = list(result.tiers)
+        codes = bytearray(result.codes)
         for i, meta in zip(misses, metas):
             if meta is not None and (expect is None or expect[i] is None or meta.descriptor == expect[i]):
-                tiers[i] = "remote"
-        hits = next((i for i, t in enumerate(tiers) if t is None), len(tiers))
+                codes[i] = REMOTE
+        hits = codes.find(MISS)
+        if hits < 0:
+            hits = len(codes)
         remote_bytes = sum(meta.size for i, meta in zip(misses, metas) if meta is not None and i < hits)
         # Local hits behind the first local miss lead now too: their bytes count as well.
-        later = [(result.tiers[i], sizes[i]) for i in range(result.hits, hits) if result.tiers[i] is not None]
-        host_bytes = sum(size for tier, size in later if tier == "host")
-        nvme_bytes = sum(size for tier, size in later if tier == "nvme")
+        later = [(result.codes[i], sizes[i]) for i in range(result.hits, hits) if result.codes[i] != MISS]
+        host_bytes = sum(size for code, size in later if code == HOST)
+        nvme_bytes = sum(size for code, size in later if code == NVME)
         est = result.est_load_s + self.load_estimate_s(hits - result.hits, host_bytes, nvme_bytes, remote_bytes)
         hit_bytes = result.hit_bytes + remote_bytes + host_bytes + nvme_bytes
-        return LookupReply(hits, tuple(tiers), hit_bytes, est)
+        return LookupReply(hits, (), hit_bytes, est, bytes(codes))
 
     def delete(self, namespace: str, ids, scope: str = "cluster") -> MaybeAwaitable[int]:
         """Delete from every tier of this node and, in a cluster with scope "cluster", of

@@ -68,7 +68,7 @@ class TierManager:
         is found there: one lookup for the batch, not one per object (a single get walks the
         chain once instead: `_get_unopened`). `digests`: raw 32-byte ids, as a Lookup carries them."""
         found = await resolve(self.index.lookup(namespace, digests))
-        if all(tier is None for tier in found.tiers):
+        if not any(found.names()):
             return False
         await self.host.open_namespace(namespace)
         return True

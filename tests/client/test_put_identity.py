@@ -192,3 +192,23 @@ def test_connector_never_loads_another_models_state(daemon):
         assert connector.read_segments("r2", TOKENS, {0: [(1, 1)]}) is not None
     finally:
         connector.close()
+
+
+def test_keys_of_every_kind_resolve_as_each_alone_would():
+    """resolve_keys (a batch's ids and expectations, with no call per key where it can) gives
+    what to_object_id and expectation give key by key, for ObjectIds, ChunkKeys, raw digests
+    and hex, with or without an `expect`; plain ObjectIds come back as the list itself."""
+    from kvstore.client.core import expectation, resolve_keys, to_object_id
+    chunk_a, chunk_b = chunk_keys(TOKENS, MODEL_A)[0], chunk_keys(TOKENS, MODEL_B)[1]
+    plain = [ObjectId(bytes([i]) * 32) for i in range(3)]
+    for keys in (plain, [chunk_a, plain[0], bytes(plain[1]), plain[2].hex, chunk_b], [chunk_a, chunk_b], []):
+        for expect in (None, MODEL_B):
+            ids, wanted = resolve_keys(keys, expect)
+            assert ids == [to_object_id(k) for k in keys] and all(type(i) is ObjectId for i in ids)
+            assert wanted == [expectation(k, expect) for k in keys]
+            assert all(w is expectation(k, expect) for w, k in zip(wanted, keys))
+    assert resolve_keys(plain, None)[0] is plain
+    with pytest.raises(InvalidArgument, match="expect must be a StateDescriptor"):
+        resolve_keys(plain, "model-a")
+    with pytest.raises(InvalidArgument, match="a key is an ObjectId"):
+        resolve_keys([plain[0], 7], None)

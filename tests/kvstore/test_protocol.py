@@ -138,6 +138,20 @@ def test_every_message_survives_the_wire(msg):
         assert decoded == msg
 
 
+def test_ids_packed_or_listed_decode_alike_and_keep_trailing_zero_bytes():
+    """A lookup's ids come packed (one bin, what to_args sends) or, from a client from
+    before the packed form, as a list of bins; both give the same ids, an id ending in zeros
+    included (numpy's bytes dtype would have stripped them)."""
+    ids = (b"\x01" + b"\x00" * 31, bytes(range(32)), b"\x00" * 32, _oid())
+    sent = m.Lookup("t", ids).to_args()
+    assert sent["ids"] == b"".join(ids)
+    packed = m.decode_request(Request(1, "lookup", sent))
+    listed = m.decode_request(Request(1, "lookup", {"namespace": "t", "ids": [bytes(i) for i in ids]}))
+    assert packed.ids == listed.ids == tuple(bytes(i) for i in ids)
+    assert all(type(i) is bytes and len(i) == 32 for i in packed.ids)
+    assert m.decode_request(Request(1, "lookup", {"namespace": "t", "ids": b""})).ids == ()
+
+
 @pytest.mark.parametrize("op, args, match", [
     ("nope", {}, "unknown op"),
     ("get", {"namespace": "t"}, "missing field 'object_id'"),
@@ -152,6 +166,10 @@ def test_every_message_survives_the_wire(msg):
     ("commit_many", {"leases": m.pack_uints([1, 2]), "checksums": b"\x00" * 16}, "2 leases but 1 checksums"),
     ("commit", {"lease": 1, "checksum": b"\x00" * 16}, "unknown op 'commit'"),  # removed: clients send commit_many
     ("lookup", {"namespace": "t", "ids": [b"\x00" * 32] * (MAX_BATCH + 1)}, "at most"),
+    ("lookup", {"namespace": "t", "ids": b"\x00" * 32 * (MAX_BATCH + 1)}, f"at most {MAX_BATCH} ids"),
+    ("lookup", {"namespace": "t", "ids": b"\x00" * 33}, "lookup.ids: packed ids must be a multiple of 32 bytes"),
+    ("lookup", {"namespace": "t", "ids": [b"\x00" * 32, "ab" * 16]}, "every object id must be 32 bytes"),
+    ("lookup", {"namespace": "t", "ids": [b"\x00" * 32], "codes": 1}, "lookup.codes"),
     ("lookup", {"namespace": "t", "ids": [b"\x00" * 32], "expect": []}, "lookup.expect: must be a list of 1..16"),
     ("lookup", {"namespace": "t", "ids": [b"\x00" * 32], "expect_of": b"\x00"}, "expect_of needs expect"),
     ("lookup", {"namespace": "t", "ids": [b"\x00" * 32], "expect": [{"namespace": "t", "model": "m",

@@ -74,6 +74,23 @@ def test_a_malformed_reply_is_a_protocol_error_naming_what_is_wrong(kind, wire, 
         kind.from_wire(wire)
 
 
+def test_a_lookups_tiers_read_the_same_as_names_or_codes():
+    """To a lookup that asks for codes the daemon sends a byte per id (TIER_NAMES' index),
+    to one that does not the names; names() reads either, named() turns codes into names."""
+    names = ("host", None, "nvme", "remote", None)
+    codes = bytes(r.TIER_NAMES.index(name) for name in names)
+    packed = r.LookupReply.from_wire(through_msgpack(r.LookupReply(1, (), 10, 0.5, codes).to_wire()))
+    assert packed.codes == codes and packed.names() == names
+    assert packed.named() == r.LookupReply(1, names, 10, 0.5) and packed.named().to_wire()["tiers"] == list(names)
+    assert "codes" not in packed.named().to_wire()
+    one = r.LookupReply(0, (), 0, 0.0, b"\x00")
+    assert one.names() == (None,) and r.LookupReply(0, (), 0, 0.0).names() == ()
+    with pytest.raises(ProtocolError, match="a byte per id below 4"):
+        r.LookupReply.from_wire({"hits": 0, "tiers": [], "hit_bytes": 0, "est_load_s": 0.0, "codes": b"\x04"})
+    with pytest.raises(ProtocolError, match="a byte per id"):
+        r.LookupReply.from_wire({"hits": 0, "tiers": [], "hit_bytes": 0, "est_load_s": 0.0, "codes": [1]})
+
+
 def test_counts_read_the_same_way_for_every_batch_op():
     assert [reply.count for reply in (r.DeleteReply(2), r.PinReply(3), r.UnpinReply(4), r.PrefetchReply(5, 6))] == [2, 3, 4, 5]
 

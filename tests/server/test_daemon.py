@@ -291,6 +291,35 @@ def test_lookup_of_1024_keys_counts_leading_hits(daemon):
         assert found.hit_bytes == 500 * 64 and found.est_load_s > 0
 
 
+def test_a_lookup_in_either_wire_form_gets_the_same_answer(daemon):
+    """A client from before the packed form sends its ids as a list of bins and reads the
+    tiers as names; today's sends them packed and asks for the tiers as codes. Both hear
+    the same."""
+    def raw(core, args: dict):
+        (reply,) = yield [Request(next(core._ids), "lookup", args)]
+        return reply
+
+    with daemon.client() as c:
+        keys = ids(300)
+        c.put_many([(k, b"z" * 64) for k in keys[:200]])
+        c.put(keys[250], b"z" * 64)
+        asked = [bytes(k) for k in keys]
+        old = c._run(raw(c.core, {"namespace": "default", "ids": asked}))
+        new = c._run(raw(c.core, {"namespace": "default", "ids": b"".join(asked), "codes": True}))
+        assert old.error is None and new.error is None
+        assert "codes" not in old.result and "codes" in new.result and new.result["tiers"] == []
+        names = [None] * 300
+        names[:200], names[250] = ["host"] * 200, "host"
+        assert old.result["tiers"] == names
+        assert new.result["codes"] == bytes(1 if name else 0 for name in names)
+        assert {k: old.result[k] for k in ("hits", "hit_bytes")} == {k: new.result[k] for k in ("hits", "hit_bytes")}
+        assert (old.result["hits"], old.result["hit_bytes"]) == (200, 200 * 64)
+        assert c.lookup(keys).tiers == tuple(names)
+        bad = c._run(raw(c.core, {"namespace": "default", "ids": b"\x00" * 33}))
+        assert bad.error["code"] == "invalid_argument" and "multiple of 32 bytes" in bad.error["message"]
+        assert c.lookup(keys).hits == 200  # the connection goes on
+
+
 def test_garbage_on_the_socket_gets_errors_and_changes_nothing(daemon):
     with daemon.client() as c:
         key = ids(1)[0]

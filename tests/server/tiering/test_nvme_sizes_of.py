@@ -46,4 +46,4 @@ def test_the_mover_answers_sizes_of_few_and_many_ids_alike(tmp_path):
         assert mover.sizes_of("t", batch) == [4096 if i % 2 == 0 else None for i in range(len(batch))]
     assert mover.sizes_of("other", ids) == [None] * len(ids)
     found = manager.index.lookup("t", ids)  # one leading hit, then a miss
-    assert list(found.tiers) == ["nvme" if i % 2 == 0 else None for i in range(len(ids))] and found.hits == 1
+    assert list(found.names()) == ["nvme" if i % 2 == 0 else None for i in range(len(ids))] and found.hits == 1
