@@ -190,6 +190,11 @@ MISS = GetReply(False)
 TIER_NAMES = (None, "host", "nvme", "remote")
 
 
+def tier_names(codes) -> tuple:
+    """Each code's name in TIER_NAMES (codes: bytes, or any sequence of small ints)."""
+    return itemgetter(*codes)(TIER_NAMES) if len(codes) > 1 else tuple(TIER_NAMES[code] for code in codes)
+
+
 def _tier_codes(v):
     if type(v) is not bytes or (v and max(v) >= len(TIER_NAMES)):
         raise ProtocolError(f"LookupReply.codes: a byte per id below {len(TIER_NAMES)}, got {v!r}"[:200])
@@ -216,10 +221,7 @@ class LookupReply(ReplyMessage):
 
     def names(self) -> tuple:
         """Per id its tier's name, or None on a miss, from whichever form the reply has."""
-        codes = self.codes
-        if not codes:
-            return self.tiers
-        return itemgetter(*codes)(TIER_NAMES) if len(codes) > 1 else (TIER_NAMES[codes[0]],)
+        return tier_names(self.codes) if self.codes else self.tiers
 
     def named(self) -> LookupReply:
         """This reply with its tiers as names, for a lookup that did not ask for codes."""

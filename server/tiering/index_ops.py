@@ -17,7 +17,7 @@ import numpy as np
 
 from kvstore.errors import NotFound
 from kvstore.identity import ObjectId
-from kvstore.replies import TIER_NAMES, LookupReply, PrefetchReply
+from kvstore.replies import LookupReply, PrefetchReply, tier_names
 from kvstore.server.later import MaybeAwaitable, then
 from kvstore.server.tiering.objects import ObjectEntry
 
@@ -26,7 +26,7 @@ log = logging.getLogger("kvstore.tiers")
 # Fixed cost of loading one object on top of its bytes (one request and its lease).
 PER_OBJECT_LOAD_S = 20e-6
 # Where a batch's ids are, as codes in an array (_placed_here) and in a lookup's reply:
-# indexes of their names in TIER_NAMES.
+# indexes of their names in kvstore.replies.TIER_NAMES.
 MISS, HOST, NVME, REMOTE = 0, 1, 2, 3
 
 
@@ -126,7 +126,7 @@ class IndexOps:
         expect as in lookup. Opens no namespace. An awaitable when peers are asked."""
         codes, sizes = self._placed_here(namespace, ids, expect)
         misses = np.flatnonzero(codes == MISS).tolist()
-        tiers, sizes = list(map(TIER_NAMES.__getitem__, codes.tolist())), sizes.tolist()
+        tiers, sizes = list(tier_names(codes.tolist())), sizes.tolist()
         if not misses:
             return Placements(tiers, sizes)
         metas = self.below.lookup_remote(namespace, [ids[i] for i in misses])
