@@ -27,6 +27,7 @@ from typing import Sequence
 import numpy as np
 
 from kvstore.errors import InvalidArgument
+from kvstore.policy.base import outgrown
 from kvstore.tiers.initial_extents import InitialExtents
 
 # How many too-small holes of the request's own size class alloc looks at before it settles for
@@ -203,6 +204,16 @@ class ExtentAllocator:
         self._allocated[kept.offset] = kept.length
         self.free(Extent(extent.offset, nbytes))
         return kept
+
+    def compact(self) -> bool:
+        """Housekeeping: rebuild the maps that frees left mostly empty (a dict keeps the table
+        of its peak: a million extents freed would keep ~40 MB). True if any was rebuilt."""
+        rebuilt = False
+        if outgrown(self._allocated):
+            self._allocated, rebuilt = dict(self._allocated), True
+        if outgrown(self._free):
+            self._free, rebuilt = dict(self._free), True
+        return rebuilt
 
     # -- integrity ----------------------------------------------------------------------------
 

@@ -206,6 +206,10 @@ class HostArena:
         self._check_open()
         return self._allocator.trim_front(extent, nbytes)
 
+    def compact(self) -> bool:
+        """Housekeeping: the allocator's maps rebuilt once frees left them mostly empty."""
+        return not self.closed and self._allocator.compact()
+
     def view(self, extent: Extent) -> memoryview:
         """A writable zero-copy memoryview of the extent's bytes (or any range inside the
         arena). The arena owns the memory; the view is valid until close(), and the caller

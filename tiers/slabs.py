@@ -42,6 +42,7 @@ from bisect import bisect_left, insort
 from dataclasses import dataclass
 
 from kvstore.errors import InvalidArgument
+from kvstore.policy.base import outgrown
 from kvstore.tiers.allocator import Extent, ExtentAllocator
 
 SIZE_CLASSES = (
@@ -229,6 +230,14 @@ class SlabAllocator:
             self._drop_slab(slab)
         elif len(slab.free) == 1:
             insort(self._partial[slab.size_class], slab.offset)
+
+    def compact(self) -> bool:
+        """Housekeeping: rebuild the page -> slab map and the page allocator's maps once frees
+        left them mostly empty (dicts keep their peak's table). True if any was rebuilt."""
+        rebuilt = outgrown(self._slabs)
+        if rebuilt:
+            self._slabs = dict(self._slabs)
+        return self._pages.compact() or rebuilt
 
     # -- integrity ----------------------------------------------------------------------------
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import abc
 import math
+import sys
 from collections.abc import Callable, Hashable
 
 from kvstore.errors import InvalidArgument
@@ -197,6 +198,21 @@ COMPACT_MIN_KEYS = 4096
 def sparse(size: int, peak: int) -> bool:
     """Would a container holding `size` items, after holding `peak`, be worth rebuilding?"""
     return peak >= COMPACT_MIN_KEYS and 4 * size <= peak
+
+
+# A fresh dict of n keys takes at most this many bytes a key (CPython 3.11-3.13: a table of at
+# most 3n index slots of up to 8 bytes, and room for 2n entries of 24).
+_FRESH_DICT_BYTES_PER_KEY = 72
+
+
+def outgrown(table: dict) -> bool:
+    """Would rebuilding `table` give back most of it? A dict keeps the table of its peak (deletes
+    never shrink it): worth a rebuild from COMPACT_MIN_KEYS keys' worth of table up, once it is 4x
+    what a fresh one of its keys would take. For dicts whose inserts are too many to count a
+    peak at; O(1)."""
+    held = sys.getsizeof(table)
+    return (held >= COMPACT_MIN_KEYS * _FRESH_DICT_BYTES_PER_KEY
+            and held > 4 * _FRESH_DICT_BYTES_PER_KEY * max(1, len(table)))
 
 
 def _is_int(value: object) -> bool:

@@ -57,6 +57,6 @@ class Namespace:
         self.policy = make_row_policy(policy_name, self.objects, self.arena.capacity_bytes)
 
     def compact(self) -> bool:
-        """Rebuild the index's columns and the policy's tables once removals left them sparse
-        (neither shrinks by itself). True if anything was rebuilt."""
-        return self.objects.compact(self.policy.renumber) | self.policy.compact()
+        """Rebuild the index's columns, the policy's tables and the arena allocator's maps once
+        removals left them sparse (none shrinks by itself). True if anything was rebuilt."""
+        return self.objects.compact(self.policy.renumber) | self.policy.compact() | self.arena.compact()

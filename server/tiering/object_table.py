@@ -501,9 +501,7 @@ class ObjectTable:
                 if self._copied(name):
                     getattr(self, "c_" + name)[:len(keep)] = column[keep]
             self.kinds.recount(self.c_kind[:len(keep)])
-            new_row = {old: new for new, old in enumerate(keep.tolist())}
-            self.pins = {new_row[old]: until for old, until in self.pins.items() if old in new_row}
-            self.own_hints = {new_row[old]: h for old, h in self.own_hints.items() if old in new_row}
+            self.pins, self.own_hints = _renumbered(self.pins, keep), _renumbered(self.own_hints, keep)
             self.end, self._free = len(keep), array("i")
             self._rebuild_slots()
             moved(keep)
@@ -573,4 +571,15 @@ def lone_entry(object_id: ObjectId, namespace: str, extent, size: int, checksum:
     table (ObjectTable.add, which says what each field means)."""
     return ObjectTable(namespace).add(object_id, extent, size, checksum, descriptor, hints, now,
                                       created_at=created_at, pin=pin, on_nvme=on_nvme)
+
+
+def _renumbered(by_row: dict, keep: np.ndarray) -> dict:
+    """`by_row`'s values under their rows' new numbers (row keep[i] is row i now), the rows not
+    kept left out. Most tables are empty: nothing of the million rows kept is made in Python."""
+    if not by_row or not len(keep):
+        return {}
+    rows = np.fromiter(by_row, np.int64, len(by_row))
+    at = np.searchsorted(keep, rows)  # keep is sorted
+    found = (at < len(keep)) & (keep[np.minimum(at, len(keep) - 1)] == rows)
+    return {new: by_row[old] for old, new, kept in zip(rows.tolist(), at.tolist(), found.tolist()) if kept}
 

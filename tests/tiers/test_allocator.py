@@ -1,4 +1,5 @@
 import random
+import sys
 
 import numpy as np
 import pytest
@@ -340,4 +341,26 @@ def test_bad_trims_raise_and_change_nothing(nbytes):
     with pytest.raises(InvalidArgument):
         a.trim_front(Extent(e.offset, 2 * ALIGN), ALIGN)  # not what alloc handed out
     assert a.is_allocated(e) and a.used_bytes == 4 * ALIGN
+    a.check_integrity()
+
+
+def test_compact_rebuilds_the_maps_that_frees_emptied_and_nothing_else_changes():
+    """A dict keeps the table of its peak: after 20,000 extents come and go, compact gives the
+    tables back, once, and the allocator answers as before."""
+    a = ExtentAllocator(40_000 * 4096, 4096)
+    got = a.alloc_many(4096, 20_000)
+    kept = got[::2][:10]
+    assert not a.compact()  # full: nothing to give back
+    peak = sys.getsizeof(a._allocated)
+    for x in got:
+        if x not in kept:
+            a.free(x)
+    assert a.compact() and sys.getsizeof(a._allocated) < peak // 100
+    assert not a.compact()  # once is enough
+    a.check_integrity()
+    assert a.num_allocated == len(kept) and all(a.is_allocated(x) for x in kept)
+    more = a.alloc_many(4096, 5)
+    for x in [*kept, *more]:
+        a.free(x)
+    assert a.num_allocated == 0 and a.free_bytes == a.capacity_bytes
     a.check_integrity()

@@ -160,3 +160,15 @@ def test_a_long_namespace_makes_an_arena_its_memfd_name_cut_in_bytes_at_a_charac
     assert len(name.encode()) > MAX_MEMFD_NAME_BYTES - 4  # cut at the last whole character, no sooner
     with HostArena(namespace, CAP) as a:
         assert os.readlink(f"/proc/self/fd/{a.fd}").startswith(f"/memfd:{name}")
+
+
+def test_compact_gives_back_the_allocators_maps_after_mass_frees():
+    with HostArena("tenant-c", 20_000 * 4096, prefault=False) as a:
+        got = a.alloc_many(4096, 19_000)
+        assert not a.compact()
+        for x in got[1:]:
+            a.free(x)
+        assert a.compact() and not a.compact()
+        a.check_integrity()
+        assert a.allocator.num_allocated == 1
+    assert not a.compact()  # closed: nothing to do

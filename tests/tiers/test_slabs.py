@@ -1,4 +1,5 @@
 import math
+import sys
 
 import pytest
 from hypothesis import given, settings
@@ -205,3 +206,20 @@ def test_a_batch_of_allocs_hands_out_what_allocs_one_by_one_would(size):
     for extent in batch:
         many.free(extent)
     many.check_integrity()
+
+
+def test_compact_rebuilds_the_page_to_slab_map_once_slabs_go():
+    """Slabs of 7 pages (class 3584): 12,000 pages of them, then all but one slab freed;
+    compact gives the maps back and the survivors stay as they were."""
+    c = 3584
+    a = slabs(13_000 * PAGE)
+    got = a.alloc_many(c, (12_000 // 7) * (a.slab_bytes(c) // c))
+    assert not a.compact()
+    peak = sys.getsizeof(a._slabs)
+    kept = got[:a.slab_bytes(c) // c]  # the first slab's slots
+    for x in got[len(kept):]:
+        a.free(x)
+    assert a.num_slabs == 1 and a.compact() and sys.getsizeof(a._slabs) < peak // 100
+    assert not a.compact()
+    a.check_integrity()
+    assert all(a.is_allocated(x) for x in kept) and a.alloc(c).offset not in {x.offset for x in kept}

@@ -200,6 +200,26 @@ def test_compaction_moves_rows_and_views_follow_them_unless_a_removed_row_is_sti
         entries[0].size  # left before the compaction: not found by its id
 
 
+
+def test_compaction_keeps_each_kept_rows_pin_and_route_and_drops_the_others():
+    table = ObjectTable("ns")
+    entries = {}
+    for i in range(8_000):
+        hints = route(i % 256) if i % 10 == 0 else Hints()
+        entries[i] = table.add(oid(i), Extent(i * 4096, 4096), 100, bytes(16), DESC, hints, 10.0, pin=i % 7 == 0)
+    for i, e in entries.items():
+        if i % 5:
+            table.remove(e)
+            table.release(e)
+    assert table.compact(no_policy)
+    table.check_integrity()
+    kept = {i: table[oid(i)] for i in range(0, 8_000, 5)}
+    assert all(e.row < 8_000 // 5 for e in kept.values())  # moved: the rows are new
+    assert all(e.pinned_until == (math.inf if i % 7 == 0 else 0.0) for i, e in kept.items())
+    assert all(e.hints == (route(i % 256) if i % 10 == 0 else Hints()) for i, e in kept.items())
+    assert sorted(table.pins) == sorted(e.row for i, e in kept.items() if i % 7 == 0)
+    assert sorted(table.own_hints) == sorted(e.row for i, e in kept.items() if i % 10 == 0)
+
 def route(i: int) -> Hints:
     return Hints(route=Route(block_hashes=[bytes([i]) * 8]))
 
