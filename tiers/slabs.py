@@ -14,7 +14,7 @@ page-aligned as before (CUDA pinning, O_DIRECT copies and GPU copies like them w
                c = the smallest class >= n
                slab = the lowest-offset slab of class c with a free slot,
                       or a new one: pages.alloc(slab_bytes(c))  (None when no room)
-               i = slab's most recently freed slot (else its lowest)
+               i = slab's lowest free slot
                return Extent(slab.offset + i * c, c)
     free(e):   e.length >= page: pages.free(e)
                slab = the slab holding e's first page; e must be one of its taken slots
@@ -30,6 +30,11 @@ slab_bytes(c); the page allocator's free bytes alone may not give one. Callers t
 evict until `can_alloc` says yes (server/tiering/host.py): each round frees at least one
 object, so it ends, at the latest when nothing evictable is left.
 
+The slabs are columns, not Python objects: per slab number its offset, its class and a 64-bit
+mask of its free slots (a class that is a multiple of 64 divides into at most 64 slots of a
+4 KiB page's slab), and per page of the arena the number of the slab on it. So a million small
+objects leave no Python object per slab behind in the allocator's arenas once they go.
+
 Slots are aligned to 64 bytes at least (every class is a multiple of 64). Reuse of a slot is
 the caller's business like reuse of any extent: the host tier frees an extent only once no
 lease or hold covers it. Not thread-safe: the daemon's event loop thread is the only caller.
@@ -38,8 +43,11 @@ lease or hold covers it. Not thread-safe: the daemon's event loop thread is the 
 from __future__ import annotations
 
 import math
+import mmap
+from array import array
 from bisect import bisect_left, insort
-from dataclasses import dataclass
+
+import numpy as np
 
 from kvstore.errors import InvalidArgument
 from kvstore.policy.base import outgrown
@@ -63,19 +71,10 @@ def footprint(size_bytes: int, page: int) -> int:
     return -(-size_bytes // page) * page
 
 
-@dataclass(slots=True)
-class Slab:
-    """One slab: pages [offset, offset + num_slots * size_class) carved into slots."""
-
-    offset: int
-    size_class: int
-    num_slots: int
-    free: list[int]  # free slot indices; the last is handed out next
-    taken: bytearray  # 1 per slot in use
-
-    @property
-    def length(self) -> int:
-        return self.num_slots * self.size_class
+# A slab's free slots are the bits of one 64-bit mask.
+MAX_SLOTS = 64
+# Slab columns shorter than this are kept as they are once emptied.
+_MIN_COLUMNS = 1024
 
 
 class SlabAllocator:
@@ -89,7 +88,16 @@ class SlabAllocator:
             raise InvalidArgument("SlabAllocator needs an empty page allocator")
         self._pages = pages
         self._page = pages.alignment
-        self._slabs: dict[int, Slab] = {}  # page index -> the slab covering that page
+        self._slots = {c: self.slab_bytes(c) // c for c in SIZE_CLASSES}  # slots a slab of the class holds
+        if max(self._slots.values()) > MAX_SLOTS:
+            raise InvalidArgument(f"slabs over pages of {self._page} bytes would hold more than {MAX_SLOTS} slots")
+        self._full = {c: (1 << n) - 1 for c, n in self._slots.items()}  # the mask of an empty slab
+        # Per page, 1 + the number of the slab on it (0: none): an anonymous mapping, so the map's
+        # pages are memory only once a slab is on one of theirs; read an int at a time (a
+        # memoryview's item costs a quarter of a numpy array's).
+        self._slab_on = memoryview(mmap.mmap(-1, 4 * (pages.capacity_bytes // self._page))).cast("i")
+        self._offset, self._class, self._free = array("q"), array("i"), array("Q")  # per slab number
+        self._spare = array("i")  # slab numbers of slabs given back, taken first
         self._partial: dict[int, list[int]] = {c: [] for c in SIZE_CLASSES}  # offsets of slabs with free slots
         self._num_slabs = 0
         self._slab_bytes = 0  # bytes of pages held by slabs
@@ -142,7 +150,7 @@ class SlabAllocator:
 
     def is_allocated(self, extent: Extent) -> bool:
         if extent.length >= self._page:
-            return extent.offset // self._page not in self._slabs and self._pages.is_allocated(extent)
+            return self._slab_at(extent.offset) < 0 and self._pages.is_allocated(extent)
         return self._slot_of(extent) is not None
 
     def can_alloc(self, size_bytes: int) -> bool:
@@ -161,19 +169,17 @@ class SlabAllocator:
         if c is None:
             return self._pages.alloc(size_bytes)
         partial = self._partial[c]
-        if partial:
-            slab = self._slabs[partial[0] // self._page]
-        else:
-            slab = self._new_slab(c)
-            if slab is None:
-                return None
-        i = slab.free.pop()
-        slab.taken[i] = 1
-        if not slab.free:
+        s = self._slab_at(partial[0]) if partial else self._new_slab(c)
+        if s is None:
+            return None
+        free = self._free[s]
+        i = (free & -free).bit_length() - 1  # the lowest free slot
+        self._free[s] = free = free & (free - 1)
+        if not free:
             del partial[0]  # the lowest-offset partial slab is the one just used
         self._num_slots += 1
         self._slot_bytes += c
-        return Extent(slab.offset + i * c, c)
+        return Extent(self._offset[s] + i * c, c)
 
     def alloc_many(self, size_bytes: int, count: int) -> list[Extent]:
         """Up to `count` extents of size_bytes, as many allocs would hand them out (slots
@@ -183,17 +189,16 @@ class SlabAllocator:
             return self._pages.alloc_many(size_bytes, count)
         extents, partial = [], self._partial[c]
         while len(extents) < count:
-            slab = self._slabs[partial[0] // self._page] if partial else self._new_slab(c)
-            if slab is None:
+            s = self._slab_at(partial[0]) if partial else self._new_slab(c)
+            if s is None:
                 break
-            free = slab.free
-            taken = free[max(0, len(free) - (count - len(extents))):][::-1]  # as pops take them
-            del free[len(free) - len(taken):]
-            for i in taken:
-                slab.taken[i] = 1
+            free, offset = self._free[s], self._offset[s]
+            while free and len(extents) < count:
+                extents.append(Extent(offset + ((free & -free).bit_length() - 1) * c, c))
+                free &= free - 1
+            self._free[s] = free
             if not free:
                 del partial[0]
-            extents += [Extent(slab.offset + i * c, c) for i in taken]
         self._num_slots += len(extents)
         self._slot_bytes += len(extents) * c
         return extents
@@ -201,7 +206,7 @@ class SlabAllocator:
     def trim_front(self, extent: Extent, nbytes: int) -> Extent:
         """Give back the first `nbytes` (whole pages) of a page extent alloc handed out; the
         rest stays allocated and is returned (ExtentAllocator.trim_front). Not for slots."""
-        if not isinstance(extent, Extent) or extent.length < self._page or extent.offset // self._page in self._slabs:
+        if not isinstance(extent, Extent) or extent.length < self._page or self._slab_at(extent.offset) >= 0:
             raise InvalidArgument(f"trim_front({extent!r}): only a page extent alloc handed out can be trimmed")
         return self._pages.trim_front(extent, nbytes)
 
@@ -211,7 +216,7 @@ class SlabAllocator:
         if not isinstance(extent, Extent):
             raise InvalidArgument(f"free({extent!r}): not an Extent")
         if extent.length >= self._page:
-            if extent.offset // self._page in self._slabs:  # a slab's own pages: not handed out
+            if self._slab_at(extent.offset) >= 0:  # a slab's own pages: not handed out
                 raise InvalidArgument(f"free({extent!r}): these pages hold a slab; free its slots")
             self._pages.free(extent)
             return
@@ -221,61 +226,68 @@ class SlabAllocator:
                 f"free({extent!r}): not a slot this allocator handed out "
                 "(double free, wrong length, or never allocated)"
             )
-        slab, i = found
-        slab.taken[i] = 0
-        slab.free.append(i)
+        s, i = found
+        c = extent.length
+        was = self._free[s]
+        self._free[s] = free = was | 1 << i
         self._num_slots -= 1
-        self._slot_bytes -= slab.size_class
-        if len(slab.free) == slab.num_slots:
-            self._drop_slab(slab)
-        elif len(slab.free) == 1:
-            insort(self._partial[slab.size_class], slab.offset)
+        self._slot_bytes -= c
+        if free == self._full[c]:
+            self._drop_slab(s)
+        elif not was:
+            insort(self._partial[c], self._offset[s])
 
     def compact(self) -> bool:
-        """Housekeeping: rebuild the page -> slab map and the page allocator's maps once frees
-        left them mostly empty (dicts keep their peak's table). True if any was rebuilt."""
-        rebuilt = outgrown(self._slabs)
+        """Housekeeping: the page allocator's maps rebuilt once frees left them mostly empty,
+        and the slab columns started over once no slab is left. True if any was rebuilt."""
+        rebuilt = not self._num_slabs and len(self._offset) > _MIN_COLUMNS
         if rebuilt:
-            self._slabs = dict(self._slabs)
+            self._offset, self._class, self._free, self._spare = array("q"), array("i"), array("Q"), array("i")
         return self._pages.compact() or rebuilt
 
     # -- integrity ----------------------------------------------------------------------------
 
     def check_integrity(self) -> None:
-        """Raise RuntimeError describing the first broken invariant. O(pages + slots)."""
+        """Raise RuntimeError describing the first broken invariant. O(pages + slabs)."""
         self._pages.check_integrity()
-        slabs = {id(s): s for s in self._slabs.values()}.values()
+        spare = set(self._spare)
         partial = {o for offsets in self._partial.values() for o in offsets}
-        num_slots = slot_bytes = slab_bytes = 0
-        for slab in slabs:
-            c = slab.size_class
-            where = f"slab at {slab.offset} (class {c})"
-            if c not in self._partial or slab.length != self.slab_bytes(c):
-                raise RuntimeError(f"{where}: not a size class, or {slab.length} bytes long")
-            if not self._pages.is_allocated(Extent(slab.offset, slab.length)):
+        num_slots = slot_bytes = slab_bytes = num_slabs = 0
+        slab_on = np.frombuffer(self._slab_on, np.int32)
+        pages_held = np.zeros_like(slab_on)
+        for s in range(len(self._offset)):
+            if s in spare:
+                continue
+            c, offset, free = self._class[s], self._offset[s], self._free[s]
+            where = f"slab {s} at {offset} (class {c})"
+            if c not in self._partial:
+                raise RuntimeError(f"{where}: not a size class")
+            length = self.slab_bytes(c)
+            if not self._pages.is_allocated(Extent(offset, length)):
                 raise RuntimeError(f"{where}: its pages are not allocated in the page allocator")
-            pages = range(slab.offset // self._page, slab.offset // self._page + slab.length // self._page)
-            if any(self._slabs.get(p) is not slab for p in pages):
+            first = offset // self._page
+            if (slab_on[first:first + length // self._page] != s + 1).any():
                 raise RuntimeError(f"{where}: a page of it maps to another slab")
-            taken = sum(slab.taken)
-            if (len(set(slab.free)) != len(slab.free) or any(slab.taken[i] for i in slab.free)
-                    or taken + len(slab.free) != slab.num_slots):
-                raise RuntimeError(f"{where}: free list and taken slots disagree")
-            if not taken:
+            pages_held[first:first + length // self._page] = s + 1
+            if free & ~self._full[c]:
+                raise RuntimeError(f"{where}: free slots past its last")
+            if free == self._full[c]:
                 raise RuntimeError(f"{where}: empty but not given back")
-            if bool(slab.free) != (slab.offset in partial):
-                raise RuntimeError(f"{where}: listed as partial {slab.offset in partial}, "
-                                   f"has {len(slab.free)} free slots")
+            if bool(free) != (offset in partial):
+                raise RuntimeError(f"{where}: listed as partial {offset in partial}, "
+                                   f"has {free.bit_count()} free slots")
+            taken = self._slots[c] - free.bit_count()
+            num_slabs += 1
             num_slots += taken
             slot_bytes += taken * c
-            slab_bytes += slab.length
-        if sum(s.length // self._page for s in slabs) != len(self._slabs):
+            slab_bytes += length
+        if (pages_held != slab_on).any():
             raise RuntimeError("page -> slab map holds pages of no slab")
         for c, offsets in self._partial.items():
-            listed = [self._slabs.get(o // self._page) for o in offsets]
-            if offsets != sorted(set(offsets)) or any(s is None or s.size_class != c for s in listed):
+            listed = [self._slab_at(o) for o in offsets]
+            if offsets != sorted(set(offsets)) or any(s < 0 or self._class[s] != c for s in listed):
                 raise RuntimeError(f"partial slabs of class {c} unsorted, repeated, gone, or of another class")
-        counted = (len(slabs), slab_bytes, num_slots, slot_bytes)
+        counted = (num_slabs, slab_bytes, num_slots, slot_bytes)
         kept = (self._num_slabs, self._slab_bytes, self._num_slots, self._slot_bytes)
         if counted != kept:
             raise RuntimeError(f"slabs, slab bytes, slots, slot bytes: counted {counted}, kept {kept}")
@@ -289,39 +301,52 @@ class SlabAllocator:
             return None
         return SIZE_CLASSES[bisect_left(SIZE_CLASSES, size_bytes)]
 
-    def _slot_of(self, extent: Extent) -> tuple[Slab, int] | None:
-        """(slab, slot index) of a taken slot that is exactly `extent`, else None."""
-        slab = self._slabs.get(extent.offset // self._page)
-        if slab is None or extent.length != slab.size_class:
-            return None
-        i, rest = divmod(extent.offset - slab.offset, slab.size_class)
-        if rest or not 0 <= i < slab.num_slots or not slab.taken[i]:
-            return None
-        return slab, i
+    def _slab_at(self, offset: int) -> int:
+        """The number of the slab on the page holding `offset`, or -1 (none)."""
+        page = offset // self._page
+        return self._slab_on[page] - 1 if page < len(self._slab_on) else -1
 
-    def _new_slab(self, c: int) -> Slab | None:
+    def _slot_of(self, extent: Extent) -> tuple[int, int] | None:
+        """(slab number, slot index) of a taken slot that is exactly `extent`, else None."""
+        s = self._slab_at(extent.offset)
+        c = extent.length
+        if s < 0 or c != self._class[s]:
+            return None
+        i, rest = divmod(extent.offset - self._offset[s], c)
+        if rest or not 0 <= i < self._slots[c] or self._free[s] >> i & 1:
+            return None
+        return s, i
+
+    def _new_slab(self, c: int) -> int | None:
         pages = self._pages.alloc(self.slab_bytes(c))
         if pages is None:
             return None
-        n = pages.length // c
-        slab = Slab(pages.offset, c, n, list(range(n - 1, -1, -1)), bytearray(n))
-        first = pages.offset // self._page
-        for p in range(first, first + pages.length // self._page):
-            self._slabs[p] = slab
-        insort(self._partial[c], slab.offset)
+        if self._spare:
+            s = self._spare.pop()
+            self._offset[s], self._class[s], self._free[s] = pages.offset, c, self._full[c]
+        else:
+            s = len(self._offset)
+            self._offset.append(pages.offset)
+            self._class.append(c)
+            self._free.append(self._full[c])
+        first, count = pages.offset // self._page, pages.length // self._page
+        self._slab_on[first:first + count] = array("i", (s + 1,)) * count
+        insort(self._partial[c], pages.offset)
         self._num_slabs += 1
         self._slab_bytes += pages.length
-        return slab
+        return s
 
-    def _drop_slab(self, slab: Slab) -> None:
-        """An emptied slab: its pages go back to the page allocator."""
-        partial = self._partial[slab.size_class]
-        i = bisect_left(partial, slab.offset)
-        if i < len(partial) and partial[i] == slab.offset:
+    def _drop_slab(self, s: int) -> None:
+        """An emptied slab: its pages go back to the page allocator, its number to the spares."""
+        c, offset = self._class[s], self._offset[s]
+        length = self.slab_bytes(c)
+        partial = self._partial[c]
+        i = bisect_left(partial, offset)
+        if i < len(partial) and partial[i] == offset:
             del partial[i]
-        first = slab.offset // self._page
-        for p in range(first, first + slab.length // self._page):
-            del self._slabs[p]
-        self._pages.free(Extent(slab.offset, slab.length))
+        first, count = offset // self._page, length // self._page
+        self._slab_on[first:first + count] = array("i", (0,)) * count
+        self._pages.free(Extent(offset, length))
+        self._spare.append(s)
         self._num_slabs -= 1
-        self._slab_bytes -= slab.length
+        self._slab_bytes -= length

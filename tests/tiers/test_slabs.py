@@ -208,18 +208,30 @@ def test_a_batch_of_allocs_hands_out_what_allocs_one_by_one_would(size):
     many.check_integrity()
 
 
-def test_compact_rebuilds_the_page_to_slab_map_once_slabs_go():
-    """Slabs of 7 pages (class 3584): 12,000 pages of them, then all but one slab freed;
-    compact gives the maps back and the survivors stay as they were."""
-    c = 3584
-    a = slabs(13_000 * PAGE)
-    got = a.alloc_many(c, (12_000 // 7) * (a.slab_bytes(c) // c))
-    assert not a.compact()
-    peak = sys.getsizeof(a._slabs)
-    kept = got[:a.slab_bytes(c) // c]  # the first slab's slots
-    for x in got[len(kept):]:
+def test_compact_gives_back_the_page_maps_and_then_the_slab_columns_once_slabs_go():
+    """11,000 one-page slabs (class 2048, two slots each), then all but one freed: compact gives
+    the page allocator's maps back and the survivor stays as it was; once it goes too, the
+    slab columns start over. Each rebuild happens once."""
+    c = 2048
+    a = slabs(12_000 * PAGE)
+    got = a.alloc_many(c, 22_000)
+    assert len(got) == 22_000 and a.num_slabs == 11_000 and not a.compact()
+    peak = sys.getsizeof(a._pages._allocated)
+    kept = got[:2]  # the first slab's slots
+    for x in got[2:]:
         a.free(x)
-    assert a.num_slabs == 1 and a.compact() and sys.getsizeof(a._slabs) < peak // 100
+    assert a.num_slabs == 1 and a.compact() and sys.getsizeof(a._pages._allocated) < peak // 100
     assert not a.compact()
     a.check_integrity()
-    assert all(a.is_allocated(x) for x in kept) and a.alloc(c).offset not in {x.offset for x in kept}
+    extra = a.alloc(c)
+    assert all(a.is_allocated(x) for x in kept) and extra.offset not in {x.offset for x in kept}
+    for x in [extra, *kept]:
+        a.free(x)
+    assert a.num_slabs == 0 and a.compact() and len(a._offset) == 0 and not a.compact()
+    a.check_integrity()
+    assert a.alloc(c) == Extent(0, c)  # new columns serve as the first did
+
+
+def test_pages_that_would_make_slabs_of_more_than_64_slots_are_refused_by_name():
+    with pytest.raises(InvalidArgument, match="more than 64 slots"):
+        SlabAllocator(ExtentAllocator(64 * 8192, 8192))
