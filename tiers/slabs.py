@@ -92,10 +92,7 @@ class SlabAllocator:
         if max(self._slots.values()) > MAX_SLOTS:
             raise InvalidArgument(f"slabs over pages of {self._page} bytes would hold more than {MAX_SLOTS} slots")
         self._full = {c: (1 << n) - 1 for c, n in self._slots.items()}  # the mask of an empty slab
-        # Per page, 1 + the number of the slab on it (0: none): an anonymous mapping, so the map's
-        # pages are memory only once a slab is on one of theirs; read an int at a time (a
-        # memoryview's item costs a quarter of a numpy array's).
-        self._slab_on = memoryview(mmap.mmap(-1, 4 * (pages.capacity_bytes // self._page))).cast("i")
+        self._slab_on = self._page_map()  # per page, 1 + the number of the slab on it (0: none)
         self._offset, self._class, self._free = array("q"), array("i"), array("Q")  # per slab number
         self._spare = array("i")  # slab numbers of slabs given back, taken first
         self._partial: dict[int, list[int]] = {c: [] for c in SIZE_CLASSES}  # offsets of slabs with free slots
@@ -243,6 +240,7 @@ class SlabAllocator:
         rebuilt = not self._num_slabs and len(self._offset) > _MIN_COLUMNS
         if rebuilt:
             self._offset, self._class, self._free, self._spare = array("q"), array("i"), array("Q"), array("i")
+            self._slab_on = self._page_map()  # (the pages slabs wrote to go back with the old one)
         return self._pages.compact() or rebuilt
 
     # -- integrity ----------------------------------------------------------------------------
@@ -300,6 +298,13 @@ class SlabAllocator:
         if size_bytes > LARGEST_CLASS:
             return None
         return SIZE_CLASSES[bisect_left(SIZE_CLASSES, size_bytes)]
+
+    def _page_map(self) -> memoryview:
+        """An int32 per page of the arena, all 0: a private anonymous mapping, so its pages are
+        memory only once a slab is on one of theirs; read an int at a time (a memoryview's
+        item costs a quarter of a numpy array's)."""
+        pages = self._pages.capacity_bytes // self._page
+        return memoryview(mmap.mmap(-1, 4 * pages, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)).cast("i")
 
     def _slab_at(self, offset: int) -> int:
         """The number of the slab on the page holding `offset`, or -1 (none)."""
