@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import abc
 import math
-import sys
 from collections.abc import Callable, Hashable
 
 from kvstore.errors import InvalidArgument
@@ -210,7 +209,7 @@ def outgrown(table: dict) -> bool:
     never shrink it): worth a rebuild from COMPACT_MIN_KEYS keys' worth of table up, once it is 4x
     what a fresh one of its keys would take. For dicts whose inserts are too many to count a
     peak at; O(1)."""
-    held = sys.getsizeof(table)
+    held = table.__sizeof__()  # (the table's bytes)
     return (held >= COMPACT_MIN_KEYS * _FRESH_DICT_BYTES_PER_KEY
             and held > 4 * _FRESH_DICT_BYTES_PER_KEY * max(1, len(table)))
 
