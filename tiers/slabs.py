@@ -50,7 +50,6 @@ from bisect import bisect_left, insort
 import numpy as np
 
 from kvstore.errors import InvalidArgument
-from kvstore.policy.base import outgrown
 from kvstore.tiers.allocator import Extent, ExtentAllocator
 
 SIZE_CLASSES = (

@@ -582,4 +582,3 @@ def _renumbered(by_row: dict, keep: np.ndarray) -> dict:
     at = np.searchsorted(keep, rows)  # keep is sorted
     found = (at < len(keep)) & (keep[np.minimum(at, len(keep) - 1)] == rows)
     return {new: by_row[old] for old, new, kept in zip(rows.tolist(), at.tolist(), found.tolist()) if kept}
-
