@@ -317,12 +317,12 @@ class _Got:
                 self.descriptors[self.descriptor_of[k]])
 
 
-def _get_window(core: ClientCore, ids: list, expects: list, namespace: str):
-    """get_many requests for `ids`, each expecting its `expects` item (a request per
-    expectation). Returns (hits, unwanted, error): per expected hit (position in ids, oid,
-    lease, offset, size, checksum, descriptor), the leases of hits stored under another
-    descriptor, and the first error of a refused get."""
-    wanted = list(zip(range(len(ids)), ids, expects))
+def _get_window(core: ClientCore, window: list, ids: list, expects: list, namespace: str):
+    """get_many requests for the ids at the positions in `window`, each expecting its
+    `expects` item (a request per expectation). Returns (hits, unwanted, error): per
+    expected hit (position in ids, oid, lease, offset, size, checksum, descriptor), the
+    leases of hits stored under another descriptor, and the first error of a refused get."""
+    wanted = [(i, ids[i], expects[i]) for i in window]
     batches = _groups(wanted, lambda item: id(item[2]))
     replies = yield [core.request(m.GetMany.of(namespace, [oid for _, oid, _ in b], b[0][2])) for b in batches]
     if namespace not in core.arenas and any(reply.error is None for reply in replies):
@@ -359,19 +359,18 @@ def get_many_into(core: ClientCore, items, namespace: str | None, expect: StateD
     step = _window(core)
     for start in range(0, len(asked), step):
         window = asked[start:start + step]
-        hits, leased, error = yield from _get_window(core, [ids[i] for i in window], [expects[i] for i in window],
-                                                     namespace)
+        hits, leased, error = yield from _get_window(core, window, ids, expects, namespace)
         first_error = first_error or error
         arena = core.arenas.get(namespace)
         for p, oid, lease, offset, size, _, _ in hits:
             leased.append(lease)
-            dst = outs[window[p]]
+            dst = outs[p]
             if size > dst.size:
                 first_error = first_error or InvalidArgument(
                     f"object {oid.hex} is {size} bytes, its output buffer only {dst.size}")
                 continue
             copies.copy(dst[:size], arena[offset:offset + size])
-            sizes[window[p]] = size
+            sizes[p] = size
         if leased:
             yield [core.request(m.ReleaseMany.of(leased), no_reply=True)]
     if first_error is not None:
@@ -392,12 +391,11 @@ def get_many(core: ClientCore, keys, namespace: str | None, expect: StateDescrip
     step = _window(core)
     for start in range(0, len(asked), step):
         window = asked[start:start + step]
-        hits, refused, error = yield from _get_window(core, [ids[i] for i in window], [expects[i] for i in window],
-                                                      namespace)
+        hits, refused, error = yield from _get_window(core, window, ids, expects, namespace)
         first_error, unwanted = first_error or error, unwanted + refused
         arena = core.arenas.get(namespace)
         for p, oid, lease, offset, size, checksum, descriptor in hits:
-            leases[window[p]] = ReadLease(core.release_cb, lease, oid, size, checksum, descriptor, "host",
+            leases[p] = ReadLease(core.release_cb, lease, oid, size, checksum, descriptor, "host",
                                           arena[offset:offset + size], core=core)
     if first_error is not None:
         unwanted += [lease_id for lease in leases if lease is not None and (lease_id := lease.detach()) is not None]
